@@ -1,0 +1,186 @@
+"""Llama-family decoder and MTP head as pure functions over a parameter pytree.
+
+Parameter pytree (weights stored ``[in, out]`` so that ``y = x @ W``; per-layer tensors stacked on a
+leading layer axis L so that the layers run under one ``lax.scan``)::
+
+  embed        f[V, H]
+  lm_head      f[H, V]              (absent when tie_word_embeddings: embed.T is used)
+  final_norm   f[H]
+  layers:      attn_norm f[L,H]  wq f[L,H,Nq*D]  wk,wv f[L,H,Nkv*D]  wo f[L,Nq*D,H]
+               [bq f[L,Nq*D] bk,bv f[L,Nkv*D]]   (attention_bias, Qwen2)
+               [q_norm,k_norm f[L,D]]            (qk_norm, Qwen3)
+               mlp_norm f[L,H]  w_gate,w_up f[L,H,I]  w_down f[L,I,H]
+  mtp:         enorm,hnorm f[N,H]  eh_proj f[N,2H,H]  final_norm f[N,H]  layer: {as `layers`, N stacked}
+
+The KV cache of a stack of ``L`` layers is :class:`KVCache` with ``k, v: f[L, num_blocks, block_size,
+Nkv, D]``. The MTP head has its own one-layer-per-MTP-module cache addressed by the same block ids.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jmtp.model.config import ModelConfig
+from jmtp.model.metadata import AttentionMetadata
+from jmtp.pallas.ragged_paged_attention import ragged_paged_attention, write_kv
+
+
+class KVCache(NamedTuple):
+    """Paged KV cache of a layer stack: ``k, v: f[L, num_blocks, block_size, Nkv, D]``."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def init_kv_cache(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int,
+                  dtype=jnp.float32) -> KVCache:
+    """Zero-filled cache for ``num_layers`` layers (``cfg.num_layers`` for the target, N for MTP)."""
+    shape = (num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019) computed in fp32, returned in ``x.dtype``."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Inverse RoPE frequencies ``f32[D/2]``, with llama3 scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > low_wl, inv / rs.factor, inv)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding (Su et al. 2021), HF "rotate_half" layout. ``x: f[T, heads, D]``."""
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]      # f[T, D/2]
+    cos = jnp.cos(ang)[:, None, :]
+    sin = jnp.sin(ang)[:, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def decoder_layer(
+    cfg: ModelConfig,
+    p: dict,                   # one layer's params (unstacked)
+    x: jax.Array,              # f[T, H] residual stream
+    positions: jax.Array,      # i32[T]
+    meta: AttentionMetadata,
+    k_cache: jax.Array,        # f[num_blocks, block_size, Nkv, D] this layer's cache
+    v_cache: jax.Array,
+    attention_impl: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pre-norm Llama block: GQA attention over the paged cache (writing this step's K/V) + SwiGLU."""
+    t = x.shape[0]
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q = h @ p["wq"]
+    k = h @ p["wk"]
+    v = h @ p["wv"]
+    if "bq" in p:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if "q_norm" in p:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    inv_freq = rope_inv_freq(cfg)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    attn = ragged_paged_attention(
+        q, k_cache, v_cache, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
+        sm_scale=1.0 / math.sqrt(cfg.head_dim), implementation=attention_impl)
+    x = x + attn.reshape(t, cfg.q_size) @ p["wo"]
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return x, k_cache, v_cache
+
+
+def _run_layers(cfg, layers, x, positions, meta, cache: KVCache, attention_impl):
+    """Scan the stacked layers; the cache rides in the carry so XLA updates it in place."""
+
+    def body(carry, inp):
+        x, kc, vc = carry
+        i, p = inp
+        x, k_l, v_l = decoder_layer(cfg, p, x, positions, meta, kc[i], vc[i], attention_impl)
+        return (x, kc.at[i].set(k_l), vc.at[i].set(v_l)), None
+
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    (x, kc, vc), _ = jax.lax.scan(body, (x, cache.k, cache.v), (jnp.arange(n), layers))
+    return x, KVCache(kc, vc)
+
+
+def forward(
+    cfg: ModelConfig,
+    params: dict,
+    ids: jax.Array,            # i32[T] packed token ids (padding rows: any valid id)
+    positions: jax.Array,      # i32[T]
+    meta: AttentionMetadata,
+    cache: KVCache,            # target cache, L layers
+    attention_impl: str | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Target forward over a ragged packed batch.
+
+    Returns:
+      hidden: f[T, H] post-final-norm hidden states of every row (input to :func:`compute_logits`
+        and to the MTP head);
+      cache: the cache with this step's K/V written at ``meta.slot_mapping``.
+    """
+    x = params["embed"][ids]
+    x, cache = _run_layers(cfg, params["layers"], x, positions, meta, cache, attention_impl)
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+
+
+def compute_logits(params: dict, h: jax.Array) -> jax.Array:
+    """LM head: ``f32[T, V]`` logits of post-norm hidden states ``h: f[T, H]``."""
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(h, w, preferred_element_type=jnp.float32).astype(jnp.float32)
+
+
+def mtp_forward(
+    cfg: ModelConfig,
+    params: dict,
+    layer_idx: int | jax.Array,  # which MTP module (0..N-1)
+    ids: jax.Array,              # i32[T] tokens x_{t+1}
+    hidden: jax.Array,           # f[T, H] hidden h_t fed to the head
+    positions: jax.Array,        # i32[T] MTP KV positions (= t)
+    meta: AttentionMetadata,     # over the MTP cache
+    cache: KVCache,              # MTP cache, N layers
+    attention_impl: str | None = None,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One MTP module (DeepSeek-V3 §2.2 / FastDeploy ``ernie4_5_mtp``):
+    ``h' = Block(eh_proj([enorm(embed(x_{t+1})) ; hnorm(h_t)]))``, then the final norm.
+
+    Returns ``(h_logits f[T,H], h_next f[T,H], cache)``: ``h_logits`` goes to the shared LM head;
+    ``h_next`` is fed to the next recursive substep (pre-norm for the DeepSeek layout, post-norm for
+    ERNIE, see ``ModelConfig.mtp_layout``).
+    """
+    m = params["mtp"]
+    pick = lambda a: a[layer_idx]
+    e = rms_norm(params["embed"][ids], pick(m["enorm"]), cfg.rms_norm_eps)
+    hn = rms_norm(hidden.astype(e.dtype), pick(m["hnorm"]), cfg.rms_norm_eps)
+    x = jnp.concatenate([e, hn], axis=-1) @ pick(m["eh_proj"])
+    layer = jax.tree_util.tree_map(pick, m["layer"])
+    x, kc, vc = decoder_layer(cfg, layer, x, positions, meta, cache.k[layer_idx],
+                              cache.v[layer_idx], attention_impl)
+    cache = KVCache(cache.k.at[layer_idx].set(kc), cache.v.at[layer_idx].set(vc))
+    h = rms_norm(x, pick(m["final_norm"]), cfg.rms_norm_eps)
+    return h, (x if cfg.mtp_layout == "deepseek" else h), cache

@@ -1,0 +1,58 @@
+"""Attention metadata for one ragged batch: a pytree of device arrays (no static fields)."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionMetadata:
+    """Where each packed token lives and what it may attend to.
+
+    Attributes:
+      slot_mapping: i32[T]   cache slot of each token's K/V (``block_id * block_size + offset``);
+                             -1 for padding rows.
+      kv_lens: i32[S]        keys per sequence after this step's tokens are written.
+      cu_q_lens: i32[S+1]    exclusive prefix sums of per-sequence query counts.
+      block_tables: i32[S, P] physical block id of each logical block (-1 = absent).
+    """
+
+    slot_mapping: jax.Array
+    kv_lens: jax.Array
+    cu_q_lens: jax.Array
+    block_tables: jax.Array
+
+
+def ragged_batch(
+    q_lens: jax.Array,        # i32[S]   new tokens per sequence this step (0 = idle)
+    context_lens: jax.Array,  # i32[S]   tokens already in the cache (position of the first new token)
+    block_tables: jax.Array,  # i32[S, P]
+    block_size: int,
+    num_tokens: int,
+) -> tuple[jax.Array, AttentionMetadata]:
+    """Positions ``i32[T]`` and :class:`AttentionMetadata` for a packed batch of ``num_tokens`` rows.
+
+    Sequence ``s`` owns rows ``cu[s]:cu[s]+q_lens[s]`` at positions ``context_lens[s] + j``.
+    Padding rows get position 0 and slot -1. Requires ``sum(q_lens) <= num_tokens`` (the caller's
+    token budget; checked on the host by the scheduler).
+    """
+    q_lens = q_lens.astype(jnp.int32)
+    context_lens = context_lens.astype(jnp.int32)
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, q_lens.shape[0] - 1)
+    valid = t < cu[-1]
+    pos = context_lens[seq] + t - cu[seq]
+    blk = jnp.take_along_axis(block_tables[seq], (pos // block_size)[:, None], axis=1,
+                              mode="clip")[:, 0]
+    slot = jnp.where(valid & (blk >= 0), blk * block_size + pos % block_size, -1)
+    meta = AttentionMetadata(
+        slot_mapping=slot.astype(jnp.int32),
+        kv_lens=jnp.where(q_lens > 0, context_lens + q_lens, context_lens).astype(jnp.int32),
+        cu_q_lens=cu,
+        block_tables=block_tables.astype(jnp.int32),
+    )
+    return jnp.where(valid, pos, 0).astype(jnp.int32), meta

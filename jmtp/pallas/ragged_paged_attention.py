@@ -1,0 +1,190 @@
+"""Ragged paged attention: the one attention entry point of jmtp.
+
+A *ragged batch* packs the query tokens of S sequences one after another into ``T`` rows (``T`` is a
+static bucket; rows past the last sequence are padding). Each sequence keeps its keys and values in a
+*paged KV cache*: fixed-size blocks of ``block_size`` positions, addressed through its row of the
+*block table*. Prefill chunks and speculative verify windows ``[last token, d1..dk]`` mix freely in one
+batch: for attention they are both "q_len new tokens at the end of a sequence of kv_len tokens".
+
+Semantics (defined by :func:`ragged_paged_attention_reference`):
+
+* sequence ``s`` owns query rows ``cu_q_lens[s] : cu_q_lens[s+1]``; ``q_len[s]`` is their count;
+* ``kv_lens[s]`` counts the keys of sequence ``s`` *including* this step's new tokens (they must
+  already be written, see :func:`write_kv`);
+* query ``j`` of sequence ``s`` sits at position ``kv_lens[s] - q_len[s] + j`` and attends to key
+  positions ``p <= `` its own (causal), optionally only ``p > pos - sliding_window``;
+* key position ``p`` of sequence ``s`` lives in block ``block_tables[s, p // block_size]`` at offset
+  ``p % block_size``; blocks past ``kv_lens[s]`` are never read (their contents may be anything,
+  NaN included);
+* padding rows (``>= cu_q_lens[S]``) get zeros.
+
+Pallas kernels implement the same contract behind ``implementation=``:
+:mod:`jmtp.pallas.ragged_paged_attention_tpu` (Mosaic TPU) and
+:mod:`jmtp.pallas.ragged_paged_attention_gpu` (Triton); they only read the cache, :func:`write_kv`
+stays the companion op that writes this step's keys and values.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+IMPLEMENTATIONS = ("reference", "pallas_tpu", "pallas_gpu")
+
+
+def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {q.shape}")
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache/v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
+            f"{k_cache.shape} and {v_cache.shape}")
+    if k_cache.shape[3] != q.shape[2]:
+        raise ValueError(f"head_dim mismatch: q has {q.shape[2]}, cache has {k_cache.shape[3]}")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(
+            f"num_q_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k_cache.shape[2]})")
+    s = kv_lens.shape[0]
+    if kv_lens.ndim != 1 or block_tables.ndim != 2 or block_tables.shape[0] != s:
+        raise ValueError(
+            f"kv_lens must be i32[S] and block_tables i32[S, pages], got {kv_lens.shape} and "
+            f"{block_tables.shape}")
+    if cu_q_lens.shape != (s + 1,):
+        raise ValueError(f"cu_q_lens must be i32[S+1] = i32[{s + 1}], got {cu_q_lens.shape}")
+
+
+def token_seq_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
+    """Sequence id of every packed row: ``i32[T]``; padding rows get ``S`` (one past the last)."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    return (jnp.searchsorted(cu_q_lens, t, side="right") - 1).astype(jnp.int32).clip(
+        0, cu_q_lens.shape[0] - 1)
+
+
+def ragged_paged_attention_reference(
+    q: jax.Array,             # f[T, Nq, D]   packed queries (RoPE applied)
+    k_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
+    v_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
+    kv_lens: jax.Array,       # i32[S]        keys per sequence, this step's tokens included
+    block_tables: jax.Array,  # i32[S, pages] physical block ids (entries past kv_lens unused)
+    cu_q_lens: jax.Array,     # i32[S+1]      exclusive prefix sums of query lengths
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:               # f[T, Nq, D]
+    """Plain-jnp ragged paged attention: gathers each sequence's pages and runs masked softmax.
+
+    Cost is O(T · S · pages·block_size) — the meaning of the op, not a fast path.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs, pages = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    max_kv = pages * block_size
+
+    seq = token_seq_ids(cu_q_lens, num_tokens)                          # i32[T]
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]                              # i32[S]
+    valid_tok = jnp.arange(num_tokens) < cu_q_lens[-1]                   # bool[T]
+    q_pos = kv_lens[seq] - q_lens[seq] + (jnp.arange(num_tokens) - cu_q_lens[seq])  # i32[T]
+
+    # Gather every sequence's pages, zeroing unused positions (their contents may be NaN).
+    tables = jnp.clip(block_tables, 0, num_blocks - 1)
+    kv_pos = jnp.arange(max_kv, dtype=jnp.int32)                         # i32[Lk]
+    kv_valid = kv_pos[None, :] < kv_lens[:, None]                        # bool[S, Lk]
+    k = k_cache[tables].reshape(num_seqs, max_kv, num_kv_heads, head_dim)
+    v = v_cache[tables].reshape(num_seqs, max_kv, num_kv_heads, head_dim)
+    k = jnp.where(kv_valid[..., None, None], k, 0).astype(jnp.float32)
+    v = jnp.where(kv_valid[..., None, None], v, 0).astype(jnp.float32)
+
+    qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
+    scores = jnp.einsum("tkgd,sjkd->tkgsj", qf, k) * sm_scale            # f[T, Nkv, G, S, Lk]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
+    mask = (seq[:, None, None] == jnp.arange(num_seqs)[None, :, None])   # bool[T, S, 1]
+    mask = mask & kv_valid[None] & (kv_pos[None, None, :] <= q_pos[:, None, None])
+    if sliding_window is not None:
+        mask = mask & (kv_pos[None, None, :] > q_pos[:, None, None] - sliding_window)
+    mask = mask & valid_tok[:, None, None]
+    mask = mask[:, None, None]                                           # bool[T, 1, 1, S, Lk]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    m = jnp.max(scores, axis=(-2, -1), keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    denom = jnp.sum(p, axis=(-2, -1), keepdims=True)
+    p = p / jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("tkgsj,sjkd->tkgd", p, v)
+    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def default_implementation() -> str:
+    """Best implementation for the default backend: TPU -> ``"pallas_tpu"``, GPU ->
+    ``"pallas_gpu"`` (Triton), anything else (CPU) -> ``"reference"`` (kernels would only run in
+    the slow interpret mode there)."""
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "pallas_tpu"
+    if backend in ("gpu", "cuda", "rocm"):
+        return "pallas_gpu"
+    return "reference"
+
+
+def ragged_paged_attention(
+    q: jax.Array,             # f[T, Nq, D]
+    k_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
+    v_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
+    kv_lens: jax.Array,       # i32[S]
+    block_tables: jax.Array,  # i32[S, pages]
+    cu_q_lens: jax.Array,     # i32[S+1]
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    implementation: str | None = None,
+    interpret: Any = None,
+) -> jax.Array:               # f[T, Nq, D]
+    """Attention of a ragged batch of queries over a paged KV cache (see module docstring).
+
+    Args:
+      implementation: one of :data:`IMPLEMENTATIONS`, or None for :func:`default_implementation`.
+      interpret: kernels only (ignored by ``"reference"``): None = Pallas interpret mode iff the
+        default backend is CPU; a bool; or, for ``"pallas_tpu"``, a ``pltpu.InterpretParams``.
+
+    Raises:
+      ValueError: on inconsistent shapes (at trace time) or an unknown ``implementation``.
+    """
+    _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
+    impl = implementation or default_implementation()
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
+    if impl == "reference":
+        return ragged_paged_attention_reference(
+            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if impl == "pallas_tpu":
+        from jmtp.pallas import ragged_paged_attention_tpu as tpu
+        return tpu.ragged_paged_attention_tpu(
+            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+            interpret=interpret)
+    from jmtp.pallas import ragged_paged_attention_gpu as gpu
+    return gpu.ragged_paged_attention_gpu(
+        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        interpret=interpret)
+
+
+def write_kv(
+    k_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
+    v_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
+    k_new: jax.Array,         # f[T, Nkv, D]
+    v_new: jax.Array,         # f[T, Nkv, D]
+    slot_mapping: jax.Array,  # i32[T]  block_id * block_size + offset; -1 = padding row (dropped)
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's keys/values into the paged cache. Rows with slot -1 write nothing."""
+    nb, bs, nkv, d = k_cache.shape
+    slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)  # out of range -> dropped
+    kf = k_cache.reshape(nb * bs, nkv, d).at[slots].set(k_new.astype(k_cache.dtype), mode="drop")
+    vf = v_cache.reshape(nb * bs, nkv, d).at[slots].set(v_new.astype(v_cache.dtype), mode="drop")
+    return kf.reshape(k_cache.shape), vf.reshape(v_cache.shape)

@@ -1,0 +1,126 @@
+"""Engine and speculative-decoding configuration (static: hashable, passed to jit as static args)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+METHODS = (None, "mtp", "custom")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding settings (vLLM/FastDeploy ``--speculative-config`` analog).
+
+    Attributes:
+      method: ``"mtp"`` (the model's MTP head drafts), ``"custom"`` (``drafter`` drafts; used by
+        tests for oracle / null drafters) or ``None`` (no speculation).
+      num_speculative_tokens: K, the verify window holds ``[last token, d1..dK]``.
+      num_model_steps: M, MTP substeps (= drafts) per engine step, ``1 <= M <= K``. Substep ``s``
+        uses MTP module ``s mod num_mtp_layers``, so one module is applied recursively. With M < K
+        the window has room for K drafts but only M are proposed (FastDeploy fills the rest with
+        n-gram matches; jmtp does not yet).
+      drafter: for ``method="custom"``: a hashable callable ``(state) -> i32[B, K]`` returning draft
+        tokens (-1 = none) from the post-update :class:`~jmtp.runtime.state.EngineState`.
+
+    Raises:
+      ValueError: unknown method, K < 1, M outside ``[1, K]``, custom method without drafter.
+    """
+
+    method: str | None = "mtp"
+    num_speculative_tokens: int = 3
+    num_model_steps: int | None = None
+    drafter: Callable | None = None
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"SpeculativeConfig.method must be one of {METHODS}, got {self.method!r}")
+        if self.method is None:
+            return
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"SpeculativeConfig.num_speculative_tokens must be an int >= 1, got {k!r}")
+        m = self.num_model_steps
+        if m is not None and not (1 <= m <= k):
+            raise ValueError(
+                f"SpeculativeConfig.num_model_steps must lie in [1, num_speculative_tokens={k}], "
+                f"got {m}")
+        if self.method == "custom" and self.drafter is None:
+            raise ValueError("SpeculativeConfig.drafter is required when method='custom'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @property
+    def k(self) -> int:
+        """Window drafts K (0 when speculation is off)."""
+        return self.num_speculative_tokens if self.enabled else 0
+
+    @property
+    def m(self) -> int:
+        """Drafts proposed per step M (0 when speculation is off)."""
+        if not self.enabled:
+            return 0
+        return self.num_model_steps if self.num_model_steps is not None else self.num_speculative_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Static capacity of the engine; every state array's shape follows from it.
+
+    Attributes:
+      max_num_seqs: B, batch slots.
+      max_model_len: Lmax, prompt + generated tokens per sequence.
+      block_size: positions per KV block.
+      num_blocks: physical KV blocks (shared ids for the target and MTP caches).
+      max_num_batched_tokens: token budget of one step (largest bucket); prefill chunks fill what
+        decode windows leave.
+      k / m: speculative window drafts and MTP substeps (0 / 0 without speculation).
+      max_stop_ids: width of the per-slot stop-token table (EOS ids + user stop ids).
+    """
+
+    max_num_seqs: int = 8
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_batched_tokens: int = 256
+    k: int = 0
+    m: int = 0
+    max_stop_ids: int = 8
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks",
+                     "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.max_num_seqs * (self.k + 1):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs * "
+                f"(K+1) = {self.max_num_seqs * (self.k + 1)} so every decode window fits in a step")
+
+    @property
+    def window(self) -> int:
+        """Verify window width K+1."""
+        return self.k + 1
+
+    @property
+    def pages_per_seq(self) -> int:
+        """Block-table width: covers max_model_len plus the speculative overhang K+M."""
+        return -(-(self.max_model_len + self.k + self.m) // self.block_size)
+
+    @property
+    def seq_buffer_len(self) -> int:
+        """Width of the per-slot token buffer ``input_ids``."""
+        return self.max_model_len + self.k + 1
+
+    def token_buckets(self) -> tuple[int, ...]:
+        """Static token counts T a step may be compiled for: powers of two from B*(K+1) up."""
+        lo = self.max_num_seqs * self.window
+        out, t = [], 8
+        while t < lo:
+            t *= 2
+        while t < self.max_num_batched_tokens:
+            out.append(t)
+            t *= 2
+        out.append(self.max_num_batched_tokens)
+        return tuple(sorted(set(out)))

@@ -1,0 +1,136 @@
+"""Fixed-shape engine state: one pytree of per-slot device arrays (FastDeploy ``share_inputs`` analog).
+
+Every array has a static shape derived from :class:`~jmtp.runtime.config.EngineConfig` (B slots,
+window K+1, Lbuf = max_model_len + K + 1 token buffer, P block-table pages, N blocks), so the jitted
+engine step never recompiles for new requests. Field names follow FastDeploy's; where the meaning
+differs it is said.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmtp.runtime.config import EngineConfig
+
+FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+FINISH_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class EngineState:
+    """Per-slot serving state (all data fields; the static shape lives in EngineConfig).
+
+    Sequence bookkeeping:
+      input_ids: i32[B, Lbuf]        prompt tokens followed by generated tokens. (FastDeploy splits
+                                     these into ``input_ids`` and ``pre_ids``; here
+                                     ``pre_ids[k]`` (1-based) == ``input_ids[prompt_lens + k - 1]``.)
+      prompt_lens: i32[B]            L_b, prompt length.
+      seq_lens_encoder: i32[B]       prompt tokens prefilled in the last step (0: decode or idle).
+      seq_lens_decoder: i32[B]       tokens already in the target KV cache = start position of this
+                                     step's queries. In decode: ``prompt_lens + step_idx - 1``.
+      seq_lens_this_time: i32[B]     query tokens of the last step (prefill chunk, or 1 + #drafts).
+      step_idx: i32[B]               tokens generated so far.
+      draft_tokens: i32[B, K+1]      next verify window ``[last accepted token, d1..dK]``, -1 = none.
+      accept_tokens: i32[B, K+1]     tokens emitted by the last step (accepted drafts + bonus).
+      accept_num: i32[B]             valid entries of accept_tokens (0 for idle / mid-prefill slots).
+      num_drafts: i32[B]             drafts verified in the last step (for metrics).
+    Limits and stopping:
+      max_dec_len: i32[B]            max new tokens (SamplingParams.max_tokens).
+      min_dec_len: i32[B]            min new tokens before a stop token may end the request.
+      stop_token_ids: i32[B, E]      EOS ids (unless ignore_eos) and user stop ids, -1 padded.
+      stop_flags: bool[B]            slot idle or finished (init True).
+      finish_reason: i32[B]          FINISH_NONE / FINISH_STOP / FINISH_LENGTH.
+    KV blocks (shared ids for the target and MTP caches):
+      block_tables: i32[B, P]        physical block of each logical block, -1 = absent.
+      num_owned: i32[B]              blocks owned (entries [0, num_owned) of the row are valid).
+      paused: bool[B]                slot could not get its blocks this step (``is_block_step``).
+      free_stack: i32[N]             free block ids; entries [0, free_count) valid.
+      free_count: i32[]              free blocks.
+    """
+
+    input_ids: jax.Array
+    prompt_lens: jax.Array
+    seq_lens_encoder: jax.Array
+    seq_lens_decoder: jax.Array
+    seq_lens_this_time: jax.Array
+    step_idx: jax.Array
+    draft_tokens: jax.Array
+    accept_tokens: jax.Array
+    accept_num: jax.Array
+    num_drafts: jax.Array
+    max_dec_len: jax.Array
+    min_dec_len: jax.Array
+    stop_token_ids: jax.Array
+    stop_flags: jax.Array
+    finish_reason: jax.Array
+    block_tables: jax.Array
+    num_owned: jax.Array
+    paused: jax.Array
+    free_stack: jax.Array
+    free_count: jax.Array
+
+
+def init_state(ec: EngineConfig) -> EngineState:
+    """All slots idle, every block free."""
+    b, w = ec.max_num_seqs, ec.window
+    zi = lambda *s: jnp.zeros(s, jnp.int32)
+    return EngineState(
+        input_ids=zi(b, ec.seq_buffer_len),
+        prompt_lens=zi(b),
+        seq_lens_encoder=zi(b),
+        seq_lens_decoder=zi(b),
+        seq_lens_this_time=zi(b),
+        step_idx=zi(b),
+        draft_tokens=jnp.full((b, w), -1, jnp.int32),
+        accept_tokens=jnp.full((b, w), -1, jnp.int32),
+        accept_num=zi(b),
+        num_drafts=zi(b),
+        max_dec_len=zi(b),
+        min_dec_len=zi(b),
+        stop_token_ids=jnp.full((b, ec.max_stop_ids), -1, jnp.int32),
+        stop_flags=jnp.ones((b,), bool),
+        finish_reason=zi(b),
+        block_tables=jnp.full((b, ec.pages_per_seq), -1, jnp.int32),
+        num_owned=zi(b),
+        paused=jnp.zeros((b,), bool),
+        free_stack=jnp.arange(ec.num_blocks, dtype=jnp.int32),
+        free_count=jnp.array(ec.num_blocks, jnp.int32),
+    )
+
+
+def insert_request(
+    state: EngineState,
+    slot: jax.Array,          # i32[]   an idle slot (stop_flags True, owns no blocks)
+    prompt: jax.Array,        # i32[Lbuf] prompt tokens, padded
+    prompt_len: jax.Array,    # i32[]
+    max_dec_len: jax.Array,   # i32[]
+    min_dec_len: jax.Array,   # i32[]
+    stop_ids: jax.Array,      # i32[E]  -1 padded
+) -> EngineState:
+    """Put a new request into ``slot`` (every per-slot field reset; nothing leaks from the last
+    occupant). Its blocks are allocated by the next engine step."""
+    s = state
+    upd = lambda a, v: a.at[slot].set(v)
+    return dataclasses.replace(
+        s,
+        input_ids=upd(s.input_ids, prompt),
+        prompt_lens=upd(s.prompt_lens, prompt_len),
+        seq_lens_encoder=upd(s.seq_lens_encoder, 0),
+        seq_lens_decoder=upd(s.seq_lens_decoder, 0),
+        seq_lens_this_time=upd(s.seq_lens_this_time, 0),
+        step_idx=upd(s.step_idx, 0),
+        draft_tokens=upd(s.draft_tokens, -1),
+        accept_tokens=upd(s.accept_tokens, -1),
+        accept_num=upd(s.accept_num, 0),
+        num_drafts=upd(s.num_drafts, 0),
+        max_dec_len=upd(s.max_dec_len, max_dec_len),
+        min_dec_len=upd(s.min_dec_len, min_dec_len),
+        stop_token_ids=upd(s.stop_token_ids, stop_ids),
+        stop_flags=upd(s.stop_flags, False),
+        finish_reason=upd(s.finish_reason, 0),
+        paused=upd(s.paused, False),
+    )

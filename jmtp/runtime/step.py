@@ -1,0 +1,271 @@
+"""The engine step: one jitted pure function doing target forward + verify + update + the whole
+multi-step MTP proposal + KV-block bookkeeping (FastDeploy ``execute_model`` speculative branch,
+§2 of the spec, with the "shadow state" MTP of §12 Q2).
+
+Order inside :func:`engine_step`:
+
+1. schedule: per slot, prefill chunk (host-chosen) or verify window ``[last, d1..dn]``;
+2. KV blocks: allocate what this step's target and MTP writes need (paused if none free);
+3. target forward over the packed ragged batch (``pre_process`` + model), logits of the window rows
+   only (``rebuild_padding`` + ``compute_logits``);
+4. verify (greedy: longest prefix of drafts equal to the target argmax, then the bonus token);
+5. ``speculate_update``: stop on stop tokens / max_tokens / max_model_len, truncating at the first stop
+   inside the accepted tokens; append tokens; advance ``seq_lens_decoder`` and ``step_idx``;
+6. proposer: MTP substep 0 over the accepted tokens paired with the target's hidden rows
+   (``draft_model_preprocess`` + ``eagle_get_hidden_states``), then substeps 1..M-1 fed the MTP's
+   own hidden state (``eagle_get_self_hidden_states``); drafts written to ``draft_tokens[:, 1:]``
+   (``draft_model_update`` / ``draft_model_postprocess``);
+7. release the blocks of slots that finished.
+
+The MTP keeps no state besides its cache: it processes positions ``[dec_old, dec_old + a)`` of the
+one-position-shifted cache (position p holds (x_{p+1}, h_p)), i.e. its ``seq_lens_decoder`` is the
+target's minus ``accept_num`` (§12 Q2 "shadow state"). Speculative positions written by substeps
+≥ 1 lie past the next step's kv length and are overwritten before they are ever read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jmtp.model.config import ModelConfig
+from jmtp.model.llama import KVCache, compute_logits, forward, mtp_forward
+from jmtp.model.metadata import ragged_batch
+from jmtp.runtime.config import EngineConfig
+from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState
+
+try:
+    from jmtp.pallas.block_allocator import allocate_blocks
+except ImportError:  # pragma: no cover - until the allocator module lands
+    from jmtp.runtime._alloc_tmp import allocate_blocks
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class StepOutput:
+    """What the host reads back after each step (small arrays only).
+
+    Attributes:
+      tokens: i32[B, K+1]      emitted tokens, -1 past ``num_tokens``.
+      num_tokens: i32[B]       tokens committed this step (0 for idle / mid-prefill / paused slots).
+      num_drafts: i32[B]       drafts verified this step.
+      num_accepted: i32[B]     drafts accepted and committed this step.
+      finished: bool[B]        slot finished this step.
+      finish_reason: i32[B]    FINISH_STOP / FINISH_LENGTH for finished slots.
+      paused: bool[B]          slot could not get KV blocks (did nothing this step).
+      free_count: i32[]        free KV blocks after the step.
+    """
+
+    tokens: jax.Array
+    num_tokens: jax.Array
+    num_drafts: jax.Array
+    num_accepted: jax.Array
+    finished: jax.Array
+    finish_reason: jax.Array
+    paused: jax.Array
+    free_count: jax.Array
+
+
+def _take_rows(x, rows):
+    return jnp.take(x, jnp.clip(rows, 0, x.shape[0] - 1), axis=0)
+
+
+def _greedy_verify(logits, drafts, num_drafts):
+    """Greedy verification: longest prefix of drafts equal to the target argmax, then one more
+    target token (correction or bonus). logits f32[B, K+1, V], drafts i32[B, K], num_drafts i32[B]
+    -> (tokens i32[B, K+1], accepted drafts i32[B])."""
+    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)             # i32[B, K+1]
+    k = drafts.shape[1]
+    ok = (drafts == target[:, :k]) & (jnp.arange(k)[None] < num_drafts[:, None])
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    return target, n_acc
+
+
+def engine_step(
+    mc: ModelConfig,
+    ec: EngineConfig,
+    drafter,                    # None (MTP head / no speculation) or callable(state) -> i32[B, K]
+    num_tokens: int,            # T, static token bucket
+    attention_impl: str | None,
+    params: dict,
+    state: EngineState,
+    cache: KVCache,             # target cache (L layers)
+    mtp_cache: KVCache | None,  # MTP cache (num_mtp_layers), None without MTP
+    prefill_chunk: jax.Array,   # i32[B] prompt tokens each prefilling slot processes this step
+):
+    """One engine step (see module docstring). Returns ``(state, cache, mtp_cache, StepOutput)``."""
+    B, W, K, M, bs = ec.max_num_seqs, ec.window, ec.k, ec.m, ec.block_size
+    s = state
+    use_mtp = K > 0 and drafter is None
+    running = ~s.stop_flags
+    dec = s.seq_lens_decoder
+    prefilling = running & (dec < s.prompt_lens)
+    decoding = running & ~prefilling
+    chunk = jnp.where(prefilling, jnp.minimum(prefill_chunk, s.prompt_lens - dec), 0)
+    num_drafts = jnp.where(decoding, jnp.sum(s.draft_tokens[:, 1:] >= 0, axis=1), 0)
+    slt = jnp.where(prefilling, chunk, jnp.where(decoding, 1 + num_drafts, 0)).astype(jnp.int32)
+
+    # ---- 2. KV blocks for this step's writes: target [dec, dec+slt), MTP up to dec+slt+M-2.
+    overhang = max(M - 1, 0) if use_mtp else 0
+    need = jnp.where(slt > 0, -(-(dec + slt + overhang) // bs), 0)
+    alloc = allocate_blocks(s.free_stack, s.free_count, s.block_tables, s.num_owned,
+                            jnp.zeros((B,), bool), need)
+    paused = alloc.paused & (slt > 0)
+    slt = jnp.where(paused, 0, slt)
+    chunk = jnp.where(paused, 0, chunk)
+    num_drafts = jnp.where(paused, 0, num_drafts)
+    prefilling = prefilling & ~paused
+    decoding = decoding & ~paused
+    tables = alloc.block_tables
+
+    # ---- 3. target forward over the packed batch.
+    positions, meta = ragged_batch(slt, dec, tables, bs, num_tokens)
+    cu = meta.cu_q_lens
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, B - 1)
+    local = t - cu[seq]
+    from_prompt = prefilling[seq] | (local == 0)
+    ids = jnp.where(from_prompt,
+                    s.input_ids[seq, jnp.clip(dec[seq] + local, 0, ec.seq_buffer_len - 1)],
+                    s.draft_tokens[seq, jnp.clip(local, 0, W - 1)])
+    ids = jnp.clip(ids, 0, mc.vocab_size - 1)
+    hidden, cache = forward(mc, params, ids, positions, meta, cache, attention_impl)
+
+    # Window rows: all 1+n rows of a verify window; the last row of a prefill chunk.
+    w = jnp.arange(W, dtype=jnp.int32)
+    rows = jnp.where(prefilling[:, None], cu[:B, None] + chunk[:, None] - 1, cu[:B, None] + w[None])
+    h_win = _take_rows(hidden, rows.reshape(-1))
+    logits = compute_logits(params, h_win).reshape(B, W, -1)
+
+    # ---- 4. verify.
+    target_tok, n_acc = _greedy_verify(logits, s.draft_tokens[:, 1:], num_drafts)
+    finishing_prefill = prefilling & (dec + chunk == s.prompt_lens)
+    emit = jnp.where(finishing_prefill, 1, jnp.where(decoding, n_acc + 1, 0))
+
+    # ---- 5. speculate_update: stop checks per emitted token, truncation at the first stop.
+    seq_len = s.prompt_lens + s.step_idx                                  # tokens in the sequence
+    valid = w[None] < emit[:, None]
+    is_stop_tok = jnp.any(target_tok[:, :, None] == s.stop_token_ids[:, None, :], axis=-1)
+    is_stop_tok &= (s.step_idx[:, None] + w[None] + 1) > s.min_dec_len[:, None]
+    is_len = ((s.step_idx[:, None] + w[None] + 1) >= s.max_dec_len[:, None]) | (
+        (seq_len[:, None] + w[None] + 1) >= ec.max_model_len)
+    stop_at = valid & (is_stop_tok | is_len)
+    any_stop = jnp.any(stop_at, axis=1)
+    first = jnp.argmax(stop_at, axis=1)
+    emit = jnp.where(any_stop, first + 1, emit).astype(jnp.int32)
+    reason = jnp.where(jnp.take_along_axis(is_stop_tok, first[:, None], 1)[:, 0],
+                       FINISH_STOP, FINISH_LENGTH)
+    valid = w[None] < emit[:, None]
+    tokens = jnp.where(valid, target_tok, -1)
+    num_accepted = jnp.where(decoding, jnp.minimum(n_acc, emit), 0)
+
+    write_at = jnp.where(valid, seq_len[:, None] + w[None], ec.seq_buffer_len)
+    input_ids = s.input_ids.at[jnp.arange(B)[:, None], write_at].set(tokens, mode="drop")
+    step_idx = s.step_idx + emit
+    new_dec = jnp.where(prefilling, dec + chunk, jnp.where(decoding, dec + emit, dec))
+    last_tok = jnp.take_along_axis(tokens, jnp.clip(emit - 1, 0, W - 1)[:, None], 1)[:, 0]
+    finished = any_stop
+    stop_flags = s.stop_flags | finished
+    draft0 = jnp.where(emit > 0, last_tok, s.draft_tokens[:, 0])
+
+    # Drafts allowed next step: never past max_tokens or max_model_len (§12 Q3).
+    new_seq_len = s.prompt_lens + step_idx
+    allowed = jnp.clip(jnp.minimum(s.max_dec_len - step_idx - 1, ec.max_model_len - new_seq_len - 1),
+                       0, K)
+    can_draft = ~stop_flags & (new_dec >= s.prompt_lens) & (emit > 0)
+    allowed = jnp.where(can_draft, allowed, 0)
+
+    state = dataclasses.replace(
+        s, input_ids=input_ids, seq_lens_encoder=chunk, seq_lens_decoder=new_dec,
+        seq_lens_this_time=slt, step_idx=step_idx, accept_tokens=tokens, accept_num=emit,
+        num_drafts=num_drafts, stop_flags=stop_flags,
+        finish_reason=jnp.where(finished, reason, s.finish_reason),
+        block_tables=tables, num_owned=alloc.num_owned, paused=paused,
+        free_stack=alloc.free_stack, free_count=alloc.free_count,
+        draft_tokens=jnp.full((B, W), -1, jnp.int32).at[:, 0].set(draft0))
+
+    # ---- 6. proposer.
+    drafts = jnp.full((B, K), -1, jnp.int32)
+    if use_mtp:
+        drafts, mtp_cache = _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu, dec,
+                                         prefilling, chunk, decoding, emit, allowed, num_tokens,
+                                         attention_impl)
+    elif K > 0:
+        drafts = drafter(state).astype(jnp.int32)
+    drafts = jnp.where(jnp.arange(K)[None] < allowed[:, None], drafts, -1)
+    # Drafts are a prefix: stop at the first missing one.
+    present = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=1) > 0
+    drafts = jnp.where(present, drafts, -1)
+    state = dataclasses.replace(state, draft_tokens=state.draft_tokens.at[:, 1:].set(drafts))
+
+    # ---- 7. release the blocks of slots that finished this step.
+    rel = allocate_blocks(state.free_stack, state.free_count, state.block_tables, state.num_owned,
+                          finished, jnp.zeros((B,), jnp.int32))
+    state = dataclasses.replace(state, free_stack=rel.free_stack, free_count=rel.free_count,
+                                block_tables=rel.block_tables, num_owned=rel.num_owned)
+    out = StepOutput(tokens=tokens, num_tokens=emit, num_drafts=num_drafts,
+                     num_accepted=num_accepted, finished=finished,
+                     finish_reason=jnp.where(finished, reason, FINISH_NONE), paused=paused,
+                     free_count=state.free_count)
+    return state, cache, mtp_cache, out
+
+
+def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling, chunk, decoding,
+                 emit, allowed, num_tokens, attention_impl):
+    """MTP proposer: substep 0 over this step's committed positions, substeps 1..M-1 recursive.
+
+    Substep 0 processes MTP positions ``p in [dec_old, dec_old + q)`` with tokens
+    ``input_ids[p + 1]`` (prompt tokens, then the tokens just committed) and the target's hidden row
+    of position p; ``q`` is the prefill chunk or ``accept_num``. Returns ``(drafts i32[B, K], cache)``.
+    """
+    B, K, M, bs = ec.max_num_seqs, ec.k, ec.m, ec.block_size
+    n_layers = max(mc.num_mtp_layers, 1)
+    q = jnp.where(state.stop_flags, 0, jnp.where(prefilling, chunk, jnp.where(decoding, emit, 0)))
+    positions, meta = ragged_batch(q, dec, state.block_tables, bs, num_tokens)
+    cu = meta.cu_q_lens
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, B - 1)
+    local = t - cu[seq]
+    ids = state.input_ids[seq, jnp.clip(positions + 1, 0, ec.seq_buffer_len - 1)]
+    ids = jnp.clip(ids, 0, mc.vocab_size - 1)
+    h_in = _take_rows(hidden, cu_t[seq] + local)
+    h_log, h_next, mtp_cache = mtp_forward(mc, params, 0, ids, h_in, positions, meta, mtp_cache,
+                                           attention_impl)
+    last = cu[:B] + q - 1
+    d = jnp.argmax(compute_logits(params, _take_rows(h_log, last)), axis=-1).astype(jnp.int32)
+    h_prev = _take_rows(h_next, last)
+    active = allowed > 0
+    drafts = [jnp.where(active, d, -1)]
+    pos0 = state.seq_lens_decoder  # MTP position of draft d1 (= target dec after the update)
+    for sub in range(1, M):
+        active = active & (allowed > sub)
+        pos_s, meta_s = ragged_batch(active.astype(jnp.int32), pos0 + sub - 1, state.block_tables,
+                                     bs, B)
+        # Rows are packed in slot order; slot b's row is cu_s[b] when active.
+        rows = jnp.clip(meta_s.cu_q_lens[:B], 0, B - 1)
+        scatter = jnp.where(active, rows, B)
+        ids_s = jnp.zeros((B,), jnp.int32).at[scatter].set(jnp.clip(d, 0, mc.vocab_size - 1),
+                                                             mode="drop")
+        h_s = jnp.zeros_like(h_prev).at[scatter].set(h_prev, mode="drop")
+        h_log, h_next, mtp_cache = mtp_forward(mc, params, sub % n_layers, ids_s, h_s, pos_s,
+                                               meta_s, mtp_cache, attention_impl)
+        d = jnp.argmax(compute_logits(params, _take_rows(h_log, rows)), axis=-1).astype(jnp.int32)
+        h_prev = _take_rows(h_next, rows)
+        drafts.append(jnp.where(active, d, -1))
+    drafts = jnp.stack(drafts, axis=1)
+    if M < K:
+        drafts = jnp.concatenate([drafts, jnp.full((B, K - M), -1, jnp.int32)], axis=1)
+    return drafts, mtp_cache
+
+
+def release_slot(state: EngineState, slot: jax.Array) -> EngineState:
+    """Preempt ``slot``: return its KV blocks and mark it idle (the host re-queues the request)."""
+    B = state.stop_flags.shape[0]
+    rel = allocate_blocks(state.free_stack, state.free_count, state.block_tables, state.num_owned,
+                          jnp.arange(B) == slot, jnp.zeros((B,), jnp.int32))
+    return dataclasses.replace(
+        state, stop_flags=state.stop_flags.at[slot].set(True),
+        free_stack=rel.free_stack, free_count=rel.free_count, block_tables=rel.block_tables,
+        num_owned=rel.num_owned)

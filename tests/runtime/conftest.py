@@ -1,0 +1,39 @@
+"""Tiny random models and reference greedy decoding for engine tests."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jmtp.model import ModelConfig, forward_logits, init_params
+
+TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                   num_kv_heads=2, head_dim=8, eos_token_ids=(1,), num_mtp_layers=1)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(seed: int = 0, std: float = 0.3, **overrides):
+    cfg = TINY.replace(**overrides)
+    return cfg, init_params(cfg, jax.random.key(seed), std=std)
+
+
+def reference_greedy(cfg, params, prompt, max_tokens, stop_ids=None, max_model_len=None):
+    """Plain greedy decoding with the non-paged full forward: the independent reference."""
+    stop_ids = set(cfg.eos_token_ids if stop_ids is None else stop_ids)
+    ids, out = list(prompt), []
+    while len(out) < max_tokens and (max_model_len is None or len(ids) < max_model_len):
+        padded = ids + [0] * (-len(ids) % 64)  # causal: trailing padding changes nothing before it
+        logits = np.asarray(forward_logits(cfg, params, padded, block_size=64))
+        tok = int(np.argmax(logits[len(ids) - 1]))
+        out.append(tok)
+        ids.append(tok)
+        if tok in stop_ids:
+            break
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return tiny_model()
