@@ -36,10 +36,7 @@ from jmtp.model.metadata import ragged_batch
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState
 
-try:
-    from jmtp.pallas.block_allocator import allocate_blocks
-except ImportError:  # pragma: no cover - until the allocator module lands
-    from jmtp.runtime._alloc_tmp import allocate_blocks
+from jmtp.pallas.block_allocator import allocate_blocks
 
 
 @jax.tree_util.register_dataclass

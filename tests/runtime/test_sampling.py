@@ -1,0 +1,384 @@
+"""SamplingParams / SamplingArrays and the logits processors, against a float64 numpy reference.
+
+The ``ref_*`` functions below are the independent sequential reference (one position at a time,
+explicit Python loops over the history) used by test_verify.py and test_verify_distribution.py too.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from jmtp.runtime import sampling as smp
+from jmtp.runtime.sampling import SamplingArrays, SamplingParams
+
+# ----------------------------------------------------------------------------------------------
+# numpy reference (float64), one output position at a time
+
+
+def ref_penalize(logits, prompt, generated, params: SamplingParams, eos_ids=(), bad_words_ids=(),
+                 extra_stop=()):
+    """Penalized logits f64[V] for the next token after ``prompt + generated``."""
+    x = np.asarray(logits, np.float64).copy()
+    V = x.shape[0]
+    counts = np.zeros(V)
+    for t in generated:
+        counts[t] += 1
+    rep = params.repetition_penalty
+    for t in set(prompt) | set(generated):
+        x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
+    for t in range(V):
+        x[t] -= params.frequency_penalty * counts[t] + params.presence_penalty * (counts[t] > 0)
+    if len(generated) < params.min_tokens:
+        stops = list(params.stop_token_ids) + list(extra_stop)
+        if not params.ignore_eos:
+            stops += list(eos_ids)
+        for t in stops:
+            x[t] = -np.inf
+    for t in params.bad_token_ids:
+        x[t] = -np.inf
+    hist = list(prompt) + list(generated)
+    for seq in bad_words_ids:
+        seq = list(seq)
+        if len(seq) == 1 or (len(hist) >= len(seq) - 1 and hist[len(hist) - len(seq) + 1:] == seq[:-1]):
+            x[seq[-1]] = -np.inf
+    return x
+
+
+def _np_softmax(z):
+    z = np.asarray(z, np.float64)
+    m = np.max(z)
+    e = np.exp(z - m)
+    return e / e.sum()
+
+
+def ref_probs(pen, temperature, top_p=1.0, top_k=0, min_p=0.0):
+    """Target distribution f64[V] from penalized logits (temperature, min-p, top-k, top-p)."""
+    pen = np.asarray(pen, np.float64)
+    V = pen.shape[0]
+    if temperature < 1e-5:
+        out = np.zeros(V)
+        out[int(np.argmax(pen))] = 1.0
+        return out
+    z = pen / temperature
+    p = _np_softmax(z)
+    z = np.where(p < min_p * p.max(), -np.inf, z)
+    k = top_k if 0 < top_k < V else V
+    order = np.argsort(-z, kind="stable")
+    zs = z[order]
+    keep = zs >= zs[k - 1]
+    ps = _np_softmax(np.where(keep, zs, -np.inf))
+    mass_before = 0.0
+    for r in range(V):
+        if keep[r] and not (mass_before < top_p or top_p >= 1.0):
+            keep[r] = False
+        mass_before += ps[r]
+    full = np.zeros(V, bool)
+    full[order] = keep
+    return _np_softmax(np.where(full, z, -np.inf))
+
+
+def ref_params_probs(logits, prompt, generated, params, eos_ids=(), bad_words_ids=()):
+    pen = ref_penalize(logits, prompt, generated, params, eos_ids, bad_words_ids)
+    return ref_probs(pen, params.temperature, params.top_p, params.top_k, params.min_p)
+
+
+# ----------------------------------------------------------------------------------------------
+# SamplingParams validation
+
+BAD_VALUES = [
+    ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
+    ("top_k", -1), ("min_p", -0.1), ("min_p", 1.1), ("max_tokens", 0),
+    ("repetition_penalty", 0.0), ("frequency_penalty", 2.5), ("presence_penalty", -3.0),
+    ("min_tokens", -1), ("logprobs", -1), ("seed", -1), ("seed", 2**32),
+    ("stop_token_ids", (-3,)), ("bad_token_ids", (1.5,)), ("bad_words", ("",)),
+    ("ignore_eos", "yes"), ("stop_token_ids", "12"),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_VALUES)
+def test_params_bad_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_params_min_tokens_above_max_tokens():
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    SamplingParams(max_tokens=4, min_tokens=4)
+
+
+def test_params_good_values_and_tuples():
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.2,
+                       frequency_penalty=-2, presence_penalty=2, stop_token_ids=[3, 4],
+                       bad_token_ids=[1], bad_words=["foo"], seed=7, logprobs=0)
+    assert p.stop_token_ids == (3, 4) and p.bad_token_ids == (1,) and p.bad_words == ("foo",)
+    assert not p.greedy and SamplingParams().greedy
+
+
+# ----------------------------------------------------------------------------------------------
+# SamplingArrays construction, slots and padding
+
+
+FULL = SamplingParams(temperature=0.8, top_p=0.7, top_k=3, min_p=0.05, repetition_penalty=1.3,
+                      frequency_penalty=0.4, presence_penalty=0.2, min_tokens=2,
+                      stop_token_ids=(5,), bad_token_ids=(6,), ignore_eos=False, seed=11,
+                      logprobs=3)
+
+
+def _tree_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y))
+                                      for x, y in zip(la, lb))
+
+
+def test_empty_is_neutral_and_shapes():
+    a = SamplingArrays.empty(3, 10, max_stop=2, max_bad_words=2, max_bad_word_len=3)
+    assert a.batch_size == 3 and a.vocab_size == 10
+    assert a.stop_token_ids.shape == (3, 2) and a.bad_word_seqs.shape == (3, 2, 3)
+    assert a.recent_tokens.shape == (3, 2) and a.seed.dtype == jnp.uint32
+    assert a.output_counts.dtype == jnp.int32 and a.prompt_mask.dtype == jnp.bool_
+    np.testing.assert_array_equal(a.temperature, 0.0)
+    np.testing.assert_array_equal(a.repetition_penalty, 1.0)
+    assert not np.any(a.bad_token_mask) and np.all(np.asarray(a.stop_token_ids) == -1)
+    with pytest.raises(ValueError, match="max_stop"):
+        SamplingArrays.empty(2, 10, max_stop=0)
+
+
+@pytest.mark.parametrize("as_numpy", [False, True])
+def test_set_slot_rewrites_everything_and_clear_restores_neutral(as_numpy):
+    B, V = 3, 12
+    base = SamplingArrays.empty(B, V, max_stop=3, max_bad_words=1, max_bad_word_len=2,
+                                as_numpy=as_numpy)
+    a = smp.set_slot(base, 1, FULL, [1, 2, 2, 9], eos_ids=[11], request_seed=3,
+                     bad_words_ids=[[4], [7, 8]])
+    a = smp.update_history(jax.tree.map(jnp.asarray, a), jnp.array([[0, 0], [3, 3], [0, 0]]),
+                           jnp.array([0, 2, 0]))
+    r = jax.tree.map(lambda x: np.asarray(x)[1], a)
+    assert r.temperature == np.float32(0.8) and r.top_k == 3 and r.seed == 11 and r.logprobs == 3
+    assert list(r.stop_token_ids) == [5, 11, -1]
+    assert r.bad_token_mask[6] and r.bad_token_mask[4] and r.bad_token_mask.sum() == 2
+    assert list(r.bad_word_seqs[0]) == [7, 8] and list(r.recent_tokens) == [3]
+    assert r.prompt_mask[[1, 2, 9]].all() and r.prompt_mask.sum() == 3 and r.output_counts[3] == 2
+    # rows 0 and 2 untouched
+    for s in (0, 2):
+        assert _tree_equal(jax.tree.map(lambda x: np.asarray(x)[s], a),
+                           jax.tree.map(lambda x: np.asarray(x)[s], base))
+    # a new occupant with default params: nothing of the previous one survives
+    b = smp.set_slot(a, 1, SamplingParams(), [], request_seed=0)
+    assert _tree_equal(b, jax.tree.map(jnp.asarray, base))
+    c = smp.clear_slot(a, 1)
+    assert _tree_equal(c, jax.tree.map(jnp.asarray, base))
+
+
+def test_set_slot_errors_name_the_argument():
+    a = SamplingArrays.empty(2, 8, max_stop=2)
+    with pytest.raises(ValueError, match="slot"):
+        smp.set_slot(a, 2, SamplingParams(), [])
+    with pytest.raises(ValueError, match="prompt_ids"):
+        smp.set_slot(a, 0, SamplingParams(), [8])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        smp.set_slot(a, 0, SamplingParams(stop_token_ids=(1, 2)), [], eos_ids=[3])
+    smp.set_slot(a, 0, SamplingParams(stop_token_ids=(1, 2), ignore_eos=True), [], eos_ids=[3])
+    with pytest.raises(ValueError, match="bad_token_ids"):
+        smp.set_slot(a, 0, SamplingParams(bad_token_ids=(9,)), [])
+    with pytest.raises(ValueError, match="bad_words_ids"):
+        smp.set_slot(a, 0, SamplingParams(), [], bad_words_ids=[[1, 2]])  # no capacity
+    with pytest.raises(ValueError, match="vocab_size"):
+        smp.set_slot(a, 0, SamplingParams(), [], vocab_size=9)
+    with pytest.raises(ValueError, match="params"):
+        smp.pack_sampling([SamplingParams()] * 3, 2, 8)
+
+
+def test_seed_defaults():
+    a = smp.pack_sampling([SamplingParams(seed=5), SamplingParams()], 2, 8, seeds=[1, 9])
+    assert list(np.asarray(a.seed)) == [5, 9]
+
+
+# ----------------------------------------------------------------------------------------------
+# penalize / target_probs vs the reference
+
+
+PV, PK, PG = 12, 3, 5     # fixed shapes: one compilation for every hypothesis example
+
+
+@st.composite
+def processing_case(draw):
+    V, K = PV, PK
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    nd = draw(st.integers(0, K))
+    prompt = [int(t) for t in rng.integers(0, V, draw(st.integers(0, 5)))]
+    generated = [int(t) for t in rng.integers(0, V, draw(st.integers(0, PG)))]
+    drafts = [int(t) for t in rng.integers(0, V, K)]
+    bad_words = [[int(t) for t in rng.integers(0, V, n)]
+                 for n in draw(st.lists(st.integers(1, 3), max_size=3))]
+    params = SamplingParams(
+        max_tokens=64,
+        temperature=draw(st.sampled_from([0.0, 0.5, 1.0, 1.7])),
+        top_p=draw(st.sampled_from([1.0, 0.9, 0.5])),
+        top_k=draw(st.sampled_from([0, 1, 3, 20])),
+        min_p=draw(st.sampled_from([0.0, 0.1])),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.3, 0.8])),
+        frequency_penalty=draw(st.sampled_from([0.0, 0.5, -0.4])),
+        presence_penalty=draw(st.sampled_from([0.0, 0.7, -0.3])),
+        min_tokens=draw(st.integers(0, 8)),
+        stop_token_ids=tuple(int(t) for t in rng.integers(0, V, draw(st.integers(0, 2)))),
+        bad_token_ids=tuple(int(t) for t in rng.integers(0, V, draw(st.integers(0, 2)))),
+        ignore_eos=draw(st.booleans()), seed=int(rng.integers(0, 2**32)))
+    eos = [int(rng.integers(0, V))]
+    logits = (rng.normal(size=(K + 1, V)) * 2).astype(np.float32)
+    return V, K, nd, prompt, generated, drafts, bad_words, params, eos, logits
+
+
+_update = jax.jit(smp.update_history)
+
+
+def arrays_with_history(B, V, slot_params, *, max_stop=4, max_bad_words=3, LW=3, G=PG):
+    """SamplingArrays for ``B`` slots from ``[(params, prompt, generated, bad_words, eos)]``
+    (missing slots idle); the generated tokens are added with update_history (padded to G)."""
+    a = SamplingArrays.empty(B, V, max_stop=max_stop, max_bad_words=max_bad_words,
+                             max_bad_word_len=LW)
+    toks = np.zeros((B, G), np.int32)
+    nums = np.zeros((B,), np.int32)
+    for b, (params, prompt, generated, bad_words, eos) in enumerate(slot_params):
+        a = smp.set_slot(a, b, params, prompt, bad_words_ids=bad_words, eos_ids=eos,
+                         request_seed=b)
+        toks[b, :len(generated)] = generated
+        nums[b] = len(generated)
+    return _update(a, jnp.asarray(toks), jnp.asarray(nums))
+
+
+@jax.jit
+def _process(lg, a, d, nd, ng, eos):
+    pen = smp.penalize(lg, a, d, nd, ng, eos)
+    return pen, smp.target_probs(pen, a)
+
+
+@settings(max_examples=25, deadline=None)
+@given(processing_case())
+def test_penalize_and_target_probs_match_sequential_reference(case):
+    V, K, nd, prompt, generated, drafts, bad_words, params, eos, logits = case
+    a = arrays_with_history(2, V, [(params, prompt, generated, bad_words, ())])
+    lg = jnp.asarray(np.stack([logits, logits]))
+    d = jnp.asarray([drafts, drafts], jnp.int32)
+    ng = jnp.array([len(generated), 0])
+    pen, p = _process(lg, a, d, jnp.array([nd, 0]), ng, jnp.asarray(eos))
+    for w in range(nd + 1):
+        hist = generated + drafts[:w]
+        ref = ref_penalize(logits[w], prompt, hist, params, eos, bad_words)
+        got = np.asarray(pen[0, w], np.float64)
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(ref))
+        fin = np.isfinite(ref)
+        np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-5)
+        if np.isfinite(ref).any():
+            pr = ref_probs(ref, params.temperature, params.top_p, params.top_k, params.min_p)
+            np.testing.assert_allclose(np.asarray(p[0, w]), pr, atol=2e-5)
+    # the idle slot 1 is neutral: untouched logits, greedy one-hot
+    np.testing.assert_array_equal(np.asarray(pen[1]), np.asarray(lg[1]))
+    np.testing.assert_array_equal(np.asarray(p[1]).argmax(-1), np.asarray(lg[1]).argmax(-1))
+
+
+def test_min_tokens_boundary_and_ignore_eos():
+    V = 8
+    eos = jnp.array([7])
+    lg = jnp.zeros((2, 4, V))
+    params = [SamplingParams(min_tokens=4, stop_token_ids=(3,), max_tokens=9),
+              SamplingParams(min_tokens=4, stop_token_ids=(3,), max_tokens=9, ignore_eos=True)]
+    a = smp.pack_sampling(params, 2, V)
+    pen = np.asarray(jax.jit(smp.penalize)(lg, a, jnp.zeros((2, 3), jnp.int32),
+                                           jnp.array([3, 3]), jnp.array([2, 2]), eos))
+    # num_generated + w < 4  <=>  w < 2
+    assert np.all(np.isinf(pen[0, :2, [3, 7]])) and np.all(np.isfinite(pen[0, 2:, [3, 7]]))
+    assert np.all(np.isinf(pen[1, :2, 3])) and np.all(np.isfinite(pen[1, :, 7]))
+
+
+def test_filter_ties_and_top_p_one():
+    z = jnp.asarray([[1.0, 2.0, 2.0, 0.0, -1e4]])
+    f = jax.jit(smp.filter_logits)
+    one = lambda k, p, m: np.asarray(f(z, jnp.array([k], jnp.int32),  # noqa: E731
+                                       jnp.array([p], jnp.float32), jnp.array([m], jnp.float32)))[0]
+    assert np.isfinite(one(2, 1.0, 0.0)).sum() == 2       # the two tied maxima
+    assert np.isfinite(one(1, 1.0, 0.0)).sum() == 2       # ties at the k-th value are kept
+    assert np.isfinite(one(0, 1.0, 0.0)).sum() == 5       # top_p = 1 keeps even p ~ 0
+    kept = one(0, 0.3, 0.0)                               # first of the tied pair (lower id) only
+    assert list(np.isfinite(kept)) == [False, True, False, False, False]
+    assert list(np.isfinite(one(0, 1.0, 0.5))) == [False, True, True, False, False]
+
+
+def test_sample_from_probs_never_picks_zero_mass():
+    probs = jnp.asarray([[0.0, 0.0, 0.5, 0.0, 0.5, 0.0]] * 3)
+    u = jnp.asarray([0.0, np.nextafter(np.float32(1), np.float32(0)), 0.5])
+    assert list(np.asarray(smp.sample_from_probs(probs, u))) == [2, 4, 4]
+    assert int(smp.sample_from_probs(jnp.zeros((1, 4)), jnp.zeros((1,)))[0]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# draft sampling, keys, history
+
+
+def test_draft_sample_greedy_and_sampled():
+    V, B = 8, 4
+    rng = np.random.default_rng(1)
+    lg = jnp.asarray(rng.normal(size=(B, V)), jnp.float32)
+    a = smp.pack_sampling([SamplingParams(temperature=1.0, seed=s) for s in range(3)] + [None],
+                          B, V)
+    tok, q = jax.jit(smp.draft_sample)(lg, a)
+    assert q is None and list(np.asarray(tok)) == list(np.asarray(lg).argmax(-1))
+    with pytest.raises(ValueError, match="positions"):
+        smp.draft_sample(lg, a, draft_sampling=True)
+    f = jax.jit(smp.draft_sample, static_argnames=("draft_sampling",))
+    tok, q = f(lg, a, jnp.zeros(B, jnp.int32), draft_sampling=True, draft_temperature=0.7,
+               draft_top_k=3)
+    for b in range(B):
+        ref = ref_probs(np.asarray(lg[b]), 0.7, 1.0, 3)
+        np.testing.assert_allclose(np.asarray(q[b]), ref, atol=1e-6)
+        assert ref[int(tok[b])] > 0
+    # request's own temperature: slot 3 (idle, greedy) drafts its argmax with a one-hot q
+    tok, q = f(lg, a, jnp.zeros(B, jnp.int32), draft_sampling=True)
+    assert int(tok[3]) == int(np.argmax(lg[3])) and float(q[3].max()) == 1.0
+
+
+def test_draft_sample_empirical_distribution_and_batch_independence():
+    V, N = 6, 8000
+    lg = jnp.asarray(np.log([0.05, 0.1, 0.15, 0.2, 0.2, 0.3]), jnp.float32)
+    a = smp.pack_sampling([SamplingParams(temperature=1.0, seed=3)], 1, V)
+    a = jax.tree.map(lambda x: jnp.repeat(x, N, axis=0), a)
+    f = jax.jit(lambda a, pos: smp.draft_sample(jnp.broadcast_to(lg, (N, V)), a, pos,
+                                                draft_sampling=True))
+    tok, _ = f(a, jnp.arange(N, dtype=jnp.int32))
+    freq = np.bincount(np.asarray(tok), minlength=V) / N
+    assert 0.5 * np.abs(freq - np.exp(np.asarray(lg))).sum() < 0.03
+    # row 7 alone (same seed, same position) draws the same token
+    single = jax.tree.map(lambda x: x[7:8], a)
+    t1, _ = smp.draft_sample(lg[None], single, jnp.array([7]), draft_sampling=True)
+    assert int(t1[0]) == int(tok[7])
+
+
+def test_request_keys_depend_only_on_seed_position_purpose():
+    u1 = smp.uniform_draws(jnp.array([1, 2, 1], jnp.uint32), jnp.array([5, 5, 5]), 0)
+    u2 = smp.uniform_draws(jnp.array([1], jnp.uint32), jnp.array([5]), 0)
+    u3 = smp.uniform_draws(jnp.array([1], jnp.uint32), jnp.array([5]), 1)
+    assert float(u1[0]) == float(u1[2]) == float(u2[0]) != float(u1[1])
+    assert float(u3[0]) != float(u2[0])
+
+
+def test_update_history_counts_and_recent():
+    a = SamplingArrays.empty(2, 6, max_bad_words=1, max_bad_word_len=4)
+    a = smp.update_history(a, jnp.array([[1, 2, 2, -1], [3, 4, 5, 0]]), jnp.array([3, 1]))
+    a = smp.update_history(a, jnp.array([[5, 0, 0, 0], [4, 4, 0, 0]]), jnp.array([1, 2]))
+    np.testing.assert_array_equal(a.output_counts, [[0, 1, 2, 0, 0, 1], [0, 0, 0, 1, 2, 0]])
+    np.testing.assert_array_equal(a.recent_tokens, [[2, 2, 5], [3, 4, 4]])
+
+
+def test_dataclass_is_a_pytree_of_data():
+    a = SamplingArrays.empty(2, 5)
+    leaves, tree = jax.tree.flatten(a)
+    assert len(leaves) == len(dataclasses.fields(SamplingArrays))
+    b = jax.jit(lambda x: x)(a)
+    assert _tree_equal(a, b)
