@@ -1,2 +1,16 @@
-"""jmtp: multi-token-prediction speculative decoding for LLM serving in JAX."""
+"""jmtp: multi-token-prediction (MTP) speculative decoding for LLM serving in JAX.
+
+Public API::
+
+    import jmtp
+    llm = jmtp.LLM(speculative_config=jmtp.SpeculativeConfig("mtp", num_speculative_tokens=3))
+    outs = llm.generate(["Hello"], jmtp.SamplingParams(max_tokens=32))
+"""
+from jmtp.runtime.config import EngineConfig, SpeculativeConfig
+from jmtp.runtime.engine import LLM
+from jmtp.runtime.outputs import RequestOutput, SpecDecodeMetrics
+from jmtp.runtime.sampling import SamplingParams
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "SpeculativeConfig", "EngineConfig", "RequestOutput",
+           "SpecDecodeMetrics"]

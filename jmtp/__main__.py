@@ -1,0 +1,5 @@
+import sys
+
+from jmtp.cli import main
+
+sys.exit(main())

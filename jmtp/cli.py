@@ -1,0 +1,81 @@
+"""``jmtp`` command line: ``jmtp generate`` (also ``python -m jmtp generate``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _generate(args) -> int:
+    from jmtp.runtime.config import SpeculativeConfig
+    from jmtp.runtime.engine import LLM
+    from jmtp.runtime.outputs import SpecDecodeMetrics
+    from jmtp.runtime.sampling import SamplingParams
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            for line in f:
+                line = line.rstrip("\n")
+                if not line.strip():
+                    continue
+                prompts.append(json.loads(line)["prompt"] if line.lstrip().startswith("{") else line)
+    if not prompts:
+        prompts = ["Write a Python function that checks whether a number is prime."]
+    spec = None
+    if not args.no_spec:
+        spec = SpeculativeConfig("mtp", args.num_speculative_tokens, args.num_model_steps)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, attention_backend=args.attention_backend)
+    load_s = time.perf_counter() - t0
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                   for p in prompts]
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    outs = llm.generate(prompts, sp, use_tqdm=len(prompts) > 1)
+    total = SpecDecodeMetrics(accepted_per_position=[0] * (spec.k if spec else 0))
+    for o in outs:
+        print(f"--- prompt {o.request_id} ({len(o.prompt_token_ids)} tokens, "
+              f"{len(o.token_ids)} generated, finish={o.finish_reason})")
+        print(o.text)
+        total.merge(o.metrics)
+    st = llm.last_run_stats
+    per_pos = ""
+    if spec and total.num_decode_steps:
+        per_pos = " per-position acceptance=" + ",".join(
+            f"{c / total.num_decode_steps:.2f}" for c in total.accepted_per_position)
+    print(f"=== {st['generated_tokens']} tokens in {st['seconds']:.2f}s "
+          f"({st['tokens_per_second']:.1f} tok/s, incl. compile; load {load_s:.1f}s) "
+          f"mean acceptance length={total.mean_acceptance_length:.2f}{per_pos}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="jmtp", description="MTP speculative decoding in JAX")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text (greedy by default) with MTP speculation")
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    g.add_argument("--prompts-file", help="text file, one prompt per line (or JSONL with 'prompt')")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--num-speculative-tokens", type=int, default=3)
+    g.add_argument("--num-model-steps", type=int, default=None)
+    g.add_argument("--no-spec", action="store_true", help="plain decoding (no speculation)")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--max-num-seqs", type=int, default=8)
+    g.add_argument("--max-model-len", type=int, default=1024)
+    g.add_argument("--attention-backend", default=None,
+                   choices=[None, "reference", "pallas_tpu", "pallas_gpu"])
+    args = p.parse_args(argv)
+    try:
+        return _generate(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
