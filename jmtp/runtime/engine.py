@@ -193,11 +193,14 @@ class LLM:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(reqs), desc="generate", unit="req")
         t0, steps, gen_tokens = time.perf_counter(), 0, 0
+        hold = False  # after a preemption, admit nothing until a running request finishes
         while waiting or any(r is not None for r in slots):
             # Admit while a slot is idle and the free blocks cover the first prefill chunk.
             free = self._free_count
+            if hold and not any(r is not None for r in slots):
+                hold = False
             for b in range(B):
-                if not waiting or slots[b] is not None:
+                if hold or not waiting or slots[b] is not None:
                     continue
                 r = waiting[0]
                 first_chunk = min(len(r.context_ids), ec.max_num_batched_tokens)
@@ -249,12 +252,14 @@ class LLM:
                 if out.finished[b]:
                     r.finish_reason = FINISH_REASONS[int(out.finish_reason[b])]
                     done[r.request_id] = self._finish(r)
+                    hold = False
                     slots[b] = None
                     order.remove(b)
                     if bar is not None:
                         bar.update(1)
             if not progressed and any(r is not None for r in slots):
                 self._preempt(slots, order, waiting)
+                hold = True
         if bar is not None:
             bar.close()
         dt = time.perf_counter() - t0
