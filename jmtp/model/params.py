@@ -86,14 +86,19 @@ def init_mtp_params(cfg: ModelConfig, params: dict, key: jax.Array, dtype=None) 
     n = max(cfg.num_mtp_layers, 1)
     h = cfg.hidden_size
     dtype = dtype or params["embed"].dtype
-    last = jax.tree_util.tree_map(lambda a: jnp.repeat(a[-1:], n, axis=0), params["layers"])
-    eh = jax.random.normal(key, (n, 2 * h, h), jnp.float32) / np.sqrt(2 * h)
+    # Built in numpy: a handful of host ops instead of dozens of tiny XLA compiles at load time.
+    seed = int(np.asarray(jax.random.key_data(key)).ravel()[-1]) if hasattr(key, "dtype") else 0
+    rng = np.random.default_rng(seed)
+    cast = lambda a: jnp.asarray(np.asarray(a, np.float32), dtype)
+    last = jax.tree_util.tree_map(lambda a: cast(np.repeat(np.asarray(a[-1:], np.float32), n, 0)),
+                                  params["layers"])
+    eh = rng.standard_normal((n, 2 * h, h), np.float32) / np.sqrt(2 * h)
     return {
-        "enorm": jnp.ones((n, h), dtype),
-        "hnorm": jnp.ones((n, h), dtype),
-        "eh_proj": eh.astype(dtype),
-        "final_norm": jnp.repeat(params["final_norm"][None], n, axis=0).astype(dtype),
-        "layer": jax.tree_util.tree_map(lambda a: a.astype(dtype), last),
+        "enorm": cast(np.ones((n, h))),
+        "hnorm": cast(np.ones((n, h))),
+        "eh_proj": cast(eh),
+        "final_norm": cast(np.repeat(np.asarray(params["final_norm"], np.float32)[None], n, 0)),
+        "layer": last,
     }
 
 
