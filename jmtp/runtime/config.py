@@ -21,17 +21,29 @@ class SpeculativeConfig:
         n-gram matches; jmtp does not yet).
       drafter: for ``method="custom"``: a hashable callable ``(state) -> i32[B, K]`` returning draft
         tokens (-1 = none) from the post-update :class:`~jmtp.runtime.state.EngineState`.
+      verify_strategy: ``"auto"`` (greedy rows for temperature 0, rejection sampling otherwise;
+        lossless), ``"greedy"``, ``"rejection"`` (Leviathan et al. 2023), ``"target_match"``, or
+        ``"topp"`` (FastDeploy's top-p candidate rule, lossy; see :mod:`jmtp.runtime.verify`).
+      max_candidate_len / verify_window: FastDeploy ``topp`` parameters (C and W).
 
     Raises:
-      ValueError: unknown method, K < 1, M outside ``[1, K]``, custom method without drafter.
+      ValueError: unknown method or strategy, K < 1, M outside ``[1, K]``, custom method without
+        drafter.
     """
 
     method: str | None = "mtp"
     num_speculative_tokens: int = 3
     num_model_steps: int | None = None
     drafter: Callable | None = None
+    verify_strategy: str = "auto"
+    max_candidate_len: int = 5
+    verify_window: int = 2
 
     def __post_init__(self):
+        from jmtp.runtime.verify import STRATEGIES
+        if self.verify_strategy not in STRATEGIES:
+            raise ValueError(f"SpeculativeConfig.verify_strategy must be one of {STRATEGIES}, got "
+                             f"{self.verify_strategy!r}")
         if self.method not in METHODS:
             raise ValueError(f"SpeculativeConfig.method must be one of {METHODS}, got {self.method!r}")
         if self.method is None:
@@ -77,6 +89,9 @@ class EngineConfig:
         decode windows leave.
       k / m: speculative window drafts and MTP substeps (0 / 0 without speculation).
       max_stop_ids: width of the per-slot stop-token table (EOS ids + user stop ids).
+      max_bad_words / max_bad_word_len: capacity for multi-token bad words per slot.
+      max_logprobs: largest ``SamplingParams.logprobs`` served (0: logprobs off, nothing computed).
+      verify_strategy / max_candidate_len / verify_window: see :class:`SpeculativeConfig`.
     """
 
     max_num_seqs: int = 8
@@ -87,6 +102,12 @@ class EngineConfig:
     k: int = 0
     m: int = 0
     max_stop_ids: int = 8
+    max_bad_words: int = 4
+    max_bad_word_len: int = 4
+    max_logprobs: int = 0
+    verify_strategy: str = "auto"
+    max_candidate_len: int = 5
+    verify_window: int = 2
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks",

@@ -20,20 +20,7 @@ from jmtp.model.config import ModelConfig
 from jmtp.model.llama import init_kv_cache
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.outputs import RequestOutput, SpecDecodeMetrics
-try:
-    from jmtp.runtime.sampling import SamplingParams
-except ImportError:  # pragma: no cover - until sampling.py lands
-    @dataclasses.dataclass(frozen=True)
-    class SamplingParams:
-        max_tokens: int = 16
-        temperature: float = 0.0
-        min_tokens: int = 0
-        stop_token_ids: tuple = ()
-        ignore_eos: bool = False
-
-        def __post_init__(self):
-            if self.max_tokens < 1:
-                raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+from jmtp.runtime.sampling import SamplingParams, make_row
 from jmtp.runtime.state import FINISH_REASONS, init_state, insert_request
 from jmtp.runtime.step import engine_step, release_slot
 
@@ -57,6 +44,9 @@ class _Request:
     context_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + outputs at admission
     prefilled: int = 0
     finish_reason: str | None = None
+    bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    seed: int = 0                  # request seed when SamplingParams.seed is None
 
 
 class LLM:
@@ -72,6 +62,9 @@ class LLM:
       max_num_batched_tokens: token budget per step (largest bucket).
       dtype: parameter/cache dtype (default fp32 on CPU, bf16 on accelerators).
       attention_backend: ``"reference" | "pallas_tpu" | "pallas_gpu" | None``.
+      max_logprobs: largest ``SamplingParams.logprobs`` served (0 = logprobs off: nothing extra
+        is computed in the step).
+      seed: seeds the per-request seeds of requests whose ``SamplingParams.seed`` is None.
       model_config / params / tokenizer: pass an already-built model instead of ``model``.
 
     Raises:
@@ -82,8 +75,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, speculative_config: SpeculativeConfig | None = None,
                  max_num_seqs: int = 8, max_model_len: int = 2048, block_size: int = 16,
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
-                 dtype=None, attention_backend: str | None = None,
-                 model_config: ModelConfig | None = None, params: dict | None = None,
+                 dtype=None, attention_backend: str | None = None, max_logprobs: int = 0,
+                 seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
                  tokenizer=None):
         dtype = dtype or default_dtype()
         if params is None:
@@ -107,10 +100,13 @@ class LLM:
         self.engine_config = EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             num_blocks=num_blocks or max_num_seqs * pages, max_num_batched_tokens=max_num_batched_tokens,
-            k=k, m=m, max_stop_ids=8)
+            k=k, m=m, max_stop_ids=8, max_logprobs=max_logprobs,
+            verify_strategy=spec.verify_strategy, max_candidate_len=spec.max_candidate_len,
+            verify_window=spec.verify_window)
+        self._seed_rng = np.random.default_rng(seed)
         self.attention_backend = attention_backend
         ec = self.engine_config
-        self.state = init_state(ec)
+        self.state = init_state(ec, model_config.vocab_size)
         self.cache = init_kv_cache(model_config, model_config.num_layers, ec.num_blocks, block_size, dtype)
         self.mtp_cache = (init_kv_cache(model_config, max(model_config.num_mtp_layers, 1),
                                         ec.num_blocks, block_size, dtype)
@@ -138,13 +134,29 @@ class LLM:
         if need > ec.num_blocks:
             raise ValueError(
                 f"{where}: the request needs up to {need} KV blocks but num_blocks={ec.num_blocks}")
-        n_stop = len(self._stop_ids(sp))
-        if n_stop > ec.max_stop_ids:
-            raise ValueError(f"{where}: {n_stop} stop ids exceed max_stop_ids={ec.max_stop_ids}")
+        if sp.logprobs is not None and max(sp.logprobs, 1) > ec.max_logprobs:
+            raise ValueError(f"{where}: logprobs={sp.logprobs} exceeds max_logprobs="
+                             f"{ec.max_logprobs} (set LLM(max_logprobs=...))")
+        if sp.bad_words and self.tokenizer is None:
+            raise ValueError(f"{where}: bad_words need a tokenizer (use bad_token_ids)")
+        # Builds (and so validates) the sampling row: stop ids, bad words, capacities.
+        self._sampling_row(sp, prompt_ids, self._bad_words_ids(sp), 0)
 
-    def _stop_ids(self, sp: SamplingParams) -> list[int]:
-        ids = [] if sp.ignore_eos else list(self.model_config.eos_token_ids)
-        return ids + [t for t in sp.stop_token_ids if t not in ids]
+    def _bad_words_ids(self, sp: SamplingParams) -> list[list[int]]:
+        out = []
+        for wd in sp.bad_words:  # a word and its space-prefixed form, as vLLM does
+            for variant in (wd, " " + wd.lstrip()):
+                ids = list(self.tokenizer.encode(variant))
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def _sampling_row(self, sp, prompt_ids, bad_words_ids, seed):
+        ec = self.engine_config
+        return make_row(sp, prompt_ids, self.model_config.vocab_size, max_stop=ec.max_stop_ids,
+                        max_bad_words=ec.max_bad_words, max_bad_word_len=ec.max_bad_word_len,
+                        eos_ids=self.model_config.eos_token_ids, request_seed=seed,
+                        bad_words_ids=bad_words_ids)
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -177,7 +189,10 @@ class LLM:
             else:
                 ids, text = [int(t) for t in p], None
             self._validate(ids, sp, f"prompts[{i}]")
-            reqs.append(_Request(i, text, ids, sp, context_ids=list(ids)))
+            reqs.append(_Request(i, text, ids, sp, context_ids=list(ids),
+                                 bad_words_ids=self._bad_words_ids(sp) if sp.bad_words else [],
+                                 logprobs=[] if sp.logprobs is not None else None,
+                                 seed=int(self._seed_rng.integers(0, 2**32))))
         return self._run(reqs, use_tqdm)
 
     def _run(self, reqs: list[_Request], use_tqdm: bool) -> list[RequestOutput]:
@@ -239,6 +254,8 @@ class LLM:
                 r.prefilled += int(chunks[b])
                 n = int(out.num_tokens[b])
                 r.output_ids += [int(x) for x in out.tokens[b, :n]]
+                if r.logprobs is not None and n:
+                    self._collect_logprobs(r, out, b, n)
                 gen_tokens += n
                 if was_decode and n:
                     mt = r.metrics
@@ -267,21 +284,34 @@ class LLM:
                                    tokens_per_second=gen_tokens / dt if dt > 0 else 0.0)
         return [done[r.request_id] for r in reqs]
 
+    def _collect_logprobs(self, r: _Request, out, b: int, n: int):
+        """vLLM shape: per emitted token, {token id: logprob} of the top-n plus the token itself."""
+        k = r.params.logprobs
+        for i in range(n):
+            d = {int(t): float(v) for t, v in zip(out.top_logprob_ids[b, i, :k],
+                                                   out.top_logprobs[b, i, :k])}
+            d[int(out.tokens[b, i])] = float(out.logprobs[b, i])
+            r.logprobs.append(d)
+
     def _admit(self, b: int, r: _Request):
         ec = self.engine_config
         ids = np.zeros((ec.seq_buffer_len,), np.int32)
         ids[: len(r.context_ids)] = r.context_ids
-        stop = np.full((ec.max_stop_ids,), -1, np.int32)
-        sids = self._stop_ids(r.params)
-        stop[: len(sids)] = sids
+        row = self._sampling_row(r.params, r.prompt_ids, r.bad_words_ids, r.seed)
+        if r.output_ids:  # re-admission after a preemption: restore the generated history
+            row["output_counts"] += np.bincount(r.output_ids, minlength=self.model_config.vocab_size
+                                                ).astype(np.int32)
+            row["min_tokens"] = np.int32(max(r.params.min_tokens - len(r.output_ids), 0))
+            tail = np.asarray(r.context_ids[-(ec.max_bad_word_len - 1):] if ec.max_bad_word_len > 1
+                              else [], np.int32)
+            row["recent_tokens"][ec.max_bad_word_len - 1 - tail.size:] = tail
         remaining = r.params.max_tokens - len(r.output_ids)
-        min_left = max(getattr(r.params, "min_tokens", 0) - len(r.output_ids), 0)
         r.prefilled = 0
         if not r.metrics.accepted_per_position:
             r.metrics.accepted_per_position = [0] * ec.k
         self.state = self._insert(self.state, jnp.int32(b), jnp.asarray(ids),
                                   jnp.int32(len(r.context_ids)), jnp.int32(remaining),
-                                  jnp.int32(min_left), jnp.asarray(stop))
+                                  {k: jnp.asarray(v) for k, v in row.items()})
 
     def _preempt(self, slots, order, waiting):
         """Every occupied slot is paused for KV blocks: preempt the newest (LIFO) and re-queue it
@@ -299,4 +329,5 @@ class LLM:
         text = self.tokenizer.decode(r.output_ids) if self.tokenizer is not None else ""
         return RequestOutput(request_id=r.request_id, prompt=r.prompt,
                              prompt_token_ids=list(r.prompt_ids), token_ids=list(r.output_ids),
-                             text=text, finish_reason=r.finish_reason, metrics=r.metrics)
+                             text=text, finish_reason=r.finish_reason, metrics=r.metrics,
+                             logprobs=r.logprobs)

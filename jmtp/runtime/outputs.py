@@ -56,6 +56,9 @@ class RequestOutput:
       text: detokenised ``token_ids`` ("" without a tokenizer).
       finish_reason: "stop" (stop/EOS token) or "length" (max_tokens or max_model_len).
       metrics: speculation counters.
+      logprobs: with ``SamplingParams.logprobs=n``: per generated token, ``{token id: logprob}`` of
+        the target's top-n plus the emitted token (log-softmax after penalties, before
+        temperature); None otherwise.
     """
 
     request_id: int
@@ -65,3 +68,4 @@ class RequestOutput:
     text: str
     finish_reason: str
     metrics: SpecDecodeMetrics
+    logprobs: list[dict[int, float]] | None = None

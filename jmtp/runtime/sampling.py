@@ -2,7 +2,8 @@
 
 Two layers:
 
-* :class:`SamplingParams` -- the user-facing, vLLM-like request parameters (validated on construction).
+* :class:`SamplingParams` -- the user-facing, vLLM-like request parameters (validated on
+  construction).
 * :class:`SamplingArrays` -- the same parameters as fixed-shape per-slot arrays (a pytree of device
   arrays, leading dim ``B`` = batch slots), plus per-slot history (prompt-token mask, counts of
   generated tokens, the last few tokens for multi-token bad words). Sampling parameters are *data*:
@@ -35,13 +36,13 @@ In speculative verification, row ``w`` of a window sees the history *including t
 use at that position (see :func:`penalize`).
 
 Randomness is position-based and per request: the key of output position ``n`` of the request in
-slot ``b`` for purpose ``π`` is ``fold_in(fold_in(key(seed[b]), n), π)`` (:func:`request_keys`), so a
-request's tokens do not depend on its batch mates nor on how many drafts earlier steps accepted.
+slot ``b`` for purpose ``π`` is ``fold_in(key(seed[b]), n * NUM_PURPOSES + π)``
+(:func:`request_keys`), so a request's tokens depend neither on its batch mates nor on how many
+drafts earlier steps accepted.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Sequence
 
@@ -79,8 +80,8 @@ class SamplingParams:
       stop_token_ids: ids that end the request (the emitted stop token is kept in the output).
       bad_token_ids: ids that are never generated.
       bad_words: strings the engine tokenizes into id sequences and passes to :func:`set_slot` as
-        ``bad_words_ids`` (single-token words are banned everywhere, multi-token words ban their last
-        token after the rest of the sequence, HF semantics).
+        ``bad_words_ids`` (single-token words are banned everywhere, multi-token words ban their
+        last token after the rest of the sequence, HF semantics).
       ignore_eos: EOS neither stops the request nor is masked by ``min_tokens``.
       seed: int in [0, 2**32) or None (the engine then supplies a request seed).
       logprobs: None or int >= 0: number of top logprobs returned per emitted token.
@@ -245,7 +246,8 @@ def _neutral_row(V: int, S: int, NW: int, LW: int) -> dict[str, np.ndarray]:
         frequency_penalty=np.float32(0.0), presence_penalty=np.float32(0.0),
         min_tokens=np.int32(0), ignore_eos=np.bool_(False),
         stop_token_ids=np.full((S,), -1, np.int32), bad_token_mask=np.zeros((V,), bool),
-        bad_word_seqs=np.full((NW, LW), -1, np.int32), recent_tokens=np.full((LW - 1,), -1, np.int32),
+        bad_word_seqs=np.full((NW, LW), -1, np.int32),
+        recent_tokens=np.full((LW - 1,), -1, np.int32),
         seed=np.uint32(0), prompt_mask=np.zeros((V,), bool), output_counts=np.zeros((V,), np.int32),
         logprobs=np.int32(-1))
 
@@ -407,42 +409,50 @@ def pack_sampling(params: Sequence[SamplingParams | None], batch_size: int, voca
 # Randomness
 
 
-def request_keys(seed: jax.Array, positions: jax.Array, purpose: int) -> jax.Array:
-    """Typed PRNG keys ``key[B, ...]``: ``fold_in(fold_in(key(seed[b]), positions[b, ...]), purpose)``.
+#: Number of RNG purposes: the key data folded in is ``position * NUM_PURPOSES + purpose``.
+NUM_PURPOSES = 4
+
+
+def request_keys(seed: jax.Array, positions: jax.Array, purpose) -> jax.Array:
+    """Typed PRNG keys ``key[positions.shape]``: ``fold_in(key(seed[b]), n * NUM_PURPOSES + π)``.
+
+    One key per (request seed, output position ``n``, purpose ``π``); the pair is packed into one
+    ``fold_in`` (injective for positions below 2**29), which is the nested
+    ``fold_in(fold_in(key, n), π)`` scheme with one hash instead of two.
 
     Args:
-      seed: u32[B] request seeds. positions: i32[B] or i32[B, W] output positions (0 = the first
-        generated token). purpose: one of the ``PURPOSE_*`` constants.
+      seed: u32[B] request seeds.
+      positions: i32[B, ...] output positions (0 = the first generated token).
+      purpose: a ``PURPOSE_*`` constant, or an int array broadcastable to ``positions``.
     """
+    data = (positions.astype(jnp.uint32) * jnp.uint32(NUM_PURPOSES)
+            + jnp.asarray(purpose, jnp.uint32))
     base = jax.vmap(jax.random.key)(seed.astype(jnp.uint32))
-    pos = positions.astype(jnp.uint32)
-    flat = pos.reshape(pos.shape[0], -1)
-
-    def one(k, p):
-        return jax.random.fold_in(jax.random.fold_in(k, p), purpose)
-
-    keys = jax.vmap(lambda k, ps: jax.vmap(lambda p: one(k, p))(ps))(base, flat)
-    return keys.reshape(pos.shape)
+    flat = data.reshape(data.shape[0], -1)
+    keys = jax.vmap(lambda k, ds: jax.vmap(lambda d: jax.random.fold_in(k, d))(ds))(base, flat)
+    return keys.reshape(data.shape)
 
 
 def _uniform(keys: jax.Array) -> jax.Array:
-    """One uniform draw in [0, 1) per key: ``f32[keys.shape]``.
-
-    The single source of randomness of this module and of :mod:`jmtp.runtime.verify`; tests
-    monkeypatch it (before tracing) to force extreme draws.
-    """
+    """One uniform draw in [0, 1) per key: ``f32[keys.shape]``."""
     flat = keys.reshape(-1)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(flat)
     return u.reshape(keys.shape)
 
 
-def uniform_draws(seed: jax.Array, positions: jax.Array, purpose: int) -> jax.Array:
-    """``f32[positions.shape]`` in [0, 1), one per (request, position) for ``purpose``."""
-    return _uniform(request_keys(seed, positions, purpose))  # global looked up at trace time
+def uniform_draws(seed: jax.Array, positions: jax.Array, purpose) -> jax.Array:
+    """``f32[...]`` in [0, 1), one per (request, position, purpose); see :func:`request_keys`.
+
+    Call it once per jitted function with every (position, purpose) needed: each call site
+    compiles its own hash.
+    """
+    return _uniform(request_keys(seed, positions, purpose))
 
 
 def sample_from_probs(probs: jax.Array, u: jax.Array) -> jax.Array:
-    """Inverse-CDF sampling: ``i32[...]`` from ``probs f32[..., V]`` (unnormalised ok) and ``u`` in [0,1).
+    """Inverse-CDF sampling of ``i32[...]`` from ``probs f32[..., V]`` (unnormalised) and ``u``.
+
+    ``u`` (``f32[...]``) must be in [0, 1).
 
     Returns the first token whose cumulative mass exceeds ``u * total``, restricted to tokens with
     positive mass, so a zero-probability token is never returned, also for ``u == 0`` (and rounding
@@ -480,19 +490,24 @@ def window_history(sampling: SamplingArrays, draft_tokens: jax.Array, num_drafts
     """Generated-token counts seen by each window row: ``i32[B, K+1, V]``.
 
     Row ``w`` counts ``output_counts`` plus the drafts ``d_1..d_w`` (``draft_tokens[:, :w]``, only
-    those below ``num_drafts``).
+    those below ``num_drafts``). Written as K elementwise terms (no one-hot / cumsum buffer), so
+    XLA fuses it into the penalty computation.
     """
     B, K = draft_tokens.shape
     V = sampling.vocab_size
-    valid = jnp.arange(K)[None, :] < num_drafts[:, None]
-    oh = jax.nn.one_hot(jnp.where(valid, draft_tokens, -1), V, dtype=jnp.int32)   # [B, K, V]
-    cum = jnp.cumsum(oh, axis=1)
-    cum = jnp.concatenate([jnp.zeros((B, 1, V), jnp.int32), cum], axis=1)           # [B, K+1, V]
-    return sampling.output_counts[:, None, :] + cum
+    vocab = jnp.arange(V, dtype=jnp.int32)[None, None, :]
+    row = jnp.arange(K + 1, dtype=jnp.int32)[None, :, None]
+    counts = jnp.broadcast_to(sampling.output_counts[:, None, :], (B, K + 1, V))
+    for i in range(K):
+        hit = ((row > i) & (i < num_drafts)[:, None, None]
+               & (vocab == draft_tokens[:, i, None, None]))
+        counts = counts + hit.astype(jnp.int32)
+    return counts
 
 
 def _bad_word_ban(sampling: SamplingArrays, draft_tokens: jax.Array) -> jax.Array:
-    """``bool[B, K+1, V]``: last tokens of multi-token bad words whose prefix matches the context."""
+    """``bool[B, K+1, V]``: last tokens of multi-token bad words whose prefix matches the context
+    (the last ``LW-1`` tokens of prompt + output + the drafts before the row)."""
     B, K = draft_tokens.shape
     V = sampling.vocab_size
     NW, LW = sampling.bad_word_seqs.shape[1:]
@@ -506,8 +521,11 @@ def _bad_word_ban(sampling: SamplingArrays, draft_tokens: jax.Array) -> jax.Arra
     last = sampling.bad_word_seqs[:, :, R]                                      # [B, NW]
     ok = (prefix[:, None] == -1) | (prefix[:, None] == win[:, :, None])          # [B,K+1,NW,R]
     match = jnp.all(ok, axis=-1) & (last >= 0)[:, None, :]                       # [B, K+1, NW]
-    oh = jax.nn.one_hot(last, V, dtype=jnp.float32)                              # [B, NW, V]
-    return jnp.einsum("bwn,bnv->bwv", match.astype(jnp.float32), oh) > 0
+    vocab = jnp.arange(V, dtype=jnp.int32)[None, None, :]
+    ban = jnp.zeros((B, K + 1, V), bool)
+    for n in range(NW):
+        ban = ban | (match[:, :, n, None] & (vocab == last[:, n, None, None]))
+    return ban
 
 
 def penalize(logits: jax.Array, sampling: SamplingArrays, draft_tokens: jax.Array,
@@ -554,34 +572,73 @@ def _softmax(z: jax.Array) -> jax.Array:
     return e / jnp.where(s > 0, s, 1.0)
 
 
-def filter_logits(z: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                  min_p: jax.Array) -> jax.Array:
+#: Up to this vocabulary size :func:`filter_logits` ranks by pairwise comparison instead of sorting.
+PAIRWISE_MAX_V = 16
+
+
+def _rank_filter(z, k, top_p):
+    """top-k / top-p keep-mask from stable descending ranks computed pairwise (O(V^2), unrolled
+    over V: only for tiny vocabularies, where it is much faster than a sort on CPU)."""
+    V = z.shape[-1]
+    ids = jnp.arange(V)[None, :]
+
+    def before(j):                      # does id j rank before each id i?
+        zj = z[:, j:j + 1]
+        return (zj > z) | ((zj == z) & (j < ids))
+
+    rank = sum(before(j).astype(jnp.int32) for j in range(V))                     # [N, V]
+    kth = jnp.max(jnp.where(rank == (k - 1)[:, None], z, -jnp.inf), axis=-1, keepdims=True)
+    keep_k = z >= kth
+    p = _softmax(jnp.where(keep_k, z, -jnp.inf))
+    excl = sum(jnp.where(before(j), p[:, j:j + 1], 0.0) for j in range(V))        # mass before
+    return keep_k & ((excl < top_p[:, None]) | (top_p[:, None] >= 1.0))
+
+
+def _sort_filter(z, k, top_p):
+    """Same keep-mask as :func:`_rank_filter` through one stable sort (large V)."""
+    N, V = z.shape
+    order = jnp.argsort(-z, axis=-1, stable=True)
+    zs = jnp.take_along_axis(z, order, axis=-1)
+    kth = jnp.take_along_axis(zs, (k - 1)[:, None], axis=-1)
+    keep_k = zs >= kth
+    ps = _softmax(jnp.where(keep_k, zs, -jnp.inf))
+    excl = jnp.concatenate([jnp.zeros((N, 1), ps.dtype), jnp.cumsum(ps, axis=-1)[:, :-1]], -1)
+    keep_s = keep_k & ((excl < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    # the kept ids are a prefix of the sorted order: map back through its last element
+    m = jnp.maximum(jnp.sum(keep_s, axis=-1), 1)[:, None]
+    thr = jnp.take_along_axis(zs, m - 1, axis=-1)
+    last = jnp.take_along_axis(order, m - 1, axis=-1)
+    return (z > thr) | ((z == thr) & (jnp.arange(V)[None, :] <= last))
+
+
+def filter_logits(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                  method: str = "auto") -> jax.Array:
     """min-p, then top-k, then top-p on temperature-scaled logits ``z f32[N, V]`` (params ``[N]``).
 
-    Returns ``z`` with removed ids set to ``-inf``. top-k keeps every id ``>=`` the k-th largest
-    value (0 = off); top-p keeps, in the descending order with ties broken by lower id, each id
-    whose preceding mass (after top-k renormalisation) is ``< top_p`` (``top_p >= 1`` = off).
-    The sort is skipped (``lax.cond``) when no row uses top-k or top-p.
+    Returns ``z`` with removed ids set to ``-inf``. min-p removes ids with ``p < min_p * max p``.
+    top-k keeps every id ``>=`` the k-th largest value (0 = off; ties at the k-th value are kept).
+    top-p keeps, in the descending order with ties broken by lower id, each id whose preceding
+    mass (after top-k renormalisation) is ``< top_p`` (``top_p >= 1`` = off): the smallest prefix
+    reaching ``top_p``. All of it is skipped (``lax.cond``) when no row uses min-p, top-k or top-p.
+
+    ``method`` (static): ``"sort"`` (one stable sort), ``"pairwise"`` (O(V^2) ranks, faster for
+    tiny vocabularies) or ``"auto"`` (pairwise when ``V <= PAIRWISE_MAX_V``); same result.
     """
     N, V = z.shape
-    p = _softmax(z)
-    pmax = jnp.max(p, axis=-1, keepdims=True)
-    z = jnp.where(p < min_p[:, None] * pmax, -jnp.inf, z)
+    if method not in ("auto", "sort", "pairwise"):
+        raise ValueError(f"method={method!r}: must be 'auto', 'sort' or 'pairwise'")
+    pairwise = method == "pairwise" or (method == "auto" and V <= PAIRWISE_MAX_V)
     k = jnp.where((top_k > 0) & (top_k < V), top_k, V).astype(jnp.int32)
-    need = jnp.any((k < V) | (top_p < 1.0))
+    need = jnp.any((k < V) | (top_p < 1.0) | (min_p > 0.0))
 
-    def sort_filter(z):
-        order = jnp.argsort(-z, axis=-1, stable=True)
-        zs = jnp.take_along_axis(z, order, axis=-1)
-        kth = jnp.take_along_axis(zs, (k - 1)[:, None], axis=-1)
-        keep_k = zs >= kth
-        ps = _softmax(jnp.where(keep_k, zs, -jnp.inf))
-        excl = jnp.concatenate([jnp.zeros((N, 1), ps.dtype), jnp.cumsum(ps, axis=-1)[:, :-1]], -1)
-        keep_s = keep_k & ((excl < top_p[:, None]) | (top_p[:, None] >= 1.0))
-        keep = jax.vmap(lambda o, ks: jnp.zeros((V,), bool).at[o].set(ks))(order, keep_s)
+    def filt(z):
+        z = jnp.where(z == 0, 0.0, z)      # -0.0 == +0.0 must also tie in the sort order
+        p = _softmax(z)
+        z = jnp.where(p < min_p[:, None] * jnp.max(p, axis=-1, keepdims=True), -jnp.inf, z)
+        keep = (_rank_filter if pairwise else _sort_filter)(z, k, top_p)
         return jnp.where(keep, z, -jnp.inf)
 
-    return jax.lax.cond(need, sort_filter, lambda z: z, z)
+    return jax.lax.cond(need, filt, lambda z: z, z)
 
 
 def target_probs(penalized: jax.Array, sampling: SamplingArrays) -> jax.Array:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.runtime.config import EngineConfig
+from jmtp.runtime.sampling import SamplingArrays
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 FINISH_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
@@ -40,8 +41,8 @@ class EngineState:
       num_drafts: i32[B]             drafts verified in the last step (for metrics).
     Limits and stopping:
       max_dec_len: i32[B]            max new tokens (SamplingParams.max_tokens).
-      min_dec_len: i32[B]            min new tokens before a stop token may end the request.
-      stop_token_ids: i32[B, E]      EOS ids (unless ignore_eos) and user stop ids, -1 padded.
+      sampling: SamplingArrays       per-slot sampling parameters, stop ids (EOS included unless
+                                     ignore_eos), min_tokens, penalty histories.
       stop_flags: bool[B]            slot idle or finished (init True).
       finish_reason: i32[B]          FINISH_NONE / FINISH_STOP / FINISH_LENGTH.
     KV blocks (shared ids for the target and MTP caches):
@@ -63,8 +64,7 @@ class EngineState:
     accept_num: jax.Array
     num_drafts: jax.Array
     max_dec_len: jax.Array
-    min_dec_len: jax.Array
-    stop_token_ids: jax.Array
+    sampling: SamplingArrays
     stop_flags: jax.Array
     finish_reason: jax.Array
     block_tables: jax.Array
@@ -74,7 +74,7 @@ class EngineState:
     free_count: jax.Array
 
 
-def init_state(ec: EngineConfig) -> EngineState:
+def init_state(ec: EngineConfig, vocab_size: int) -> EngineState:
     """All slots idle, every block free."""
     b, w = ec.max_num_seqs, ec.window
     zi = lambda *s: jnp.zeros(s, jnp.int32)
@@ -90,8 +90,8 @@ def init_state(ec: EngineConfig) -> EngineState:
         accept_num=zi(b),
         num_drafts=zi(b),
         max_dec_len=zi(b),
-        min_dec_len=zi(b),
-        stop_token_ids=jnp.full((b, ec.max_stop_ids), -1, jnp.int32),
+        sampling=SamplingArrays.empty(b, vocab_size, ec.max_stop_ids, ec.max_bad_words,
+                                      ec.max_bad_word_len),
         stop_flags=jnp.ones((b,), bool),
         finish_reason=zi(b),
         block_tables=jnp.full((b, ec.pages_per_seq), -1, jnp.int32),
@@ -108,8 +108,7 @@ def insert_request(
     prompt: jax.Array,        # i32[Lbuf] prompt tokens, padded
     prompt_len: jax.Array,    # i32[]
     max_dec_len: jax.Array,   # i32[]
-    min_dec_len: jax.Array,   # i32[]
-    stop_ids: jax.Array,      # i32[E]  -1 padded
+    sampling_row: dict,       # one row of SamplingArrays (jmtp.runtime.sampling.make_row)
 ) -> EngineState:
     """Put a new request into ``slot`` (every per-slot field reset; nothing leaks from the last
     occupant). Its blocks are allocated by the next engine step."""
@@ -128,8 +127,8 @@ def insert_request(
         accept_num=upd(s.accept_num, 0),
         num_drafts=upd(s.num_drafts, 0),
         max_dec_len=upd(s.max_dec_len, max_dec_len),
-        min_dec_len=upd(s.min_dec_len, min_dec_len),
-        stop_token_ids=upd(s.stop_token_ids, stop_ids),
+        sampling=dataclasses.replace(s.sampling, **{
+            k: getattr(s.sampling, k).at[slot].set(v) for k, v in sampling_row.items()}),
         stop_flags=upd(s.stop_flags, False),
         finish_reason=upd(s.finish_reason, 0),
         paused=upd(s.paused, False),

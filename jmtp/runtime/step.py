@@ -34,7 +34,9 @@ from jmtp.model.config import ModelConfig
 from jmtp.model.llama import KVCache, compute_logits, forward, mtp_forward
 from jmtp.model.metadata import ragged_batch
 from jmtp.runtime.config import EngineConfig
+from jmtp.runtime.sampling import update_history
 from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState
+from jmtp.runtime.verify import verify
 
 from jmtp.pallas.block_allocator import allocate_blocks
 
@@ -53,6 +55,8 @@ class StepOutput:
       finish_reason: i32[B]    FINISH_STOP / FINISH_LENGTH for finished slots.
       paused: bool[B]          slot could not get KV blocks (did nothing this step).
       free_count: i32[]        free KV blocks after the step.
+      logprobs: f32[B, K+1]    logprob of each emitted token (None unless max_logprobs > 0).
+      top_logprob_ids: i32[B, K+1, n] / top_logprobs: f32[B, K+1, n]  the target's top-n.
     """
 
     tokens: jax.Array
@@ -63,21 +67,13 @@ class StepOutput:
     finish_reason: jax.Array
     paused: jax.Array
     free_count: jax.Array
+    logprobs: jax.Array | None = None
+    top_logprob_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
 
 
 def _take_rows(x, rows):
     return jnp.take(x, jnp.clip(rows, 0, x.shape[0] - 1), axis=0)
-
-
-def _greedy_verify(logits, drafts, num_drafts):
-    """Greedy verification: longest prefix of drafts equal to the target argmax, then one more
-    target token (correction or bonus). logits f32[B, K+1, V], drafts i32[B, K], num_drafts i32[B]
-    -> (tokens i32[B, K+1], accepted drafts i32[B])."""
-    target = jnp.argmax(logits, axis=-1).astype(jnp.int32)             # i32[B, K+1]
-    k = drafts.shape[1]
-    ok = (drafts == target[:, :k]) & (jnp.arange(k)[None] < num_drafts[:, None])
-    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-    return target, n_acc
 
 
 def engine_step(
@@ -136,16 +132,23 @@ def engine_step(
     h_win = _take_rows(hidden, rows.reshape(-1))
     logits = compute_logits(params, h_win).reshape(B, W, -1)
 
-    # ---- 4. verify.
-    target_tok, n_acc = _greedy_verify(logits, s.draft_tokens[:, 1:], num_drafts)
+    # ---- 4. verify (penalties, min_tokens, bad words at every window row; see verify.py).
+    res = verify(logits, s.draft_tokens[:, 1:], num_drafts, None, s.sampling, s.step_idx,
+                 jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32), strategy=ec.verify_strategy,
+                 max_candidate_len=ec.max_candidate_len, verify_window=ec.verify_window,
+                 num_logprobs=ec.max_logprobs, truncate_at_stop=False)
+    target_tok = jnp.maximum(res.accept_tokens, 0)
+    n_acc = res.accept_num - 1
     finishing_prefill = prefilling & (dec + chunk == s.prompt_lens)
     emit = jnp.where(finishing_prefill, 1, jnp.where(decoding, n_acc + 1, 0))
 
     # ---- 5. speculate_update: stop checks per emitted token, truncation at the first stop.
     seq_len = s.prompt_lens + s.step_idx                                  # tokens in the sequence
     valid = w[None] < emit[:, None]
-    is_stop_tok = jnp.any(target_tok[:, :, None] == s.stop_token_ids[:, None, :], axis=-1)
-    is_stop_tok &= (s.step_idx[:, None] + w[None] + 1) > s.min_dec_len[:, None]
+    stop_ids = s.sampling.stop_token_ids
+    is_stop_tok = jnp.any((target_tok[:, :, None] == stop_ids[:, None, :])
+                          & (stop_ids[:, None, :] >= 0), axis=-1)
+    is_stop_tok &= (s.step_idx[:, None] + w[None] + 1) > s.sampling.min_tokens[:, None]
     is_len = ((s.step_idx[:, None] + w[None] + 1) >= s.max_dec_len[:, None]) | (
         (seq_len[:, None] + w[None] + 1) >= ec.max_model_len)
     stop_at = valid & (is_stop_tok | is_len)
@@ -178,6 +181,7 @@ def engine_step(
         s, input_ids=input_ids, seq_lens_encoder=chunk, seq_lens_decoder=new_dec,
         seq_lens_this_time=slt, step_idx=step_idx, accept_tokens=tokens, accept_num=emit,
         num_drafts=num_drafts, stop_flags=stop_flags,
+        sampling=update_history(s.sampling, tokens, emit),
         finish_reason=jnp.where(finished, reason, s.finish_reason),
         block_tables=tables, num_owned=alloc.num_owned, paused=paused,
         free_stack=alloc.free_stack, free_count=alloc.free_count,
@@ -205,7 +209,8 @@ def engine_step(
     out = StepOutput(tokens=tokens, num_tokens=emit, num_drafts=num_drafts,
                      num_accepted=num_accepted, finished=finished,
                      finish_reason=jnp.where(finished, reason, FINISH_NONE), paused=paused,
-                     free_count=state.free_count)
+                     free_count=state.free_count, logprobs=res.logprobs,
+                     top_logprob_ids=res.top_logprob_ids, top_logprobs=res.top_logprobs)
     return state, cache, mtp_cache, out
 
 

@@ -1,55 +1,65 @@
 """Verification of a speculative window: pure, jit-compatible, per-request parameters as data.
 
-Input per slot ``b``: the target logits of the window rows ``w = 0..K`` (row ``w`` = distribution of
-the token after input ``w``; input 0 is the last emitted token, input ``w >= 1`` is draft ``d_w``),
-the drafts ``d_1..d_K`` (``num_drafts[b]`` of them), and optionally ``q``, the distribution each draft
-was sampled from. Output: ``accept_num[b]`` in ``[1, num_drafts+1]`` tokens -- the accepted drafts
-then one correction/bonus token -- cut after the first stop token.
+Input per slot ``b``: the target logits of the window rows ``w = 0..K`` (row ``w`` = distribution
+of the token after input ``w``; input 0 is the last emitted token, input ``w >= 1`` is draft
+``d_w``), the drafts ``d_1..d_K`` (``num_drafts[b]`` of them), and optionally ``q``, the
+distribution each draft was sampled from. Output: ``accept_num[b]`` in ``[1, num_drafts+1]``
+tokens -- the accepted drafts, then one correction/bonus token -- cut after the first stop token.
+The token at index ``w`` of the output always comes from row ``w``.
 
 Every row is processed with the history including the drafts before it (penalties, min_tokens,
-bad words; :func:`jmtp.runtime.sampling.penalize`), so speculation changes nothing but speed for the
-exact strategies.
+bad words; :func:`jmtp.runtime.sampling.penalize`), so the exact strategies change nothing but
+speed.
 
 Strategies (``strategy=``):
 
-* ``"auto"`` / ``"rejection"`` (the default; the two names are equivalent): speculative sampling
-  (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"; Chen et al.
-  2023, "Accelerating LLM Decoding with Speculative Sampling"). Accept ``d`` with probability
-  ``min(1, p(d)/q(d))``; at the first rejection sample from ``norm(max(0, p - q))``; if every draft
-  is accepted, sample the bonus from ``p`` of the last row. ``q`` is one-hot for greedy drafts
-  (``draft_probs=None``). Greedy rows (temperature 0: ``p`` is the argmax one-hot, for which the rule
-  *is* argmax matching) use exact argmax matching and consume no randomness, so one batch mixes both.
-  Lossless.
+* ``"auto"`` / ``"rejection"`` (the default; the two names are the same rule): speculative
+  sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding";
+  Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling").
+  Accept ``d`` with probability ``min(1, p(d)/q(d))`` (coin ``c = 1 - u`` in (0, 1], accept iff
+  ``p(d) > 0`` and ``c·q(d) <= p(d)``); at the first rejection sample from
+  ``norm(max(0, p - q))``; if every draft is accepted, sample the bonus from ``p`` of the next row.
+  ``draft_probs=None`` means one-hot q (greedy drafts; the rule is then lossless for any draft
+  chosen independently of the target's draws). Greedy rows (temperature 0, whose ``p`` is the
+  argmax one-hot, for which the rule *is* argmax matching) use exact argmax matching and consume
+  no randomness, so one batch mixes both. Lossless.
 * ``"greedy"``: every row is treated as temperature 0 (argmax matching, argmax correction).
 * ``"target_match"``: sample ``t_w ~ p_w`` at every row, accept while ``d_{w+1} == t_w``, emit
-  ``t_j`` at the first mismatch (or the bonus). Lossless for any drafts; acceptance
-  ``sum p·q`` instead of ``sum min(p, q)``.
-* ``"topp"``: FastDeploy's rule (``fastdeploy_mtp_spec.md`` §5.3), **lossy**, for parity. Probs =
-  softmax(penalized logits / temperature) (min-p and top-k are not applied, as in FastDeploy;
-  greedy rows use temperature 1 and ``top_p = 1e-5`` like FastDeploy's input processor). Candidates =
-  top-``C`` ids by probability (ties: lower id first); ``len`` = smallest ``n`` with top-n mass
-  ``>= top_p``, else ``C`` when ``top_p == 1`` and **0** otherwise (quirk Q8, replicated unless
-  ``topp_clamp_candidate_len=True``, which clamps to ``C``). A draft is accepted iff it is among the
-  first ``len`` candidates. At the first rejected row ``i``, if ``C >= 2``, ``d_{i+1}`` is the second
-  candidate and the next ``verify_window`` drafts all equal their row's top-1 candidate (so at least
-  ``verify_window`` further drafts exist), all ``verify_window + 1`` drafts are accepted
-  (window relaxation). The correction/bonus token is drawn from the candidates of the row after
-  the last accepted draft: ``T* = min(sum of the first len scores, top_p)``, ``u ~ U(0, 1]``, the
-  first candidate (among the first ``len``) with cumulative score ``>= u·T*``, else candidate 0.
-  Deviations from FastDeploy, all deliberate: EOS inside an accepted window truncates at the first
-  EOS (quirk Q7; FastDeploy only subtracts one), a zero-probability candidate is never accepted
-  (FastDeploy can accept one when ``top_p == 1`` and the top-C float sum falls short of 1),
-  penalties use the exact per-row history (Q9), randomness is per request.
+  ``t_j`` at the first mismatch (or the bonus). Lossless for any drafts; acceptance ``Σ p·q``
+  instead of ``Σ min(p, q)``.
+* ``"topp"``: FastDeploy's rule (``fastdeploy_mtp_spec.md`` §5.3), **lossy**, for parity.
+  Probs = softmax(penalized logits / temperature) (min-p and top-k are not applied, as in
+  FastDeploy; greedy rows use temperature 1 and ``top_p = 1e-5`` like FastDeploy's input
+  processor). Candidates = the top-``C`` ids by probability (ties: lower id first); ``len`` = the
+  smallest ``n`` whose top-n mass is ``>= top_p``, else ``C`` when ``top_p == 1`` and **0**
+  otherwise (quirk Q8, replicated unless ``topp_clamp_candidate_len=True``, which clamps to
+  ``C``). A draft is accepted iff it is among the first ``len`` candidates. At the first rejected
+  row ``i``: if ``C >= 2``, ``d_{i+1}`` is the second candidate and the next ``verify_window``
+  drafts all equal their row's top-1 candidate (so at least ``verify_window`` further drafts
+  exist), all ``verify_window + 1`` drafts are accepted (window relaxation, also for greedy rows,
+  as in FastDeploy). The correction/bonus token is drawn from the candidates of the row after the
+  last accepted draft: ``T* = min(sum of the first len scores, top_p)``, ``u ~ U(0, 1]``, the first
+  candidate (among the first ``len``) with cumulative score ``>= u·T*``, else candidate 0.
+  Deliberate deviations from FastDeploy: EOS inside an accepted window truncates at the first EOS
+  (quirk Q7; FastDeploy subtracts only one); a zero-probability candidate is never accepted
+  (FastDeploy can accept one when ``top_p == 1`` and the top-C float sum falls short of 1);
+  penalties use the exact per-row history (Q9); randomness is per request.
 
 After the strategy, tokens are cut after the first stop token (the slot's ``stop_token_ids``, and
-``eos_token_ids`` unless ``ignore_eos``) when ``truncate_at_stop`` (default). ``max_tokens`` is left
-to the engine.
+``eos_token_ids`` unless ``ignore_eos``) when ``truncate_at_stop`` (default). ``max_tokens`` is
+left to the engine.
+
+Logprobs (``num_logprobs > 0``) are those of the target distribution at each emitted position,
+bonus token included; by default (``logprobs_mode="penalized"``) the log-softmax of the logits
+after penalties, min_tokens and bad words, before temperature and top-k/top-p/min-p. Since row
+``w`` sees exactly the non-speculative history, they equal the logprobs without speculation.
 
 Randomness: the draw for output position ``n`` of slot ``b`` comes from
-``fold_in(fold_in(key(seed[b]), n), purpose)`` with ``n = num_generated[b] + w``
-(:func:`jmtp.runtime.sampling.request_keys`). Any draw that influenced the emitted tokens belongs to
-a position below the next step's ``num_generated``, so reusing keys by position across steps keeps
-the draws independent of everything already decided.
+``fold_in(key(seed[b]), n * NUM_PURPOSES + purpose)`` with ``n = num_generated[b] + w``
+(:func:`jmtp.runtime.sampling.request_keys`); one uniform per row for the acceptance coin, one per
+row for sampling. Every draw that influenced the emitted tokens belongs to a position below the
+next step's ``num_generated``, so reusing keys by position across steps keeps the draws
+independent of everything already decided.
 """
 from __future__ import annotations
 
@@ -85,7 +95,8 @@ class VerifyResult:
       accept_num: i32[B] number of emitted tokens, in ``[1, num_drafts + 1]``.
       logprobs: f32[B, K+1] logprob of each emitted token (0 past ``accept_num``), or None when
         ``num_logprobs == 0``.
-      top_logprob_ids: i32[B, K+1, n] ids of the n most likely tokens of each row, or None.
+      top_logprob_ids: i32[B, K+1, n] ids of the n most likely tokens of each row (ties: lower
+        id first), or None. Rows at and past ``accept_num`` are meaningless.
       top_logprobs: f32[B, K+1, n] their logprobs, or None.
     """
 
@@ -109,7 +120,7 @@ def _leading_true(acc: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(acc.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
-def _rejection(pen, d, valid, nd, draft_probs, sampling, ng, greedy_row):
+def _rejection(pen, d, valid, nd, draft_probs, sampling, u, greedy_row):
     B, W, V = pen.shape
     K = W - 1
     argmax_t = jnp.argmax(pen, axis=-1).astype(jnp.int32)                    # [B, W]
@@ -119,8 +130,7 @@ def _rejection(pen, d, valid, nd, draft_probs, sampling, ng, greedy_row):
         qd = jnp.ones_like(pd)
     else:
         qd = jnp.take_along_axis(draft_probs, d[..., None], axis=-1)[..., 0]
-    pos = ng[:, None] + jnp.arange(K, dtype=jnp.int32)[None, :]
-    coin = 1.0 - smp.uniform_draws(sampling.seed, pos, smp.PURPOSE_ACCEPT)    # (0, 1]
+    coin = 1.0 - u[:, :K, 0]                                                  # (0, 1]
     acc_sampled = (pd > 0) & (coin * qd <= pd)
     acc_greedy = d == argmax_t[:, :K]
     acc = valid & jnp.where(greedy_row[:, None], acc_greedy, acc_sampled)
@@ -136,21 +146,18 @@ def _rejection(pen, d, valid, nd, draft_probs, sampling, ng, greedy_row):
         resid = jnp.maximum(p_j - q_j, 0.0)
         use_resid = (a < nd) & (jnp.sum(resid, axis=-1) > 0)
         dist = jnp.where(use_resid[:, None], resid, p_j)
-    u = smp.uniform_draws(sampling.seed, ng + a, smp.PURPOSE_SAMPLE)
     final = jnp.where(greedy_row, _take_row(argmax_t[..., None], a)[:, 0],
-                      smp.sample_from_probs(dist, u))
+                      smp.sample_from_probs(dist, _take_row(u[..., 1:], a)[:, 0]))
     return a, final
 
 
-def _match(pen, d, valid, sampling, ng, greedy_row, sample: bool):
+def _match(pen, d, valid, sampling, u, greedy_row, sample: bool):
     B, W, V = pen.shape
     K = W - 1
     t = jnp.argmax(pen, axis=-1).astype(jnp.int32)                            # [B, W]
     if sample:
         p = smp.target_probs(pen, sampling)
-        pos = ng[:, None] + jnp.arange(W, dtype=jnp.int32)[None, :]
-        u = smp.uniform_draws(sampling.seed, pos, smp.PURPOSE_SAMPLE)
-        t = jnp.where(greedy_row[:, None], t, smp.sample_from_probs(p, u))
+        t = jnp.where(greedy_row[:, None], t, smp.sample_from_probs(p, u[..., 1]))
     a = _leading_true(valid & (d == t[:, :K]))
     return a, _take_row(t[..., None], a)[:, 0]
 
@@ -172,7 +179,7 @@ def topp_candidates(probs: jax.Array, top_p: jax.Array, max_candidate_len: int,
     return ids.astype(jnp.int32), scores, length.astype(jnp.int32)
 
 
-def _topp(pen, d, valid, nd, sampling, ng, greedy_row, C, window, clamp):
+def _topp(pen, d, valid, nd, sampling, u, greedy_row, C, window, clamp):
     B, W, V = pen.shape
     K = W - 1
     temp = jnp.where(greedy_row, 1.0, sampling.temperature)
@@ -197,8 +204,8 @@ def _topp(pen, d, valid, nd, sampling, ng, greedy_row, C, window, clamp):
     sc_j, ids_j, len_j = _take_row(scores, j), _take_row(ids, j), _take_row(length[..., None], j)
     in_len = jnp.arange(C)[None, :] < len_j
     t_star = jnp.minimum(jnp.sum(jnp.where(in_len, sc_j, 0.0), -1), top_p)
-    u = 1.0 - smp.uniform_draws(sampling.seed, ng + j, smp.PURPOSE_SAMPLE)     # (0, 1]
-    hit = in_len & (jnp.cumsum(sc_j, -1) >= (u * t_star)[:, None])
+    u_j = 1.0 - _take_row(u[..., 1:], j)[:, 0]                                 # (0, 1]
+    hit = in_len & (jnp.cumsum(sc_j, -1) >= (u_j * t_star)[:, None])
     c = jnp.where(jnp.any(hit, -1), jnp.argmax(hit, -1), 0)
     final = jnp.take_along_axis(ids_j, c[:, None], axis=-1)[:, 0]
     return j, final
@@ -208,7 +215,8 @@ def verify(logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
            draft_probs: jax.Array | None, sampling: SamplingArrays, num_generated: jax.Array,
            eos_token_ids: jax.Array, *, strategy: str = "auto", max_candidate_len: int = 5,
            verify_window: int = 2, num_logprobs: int = 0, logprobs_mode: str = "penalized",
-           truncate_at_stop: bool = True, topp_clamp_candidate_len: bool = False) -> VerifyResult:
+           truncate_at_stop: bool = True, topp_clamp_candidate_len: bool = False,
+           uniforms: jax.Array | None = None) -> VerifyResult:
     """Verify the drafts of B slots against the target and emit 1..num_drafts+1 tokens per slot.
 
     Args:
@@ -232,6 +240,9 @@ def verify(logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
         filtering; -inf outside its support; greedy rows: 0 for the argmax).
       truncate_at_stop: static; cut the emitted tokens after the first stop token.
       topp_clamp_candidate_len: static; "topp" only: clamp Q8's 0 candidate length to C.
+      uniforms: optional f32[B, K+1, 2] raw draws in [0, 1) replacing the per-request ones
+        (``[..., 0]``: acceptance coin of row w, ``[..., 1]``: sample at row w); for tests and
+        synthetic runs. The coin used is ``1 - u`` in (0, 1].
     Returns:
       :class:`VerifyResult`.
     Raises:
@@ -259,6 +270,8 @@ def verify(logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
         raise ValueError(f"max_candidate_len={max_candidate_len}: must be in [1, V={V}]")
     if strategy == "topp" and verify_window < 0:
         raise ValueError(f"verify_window={verify_window}: must be >= 0")
+    if uniforms is not None and uniforms.shape != (B, W, 2):
+        raise ValueError(f"uniforms: shape {uniforms.shape} != (B, K+1, 2) = {(B, W, 2)}")
     if not 0 <= num_logprobs <= V:
         raise ValueError(f"num_logprobs={num_logprobs}: must be in [0, V={V}]")
 
@@ -272,12 +285,21 @@ def verify(logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
     if strategy == "greedy":
         greedy_row = jnp.ones_like(greedy_row)
 
-    if strategy in ("auto", "rejection"):
-        a, final = _rejection(pen, d, valid, nd, draft_probs, sampling, ng, greedy_row)
-    elif strategy in ("greedy", "target_match"):
-        a, final = _match(pen, d, valid, sampling, ng, greedy_row, strategy == "target_match")
+    if uniforms is not None:
+        u = uniforms.astype(jnp.float32)
+    elif strategy == "greedy":
+        u = jnp.zeros((B, W, 2), jnp.float32)               # never read: no randomness consumed
     else:
-        a, final = _topp(pen, d, valid, nd, sampling, ng, greedy_row, max_candidate_len,
+        pos = ng[:, None, None] + jnp.arange(W, dtype=jnp.int32)[None, :, None]
+        purpose = jnp.array([smp.PURPOSE_ACCEPT, smp.PURPOSE_SAMPLE], jnp.int32)[None, None, :]
+        u = smp.uniform_draws(sampling.seed, jnp.broadcast_to(pos, (B, W, 2)),
+                              jnp.broadcast_to(purpose, (B, W, 2)))
+    if strategy in ("auto", "rejection"):
+        a, final = _rejection(pen, d, valid, nd, draft_probs, sampling, u, greedy_row)
+    elif strategy in ("greedy", "target_match"):
+        a, final = _match(pen, d, valid, sampling, u, greedy_row, strategy == "target_match")
+    else:
+        a, final = _topp(pen, d, valid, nd, sampling, u, greedy_row, max_candidate_len,
                          verify_window, topp_clamp_candidate_len)
 
     w = jnp.arange(W, dtype=jnp.int32)[None, :]

@@ -24,21 +24,34 @@ def smollm2_prompts(smollm2_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(smollm2, smollm2_tokenizer, smollm2_prompts):
+def plain_llm(smollm2, smollm2_tokenizer):
     cfg, params = smollm2
-    llm = LLM(model_config=cfg, params=params, tokenizer=smollm2_tokenizer, max_num_seqs=5,
-              max_model_len=160, block_size=16, max_num_batched_tokens=64)
-    return llm.generate(smollm2_prompts, SamplingParams(max_tokens=48, ignore_eos=True),
-                        use_tqdm=False)
+    return LLM(model_config=cfg, params=params, tokenizer=smollm2_tokenizer, max_num_seqs=5,
+               max_model_len=160, block_size=16, max_num_batched_tokens=64, max_logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(plain_llm, smollm2_prompts):
+    return plain_llm.generate(smollm2_prompts, SamplingParams(max_tokens=48, ignore_eos=True),
+                              use_tqdm=False)
+
+
+_LLMS = {}
+
+
+def spec_llm(smollm2, tokenizer, k, m):
+    if (k, m) not in _LLMS:
+        cfg, params = smollm2
+        _LLMS[(k, m)] = LLM(model_config=cfg, params=params, tokenizer=tokenizer,
+                            speculative_config=SpeculativeConfig("mtp", k, m), max_num_seqs=5,
+                            max_model_len=160, block_size=16, max_num_batched_tokens=64, max_logprobs=2)
+    return _LLMS[(k, m)]
 
 
 @pytest.mark.parametrize("k,m", [(1, 1), (2, 1), (2, 2), (3, 1), (3, 3)])
 def test_smollm2_speculative_equals_plain(smollm2, smollm2_tokenizer, smollm2_prompts,
                                           plain_outputs, k, m):
-    cfg, params = smollm2
-    llm = LLM(model_config=cfg, params=params, tokenizer=smollm2_tokenizer,
-              speculative_config=SpeculativeConfig("mtp", k, m), max_num_seqs=5,
-              max_model_len=160, block_size=16, max_num_batched_tokens=64)
+    llm = spec_llm(smollm2, smollm2_tokenizer, k, m)
     outs = llm.generate(smollm2_prompts, SamplingParams(max_tokens=48, ignore_eos=True),
                         use_tqdm=False)
     for a, b in zip(plain_outputs, outs):
@@ -46,3 +59,19 @@ def test_smollm2_speculative_equals_plain(smollm2, smollm2_tokenizer, smollm2_pr
         assert b.token_ids == a.token_ids
         assert b.text == a.text
     assert "Paris" in plain_outputs[0].text
+
+
+def test_smollm2_sampling_parameters_speculative_equals_plain(smollm2, smollm2_tokenizer,
+                                                              smollm2_prompts, plain_llm):
+    tok = smollm2_tokenizer
+    sp = SamplingParams(max_tokens=32, repetition_penalty=1.3, frequency_penalty=0.3,
+                        presence_penalty=0.2, min_tokens=4, bad_words=("Paris",),
+                        stop_token_ids=tuple(tok.encode("!")), logprobs=2)
+    a = plain_llm.generate(smollm2_prompts[:3], sp, use_tqdm=False)
+    b = spec_llm(smollm2, tok, 3, 3).generate(smollm2_prompts[:3], sp, use_tqdm=False)
+    for x, y in zip(a, b):
+        assert y.token_ids == x.token_ids and y.finish_reason == x.finish_reason
+        assert "Paris" not in y.text
+        for dx, dy in zip(x.logprobs, y.logprobs):
+            assert dx.keys() == dy.keys()
+            assert max(abs(dx[t] - dy[t]) for t in dx) <= 1e-4
