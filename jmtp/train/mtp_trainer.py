@@ -1,0 +1,622 @@
+"""MTP head training by self-distillation: objective, optimiser, evaluation, checkpoints, export.
+
+Objective (DeepSeek-V3 MTP, arXiv 2412.19437 §2.2; EAGLE, arXiv 2401.15077): MTP row ``p`` sees the
+target's post-norm hidden state ``h_p`` and the token ``x_{p+1}`` and predicts ``x_{p+2}`` through
+the target's frozen LM head:
+
+* ``CE``: cross-entropy against the data token ``x_{p+2}`` (the target's own generation);
+* optional ``KL(p_target(. | h_{p+1}) || p_mtp)``, the target's distribution for the same token
+  (weight ``kl_weight``);
+* optional recursive passes (``num_passes > 1``): the same layer re-run as draft substeps, fed its
+  own output hidden state, under the exact attention context of inference (see
+  :mod:`jmtp.train.dense`); pass ``i >= 2`` losses are weighted by ``recursive_weight``.
+
+Only ``params["mtp"]`` is trained (kept in fp32); embedding, final norm, LM head and the target
+layers are frozen (the target layers are not even needed: their hidden states are cached).
+
+Optional FR-Spec draft vocabulary (Zhao et al. 2025, arXiv 2502.14856): with
+``draft_vocab_size = N`` the loss and the draft's predictions use only the N most frequent tokens
+of the training responses, which cuts the dominant LM-head cost of a small model's training step.
+
+Evaluation (on prompts never trained on): with greedy target responses, a draft is accepted iff it
+equals the target's argmax. ``acc1`` = first-draft acceptance = top-1 agreement of pass-1 with the
+target argmax ``argmax compute_logits(h_{p+1})``; ``acc1_label`` = top-1 agreement with the data token;
+``chain_k`` = fraction of start rows whose first ``k`` drafts are all accepted (pass ``i`` run at row
+``r+i-1``); ``al_K = 1 + sum_{k<=K} chain_k`` estimates the mean acceptance length (tokens per verify
+step) at ``K`` drafts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jmtp.model.config import ModelConfig
+from jmtp.model.params import init_mtp_params
+from jmtp.train.data import MTPData, make_batch, pack_rows
+from jmtp.train.dense import dense_mtp_forward
+
+log = logging.getLogger(__name__)
+
+HEAD_FILE = "mtp_head.safetensors"
+FREQ_FILE = "token_freq.safetensors"
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+HEAD_FORMAT = "jmtp-mtp-head-v1"
+
+# Fields that may change between an interrupted run and its resumption.
+_RESUME_FREE = ("eval_every", "ckpt_every", "keep_checkpoints", "progress")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Hyper-parameters of one training run (saved as ``config.json`` beside the weights).
+
+    Attributes:
+      steps: optimiser steps in total (the schedule's length).
+      batch_size: packed rows per step B.
+      seq_len: MTP rows per packed row W (longer sequences are cut into chunks of W).
+      lr: peak learning rate; warm-up from 0 over ``warmup_steps``, cosine to ``lr * min_lr_ratio``.
+      warmup_steps: linear warm-up steps (must be < steps).
+      min_lr_ratio: final learning rate / peak.
+      weight_decay: AdamW decoupled weight decay (Loshchilov & Hutter 2019), matrices only.
+      b1, b2: Adam moments.
+      grad_clip: global-norm gradient clipping threshold.
+      seed: seeds data order and the feature-noise rng.
+      num_passes: recursive passes trained (1 = plain MTP objective).
+      recursive_weight: loss weight of passes >= 2.
+      kl_weight: weight of KL(target || mtp) added to the cross-entropy (0 = off).
+      feature_noise: std of Gaussian noise added to the target hidden state (EAGLE-style robustness;
+        0 = off).
+      draft_vocab_size: 0 = full vocabulary; N = FR-Spec top-N training vocabulary.
+      eval_every: steps between evaluations; eval_passes: drafts evaluated (K up to this).
+      ckpt_every: steps between orbax checkpoints; keep_checkpoints: how many to keep.
+      layer_idx: which MTP module to train.
+      progress: show a tqdm bar.
+    """
+
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    num_passes: int = 1
+    recursive_weight: float = 0.5
+    kl_weight: float = 0.0
+    feature_noise: float = 0.0
+    draft_vocab_size: int = 0
+    eval_every: int = 50
+    eval_passes: int = 3
+    ckpt_every: int = 100
+    keep_checkpoints: int = 2
+    layer_idx: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        pos = ("steps", "batch_size", "num_passes", "eval_every", "eval_passes", "ckpt_every",
+               "keep_checkpoints")
+        for name in pos:
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ValueError(f"TrainConfig.seq_len must be >= 2, got {self.seq_len}")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError(
+                f"TrainConfig.warmup_steps must lie in [0, steps={self.steps}), got {self.warmup_steps}")
+        if not self.lr > 0:
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
+        for name in ("min_lr_ratio", "weight_decay", "recursive_weight", "kl_weight", "feature_noise",
+                     "draft_vocab_size", "layer_idx"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"TrainConfig.grad_clip must be > 0, got {self.grad_clip}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loss and evaluation (pure functions of the MTP params).
+
+
+def _head_weight(params: dict) -> jax.Array:
+    """The frozen LM head as ``f[H, V]`` (``embed.T`` when tied), as :func:`compute_logits` uses it."""
+    return params["lm_head"] if "lm_head" in params else params["embed"].T
+
+
+def _forward(cfg, tcfg, mtp, frozen, batch, num_passes, noise_key=None):
+    params = dict(frozen, mtp=mtp)
+    hidden = batch["hidden"]
+    if noise_key is not None and tcfg.feature_noise > 0:
+        hidden = hidden + tcfg.feature_noise * jax.random.normal(noise_key, hidden.shape, hidden.dtype)
+    return dense_mtp_forward(cfg, params, batch["ids"], hidden, batch["positions"],
+                             batch["segment_ids"], num_passes, tcfg.layer_idx)
+
+
+def _logits(h, head_w):
+    return jnp.dot(h, head_w, preferred_element_type=jnp.float32).astype(jnp.float32)
+
+
+def loss_fn(mtp, frozen, head_w, label_map, batch, noise_key, *, cfg: ModelConfig, tcfg: TrainConfig):
+    """Scalar loss and metrics of one batch (see module docstring).
+
+    ``head_w f[H, V']`` is the (possibly FR-Spec restricted) frozen LM head; ``label_map i32[V]``
+    maps full ids to columns of ``head_w`` (-1 = outside the draft vocabulary: no loss).
+    """
+    outs = _forward(cfg, tcfg, mtp, frozen, batch, tcfg.num_passes, noise_key)
+    labels = label_map[batch["labels"]]
+    mask = batch["loss_mask"] * (labels >= 0)
+    labels = jnp.maximum(labels, 0)
+    t_logp = None
+    if tcfg.kl_weight > 0:
+        t_logp = jax.nn.log_softmax(_logits(batch["target_hidden"], head_w), axis=-1)
+        t_logp = jax.lax.stop_gradient(t_logp)
+    total, metrics = 0.0, {}
+    for i, (h, _, valid) in enumerate(outs):
+        logp = jax.nn.log_softmax(_logits(h, head_w), axis=-1)              # f32[B, W, V']
+        m = mask * valid
+        denom = jnp.maximum(m.sum(), 1.0)
+        nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+        ce = (nll * m).sum() / denom
+        term = ce
+        if t_logp is not None:
+            kl = (jnp.exp(t_logp) * (t_logp - logp)).sum(-1)
+            term = term + tcfg.kl_weight * (kl * m).sum() / denom
+        total = total + (1.0 if i == 0 else tcfg.recursive_weight) * term
+        metrics[f"ce{i + 1}"] = ce
+        metrics[f"acc{i + 1}_train"] = ((logp.argmax(-1) == labels) * m).sum() / denom
+    metrics["loss"] = total
+    return total, metrics
+
+
+def eval_batch(mtp, frozen, head_w, full_head_w, draft_ids, batch, *, cfg: ModelConfig,
+               tcfg: TrainConfig):
+    """Per-row eval arrays of one batch: for each pass ``i`` a pair ``bool[B,W]`` (draft == target
+    argmax, draft == data label) and ``valid_i bool[B,W]``; plus ``loss_mask`` and the pass-1 CE."""
+    outs = _forward(cfg, tcfg, mtp, frozen, batch, tcfg.eval_passes)
+    target_arg = _logits(batch["target_hidden"], full_head_w).argmax(-1)
+    res = {"mask": batch["loss_mask"] > 0}
+    for i, (h, _, valid) in enumerate(outs):
+        logits = _logits(h, head_w)
+        pred = draft_ids[logits.argmax(-1)]
+        res[f"greedy{i + 1}"] = pred == target_arg
+        res[f"label{i + 1}"] = pred == batch["labels"]
+        res[f"valid{i + 1}"] = valid
+        if i == 0:
+            full_logp = jax.nn.log_softmax(_logits(h, full_head_w), axis=-1)
+            nll = -jnp.take_along_axis(full_logp, batch["labels"][..., None], axis=-1)[..., 0]
+            res["nll_sum"] = (nll * batch["loss_mask"]).sum()
+    return res
+
+
+def summarize_eval(parts: list[dict], passes: int) -> dict:
+    """Acceptance statistics from :func:`eval_batch` outputs (host side, numpy)."""
+    cat = {k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in parts[0] if k != "nll_sum"}
+    mask = cat["mask"]
+    n = max(int(mask.sum()), 1)
+    out = {"eval_rows": int(mask.sum()),
+           "eval_ce": float(sum(float(p["nll_sum"]) for p in parts) / n)}
+    for i in range(1, passes + 1):
+        ok = mask & cat[f"valid{i}"]
+        den = max(int(ok.sum()), 1)
+        out[f"acc{i}"] = float((cat[f"greedy{i}"] & ok).sum() / den)
+        out[f"acc{i}_label"] = float((cat[f"label{i}"] & ok).sum() / den)
+    # Chains: start row r accepted k deep iff pass i (1..k) at row r+i-1 is right.
+    w = mask.shape[1]
+    for kind, suffix in (("greedy", ""), ("label", "_label")):
+        alive = np.ones_like(mask)
+        exists = np.ones_like(mask)
+        al = 1.0
+        for k in range(1, passes + 1):
+            sh = k - 1
+            corr = np.zeros_like(mask)
+            ok = np.zeros_like(mask)
+            corr[:, :w - sh] = cat[f"{kind}{k}"][:, sh:]
+            ok[:, :w - sh] = (mask & cat[f"valid{k}"])[:, sh:]
+            alive = alive & corr
+            exists = exists & ok
+            chain = float((alive & exists).sum() / max(exists.sum(), 1))
+            al += chain
+            out[f"chain{k}{suffix}"] = chain
+            out[f"al{k}{suffix}"] = al
+    return out
+
+
+def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping + AdamW (decay on matrices only) with linear warm-up and cosine decay."""
+    sched = optax.warmup_cosine_decay_schedule(
+        0.0, tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.lr * tcfg.min_lr_ratio)
+    decay_mask = lambda tree: jax.tree_util.tree_map(lambda a: a.ndim >= 3, tree)
+    return optax.chain(
+        optax.clip_by_global_norm(tcfg.grad_clip),
+        optax.adamw(sched, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, mask=decay_mask))
+
+
+def learning_rate(tcfg: TrainConfig, step):
+    """The schedule of :func:`make_optimizer` at ``step`` (0-based)."""
+    return optax.warmup_cosine_decay_schedule(
+        0.0, tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.lr * tcfg.min_lr_ratio)(step)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tcfg"))
+def train_step(state, batch, frozen, head_w, label_map, *, cfg: ModelConfig, tcfg: TrainConfig):
+    """One optimiser step on ``state = {"mtp", "opt", "step", "rng"}``; returns ``(state, metrics)``.
+
+    Compiled once per ``(cfg, tcfg)`` and shapes (shared by every trainer instance).
+    """
+    key = jax.random.wrap_key_data(state["rng"])
+    key, sub = jax.random.split(key)
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state["mtp"], frozen, head_w, label_map, batch,
+        sub if tcfg.feature_noise > 0 else None, cfg=cfg, tcfg=tcfg)
+    updates, opt = make_optimizer(tcfg).update(grads, state["opt"], state["mtp"])
+    mtp = optax.apply_updates(state["mtp"], updates)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    metrics["lr"] = learning_rate(tcfg, state["step"])
+    return {"mtp": mtp, "opt": opt, "step": state["step"] + 1,
+            "rng": jax.random.key_data(key)}, metrics
+
+
+_eval_batch_jit = jax.jit(eval_batch, static_argnames=("cfg", "tcfg"))
+
+
+# ------------------------------------------------------------------------------------------------
+# Export / import of a trained head.
+
+
+def _flatten(tree: dict, prefix: str) -> dict:
+    out = {}
+    for k, v in tree.items():
+        name = f"{prefix}.{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, name))
+        else:
+            out[name] = v
+    return out
+
+
+def export_mtp_head(path: str, mtp: dict, cfg: ModelConfig, dtype=jnp.bfloat16,
+                    metadata: dict | None = None) -> None:
+    """Write ``params["mtp"]`` as safetensors with flat names (``mtp.enorm``, ``mtp.layer.wq``, ...).
+
+    Stored in ``dtype`` (bf16 by default: a SmolLM2-135M head is ~8.5 MB). The safetensors metadata
+    records the format, hidden size, vocabulary size and MTP layout so that :func:`load_mtp_head`
+    callers can check the head fits their model.
+    """
+    from safetensors.flax import save_file
+
+    flat = {k: jnp.asarray(v).astype(dtype) for k, v in _flatten(mtp, "mtp").items()}
+    meta = {"format": HEAD_FORMAT, "hidden_size": str(cfg.hidden_size),
+            "vocab_size": str(cfg.vocab_size), "mtp_layout": cfg.mtp_layout,
+            "num_mtp_layers": str(int(mtp["enorm"].shape[0]))}
+    meta.update({k: str(v) for k, v in (metadata or {}).items()})
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(flat, path, metadata=meta)
+
+
+def load_mtp_head(path: str, dtype=None) -> dict:
+    """Load a head written by :func:`export_mtp_head`; returns the ``params["mtp"]`` subtree.
+
+    Args:
+      dtype: cast every tensor to this dtype (default: as stored).
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: a tensor name outside ``mtp.*`` or a missing ``mtp.enorm``/``mtp.layer.*``.
+    """
+    from safetensors.flax import load_file
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no MTP head at {path}")
+    flat = load_file(path)
+    tree: dict = {}
+    for name, arr in flat.items():
+        parts = name.split(".")
+        if parts[0] != "mtp" or len(parts) < 2:
+            raise ValueError(f"{path}: tensor {name!r} is not an MTP head tensor (mtp.*)")
+        node = tree
+        for p in parts[1:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = arr.astype(dtype) if dtype is not None else arr
+    for need in ("enorm", "hnorm", "eh_proj", "final_norm", "layer"):
+        if need not in tree:
+            raise ValueError(f"{path}: missing tensor group 'mtp.{need}'")
+    return tree
+
+
+def head_metadata(path: str) -> dict:
+    """The string metadata of a head file (format, hidden_size, vocab_size, mtp_layout, ...)."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="numpy") as f:
+        return dict(f.metadata() or {})
+
+
+def save_token_freq(path: str, ids: np.ndarray, counts: np.ndarray) -> None:
+    """Save an FR-Spec frequency table (``ids i32[V]`` by descending ``counts i64[V]``)."""
+    from safetensors.numpy import save_file
+
+    save_file({"ids": np.asarray(ids, np.int32), "counts": np.asarray(counts, np.int64)}, path,
+              metadata={"format": "jmtp-token-freq-v1"})
+
+
+def load_draft_vocab(path: str, n: int) -> np.ndarray:
+    """The ``n`` most frequent token ids (``i32[n]``, most frequent first) of a saved frequency table.
+
+    Raises:
+      ValueError: if ``n`` is not in ``[1, V]``.
+    """
+    from safetensors.numpy import load_file
+
+    ids = load_file(path)["ids"]
+    if not 1 <= n <= len(ids):
+        raise ValueError(f"draft vocabulary size must lie in [1, {len(ids)}], got {n}")
+    return ids[:n].astype(np.int32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Trainer.
+
+
+def _data_fingerprint(data: MTPData) -> str:
+    h = hashlib.sha256()
+    h.update(np.ascontiguousarray(data.tokens).tobytes())
+    h.update(np.ascontiguousarray(data.offsets).tobytes())
+    h.update(np.ascontiguousarray(data.prompt_lens).tobytes())
+    return h.hexdigest()[:16]
+
+
+class MTPTrainer:
+    """Train ``params["mtp"]`` of a frozen target on cached self-distillation data.
+
+    Args:
+      cfg: the target's :class:`ModelConfig`.
+      params: target params; ``params["mtp"]`` (if present) is the starting point, else a fresh
+        head from :func:`init_mtp_params`. Only ``embed``, ``final_norm`` and ``lm_head`` are used.
+      train_data / eval_data: cached data (:class:`MTPData`); eval may be ``None``.
+      tcfg: :class:`TrainConfig`.
+      workdir: output directory: ``checkpoints/`` (orbax), ``config.json``, ``metrics.jsonl``.
+      draft_vocab: ``i32[N]`` ids for the FR-Spec training vocabulary (required iff
+        ``tcfg.draft_vocab_size > 0``; N must equal it).
+      extra_config: merged into ``config.json`` (model / data description).
+
+    Raises:
+      ValueError: no trainable rows in ``train_data``, bad ``draft_vocab``, or a resume whose saved
+        config or data differ from this run's.
+    """
+
+    def __init__(self, cfg: ModelConfig, params: dict, train_data: MTPData,
+                 eval_data: MTPData | None, tcfg: TrainConfig, workdir: str,
+                 draft_vocab: np.ndarray | None = None, extra_config: dict | None = None):
+        self.cfg, self.tcfg, self.workdir = cfg, tcfg, os.path.abspath(workdir)
+        self.train_data, self.eval_data = train_data, eval_data
+        self.frozen = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
+        full_w = _head_weight(params)
+        self.full_head_w = full_w
+        v = cfg.vocab_size
+        if tcfg.draft_vocab_size:
+            if draft_vocab is None or len(draft_vocab) != tcfg.draft_vocab_size:
+                raise ValueError(
+                    f"draft_vocab must hold draft_vocab_size={tcfg.draft_vocab_size} ids")
+            dv = np.asarray(draft_vocab, np.int32)
+            if dv.min() < 0 or dv.max() >= v or len(np.unique(dv)) != len(dv):
+                raise ValueError(f"draft_vocab ids must be distinct and lie in [0, {v})")
+            lm = np.full(v, -1, np.int32)
+            lm[dv] = np.arange(len(dv), dtype=np.int32)
+            self.head_w = jnp.asarray(full_w)[:, jnp.asarray(dv)]
+            self.label_map = jnp.asarray(lm)
+            self.draft_ids = jnp.asarray(dv)
+        else:
+            self.head_w = full_w
+            self.label_map = jnp.arange(v, dtype=jnp.int32)
+            self.draft_ids = jnp.arange(v, dtype=jnp.int32)
+        mtp = params.get("mtp")
+        if mtp is None:
+            mtp = init_mtp_params(cfg, params, jax.random.PRNGKey(tcfg.seed))
+        self.init_mtp = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), mtp)
+
+        self.train_rows = pack_rows(train_data, tcfg.seq_len)
+        if not self.train_rows:
+            raise ValueError("train_data has no MTP row with a response label to train on")
+        self.eval_rows = pack_rows(eval_data, tcfg.seq_len) if eval_data is not None else []
+
+        self.opt = make_optimizer(tcfg)
+        self.config_record = {
+            "train": tcfg.to_dict(),
+            "model": {k: (list(v) if isinstance(v, tuple) else v)
+                      for k, v in dataclasses.asdict(cfg).items()},
+            "data": {"train_sequences": train_data.num_sequences,
+                     "train_tokens": int(len(train_data.tokens)),
+                     "train_packed_rows": len(self.train_rows),
+                     "train_fingerprint": _data_fingerprint(train_data),
+                     "eval_sequences": eval_data.num_sequences if eval_data is not None else 0,
+                     "eval_packed_rows": len(self.eval_rows)},
+        }
+        self.config_record.update(extra_config or {})
+        self._perms: dict[int, np.ndarray] = {}
+        self._mgr = None
+        self.history: dict[int, float] = {}
+        self.last_eval: dict = {}
+
+    # -------------------------------------------------------------- state
+    def initial_state(self) -> dict:
+        """Fresh train state: ``{"mtp", "opt", "step" i32, "rng" u32[2]}``."""
+        return {"mtp": self.init_mtp, "opt": self.opt.init(self.init_mtp),
+                "step": jnp.zeros((), jnp.int32),
+                "rng": jax.random.key_data(jax.random.key(self.tcfg.seed))}
+
+    def batch_rows(self, step: int) -> list:
+        """Packed rows of ``step``: epoch-wise permutations seeded by ``(seed, epoch)``."""
+        n, b = len(self.train_rows), self.tcfg.batch_size
+        rows = []
+        for g in range(step * b, step * b + b):
+            e = g // n
+            if e not in self._perms:
+                self._perms = {e: np.random.default_rng([self.tcfg.seed, e]).permutation(n)}
+            rows.append(self.train_rows[self._perms[e][g % n]])
+        return rows
+
+    def batch(self, step: int) -> dict:
+        return {k: jnp.asarray(v) for k, v in
+                make_batch(self.train_data, self.batch_rows(step), self.tcfg.seq_len).items()}
+
+    # -------------------------------------------------------------- checkpoints
+    @property
+    def checkpoint_manager(self):
+        if self._mgr is None:
+            import orbax.checkpoint as ocp
+            self._mgr = ocp.CheckpointManager(
+                os.path.join(self.workdir, "checkpoints"),
+                options=ocp.CheckpointManagerOptions(max_to_keep=self.tcfg.keep_checkpoints,
+                                                     create=True))
+        return self._mgr
+
+    def save(self, state: dict) -> None:
+        """Write an orbax checkpoint of ``state`` at its step (blocking)."""
+        import orbax.checkpoint as ocp
+        mgr = self.checkpoint_manager
+        mgr.save(int(state["step"]), args=ocp.args.StandardSave(state), force=True)
+        mgr.wait_until_finished()
+
+    def restore(self) -> dict:
+        """Latest checkpoint of ``workdir`` or a fresh state; checks the saved config matches.
+
+        Raises:
+          ValueError: the saved ``config.json`` differs from this run in a field that changes the
+            training trajectory (named in the message), or the training data differ.
+        """
+        import orbax.checkpoint as ocp
+        cfg_path = os.path.join(self.workdir, CONFIG_FILE)
+        latest = self.checkpoint_manager.latest_step()
+        if latest is None:
+            return self.initial_state()
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                old = json.load(f)
+            mine = self.config_record
+            for k, v in old.get("train", {}).items():
+                if k not in _RESUME_FREE and mine["train"].get(k) != v:
+                    raise ValueError(
+                        f"cannot resume from {self.workdir}: TrainConfig.{k} was {v!r}, "
+                        f"now {mine['train'].get(k)!r}")
+            if old.get("data", {}).get("train_fingerprint") != mine["data"]["train_fingerprint"]:
+                raise ValueError(f"cannot resume from {self.workdir}: the training data differ")
+        template = self.initial_state()
+        state = self.checkpoint_manager.restore(latest, args=ocp.args.StandardRestore(template))
+        log.info("resumed from %s at step %d", self.workdir, latest)
+        return state
+
+    def _write_config(self, extra: dict | None = None) -> None:
+        rec = dict(self.config_record)
+        rec.update(extra or {})
+        os.makedirs(self.workdir, exist_ok=True)
+        with open(os.path.join(self.workdir, CONFIG_FILE), "w") as f:
+            json.dump(rec, f, indent=2, default=str)
+
+    # -------------------------------------------------------------- eval / train
+    def evaluate(self, mtp: dict, rows: list | None = None) -> dict:
+        """Acceptance statistics of ``mtp`` on the eval rows (see :func:`summarize_eval`)."""
+        rows = self.eval_rows if rows is None else rows
+        if not rows:
+            return {}
+        b = self.tcfg.batch_size
+        parts = []
+        for i in range(0, len(rows), b):
+            chunk = list(rows[i:i + b])
+            real = len(chunk)
+            chunk += [[]] * (b - real)          # fixed shape: pad with empty rows
+            batch = make_batch(self.eval_data, chunk, self.tcfg.seq_len)
+            # Frozen tensors are jit arguments (not constants baked into the program).
+            res = _eval_batch_jit(mtp, self.frozen, self.head_w, self.full_head_w, self.draft_ids,
+                                  {k: jnp.asarray(v) for k, v in batch.items()}, cfg=self.cfg,
+                                  tcfg=self.tcfg)
+            parts.append({k: (np.asarray(v)[:real] if np.ndim(v) else np.asarray(v))
+                          for k, v in res.items()})
+        return summarize_eval(parts, self.tcfg.eval_passes)
+
+    def train(self, callback: Callable[[int, dict], None] | None = None) -> dict:
+        """Run (or resume) training up to ``tcfg.steps``; returns the final train state.
+
+        Writes ``config.json`` first, appends one JSON line per step to ``metrics.jsonl`` (step, loss,
+        lr, grad norm, wall and process-CPU seconds, eval figures when evaluated; on resume the lines
+        of steps after the checkpoint are dropped), and saves an orbax checkpoint every
+        ``ckpt_every`` steps and at the end. ``callback(step, metrics)`` runs after each step (an
+        exception raised there interrupts training like a crash would: no extra checkpoint).
+        ``self.history`` maps step -> loss.
+        """
+        state = self.restore()
+        start = int(state["step"])
+        self._write_config()
+        tc = self.tcfg
+        bar = None
+        it = range(start, tc.steps)
+        if tc.progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(it, initial=start, total=tc.steps, desc="train-mtp", unit="step")
+            it = bar
+        metrics_path = os.path.join(self.workdir, METRICS_FILE)
+        if os.path.exists(metrics_path):   # drop steps logged after the checkpoint we resume from
+            with open(metrics_path) as f:
+                keep = [l for l in f if l.strip() and json.loads(l)["step"] < start]
+            with open(metrics_path, "w") as f:
+                f.writelines(keep)
+        t_last, cpu_last = time.perf_counter(), time.process_time()
+        for step in it:
+            state, m = train_step(state, self.batch(step), self.frozen, self.head_w,
+                                  self.label_map, cfg=self.cfg, tcfg=self.tcfg)
+            rec = {"step": step, **{k: float(v) for k, v in m.items()}}
+            now, cpu_now = time.perf_counter(), time.process_time()
+            rec["sec"], rec["cpu_sec"] = now - t_last, cpu_now - cpu_last
+            t_last, cpu_last = now, cpu_now
+            self.history[step] = rec["loss"]
+            done = step + 1
+            if self.eval_rows and (done % tc.eval_every == 0 or done == tc.steps):
+                self.last_eval = self.evaluate(state["mtp"])
+                rec.update({f"eval_{k}": v for k, v in self.last_eval.items()})
+                t_last, cpu_last = time.perf_counter(), time.process_time()
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            if bar is not None:
+                post = {"loss": f"{rec['loss']:.3f}"}
+                if self.last_eval:
+                    post["acc1"] = f"{self.last_eval['acc1']:.3f}"
+                    post["al"] = f"{self.last_eval[f'al{tc.eval_passes}']:.2f}"
+                bar.set_postfix(post)
+            if done % tc.ckpt_every == 0 or done == tc.steps:
+                self.save(state)
+                t_last, cpu_last = time.perf_counter(), time.process_time()
+            if callback is not None:
+                callback(step, rec)
+        if bar is not None:
+            bar.close()
+        self.state = state
+        return state
+
+    def export(self, state: dict, dtype=jnp.bfloat16, token_freq: tuple | None = None,
+               extra: dict | None = None) -> str:
+        """Write ``mtp_head.safetensors`` (and ``token_freq.safetensors``) into ``workdir`` and the
+        final ``config.json`` (with ``extra`` results). Returns the head's path."""
+        path = os.path.join(self.workdir, HEAD_FILE)
+        export_mtp_head(path, state["mtp"], self.cfg, dtype,
+                        metadata={"steps": int(state["step"]), "num_passes": self.tcfg.num_passes})
+        if token_freq is not None:
+            save_token_freq(os.path.join(self.workdir, FREQ_FILE), *token_freq)
+        self._write_config(extra)
+        return path

