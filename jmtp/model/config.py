@@ -82,6 +82,13 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even (RoPE rotates pairs), got "
+                             f"{self.head_dim}")
+        bad = [e for e in self.eos_token_ids if not 0 <= e < self.vocab_size]
+        if bad:
+            raise ValueError(f"ModelConfig.eos_token_ids {bad} outside [0, vocab_size="
+                             f"{self.vocab_size})")
         if self.mtp_layout not in MTP_LAYOUTS:
             raise ValueError(f"ModelConfig.mtp_layout must be one of {MTP_LAYOUTS}, got {self.mtp_layout!r}")
         if self.num_mtp_layers < 0:

@@ -78,7 +78,11 @@ class LLM:
                  dtype=None, attention_backend: str | None = None, max_logprobs: int = 0,
                  seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
                  tokenizer=None):
-        dtype = dtype or default_dtype()
+        dtype = jnp.dtype(dtype or default_dtype())
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         if params is None:
             from jmtp.model.loader import load_checkpoint, load_tokenizer
             model_config, params = load_checkpoint(model, dtype=dtype)
@@ -86,6 +90,16 @@ class LLM:
                 tokenizer = load_tokenizer(model)
         elif model_config is None:
             raise ValueError("model_config is required when params are given")
+        else:
+            from jmtp.model.params import check_params
+            check_params(model_config, params, "params")
+        if not 0 <= max_logprobs <= model_config.vocab_size:
+            raise ValueError(f"max_logprobs must lie in [0, vocab_size={model_config.vocab_size}], "
+                             f"got {max_logprobs}")
+        from jmtp.pallas.ragged_paged_attention import IMPLEMENTATIONS
+        if attention_backend not in (None,) + IMPLEMENTATIONS:
+            raise ValueError(f"attention_backend must be one of {IMPLEMENTATIONS} or None, got "
+                             f"{attention_backend!r}")
         spec = speculative_config or SpeculativeConfig(method=None)
         if spec.method == "mtp" and "mtp" not in params:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
@@ -172,12 +186,18 @@ class LLM:
           ValueError: empty prompt, prompt not shorter than max_model_len, token ids out of range,
             string prompts without a tokenizer — before anything runs.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, np.ndarray):
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         sps = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                else [sampling_params] * len(prompts))
+        for i, sp in enumerate(sps):
+            if not isinstance(sp, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a jmtp.SamplingParams, got "
+                                f"{type(sp).__name__}")
         if len(sps) != len(prompts):
             raise ValueError(f"got {len(sps)} sampling_params for {len(prompts)} prompts")
         reqs = []
@@ -187,7 +207,11 @@ class LLM:
                     raise ValueError(f"prompts[{i}]: string prompt but the engine has no tokenizer")
                 ids, text = list(self.tokenizer.encode(p)), p
             else:
-                ids, text = [int(t) for t in p], None
+                arr = np.asarray(p)
+                if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+                    raise ValueError(f"prompts[{i}]: a token-id prompt must be a flat list of "
+                                     f"ints, got {arr.dtype} with shape {arr.shape}")
+                ids, text = [int(t) for t in arr], None
             self._validate(ids, sp, f"prompts[{i}]")
             reqs.append(_Request(i, text, ids, sp, context_ids=list(ids),
                                  bad_words_ids=self._bad_words_ids(sp) if sp.bad_words else [],
@@ -209,13 +233,14 @@ class LLM:
             bar = tqdm(total=len(reqs), desc="generate", unit="req")
         t0, steps, gen_tokens = time.perf_counter(), 0, 0
         hold = False  # after a preemption, admit nothing until a running request finishes
+        any_paused = False  # a slot waits for KV blocks: new requests must not take them
         while waiting or any(r is not None for r in slots):
             # Admit while a slot is idle and the free blocks cover the first prefill chunk.
             free = self._free_count
             if hold and not any(r is not None for r in slots):
                 hold = False
             for b in range(B):
-                if hold or not waiting or slots[b] is not None:
+                if hold or any_paused or not waiting or slots[b] is not None:
                     continue
                 r = waiting[0]
                 first_chunk = min(len(r.context_ids), ec.max_num_batched_tokens)
@@ -244,6 +269,7 @@ class LLM:
             steps += 1
             self._free_count = int(out.free_count)
             progressed = False
+            any_paused = any(r is not None and out.paused[b] for b, r in enumerate(slots))
             for b, r in enumerate(slots):
                 if r is None:
                     continue
@@ -274,7 +300,7 @@ class LLM:
                     order.remove(b)
                     if bar is not None:
                         bar.update(1)
-            if not progressed and any(r is not None for r in slots):
+            if not progressed and any_paused:
                 self._preempt(slots, order, waiting)
                 hold = True
         if bar is not None:

@@ -199,7 +199,10 @@ def engine_step(
     # Drafts are a prefix: stop at the first missing one.
     present = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=1) > 0
     drafts = jnp.where(present, drafts, -1)
-    state = dataclasses.replace(state, draft_tokens=state.draft_tokens.at[:, 1:].set(drafts))
+    # A paused slot did nothing this step: it keeps its window for the retry.
+    new_window = state.draft_tokens.at[:, 1:].set(drafts)
+    state = dataclasses.replace(
+        state, draft_tokens=jnp.where(paused[:, None], s.draft_tokens, new_window))
 
     # ---- 7. release the blocks of slots that finished this step.
     rel = allocate_blocks(state.free_stack, state.free_count, state.block_tables, state.num_owned,

@@ -228,4 +228,14 @@ def test_bad_input_raises_before_running(tiny):
         SpeculativeConfig("eagle9", 2)
     with pytest.raises(ValueError):
         LLM("/nonexistent/model.gguf")
+    with pytest.raises(ValueError, match="flat list of ints"):
+        llm.generate([[3.7, 4.2]], use_tqdm=False)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        llm.generate([[3, 4]], {"max_tokens": 3}, use_tqdm=False)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(model_config=cfg, params=params, block_size=0)
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(model_config=cfg, params=params, attention_backend="cuda_magic")
+    with pytest.raises(ValueError, match="eh_proj|embed|missing|shape"):
+        LLM(model_config=cfg.replace(vocab_size=128), params=params)
     assert not calls  # nothing ran
