@@ -25,6 +25,11 @@ class SpeculativeConfig:
         lossless), ``"greedy"``, ``"rejection"`` (Leviathan et al. 2023), ``"target_match"``, or
         ``"topp"`` (FastDeploy's top-p candidate rule, lossy; see :mod:`jmtp.runtime.verify`).
       max_candidate_len / verify_window: FastDeploy ``topp`` parameters (C and W).
+      draft_sampling: sample drafts instead of taking the MTP argmax; the verifier then uses the
+        exact draft distribution q (rejection sampling stays lossless). Greedy requests still draft
+        greedily.
+      draft_temperature / draft_top_p / draft_top_k: draft-side overrides (FastDeploy's
+        ``FD_SPECULATE_SAMPLING_TOP_P/TOP_K``); None = the request's own value.
 
     Raises:
       ValueError: unknown method or strategy, K < 1, M outside ``[1, K]``, custom method without
@@ -38,6 +43,10 @@ class SpeculativeConfig:
     verify_strategy: str = "auto"
     max_candidate_len: int = 5
     verify_window: int = 2
+    draft_sampling: bool = False
+    draft_temperature: float | None = None
+    draft_top_p: float | None = None
+    draft_top_k: int | None = None
 
     def __post_init__(self):
         from jmtp.runtime.verify import STRATEGIES
@@ -56,6 +65,9 @@ class SpeculativeConfig:
             raise ValueError(
                 f"SpeculativeConfig.num_model_steps must lie in [1, num_speculative_tokens={k}], "
                 f"got {m}")
+        if self.draft_sampling and self.method != "mtp":
+            raise ValueError("SpeculativeConfig.draft_sampling needs method='mtp' (the verifier "
+                             "must know the distribution each draft was sampled from)")
         if self.method == "custom" and self.drafter is None:
             raise ValueError("SpeculativeConfig.drafter is required when method='custom'")
 
@@ -91,7 +103,7 @@ class EngineConfig:
       max_stop_ids: width of the per-slot stop-token table (EOS ids + user stop ids).
       max_bad_words / max_bad_word_len: capacity for multi-token bad words per slot.
       max_logprobs: largest ``SamplingParams.logprobs`` served (0: logprobs off, nothing computed).
-      verify_strategy / max_candidate_len / verify_window: see :class:`SpeculativeConfig`.
+      verify_strategy / max_candidate_len / verify_window / draft_*: see :class:`SpeculativeConfig`.
     """
 
     max_num_seqs: int = 8
@@ -108,6 +120,10 @@ class EngineConfig:
     verify_strategy: str = "auto"
     max_candidate_len: int = 5
     verify_window: int = 2
+    draft_sampling: bool = False
+    draft_temperature: float | None = None
+    draft_top_p: float | None = None
+    draft_top_k: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks",

@@ -39,6 +39,8 @@ class EngineState:
       accept_tokens: i32[B, K+1]     tokens emitted by the last step (accepted drafts + bonus).
       accept_num: i32[B]             valid entries of accept_tokens (0 for idle / mid-prefill slots).
       num_drafts: i32[B]             drafts verified in the last step (for metrics).
+      draft_probs: f32[B, K, V] | None  distribution each pending draft was sampled from (only
+                                     with ``draft_sampling``; None means greedy one-hot drafts).
     Limits and stopping:
       max_dec_len: i32[B]            max new tokens (SamplingParams.max_tokens).
       sampling: SamplingArrays       per-slot sampling parameters, stop ids (EOS included unless
@@ -63,6 +65,7 @@ class EngineState:
     accept_tokens: jax.Array
     accept_num: jax.Array
     num_drafts: jax.Array
+    draft_probs: jax.Array | None
     max_dec_len: jax.Array
     sampling: SamplingArrays
     stop_flags: jax.Array
@@ -89,6 +92,7 @@ def init_state(ec: EngineConfig, vocab_size: int) -> EngineState:
         accept_tokens=jnp.full((b, w), -1, jnp.int32),
         accept_num=zi(b),
         num_drafts=zi(b),
+        draft_probs=(jnp.zeros((b, ec.k, vocab_size), jnp.float32) if ec.draft_sampling else None),
         max_dec_len=zi(b),
         sampling=SamplingArrays.empty(b, vocab_size, ec.max_stop_ids, ec.max_bad_words,
                                       ec.max_bad_word_len),

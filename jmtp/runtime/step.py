@@ -34,7 +34,7 @@ from jmtp.model.config import ModelConfig
 from jmtp.model.llama import KVCache, compute_logits, forward, mtp_forward
 from jmtp.model.metadata import ragged_batch
 from jmtp.runtime.config import EngineConfig
-from jmtp.runtime.sampling import update_history
+from jmtp.runtime.sampling import draft_sample, update_history
 from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState
 from jmtp.runtime.verify import verify
 
@@ -133,7 +133,7 @@ def engine_step(
     logits = compute_logits(params, h_win).reshape(B, W, -1)
 
     # ---- 4. verify (penalties, min_tokens, bad words at every window row; see verify.py).
-    res = verify(logits, s.draft_tokens[:, 1:], num_drafts, None, s.sampling, s.step_idx,
+    res = verify(logits, s.draft_tokens[:, 1:], num_drafts, s.draft_probs, s.sampling, s.step_idx,
                  jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32), strategy=ec.verify_strategy,
                  max_candidate_len=ec.max_candidate_len, verify_window=ec.verify_window,
                  num_logprobs=ec.max_logprobs, truncate_at_stop=False)
@@ -189,8 +189,9 @@ def engine_step(
 
     # ---- 6. proposer.
     drafts = jnp.full((B, K), -1, jnp.int32)
+    q = None
     if use_mtp:
-        drafts, mtp_cache = _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu, dec,
+        drafts, q, mtp_cache = _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu, dec,
                                          prefilling, chunk, decoding, emit, allowed, num_tokens,
                                          attention_impl)
     elif K > 0:
@@ -203,6 +204,10 @@ def engine_step(
     new_window = state.draft_tokens.at[:, 1:].set(drafts)
     state = dataclasses.replace(
         state, draft_tokens=jnp.where(paused[:, None], s.draft_tokens, new_window))
+    if ec.draft_sampling:
+        q = q if q is not None else jnp.zeros_like(s.draft_probs)
+        state = dataclasses.replace(
+            state, draft_probs=jnp.where(paused[:, None, None], s.draft_probs, q))
 
     # ---- 7. release the blocks of slots that finished this step.
     rel = allocate_blocks(state.free_stack, state.free_count, state.block_tables, state.num_owned,
@@ -223,7 +228,8 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
 
     Substep 0 processes MTP positions ``p in [dec_old, dec_old + q)`` with tokens
     ``input_ids[p + 1]`` (prompt tokens, then the tokens just committed) and the target's hidden row
-    of position p; ``q`` is the prefill chunk or ``accept_num``. Returns ``(drafts i32[B, K], cache)``.
+    of position p; ``q`` is the prefill chunk or ``accept_num``. Returns ``(drafts i32[B, K],
+    draft_probs f32[B, K, V] | None, cache)``.
     """
     B, K, M, bs = ec.max_num_seqs, ec.k, ec.m, ec.block_size
     n_layers = max(mc.num_mtp_layers, 1)
@@ -239,10 +245,20 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
     h_log, h_next, mtp_cache = mtp_forward(mc, params, 0, ids, h_in, positions, meta, mtp_cache,
                                            attention_impl)
     last = cu[:B] + q - 1
-    d = jnp.argmax(compute_logits(params, _take_rows(h_log, last)), axis=-1).astype(jnp.int32)
+
+    def pick(h_rows, sub):
+        """Draft ``sub`` (0-based): argmax, or a sample with its exact distribution q."""
+        tok, probs = draft_sample(
+            compute_logits(params, h_rows), state.sampling, state.step_idx + sub,
+            draft_sampling=ec.draft_sampling, draft_temperature=ec.draft_temperature,
+            draft_top_p=ec.draft_top_p, draft_top_k=ec.draft_top_k)
+        return tok.astype(jnp.int32), probs
+
+    d, probs = pick(_take_rows(h_log, last), 0)
     h_prev = _take_rows(h_next, last)
     active = allowed > 0
     drafts = [jnp.where(active, d, -1)]
+    qs = [probs]
     pos0 = state.seq_lens_decoder  # MTP position of draft d1 (= target dec after the update)
     for sub in range(1, M):
         active = active & (allowed > sub)
@@ -256,13 +272,19 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
         h_s = jnp.zeros_like(h_prev).at[scatter].set(h_prev, mode="drop")
         h_log, h_next, mtp_cache = mtp_forward(mc, params, sub % n_layers, ids_s, h_s, pos_s,
                                                meta_s, mtp_cache, attention_impl)
-        d = jnp.argmax(compute_logits(params, _take_rows(h_log, rows)), axis=-1).astype(jnp.int32)
+        d, probs = pick(_take_rows(h_log, rows), sub)
         h_prev = _take_rows(h_next, rows)
         drafts.append(jnp.where(active, d, -1))
+        qs.append(probs)
     drafts = jnp.stack(drafts, axis=1)
     if M < K:
         drafts = jnp.concatenate([drafts, jnp.full((B, K - M), -1, jnp.int32)], axis=1)
-    return drafts, mtp_cache
+    q_all = None
+    if ec.draft_sampling:
+        q_all = jnp.stack(qs, axis=1)
+        if M < K:
+            q_all = jnp.concatenate([q_all, jnp.zeros((B, K - M, q_all.shape[-1]))], axis=1)
+    return drafts, q_all, mtp_cache
 
 
 def release_slot(state: EngineState, slot: jax.Array) -> EngineState:

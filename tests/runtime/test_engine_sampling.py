@@ -108,3 +108,25 @@ def test_bad_sampling_values():
         SpeculativeConfig("mtp", 2, verify_strategy="typical")
     with pytest.raises(ValueError, match="max_logprobs"):
         engine(None).generate([[3]], SamplingParams(logprobs=5), use_tqdm=False)
+
+
+def test_draft_sampling():
+    """Sampled drafts: greedy requests stay exactly greedy; sampled requests are reproducible and
+    independent of their batch mates (the distribution itself is checked in
+    test_verify_distribution.py with the same verify and draft_sample functions)."""
+    cfg, params = tiny_model(0)
+    llm = LLM(model_config=cfg, params=params, max_num_seqs=3, max_model_len=64, block_size=4,
+              max_num_batched_tokens=32,
+              speculative_config=SpeculativeConfig("mtp", 2, 2, draft_sampling=True,
+                                                   draft_temperature=1.5))
+    prompts = [[5, 6, 7], [3], list(range(2, 20))]
+    greedy = SamplingParams(max_tokens=10)
+    assert ([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            == [o.token_ids for o in engine(None).generate(prompts, greedy, use_tqdm=False)])
+    sp = SamplingParams(max_tokens=10, temperature=1.0, seed=5, ignore_eos=True)
+    alone = llm.generate([[5, 6, 7]], sp, use_tqdm=False)[0]
+    mixed = llm.generate([[9, 9], [5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0.5,
+                                                              seed=1), sp], use_tqdm=False)[1]
+    assert mixed.token_ids == alone.token_ids and len(alone.token_ids) == 10
+    with pytest.raises(ValueError, match="draft_sampling"):
+        SpeculativeConfig("custom", 2, drafter=lambda s: None, draft_sampling=True)
