@@ -77,6 +77,24 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array):
+    """Attention inputs of a pre-norm block: ``x f[T, H]`` → ``q f[T, Nq, D]``, ``k, v f[T, Nkv, D]``
+    (input RMSNorm, projections, Qwen2 biases, Qwen3 q/k-norm, RoPE at ``positions i32[T]``)."""
+    t = x.shape[0]
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+    if "bq" in p:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if "q_norm" in p:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    inv_freq = rope_inv_freq(cfg)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
 def decoder_layer(
     cfg: ModelConfig,
     p: dict,                   # one layer's params (unstacked)
@@ -89,21 +107,7 @@ def decoder_layer(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pre-norm Llama block: GQA attention over the paged cache (writing this step's K/V) + SwiGLU."""
     t = x.shape[0]
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = h @ p["wq"]
-    k = h @ p["wk"]
-    v = h @ p["wv"]
-    if "bq" in p:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    if "q_norm" in p:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    inv_freq = rope_inv_freq(cfg)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q, k, v = project_qkv(cfg, p, x, positions)
     k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     attn = ragged_paged_attention(
         q, k_cache, v_cache, meta.kv_lens, meta.block_tables, meta.cu_q_lens,

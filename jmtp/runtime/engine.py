@@ -92,7 +92,9 @@ class LLM:
             raise ValueError("model_config is required when params are given")
         else:
             from jmtp.model.params import check_params
-            check_params(model_config, params, "params")
+            # An MTP head is optional unless method="mtp" (checked below).
+            check_params(model_config if "mtp" in params else
+                         model_config.replace(num_mtp_layers=0), params, "params")
         if not 0 <= max_logprobs <= model_config.vocab_size:
             raise ValueError(f"max_logprobs must lie in [0, vocab_size={model_config.vocab_size}], "
                              f"got {max_logprobs}")

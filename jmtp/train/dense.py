@@ -37,28 +37,16 @@ import jax
 import jax.numpy as jnp
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.llama import apply_rope, rms_norm, rope_inv_freq
+from jmtp.model.llama import project_qkv, rms_norm, rope_inv_freq
 
 
-def _qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
-    """q ``f[B,W,Nq,D]``, k/v ``f[B,W,Nkv,D]`` of one pre-norm Llama block (as ``decoder_layer``)."""
-    b, w, _ = x.shape
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = h @ p["wq"]
-    k = h @ p["wk"]
-    v = h @ p["wv"]
-    if "bq" in p:
-        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    q = q.reshape(b * w, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(b * w, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
-    if "q_norm" in p:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    pos = positions.reshape(b * w)
-    q = apply_rope(q, pos, inv_freq).reshape(b, w, cfg.num_heads, cfg.head_dim)
-    k = apply_rope(k, pos, inv_freq).reshape(b, w, cfg.num_kv_heads, cfg.head_dim)
-    return q, k, v
+def _qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array, inv_freq=None):
+    """q ``f[B,W,Nq,D]``, k/v ``f[B,W,Nkv,D]``: :func:`jmtp.model.llama.project_qkv` on ``[B, W]``."""
+    b, w, h = x.shape
+    q, k, v = project_qkv(cfg, p, x.reshape(b * w, h), positions.reshape(b * w))
+    return (q.reshape(b, w, cfg.num_heads, cfg.head_dim),
+            k.reshape(b, w, cfg.num_kv_heads, cfg.head_dim),
+            v.reshape(b, w, cfg.num_kv_heads, cfg.head_dim))
 
 
 def _attend(cfg: ModelConfig, q, k, v, mask):
