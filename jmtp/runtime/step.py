@@ -88,7 +88,19 @@ def engine_step(
     mtp_cache: KVCache | None,  # MTP cache (num_mtp_layers), None without MTP
     prefill_chunk: jax.Array,   # i32[B] prompt tokens each prefilling slot processes this step
 ):
-    """One engine step (see module docstring). Returns ``(state, cache, mtp_cache, StepOutput)``."""
+    """One engine step (see module docstring).
+
+    Args:
+      mc, ec, drafter, num_tokens, attention_impl: static (hashable) arguments; ``num_tokens`` is
+        the token bucket T, at least ``sum(seq_lens_this_time)`` of the step (the host picks it).
+      params: model parameter pytree (with ``params["mtp"]`` when drafting with the MTP head).
+      state, cache, mtp_cache: donated by :class:`~jmtp.runtime.engine.LLM`; returned updated.
+      prefill_chunk: i32[B] prompt tokens each prefilling slot processes this step (clipped to
+        what is left of its prompt; ignored for decoding and idle slots).
+
+    Returns:
+      ``(state, cache, mtp_cache, StepOutput)``.
+    """
     B, W, K, M, bs = ec.max_num_seqs, ec.window, ec.k, ec.m, ec.block_size
     s = state
     use_mtp = K > 0 and drafter is None
