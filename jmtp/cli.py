@@ -25,10 +25,12 @@ def _generate(args) -> int:
         prompts = ["Write a Python function that checks whether a number is prime."]
     spec = None
     if not args.no_spec:
-        spec = SpeculativeConfig("mtp", args.num_speculative_tokens, args.num_model_steps)
+        spec = SpeculativeConfig("mtp", args.num_speculative_tokens, args.num_model_steps,
+                                 draft_vocab_size=args.draft_vocab_size)
     t0 = time.perf_counter()
     llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, attention_backend=args.attention_backend)
+              max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+              mtp_head=None if args.mtp_head == "none" else args.mtp_head)
     load_s = time.perf_counter() - t0
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
@@ -64,11 +66,16 @@ def main(argv=None) -> int:
     g.add_argument("--num-speculative-tokens", type=int, default=3)
     g.add_argument("--num-model-steps", type=int, default=None)
     g.add_argument("--no-spec", action="store_true", help="plain decoding (no speculation)")
+    g.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="FR-Spec draft vocabulary (default: the MTP head's own; 0 = full vocabulary)")
+    g.add_argument("--mtp-head", default="auto",
+                   help="MTP head file (default 'auto': the checkpoint's own, else the head jmtp "
+                        "ships for it; 'none': a fresh, untrained head)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--max-model-len", type=int, default=1024)
     g.add_argument("--attention-backend", default=None,
-                   choices=[None, "reference", "pallas_tpu", "pallas_gpu"])
+                   choices=[None, "reference", "xla", "pallas_tpu", "pallas_gpu"])
     args = p.parse_args(argv)
     try:
         return _generate(args)

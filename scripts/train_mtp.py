@@ -20,11 +20,14 @@ Example (short trial)::
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
 import sys
 import time
+
+import numpy as np
 
 
 def parse_args(argv=None):
@@ -45,6 +48,9 @@ def parse_args(argv=None):
                     help="sampled responses per training prompt (besides the greedy one)")
     ap.add_argument("--temperature", type=float, default=0.8, help="temperature of sampled responses")
     ap.add_argument("--gen-batch", type=int, default=16, help="generation batch size")
+    ap.add_argument("--gen-limit", type=int, default=None,
+                    help="use only the first N training prompts (a multiple of --gen-batch reuses "
+                         "the cached batches of a longer, interrupted generation)")
     ap.add_argument("--generator", choices=("auto", "engine", "simple"), default="auto",
                     help="auto: the jmtp engine for greedy responses when importable, the simple "
                          "generator (jmtp.train.data.generate_tokens) for sampled ones")
@@ -54,12 +60,19 @@ def parse_args(argv=None):
     ap.add_argument("--feature-noise", type=float, default=0.0)
     ap.add_argument("--train-vocab", type=int, default=0,
                     help="FR-Spec: train/draft over the N most frequent response tokens (0 = all)")
+    ap.add_argument("--labels", choices=("data", "target"), default="target",
+                    help="data: the generated token; target: the target's own greedy prediction "
+                         "(what greedy verification accepts)")
+    ap.add_argument("--prompt-rows", action="store_true",
+                    help="also train on prompt positions (labels=target)")
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-passes", type=int, default=3)
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--init", choices=("fresh", "model"), default="fresh",
                     help="start from a fresh head or from the model's params['mtp']")
     ap.add_argument("--export-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--export-only", action="store_true",
+                    help="export the latest checkpoint in --out (with --resume) without training")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
@@ -73,6 +86,8 @@ def _generations(args, cfg, params, tok, data_dir, log):
     spec = {"num_prompts": args.num_prompts, "eval_frac": args.eval_frac, "seed": args.seed,
             "gen_max_tokens": args.gen_max_tokens, "samples": args.samples,
             "temperature": args.temperature, "model": args.model}
+    batch_spec = dict(spec)                 # what one cached generation batch depends on
+    spec["gen_limit"] = args.gen_limit
     spec_path = os.path.join(data_dir, "generation_spec.json")
     if os.path.exists(path) and os.path.exists(spec_path):
         with open(spec_path) as f:
@@ -83,23 +98,59 @@ def _generations(args, cfg, params, tok, data_dir, log):
                         [r for r in recs if r["split"] == "eval"])
     prompts = D.load_prompts(args.num_prompts)
     train_p, eval_p = D.split_prompts(prompts, args.eval_frac, args.seed)
+    if args.gen_limit is not None:   # keeps the batches (and caches) of a full run: a prefix
+        train_p = train_p[:args.gen_limit]
     log.info("%d prompts: %d train, %d eval", len(prompts), len(train_p), len(eval_p))
     enc = {p.id: D.encode_chat(tok, p.text) for p in prompts}
     have_engine = D.engine_available()
 
-    def gen(ps, temperature, seed):
-        ids = [enc[p.id] for p in ps]
-        kw = dict(temperature=temperature, seed=seed, batch_size=args.gen_batch,
-                  progress=not args.no_progress)
-        # auto: sampled responses use the simple generator (the engine's sampler was greedy-only
-        # when this was written: temperature had no effect).
+    def gen(ps, temperature, seed, kind):
+        """Responses (and captured hidden states) of ``ps``, one ``gen_batch`` at a time; each
+        finished batch is cached in ``data_dir/gen`` so an interrupted run resumes from it."""
         use_engine = args.generator == "engine" or (
             args.generator == "auto" and have_engine and temperature == 0)
         log.info("generating %d responses (temperature %g) with %s", len(ps), temperature,
                  "the jmtp engine" if use_engine else "the simple generator")
-        if use_engine:   # hidden states are recomputed later (one prefill per sequence)
-            return D.engine_generate(cfg, params, ids, args.gen_max_tokens, **kw), None
-        return D.generate_tokens(cfg, params, ids, args.gen_max_tokens, return_hidden=True, **kw)
+        # Batches of similar prompt lengths: a batch's attention cost follows its longest prompt.
+        order = list(range(len(ps)))
+        if len(ps) > args.gen_batch:
+            order.sort(key=lambda i: (len(enc[ps[i].id]), i))
+        ps = [ps[i] for i in order]
+        cache_dir = os.path.join(data_dir, "gen")
+        os.makedirs(cache_dir, exist_ok=True)
+        resps, hids = [], []
+        starts = range(0, len(ps), args.gen_batch)
+        if not args.no_progress:
+            from tqdm.auto import tqdm
+            starts = tqdm(starts, desc=f"generate {kind}", unit="batch")
+        for c, s0 in enumerate(starts):
+            chunk = ps[s0:s0 + args.gen_batch]
+            ids = [enc[p.id] for p in chunk]
+            key = hashlib.sha1(json.dumps([batch_spec, kind, use_engine, [p.id for p in chunk]]).encode())
+            path = os.path.join(cache_dir, f"{kind}_{c:03d}_{key.hexdigest()[:10]}.npz")
+            if not os.path.exists(path):
+                kw = dict(temperature=temperature, seed=seed * 1000 + c, batch_size=args.gen_batch)
+                if use_engine:   # hidden states are recomputed later (one prefill per sequence)
+                    r, h = D.engine_generate(cfg, params, ids, args.gen_max_tokens, **kw), None
+                else:
+                    r, h = D.generate_tokens(cfg, params, ids, args.gen_max_tokens,
+                                             return_hidden=True, **kw)
+                lens = np.asarray([len(x) for x in r], np.int64)
+                arrays = {"tokens": np.concatenate([np.asarray(x, np.int32) for x in r]), "lens": lens}
+                if h is not None:
+                    arrays["hidden"] = np.concatenate(h).astype(np.float16)
+                    arrays["hlens"] = np.asarray([len(x) for x in h], np.int64)
+                np.savez(path + ".tmp.npz", **arrays)
+                os.replace(path + ".tmp.npz", path)
+            z = np.load(path)
+            cut = np.cumsum(z["lens"])[:-1]
+            resps += [x.tolist() for x in np.split(z["tokens"], cut)]
+            if "hidden" in z:
+                hids += np.split(z["hidden"], np.cumsum(z["hlens"])[:-1])
+            else:
+                hids += [None] * len(chunk)
+        back = np.argsort(order)            # restore the caller's prompt order
+        return [resps[i] for i in back], [hids[i] for i in back]
 
     jobs = [("eval", "greedy", eval_p, 0.0, args.seed), ("train", "greedy", train_p, 0.0, args.seed)]
     jobs += [("train", f"sampled{j}", train_p, args.temperature, args.seed + 1 + j)
@@ -109,11 +160,10 @@ def _generations(args, cfg, params, tok, data_dir, log):
     for split, kind, ps, temp, seed in jobs:
         if not ps:
             continue
-        resps, hids = gen(ps, temp, seed)
+        resps, hids = gen(ps, temp, seed, f"{split}_{kind}")
         for i, (p, resp) in enumerate(zip(ps, resps)):
             recs.append({"split": split, "kind": kind, "prompt_id": p.id, "source": p.source,
-                         "prompt_ids": enc[p.id], "response_ids": resp,
-                         "_hidden": hids[i] if hids is not None else None})
+                         "prompt_ids": enc[p.id], "response_ids": resp, "_hidden": hids[i]})
     n_tok = sum(len(r["response_ids"]) for r in recs)
     log.info("generated %d responses, %d tokens in %.0f s", len(recs), n_tok, time.perf_counter() - t0)
     os.makedirs(data_dir, exist_ok=True)
@@ -126,13 +176,21 @@ def _generations(args, cfg, params, tok, data_dir, log):
 
 
 def _dataset(cfg, params, recs, directory, log, progress):
-    from jmtp.train.data import MTPData, build_dataset
+    from jmtp.train.data import MTPData, build_dataset, target_top1
+
+    def with_top1(d):
+        if d.top1 is None:
+            t0 = time.perf_counter()
+            np.save(os.path.join(directory, "top1.npy"), target_top1(cfg, params, d.hidden))
+            d = MTPData.load(directory)
+            log.info("cached the target's top-1 predictions in %.0f s", time.perf_counter() - t0)
+        return d
 
     if os.path.exists(os.path.join(directory, "meta.json")):
         d = MTPData.load(directory)
         if d.num_sequences == len(recs) and list(d.prompt_ids) == [r["prompt_id"] for r in recs]:
             log.info("reusing cached hidden states in %s", directory)
-            return d
+            return with_top1(d)
     t0 = time.perf_counter()
     captured = all(r.get("_hidden") is not None for r in recs)
     d = build_dataset(cfg, params, [r["prompt_ids"] + r["response_ids"] for r in recs],
@@ -143,7 +201,7 @@ def _dataset(cfg, params, recs, directory, log, progress):
     log.info("cached hidden states of %d sequences (%d tokens, %s) in %.0f s", d.num_sequences,
              len(d.tokens), "captured during generation" if captured else "one target prefill each",
              time.perf_counter() - t0)
-    return d
+    return with_top1(d)
 
 
 def main(argv=None) -> int:
@@ -160,7 +218,7 @@ def main(argv=None) -> int:
     from jmtp.train.mtp_trainer import MTPTrainer, TrainConfig
 
     if os.path.isdir(os.path.join(args.out, "checkpoints")) and os.listdir(
-            os.path.join(args.out, "checkpoints")) and not args.resume:
+            os.path.join(args.out, "checkpoints")) and not (args.resume or args.export_only):
         print(f"error: {args.out} already holds checkpoints; pass --resume or choose another --out",
               file=sys.stderr)
         return 2
@@ -169,11 +227,13 @@ def main(argv=None) -> int:
         warmup_steps=args.warmup if args.warmup is not None else max(args.steps // 20, 0),
         seed=args.seed, num_passes=args.num_passes, recursive_weight=args.recursive_weight,
         kl_weight=args.kl_weight, feature_noise=args.feature_noise,
-        draft_vocab_size=args.train_vocab, eval_every=args.eval_every,
+        draft_vocab_size=args.train_vocab, labels=args.labels, prompt_rows=args.prompt_rows,
+        eval_every=args.eval_every,
         eval_passes=args.eval_passes, ckpt_every=args.ckpt_every, progress=not args.no_progress)
 
     t0 = time.perf_counter()
-    cfg, params = load_checkpoint(args.model)
+    # A fresh run starts from a fresh head (never the head jmtp ships for the model).
+    cfg, params = load_checkpoint(args.model, mtp_head=None if args.init == "fresh" else "auto")
     tok = load_tokenizer(args.model)
     log.info("loaded %s in %.0f s", args.model or "SmolLM2-135M-Instruct", time.perf_counter() - t0)
     if args.init == "fresh" or "mtp" not in params:
@@ -204,14 +264,19 @@ def main(argv=None) -> int:
     before = trainer.evaluate(trainer.init_mtp) if evald is not None else {}
     log.info("eval before training: %s", before)
     t1 = time.perf_counter()
-    state = trainer.train()
+    # --export-only: export the latest checkpoint of an interrupted (or stopped) run as it is.
+    state = trainer.restore() if args.export_only else trainer.train()
     train_s = time.perf_counter() - t1
     after = trainer.evaluate(state["mtp"]) if evald is not None else {}
     log.info("eval after training: %s", after)
     dt = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}[args.export_dtype]
     path = trainer.export(state, dtype=dt, token_freq=freq,
                           extra={**extra, "results": {"eval_before": before, "eval_after": after,
-                                                      "train_seconds_this_run": train_s}})
+                                                      "train_seconds_this_run": train_s}},
+                          metadata={"eval_frac": args.eval_frac, "split_seed": args.seed,
+                                    "eval_acc1": round(after.get("acc1", float("nan")), 4),
+                                    f"eval_al{tcfg.eval_passes}": round(
+                                        after.get(f"al{tcfg.eval_passes}", float("nan")), 4)})
     log.info("wrote %s (%.1f MB)", path, os.path.getsize(path) / 2 ** 20)
     return 0
 

@@ -51,6 +51,10 @@ class ModelConfig:
       num_mtp_layers: number of MTP modules in the checkpoint (0: none; a fresh head is made).
       mtp_layout: "deepseek" (own final norm ``shared_head.norm``, pre-norm hidden fed back) or
         "ernie" (target final norm shared, post-norm hidden fed back).
+      draft_vocab_size: FR-Spec draft vocabulary the checkpoint's MTP head was trained for (Zhao et
+        al. 2025, arXiv 2502.14856; EAGLE-3's ``draft_vocab_size``): its drafts score only the N most
+        frequent tokens, ranked in ``params["draft_vocab"] i32[V]``. 0 = the full vocabulary.
+        The default of :class:`~jmtp.runtime.config.SpeculativeConfig` ``draft_vocab_size``.
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -72,6 +76,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     num_mtp_layers: int = 1
     mtp_layout: Literal["deepseek", "ernie"] = "deepseek"
+    draft_vocab_size: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -91,6 +96,9 @@ class ModelConfig:
                              f"{self.vocab_size})")
         if self.mtp_layout not in MTP_LAYOUTS:
             raise ValueError(f"ModelConfig.mtp_layout must be one of {MTP_LAYOUTS}, got {self.mtp_layout!r}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"ModelConfig.draft_vocab_size must lie in [0, vocab_size="
+                             f"{self.vocab_size}], got {self.draft_vocab_size}")
         if self.num_mtp_layers < 0:
             raise ValueError(f"ModelConfig.num_mtp_layers must be >= 0, got {self.num_mtp_layers}")
 

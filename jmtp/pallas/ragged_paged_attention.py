@@ -18,7 +18,10 @@ Semantics (defined by :func:`ragged_paged_attention_reference`):
   NaN included);
 * padding rows (``>= cu_q_lens[S]``) get zeros.
 
-Pallas kernels implement the same contract behind ``implementation=``:
+Other implementations of the same contract behind ``implementation=``:
+:func:`ragged_paged_attention_xla` (``"xla"``: plain jnp like the reference, but each query row
+gathers only its own sequence's pages, so its cost is O(T · pages·block_size) instead of the
+reference's O(T · S · pages·block_size); the CPU default), and the Pallas kernels
 :mod:`jmtp.pallas.ragged_paged_attention_tpu` (Mosaic TPU) and
 :mod:`jmtp.pallas.ragged_paged_attention_gpu` (Triton); they only read the cache, :func:`write_kv`
 stays the companion op that writes this step's keys and values.
@@ -31,7 +34,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("reference", "pallas_tpu", "pallas_gpu")
+IMPLEMENTATIONS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
 
 
 def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens):
@@ -118,16 +121,82 @@ def ragged_paged_attention_reference(
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
+def ragged_paged_attention_xla(
+    q: jax.Array,             # f[T, Nq, D]   packed queries (RoPE applied)
+    k_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
+    v_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
+    kv_lens: jax.Array,       # i32[S]        keys per sequence, this step's tokens included
+    block_tables: jax.Array,  # i32[S, pages] physical block ids (entries past kv_lens unused)
+    cu_q_lens: jax.Array,     # i32[S+1]      exclusive prefix sums of query lengths
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    q_tile: int = 32,
+) -> jax.Array:               # f[T, Nq, D]
+    """Plain-XLA ragged paged attention for backends without a kernel (the CPU default).
+
+    Same contract as :func:`ragged_paged_attention_reference`, different schedule: the query rows
+    are processed ``q_tile`` at a time (``lax.map``) and each row gathers the pages of its own
+    sequence only. Cost O(T · pages·block_size · Nq · D) and O(q_tile · pages·block_size · Nkv · D)
+    scratch memory, independent of the number of sequences S.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs, pages = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    max_kv = pages * block_size
+    tile = max(1, min(q_tile, num_tokens))
+    n_tiles = -(-num_tokens // tile)
+    padded = n_tiles * tile
+
+    t = jnp.arange(padded, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, num_seqs - 1)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    valid_tok = t < cu_q_lens[-1]
+    q_pos = kv_lens[seq] - q_lens[seq] + (t - cu_q_lens[seq])             # i32[T']
+    hi = jnp.where(valid_tok, jnp.minimum(q_pos + 1, kv_lens[seq]), 0)   # keys [lo, hi) visible
+    lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(q_pos - sliding_window + 1, 0)
+    qf = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0))).astype(jnp.float32)
+    qf = qf.reshape(n_tiles, tile, num_kv_heads, group, head_dim)
+    kv_pos = jnp.arange(max_kv, dtype=jnp.int32)
+
+    def one_tile(args):
+        qt, seq_t, lo_t, hi_t = args                                   # [tile, Nkv, G, D], i32[tile]
+        tables = jnp.clip(block_tables[seq_t], 0, num_blocks - 1)      # i32[tile, pages]
+        mask = (kv_pos[None, :] >= lo_t[:, None]) & (kv_pos[None, :] < hi_t[:, None])  # [tile, Lk]
+        k = k_cache[tables].reshape(tile, max_kv, num_kv_heads, head_dim)
+        v = v_cache[tables].reshape(tile, max_kv, num_kv_heads, head_dim)
+        k = jnp.where(mask[..., None, None], k, 0).astype(jnp.float32)
+        v = jnp.where(mask[..., None, None], v, 0).astype(jnp.float32)
+        scores = jnp.einsum("tkgd,tjkd->tkgj", qt, k) * sm_scale       # f[tile, Nkv, G, Lk]
+        if soft_cap is not None:
+            scores = soft_cap * jnp.tanh(scores / soft_cap)
+        m4 = mask[:, None, None, :]
+        scores = jnp.where(m4, scores, -jnp.inf)
+        mx = jnp.max(scores, axis=-1, keepdims=True)
+        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        p = jnp.where(m4, jnp.exp(scores - mx), 0.0)
+        den = jnp.sum(p, axis=-1, keepdims=True)
+        p = p / jnp.where(den > 0, den, 1.0)
+        return jnp.einsum("tkgj,tjkd->tkgd", p, v)
+
+    out = jax.lax.map(one_tile, (qf, seq.reshape(n_tiles, tile), lo.reshape(n_tiles, tile),
+                                 hi.reshape(n_tiles, tile)))
+    out = out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
+    return out.astype(q.dtype)
+
+
 def default_implementation() -> str:
     """Best implementation for the default backend: TPU -> ``"pallas_tpu"``, GPU ->
-    ``"pallas_gpu"`` (Triton), anything else (CPU) -> ``"reference"`` (kernels would only run in
-    the slow interpret mode there)."""
+    ``"pallas_gpu"`` (Triton), anything else (CPU) -> ``"xla"`` (kernels would only run in the
+    slow interpret mode there)."""
     backend = jax.default_backend()
     if backend == "tpu":
         return "pallas_tpu"
     if backend in ("gpu", "cuda", "rocm"):
         return "pallas_gpu"
-    return "reference"
+    return "xla"
 
 
 def ragged_paged_attention(
@@ -148,7 +217,7 @@ def ragged_paged_attention(
 
     Args:
       implementation: one of :data:`IMPLEMENTATIONS`, or None for :func:`default_implementation`.
-      interpret: kernels only (ignored by ``"reference"``): None = Pallas interpret mode iff the
+      interpret: kernels only (ignored by ``"reference"`` and ``"xla"``): None = Pallas interpret mode iff the
         default backend is CPU; a bool; or, for ``"pallas_tpu"``, a ``pltpu.InterpretParams``.
 
     Raises:
@@ -160,6 +229,10 @@ def ragged_paged_attention(
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
     if impl == "reference":
         return ragged_paged_attention_reference(
+            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if impl == "xla":
+        return ragged_paged_attention_xla(
             q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
             sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     if impl == "pallas_tpu":

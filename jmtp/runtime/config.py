@@ -30,6 +30,12 @@ class SpeculativeConfig:
         greedily.
       draft_temperature / draft_top_p / draft_top_k: draft-side overrides (FastDeploy's
         ``FD_SPECULATE_SAMPLING_TOP_P/TOP_K``); None = the request's own value.
+      draft_vocab_size: FR-Spec draft vocabulary (Zhao et al. 2025, arXiv 2502.14856): the MTP
+        drafts are scored over the N most frequent tokens only (``params["draft_vocab"]``, ranked
+        by the head's training data), which cuts the proposer's LM head from V to N rows. Output
+        stays lossless (the target verifies; with ``draft_sampling`` q is exact, zero outside the N
+        tokens). None = the model's default (``ModelConfig.draft_vocab_size``, set by the shipped
+        head), 0 = the full vocabulary.
 
     Raises:
       ValueError: unknown method or strategy, K < 1, M outside ``[1, K]``, custom method without
@@ -47,12 +53,17 @@ class SpeculativeConfig:
     draft_temperature: float | None = None
     draft_top_p: float | None = None
     draft_top_k: int | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         from jmtp.runtime.verify import STRATEGIES
         if self.verify_strategy not in STRATEGIES:
             raise ValueError(f"SpeculativeConfig.verify_strategy must be one of {STRATEGIES}, got "
                              f"{self.verify_strategy!r}")
+        if self.draft_vocab_size is not None and (
+                not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0):
+            raise ValueError(f"SpeculativeConfig.draft_vocab_size must be None or an int >= 0, got "
+                             f"{self.draft_vocab_size!r}")
         if self.method not in METHODS:
             raise ValueError(f"SpeculativeConfig.method must be one of {METHODS}, got {self.method!r}")
         if self.method is None:
@@ -124,6 +135,7 @@ class EngineConfig:
     draft_temperature: float | None = None
     draft_top_p: float | None = None
     draft_top_k: int | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks",

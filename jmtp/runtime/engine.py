@@ -49,6 +49,33 @@ class _Request:
     seed: int = 0                  # request seed when SamplingParams.seed is None
 
 
+def with_draft_vocab(cfg: ModelConfig, params: dict, draft_vocab_size: int | None
+                     ) -> tuple[dict, int]:
+    """Attach the FR-Spec draft LM head to ``params`` (see ``SpeculativeConfig.draft_vocab_size``).
+
+    Returns ``(params, N)``; with ``N > 0`` the new params hold ``draft_ids i32[N]`` (the N
+    top-ranked ids of ``params["draft_vocab"]``) and ``draft_head f[N, H]`` (their LM-head rows),
+    which the MTP proposer scores instead of the full LM head.
+
+    Raises:
+      ValueError: N > 0 without a ranking ``params["draft_vocab"]``, or N above its length.
+    """
+    n = cfg.draft_vocab_size if draft_vocab_size is None else draft_vocab_size
+    params = {k: v for k, v in params.items() if k not in ("draft_ids", "draft_head")}
+    if n == 0 or n >= cfg.vocab_size:
+        return params, 0
+    ranking = params.get("draft_vocab")
+    if ranking is None:
+        raise ValueError(f"SpeculativeConfig.draft_vocab_size={n} needs a token ranking "
+                         "params['draft_vocab'] (shipped with a trained MTP head, see jmtp.train)")
+    if n > len(ranking):
+        raise ValueError(f"SpeculativeConfig.draft_vocab_size={n} exceeds the {len(ranking)} ranked "
+                         "ids of params['draft_vocab']")
+    ids = jnp.asarray(np.asarray(ranking)[:n], jnp.int32)
+    head = params["embed"][ids] if "lm_head" not in params else params["lm_head"][:, ids].T
+    return dict(params, draft_ids=ids, draft_head=head), n
+
+
 class LLM:
     """Offline generation with MTP speculative decoding (vLLM ``LLM`` shape).
 
@@ -61,11 +88,15 @@ class LLM:
       num_blocks: KV blocks; default: enough for every slot at max_model_len.
       max_num_batched_tokens: token budget per step (largest bucket).
       dtype: parameter/cache dtype (default fp32 on CPU, bf16 on accelerators).
-      attention_backend: ``"reference" | "pallas_tpu" | "pallas_gpu" | None``.
+      attention_backend: ``"reference" | "xla" | "pallas_tpu" | "pallas_gpu" | None`` (None = the
+        backend's default: ``"xla"`` on CPU).
       max_logprobs: largest ``SamplingParams.logprobs`` served (0 = logprobs off: nothing extra
         is computed in the step).
       seed: seeds the per-request seeds of requests whose ``SamplingParams.seed`` is None.
       model_config / params / tokenizer: pass an already-built model instead of ``model``.
+      mtp_head: with ``model``: ``"auto"`` (the checkpoint's MTP weights, else the head jmtp ships
+        for it, else a fresh one), ``None`` (never the shipped head) or a head file; see
+        :func:`jmtp.model.loader.load_checkpoint`.
 
     Raises:
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
@@ -77,7 +108,7 @@ class LLM:
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
                  dtype=None, attention_backend: str | None = None, max_logprobs: int = 0,
                  seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
-                 tokenizer=None):
+                 tokenizer=None, mtp_head: str | None = "auto"):
         dtype = jnp.dtype(dtype or default_dtype())
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
@@ -85,7 +116,7 @@ class LLM:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if params is None:
             from jmtp.model.loader import load_checkpoint, load_tokenizer
-            model_config, params = load_checkpoint(model, dtype=dtype)
+            model_config, params = load_checkpoint(model, dtype=dtype, mtp_head=mtp_head)
             if tokenizer is None:
                 tokenizer = load_tokenizer(model)
         elif model_config is None:
@@ -106,6 +137,9 @@ class LLM:
         if spec.method == "mtp" and "mtp" not in params:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
         self.model_config = model_config
+        self.draft_vocab_size = 0
+        if spec.method == "mtp":
+            params, self.draft_vocab_size = with_draft_vocab(model_config, params, spec.draft_vocab_size)
         self.params = params
         self.tokenizer = tokenizer
         self.speculative_config = spec

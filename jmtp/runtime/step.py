@@ -260,10 +260,19 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
 
     def pick(h_rows, sub):
         """Draft ``sub`` (0-based): argmax, or a sample with its exact distribution q."""
+        if "draft_head" in params:    # FR-Spec: score the N-token draft vocabulary only
+            logits = jnp.dot(h_rows, params["draft_head"].T, preferred_element_type=jnp.float32)
+        else:
+            logits = compute_logits(params, h_rows)
         tok, probs = draft_sample(
-            compute_logits(params, h_rows), state.sampling, state.step_idx + sub,
+            logits, state.sampling, state.step_idx + sub,
             draft_sampling=ec.draft_sampling, draft_temperature=ec.draft_temperature,
             draft_top_p=ec.draft_top_p, draft_top_k=ec.draft_top_k)
+        if "draft_head" in params:    # back to full-vocabulary ids (q is zero off the N tokens)
+            tok = params["draft_ids"][tok]
+            if probs is not None:
+                probs = jnp.zeros((probs.shape[0], mc.vocab_size), probs.dtype).at[
+                    :, params["draft_ids"]].set(probs)
         return tok.astype(jnp.int32), probs
 
     d, probs = pick(_take_rows(h_log, last), 0)

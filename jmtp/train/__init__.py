@@ -8,14 +8,15 @@ CLI: ``scripts/train_mtp.py``.
 """
 from jmtp.train.data import (MTPData, Prompt, build_dataset, encode_chat, engine_generate,
                              generate_tokens, load_prompts, make_batch, pack_rows, split_prompts,
-                             token_frequencies)
+                             target_top1, token_frequencies)
 from jmtp.train.dense import dense_mtp_forward
 from jmtp.train.mtp_trainer import (MTPTrainer, TrainConfig, export_mtp_head, head_metadata,
                                     load_draft_vocab, load_mtp_head)
 
 __all__ = [
     "MTPData", "Prompt", "build_dataset", "encode_chat", "engine_generate", "generate_tokens",
-    "load_prompts", "make_batch", "pack_rows", "split_prompts", "token_frequencies",
+    "load_prompts", "make_batch", "pack_rows", "split_prompts", "target_top1",
+    "token_frequencies",
     "dense_mtp_forward",
     "MTPTrainer", "TrainConfig", "export_mtp_head", "head_metadata", "load_draft_vocab",
     "load_mtp_head",

@@ -303,8 +303,11 @@ def generate_tokens(
             ids = np.zeros(s, np.int32)
             ids[:len(active)] = [resp[b][-1] for b in active]
             q = feed.astype(np.int32)
+            # Only the pages in use so far (a bucketed prefix of the table): attention gathers
+            # O(rows * pages) keys, and every unused page would be gathered too.
+            used = min(_bucket(-(-(int(ctx.max()) + 1) // block_size), 4), pages)
             lg, hid, cache = _gen_step(cfg, block_size, params, jnp.asarray(ids), jnp.asarray(q),
-                                       jnp.asarray(ctx), tables, cache)
+                                       jnp.asarray(ctx), tables[:, :used], cache)
             logits = np.asarray(lg)
             if return_hidden:
                 hid = np.asarray(hid, np.float32)
@@ -375,6 +378,9 @@ class MTPData:
       prompt_lens: i32[S] number of prompt tokens at the start of each sequence.
       prompt_ids: list[str] the prompt each sequence answers (for split bookkeeping).
       kinds: list[str]   "greedy" or "sampled".
+      top1: i32[N] or None  the target's greedy prediction after each token,
+        ``top1[t] = argmax compute_logits(hidden[t])`` (see :func:`target_top1`); the
+        self-distillation label of every position, prompt tokens included.
     """
 
     tokens: np.ndarray
@@ -383,6 +389,7 @@ class MTPData:
     prompt_lens: np.ndarray
     prompt_ids: list
     kinds: list
+    top1: np.ndarray | None = None
 
     def __post_init__(self):
         s = len(self.prompt_lens)
@@ -392,6 +399,8 @@ class MTPData:
             raise ValueError(f"hidden has {self.hidden.shape[0]} rows, tokens has {len(self.tokens)}")
         if len(self.prompt_ids) != s or len(self.kinds) != s:
             raise ValueError("prompt_ids and kinds need one entry per sequence")
+        if self.top1 is not None and self.top1.shape != self.tokens.shape:
+            raise ValueError(f"top1 has shape {self.top1.shape}, tokens {self.tokens.shape}")
 
     @property
     def num_sequences(self) -> int:
@@ -410,13 +419,17 @@ class MTPData:
             hidden=np.concatenate([self.hidden[p] for p in parts]) if parts else self.hidden[:0],
             offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
             prompt_lens=self.prompt_lens[idx].astype(np.int32),
-            prompt_ids=[self.prompt_ids[i] for i in idx], kinds=[self.kinds[i] for i in idx])
+            prompt_ids=[self.prompt_ids[i] for i in idx], kinds=[self.kinds[i] for i in idx],
+            top1=(None if self.top1 is None else
+                  np.concatenate([self.top1[p] for p in parts]) if parts else self.top1[:0]))
 
     def save(self, directory: str) -> None:
-        """Write ``tokens.npy hidden.npy offsets.npy prompt_lens.npy meta.json`` into ``directory``."""
+        """Write ``tokens.npy hidden.npy offsets.npy prompt_lens.npy [top1.npy] meta.json`` into
+        ``directory``."""
         os.makedirs(directory, exist_ok=True)
-        for name in ("tokens", "hidden", "offsets", "prompt_lens"):
-            np.save(os.path.join(directory, f"{name}.npy"), getattr(self, name))
+        for name in ("tokens", "hidden", "offsets", "prompt_lens", "top1"):
+            if getattr(self, name) is not None:
+                np.save(os.path.join(directory, f"{name}.npy"), getattr(self, name))
         with open(os.path.join(directory, "meta.json"), "w") as f:
             json.dump({"prompt_ids": self.prompt_ids, "kinds": self.kinds}, f)
 
@@ -426,9 +439,30 @@ class MTPData:
         ld = lambda n, m=None: np.load(os.path.join(directory, f"{n}.npy"), mmap_mode=m)
         with open(os.path.join(directory, "meta.json")) as f:
             meta = json.load(f)
+        has_top1 = os.path.exists(os.path.join(directory, "top1.npy"))
         return cls(tokens=ld("tokens"), hidden=ld("hidden", "r" if mmap else None),
                    offsets=ld("offsets"), prompt_lens=ld("prompt_lens"),
-                   prompt_ids=meta["prompt_ids"], kinds=meta["kinds"])
+                   prompt_ids=meta["prompt_ids"], kinds=meta["kinds"],
+                   top1=ld("top1") if has_top1 else None)
+
+
+@jax.jit
+def _argmax_logits(params: dict, h: jax.Array) -> jax.Array:
+    return jnp.argmax(compute_logits(params, h.astype(params["embed"].dtype)), axis=-1).astype(jnp.int32)
+
+
+def target_top1(cfg: ModelConfig, params: dict, hidden: np.ndarray, chunk: int = 1024) -> np.ndarray:
+    """The target's greedy next-token prediction ``i32[N]`` from cached post-norm hidden states
+    ``f[N, H]`` (``argmax compute_logits(h)``, computed ``chunk`` rows at a time)."""
+    n = hidden.shape[0]
+    head = {k: params[k] for k in ("embed", "lm_head") if k in params}
+    out = np.zeros(n, np.int32)
+    for i in range(0, n, chunk):
+        rows = np.zeros((chunk, cfg.hidden_size), np.float32)
+        m = min(chunk, n - i)
+        rows[:m] = hidden[i:i + m]
+        out[i:i + m] = np.asarray(_argmax_logits(head, jnp.asarray(rows)))[:m]
+    return out
 
 
 def target_hidden_states(cfg: ModelConfig, params: dict, tokens: Sequence[int],
@@ -516,12 +550,14 @@ def token_frequencies(data: MTPData, vocab_size: int, responses_only: bool = Tru
 # Packing into fixed [B, W] rows.
 
 
-def pack_rows(data: MTPData, seq_len: int, min_labels: int = 1) -> list[list[tuple[int, int, int]]]:
+def pack_rows(data: MTPData, seq_len: int, min_labels: int = 1, prompt_rows: bool = False
+              ) -> list[list[tuple[int, int, int]]]:
     """Pack the MTP rows of every sequence into rows of ``seq_len`` (first-fit, in sequence order).
 
     A sequence of ``n`` tokens has ``n-1`` MTP rows (``p = 0..n-2``); longer spans are cut into
     chunks of ``seq_len`` rows (each chunk attends within itself only). Chunks with fewer than
-    ``min_labels`` response labels are dropped.
+    ``min_labels`` labelled rows are dropped: response rows only, or every row with
+    ``prompt_rows=True`` (target-top-1 labels, see :func:`make_batch`).
 
     Returns:
       one list per packed row of segments ``(sequence index, first MTP row, number of rows)``.
@@ -537,8 +573,12 @@ def pack_rows(data: MTPData, seq_len: int, min_labels: int = 1) -> list[list[tup
         pl = int(data.prompt_lens[s])
         for start in range(0, n_rows, seq_len):
             cnt = min(seq_len, n_rows - start)
-            # labelled rows p: x_{p+2} exists (p <= n-3) and is a response token (p + 2 >= pl).
-            lo, hi = max(start, pl - 2), min(start + cnt, n_rows - 1)
+            # labelled rows p: x_{p+2} exists (p <= n-3) and is a response token (p + 2 >= pl);
+            # with prompt_rows every row has the target's top-1 label.
+            if prompt_rows:
+                lo, hi = start, start + cnt
+            else:
+                lo, hi = max(start, pl - 2), min(start + cnt, n_rows - 1)
             if hi - lo >= min_labels:
                 chunks.append((s, start, cnt))
     rows: list[list[tuple[int, int, int]]] = []
@@ -555,16 +595,30 @@ def pack_rows(data: MTPData, seq_len: int, min_labels: int = 1) -> list[list[tup
     return rows
 
 
-def make_batch(data: MTPData, rows: Sequence[Sequence[tuple[int, int, int]]], seq_len: int
-               ) -> dict[str, np.ndarray]:
+def make_batch(data: MTPData, rows: Sequence[Sequence[tuple[int, int, int]]], seq_len: int,
+               labels: str = "data", prompt_rows: bool = False) -> dict[str, np.ndarray]:
     """Dense arrays for :func:`jmtp.train.dense.dense_mtp_forward` from packed rows.
+
+    Args:
+      labels: ``"data"``: the label of MTP row p is the data token x_{p+2}; ``"target"``: the
+        target's greedy prediction ``data.top1[p+1]`` (self-distillation of the target's argmax,
+        defined at every row, the last included).
+      prompt_rows: also put loss on rows whose label lies in the prompt (needs ``labels="target"``
+        to be meaningful: the prompt token itself is not the target's prediction).
 
     Returns a dict of numpy arrays, ``B = len(rows)``, ``W = seq_len``:
       ``ids i32[B,W]`` token x_{p+1}; ``hidden f32[B,W,H]`` target h_p; ``target_hidden f32[B,W,H]``
       target h_{p+1} (its logits are the target's distribution over x_{p+2});
-      ``labels i32[B,W]`` x_{p+2} (0 where absent); ``loss_mask f32[B,W]`` 1 on response labels;
+      ``labels i32[B,W]`` (0 where absent); ``loss_mask f32[B,W]`` 1 on labelled rows;
       ``positions i32[B,W]`` p; ``segment_ids i32[B,W]`` (-1 = padding).
+
+    Raises:
+      ValueError: ``labels`` not "data"/"target", or "target" without ``data.top1``.
     """
+    if labels not in ("data", "target"):
+        raise ValueError(f"labels must be 'data' or 'target', got {labels!r}")
+    if labels == "target" and data.top1 is None:
+        raise ValueError("labels='target' needs MTPData.top1 (see target_top1)")
     b, w, h = len(rows), seq_len, data.hidden.shape[1]
     out = {
         "ids": np.zeros((b, w), np.int32), "labels": np.zeros((b, w), np.int32),
@@ -582,9 +636,15 @@ def make_batch(data: MTPData, rows: Sequence[Sequence[tuple[int, int, int]]], se
             out["ids"][r, dst] = data.tokens[base + p + 1]
             out["hidden"][r, dst] = data.hidden[base + start:base + start + cnt]
             out["target_hidden"][r, dst] = data.hidden[base + start + 1:base + start + cnt + 1]
-            has = p + 2 <= n - 1
-            out["labels"][r, dst] = np.where(has, data.tokens[np.minimum(base + p + 2, base + n - 1)], 0)
-            out["loss_mask"][r, dst] = (has & (p + 2 >= int(data.prompt_lens[s]))).astype(np.float32)
+            if labels == "target":
+                has = np.ones(cnt, bool)
+                out["labels"][r, dst] = data.top1[base + p + 1]
+            else:
+                has = p + 2 <= n - 1
+                out["labels"][r, dst] = np.where(
+                    has, data.tokens[np.minimum(base + p + 2, base + n - 1)], 0)
+            in_resp = p + 2 >= int(data.prompt_lens[s])
+            out["loss_mask"][r, dst] = (has & (in_resp | prompt_rows)).astype(np.float32)
             out["positions"][r, dst] = p
             out["segment_ids"][r, dst] = k
             o += cnt

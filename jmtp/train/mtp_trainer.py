@@ -42,6 +42,8 @@ import numpy as np
 import optax
 
 from jmtp.model.config import ModelConfig
+from jmtp.model.mtp_head import (HEAD_FORMAT, export_mtp_head, head_metadata, load_draft_vocab,
+                                 load_mtp_head, save_token_freq)
 from jmtp.model.params import init_mtp_params
 from jmtp.train.data import MTPData, make_batch, pack_rows
 from jmtp.train.dense import dense_mtp_forward
@@ -52,7 +54,6 @@ HEAD_FILE = "mtp_head.safetensors"
 FREQ_FILE = "token_freq.safetensors"
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
-HEAD_FORMAT = "jmtp-mtp-head-v1"
 
 # Fields that may change between an interrupted run and its resumption.
 _RESUME_FREE = ("eval_every", "ckpt_every", "keep_checkpoints", "progress")
@@ -79,6 +80,9 @@ class TrainConfig:
       feature_noise: std of Gaussian noise added to the target hidden state (EAGLE-style robustness;
         0 = off).
       draft_vocab_size: 0 = full vocabulary; N = FR-Spec top-N training vocabulary.
+      labels: ``"data"`` (the generated token x_{p+2}) or ``"target"`` (the target's own greedy
+        prediction of x_{p+2}, ``MTPData.top1``; what greedy verification accepts).
+      prompt_rows: also train on rows inside the prompt (with ``labels="target"``).
       eval_every: steps between evaluations; eval_passes: drafts evaluated (K up to this).
       ckpt_every: steps between orbax checkpoints; keep_checkpoints: how many to keep.
       layer_idx: which MTP module to train.
@@ -101,6 +105,8 @@ class TrainConfig:
     kl_weight: float = 0.0
     feature_noise: float = 0.0
     draft_vocab_size: int = 0
+    labels: str = "data"
+    prompt_rows: bool = False
     eval_every: int = 50
     eval_passes: int = 3
     ckpt_every: int = 100
@@ -125,6 +131,8 @@ class TrainConfig:
                      "draft_vocab_size", "layer_idx"):
             if getattr(self, name) < 0:
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.labels not in ("data", "target"):
+            raise ValueError(f"TrainConfig.labels must be 'data' or 'target', got {self.labels!r}")
         if not self.grad_clip > 0:
             raise ValueError(f"TrainConfig.grad_clip must be > 0, got {self.grad_clip}")
 
@@ -278,100 +286,6 @@ _eval_batch_jit = jax.jit(eval_batch, static_argnames=("cfg", "tcfg"))
 
 
 # ------------------------------------------------------------------------------------------------
-# Export / import of a trained head.
-
-
-def _flatten(tree: dict, prefix: str) -> dict:
-    out = {}
-    for k, v in tree.items():
-        name = f"{prefix}.{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, name))
-        else:
-            out[name] = v
-    return out
-
-
-def export_mtp_head(path: str, mtp: dict, cfg: ModelConfig, dtype=jnp.bfloat16,
-                    metadata: dict | None = None) -> None:
-    """Write ``params["mtp"]`` as safetensors with flat names (``mtp.enorm``, ``mtp.layer.wq``, ...).
-
-    Stored in ``dtype`` (bf16 by default: a SmolLM2-135M head is ~8.5 MB). The safetensors metadata
-    records the format, hidden size, vocabulary size and MTP layout so that :func:`load_mtp_head`
-    callers can check the head fits their model.
-    """
-    from safetensors.flax import save_file
-
-    flat = {k: jnp.asarray(v).astype(dtype) for k, v in _flatten(mtp, "mtp").items()}
-    meta = {"format": HEAD_FORMAT, "hidden_size": str(cfg.hidden_size),
-            "vocab_size": str(cfg.vocab_size), "mtp_layout": cfg.mtp_layout,
-            "num_mtp_layers": str(int(mtp["enorm"].shape[0]))}
-    meta.update({k: str(v) for k, v in (metadata or {}).items()})
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    save_file(flat, path, metadata=meta)
-
-
-def load_mtp_head(path: str, dtype=None) -> dict:
-    """Load a head written by :func:`export_mtp_head`; returns the ``params["mtp"]`` subtree.
-
-    Args:
-      dtype: cast every tensor to this dtype (default: as stored).
-
-    Raises:
-      FileNotFoundError: no file at ``path``.
-      ValueError: a tensor name outside ``mtp.*`` or a missing ``mtp.enorm``/``mtp.layer.*``.
-    """
-    from safetensors.flax import load_file
-
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no MTP head at {path}")
-    flat = load_file(path)
-    tree: dict = {}
-    for name, arr in flat.items():
-        parts = name.split(".")
-        if parts[0] != "mtp" or len(parts) < 2:
-            raise ValueError(f"{path}: tensor {name!r} is not an MTP head tensor (mtp.*)")
-        node = tree
-        for p in parts[1:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = arr.astype(dtype) if dtype is not None else arr
-    for need in ("enorm", "hnorm", "eh_proj", "final_norm", "layer"):
-        if need not in tree:
-            raise ValueError(f"{path}: missing tensor group 'mtp.{need}'")
-    return tree
-
-
-def head_metadata(path: str) -> dict:
-    """The string metadata of a head file (format, hidden_size, vocab_size, mtp_layout, ...)."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="numpy") as f:
-        return dict(f.metadata() or {})
-
-
-def save_token_freq(path: str, ids: np.ndarray, counts: np.ndarray) -> None:
-    """Save an FR-Spec frequency table (``ids i32[V]`` by descending ``counts i64[V]``)."""
-    from safetensors.numpy import save_file
-
-    save_file({"ids": np.asarray(ids, np.int32), "counts": np.asarray(counts, np.int64)}, path,
-              metadata={"format": "jmtp-token-freq-v1"})
-
-
-def load_draft_vocab(path: str, n: int) -> np.ndarray:
-    """The ``n`` most frequent token ids (``i32[n]``, most frequent first) of a saved frequency table.
-
-    Raises:
-      ValueError: if ``n`` is not in ``[1, V]``.
-    """
-    from safetensors.numpy import load_file
-
-    ids = load_file(path)["ids"]
-    if not 1 <= n <= len(ids):
-        raise ValueError(f"draft vocabulary size must lie in [1, {len(ids)}], got {n}")
-    return ids[:n].astype(np.int32)
-
-
-# ------------------------------------------------------------------------------------------------
 # Trainer.
 
 
@@ -432,7 +346,9 @@ class MTPTrainer:
             mtp = init_mtp_params(cfg, params, jax.random.PRNGKey(tcfg.seed))
         self.init_mtp = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), mtp)
 
-        self.train_rows = pack_rows(train_data, tcfg.seq_len)
+        if tcfg.labels == "target" and train_data.top1 is None:
+            raise ValueError("TrainConfig.labels='target' needs train_data.top1 (target_top1)")
+        self.train_rows = pack_rows(train_data, tcfg.seq_len, prompt_rows=tcfg.prompt_rows)
         if not self.train_rows:
             raise ValueError("train_data has no MTP row with a response label to train on")
         self.eval_rows = pack_rows(eval_data, tcfg.seq_len) if eval_data is not None else []
@@ -475,7 +391,8 @@ class MTPTrainer:
 
     def batch(self, step: int) -> dict:
         return {k: jnp.asarray(v) for k, v in
-                make_batch(self.train_data, self.batch_rows(step), self.tcfg.seq_len).items()}
+                make_batch(self.train_data, self.batch_rows(step), self.tcfg.seq_len,
+                           labels=self.tcfg.labels, prompt_rows=self.tcfg.prompt_rows).items()}
 
     # -------------------------------------------------------------- checkpoints
     @property
@@ -610,12 +527,19 @@ class MTPTrainer:
         return state
 
     def export(self, state: dict, dtype=jnp.bfloat16, token_freq: tuple | None = None,
-               extra: dict | None = None) -> str:
+               extra: dict | None = None, metadata: dict | None = None) -> str:
         """Write ``mtp_head.safetensors`` (and ``token_freq.safetensors``) into ``workdir`` and the
-        final ``config.json`` (with ``extra`` results). Returns the head's path."""
+        final ``config.json`` (with ``extra`` results). Returns the head's path.
+
+        With ``token_freq = (ids i32[V], counts)`` the ranking is also stored in the head file
+        (``draft_vocab``) with ``draft_vocab_size = tcfg.draft_vocab_size`` as its default;
+        ``metadata`` is added to the head file's string metadata."""
         path = os.path.join(self.workdir, HEAD_FILE)
         export_mtp_head(path, state["mtp"], self.cfg, dtype,
-                        metadata={"steps": int(state["step"]), "num_passes": self.tcfg.num_passes})
+                        metadata={"steps": int(state["step"]), "num_passes": self.tcfg.num_passes,
+                                  "labels": self.tcfg.labels, **(metadata or {})},
+                        draft_vocab=None if token_freq is None else token_freq[0],
+                        draft_vocab_size=self.tcfg.draft_vocab_size if token_freq is not None else 0)
         if token_freq is not None:
             save_token_freq(os.path.join(self.workdir, FREQ_FILE), *token_freq)
         self._write_config(extra)

@@ -1,4 +1,4 @@
-"""Ragged paged attention: reference vs numpy oracle, Pallas TPU / GPU kernels vs reference.
+"""Ragged paged attention: reference vs numpy oracle; XLA path, Pallas TPU / GPU kernels vs reference.
 
 Kernels run in Pallas interpret mode on CPU (TPU: simulated DMAs/semaphores with the race
 detector and out-of-bounds reads raising). What real hardware would add (Mosaic layout passes,
@@ -47,6 +47,19 @@ class TestReference(RaggedPagedAttentionTestBase):
 
     def call(self, case, **sizes):
         return reference_output(case)
+
+
+class TestXLA(RaggedPagedAttentionTestBase):
+    """The per-row-gather XLA path (the CPU default) against the reference."""
+
+    implementation = "xla"
+
+    def test_small_tiles_cross_sequences(self):
+        """A 3-row query tile: tiles straddle sequence boundaries and the padding rows."""
+        cfg = Config(8, 2, 3, 64, num_tokens=40, num_seqs=5, max_kv=60)
+        case = build_case(cfg, [5, 17, 0, 1, 9], [30, 60, 44, 1, 9], stale_tables=True, seed=3)
+        out = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), q_tile=3)
+        check_output(case, out, self.expected(case))
 
 
 class TestPallasTPU(RaggedPagedAttentionTestBase):
@@ -125,7 +138,7 @@ def test_dispatcher_routes_to_kernels():
         out = rpa.ragged_paged_attention(*case.jax_args(), **case.kwargs(), implementation=impl,
                                          interpret=interp)
         check_output(case, out, want)
-    assert rpa.default_implementation() == "reference"   # CPU
+    assert rpa.default_implementation() == "xla"   # CPU
 
 
 def _abstract_args(dtype, t=64, nkv=2, group=4, d=128, bs=16, nb=64, s=8, pages=16):

@@ -1,4 +1,5 @@
-"""The engine stays lossless with the Pallas attention kernels (interpret mode on CPU)."""
+"""The engine stays lossless with every attention backend: the jnp reference, and the Pallas kernels
+(interpret mode on CPU); the default (``xla`` on CPU) runs in every other engine test."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ from jmtp.runtime.engine import LLM, SamplingParams
 from tests.runtime.conftest import reference_greedy, tiny_model
 
 
-@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("backend", ["reference", "pallas_tpu", "pallas_gpu"])
 def test_lossless_with_kernel_backend(backend):
     cfg, params = tiny_model(0)
     prompts = [[5, 6, 7], list(range(2, 14))]

@@ -18,16 +18,26 @@ from tests.runtime.conftest import tiny_model
 PAD = 128
 
 
-def drafts_from_scratch(cfg, params, seq: list[int], m: int) -> list[int]:
+def drafts_from_scratch(cfg, params, seq: list[int], m: int, vocab=None) -> list[int]:
     """d1..dm for the committed sequence ``seq`` computed non-incrementally (one dense prefill of
-    the target, one MTP pass over the whole sequence, then m-1 recursive one-token passes)."""
+    the target, one MTP pass over the whole sequence, then m-1 recursive one-token passes).
+    ``vocab``: FR-Spec draft vocabulary (ids); the argmax then runs over those ids only (full
+    logits masked to -inf elsewhere)."""
     n = len(seq)
     padded = jnp.asarray(seq + [0] * (PAD - n), jnp.int32)
-    return [int(x) for x in _drafts(cfg, params, padded, jnp.int32(n), m)]
+    in_vocab = np.ones(cfg.vocab_size, bool)
+    if vocab is not None:
+        in_vocab[:] = False
+        in_vocab[np.asarray(vocab)] = True
+    return [int(x) for x in _drafts(cfg, params, padded, jnp.int32(n), m, jnp.asarray(in_vocab))]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
-def _drafts(cfg, params, padded, n, m):
+def _drafts(cfg, params, padded, n, m, in_vocab):
+    def argmax(h_rows):
+        logits = jnp.where(in_vocab, compute_logits(params, h_rows)[0], -jnp.inf)
+        return jnp.argmax(logits).astype(jnp.int32)
+
     h = _target_hidden(cfg, params, padded)                       # h_0..h_{PAD-1}
     bs, pages = 8, (PAD + m) // 8 + 1
     cache = init_kv_cache(cfg, 1, pages, bs)
@@ -36,13 +46,13 @@ def _drafts(cfg, params, padded, n, m):
     ids = jnp.concatenate([padded[1:], jnp.zeros((1,), jnp.int32)])
     pos, meta = ragged_batch(jnp.reshape(n - 1, (1,)), jnp.zeros((1,), jnp.int32), tables, bs, PAD)
     h_log, h_next, cache = mtp_forward(cfg, params, 0, ids, h, pos, meta, cache)
-    d = jnp.argmax(compute_logits(params, h_log[n - 2][None])[0]).astype(jnp.int32)
+    d = argmax(h_log[n - 2][None])
     out, hp = [d], h_next[n - 2][None]
     for s in range(1, m):  # recursive: token d_s with the head's own hidden, position n-2+s
         pos, meta = ragged_batch(jnp.ones((1,), jnp.int32), jnp.reshape(n - 2 + s, (1,)), tables,
                                  bs, 1)
         h_log, h_next, cache = mtp_forward(cfg, params, 0, d[None], hp, pos, meta, cache)
-        d = jnp.argmax(compute_logits(params, h_log)[0]).astype(jnp.int32)
+        d = argmax(h_log)
         out.append(d)
         hp = h_next
     return jnp.stack(out)
@@ -58,12 +68,20 @@ def _target_hidden(cfg, params, ids):
     return h
 
 
-@pytest.mark.parametrize("layout,k,m,budget", [("deepseek", 3, 3, 16), ("ernie", 2, 1, 64)])
-def test_incremental_drafts_match_from_scratch(layout, k, m, budget):
+@pytest.mark.parametrize("layout,k,m,budget,draft_vocab", [
+    ("deepseek", 3, 3, 16, 0), ("ernie", 2, 1, 64, 0), ("deepseek", 3, 2, 16, 20),
+    ("deepseek", 2, 2, 64, 63)])
+def test_incremental_drafts_match_from_scratch(layout, k, m, budget, draft_vocab):
+    """Also with an FR-Spec draft vocabulary (N of a shuffled 64-id ranking): drafts are the argmax
+    over those N ids of the full logits."""
     cfg, params = tiny_model(1, mtp_layout=layout)
+    ranking = np.random.default_rng(5).permutation(cfg.vocab_size).astype(np.int32)
+    params = dict(params, draft_vocab=ranking)
     prompts = [list(range(2, 42)), [7, 8, 9]]           # the first is prefilled in chunks
-    llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", k, m),
+    llm = LLM(model_config=cfg, params=params,
+              speculative_config=SpeculativeConfig("mtp", k, m, draft_vocab_size=draft_vocab),
               max_num_seqs=2, max_model_len=80, block_size=4, max_num_batched_tokens=budget)
+    assert llm.draft_vocab_size == draft_vocab
     seen = []
     step = llm._step
 
@@ -81,4 +99,7 @@ def test_incremental_drafts_match_from_scratch(layout, k, m, budget):
     assert len(seen) >= 8
     for seq, drafts in seen:
         allowed = [d for d in drafts if d >= 0]
-        assert allowed == drafts_from_scratch(cfg, params, seq, m)[: len(allowed)]
+        vocab = ranking[:draft_vocab] if draft_vocab else None
+        assert allowed == drafts_from_scratch(cfg, params, seq, m, vocab)[: len(allowed)]
+        if vocab is not None:
+            assert set(allowed) <= set(vocab.tolist())

@@ -137,6 +137,37 @@ def test_make_batch_hand_worked():
     assert b["target_hidden"][0, :6, 0].tolist() == [1, 2, 3, 4, 6, 7]   # h_{p+1}
 
 
+def test_make_batch_target_labels_hand_worked():
+    """labels='target': row p is labelled with the target's prediction top1[p+1] (every row, the
+    last included); prompt_rows=True also puts loss inside the prompt."""
+    data = _toy_data([[10, 11, 12, 13, 14], [20, 21, 22]], [2, 1])
+    data.top1 = np.asarray([50, 51, 52, 53, 54, 60, 61, 62], np.int32)
+    rows = D.pack_rows(data, seq_len=8)
+    b = D.make_batch(data, rows, 8, labels="target")
+    assert b["labels"][0].tolist() == [51, 52, 53, 54, 61, 62, 0, 0]
+    assert b["loss_mask"][0].tolist() == [1, 1, 1, 1, 1, 1, 0, 0]
+    data2 = _toy_data([[10, 11, 12, 13, 14]], [4])
+    data2.top1 = np.arange(50, 55, dtype=np.int32)
+    rows2 = D.pack_rows(data2, seq_len=8, prompt_rows=True)
+    assert D.make_batch(data2, rows2, 8, labels="target")["loss_mask"][0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
+    full = D.make_batch(data2, rows2, 8, labels="target", prompt_rows=True)
+    assert full["loss_mask"][0].tolist() == [1, 1, 1, 1, 0, 0, 0, 0]
+    assert D.pack_rows(data2, seq_len=2) == [[(0, 2, 2)]]               # response rows only
+    assert len(D.pack_rows(data2, seq_len=2, prompt_rows=True)) == 2   # prompt chunk kept
+    with pytest.raises(ValueError, match="top1"):
+        D.make_batch(_toy_data([[1, 2, 3]], [1]), [[(0, 0, 2)]], 4, labels="target")
+    with pytest.raises(ValueError, match="labels"):
+        D.make_batch(data, rows, 8, labels="other")
+
+
+def test_target_top1_is_the_argmax_of_the_target_logits():
+    cfg = SYN
+    params = init_params(cfg, jax.random.PRNGKey(3), std=0.5)
+    h = np.random.default_rng(0).normal(size=(37, cfg.hidden_size)).astype(np.float32)
+    want = np.argmax(np.asarray(h, np.float64) @ np.asarray(params["embed"], np.float64).T, -1)
+    assert D.target_top1(cfg, params, h, chunk=16).tolist() == want.tolist()
+
+
 def test_pack_rows_chunks_long_sequences_and_drops_prompt_only_chunks():
     data = _toy_data([list(range(12)), list(range(3))], [7, 1])
     # seq 0: 11 MTP rows, labels p in [5, 9]; chunks of 4: (0,4) no labels, (4,4), (8,3).
@@ -337,6 +368,46 @@ def test_export_and_load_head_roundtrip(tmp_path):
     assert load_draft_vocab(str(tmp_path / "f.safetensors"), 2).tolist() == [3, 1]
     with pytest.raises(ValueError, match="draft vocabulary size"):
         load_draft_vocab(str(tmp_path / "f.safetensors"), 4)
+
+
+def test_head_file_with_ranking_attaches_to_a_model(tmp_path):
+    """A head exported with its token ranking attaches as params['mtp'] + params['draft_vocab'] and
+    sets cfg.draft_vocab_size; the engine then drafts over that vocabulary by default."""
+    from jmtp.model.mtp_head import attach_mtp_head
+    from jmtp.runtime.engine import LLM
+    from jmtp.runtime.config import SpeculativeConfig
+
+    cfg, params = TINY, _params()
+    ranking = np.random.default_rng(0).permutation(cfg.vocab_size).astype(np.int32)
+    path = str(tmp_path / "head.safetensors")
+    export_mtp_head(path, params["mtp"], cfg, dtype=jnp.float32, draft_vocab=ranking,
+                    draft_vocab_size=16)
+    fresh = {k: v for k, v in params.items() if k != "mtp"}
+    cfg2, p2 = attach_mtp_head(cfg.replace(num_mtp_layers=0), fresh, path)
+    assert cfg2.draft_vocab_size == 16 and cfg2.num_mtp_layers == 1
+    assert p2["draft_vocab"].tolist() == ranking.tolist()
+    np.testing.assert_array_equal(np.asarray(p2["mtp"]["eh_proj"]), np.asarray(params["mtp"]["eh_proj"]))
+    llm = LLM(model_config=cfg2, params=p2, speculative_config=SpeculativeConfig("mtp", 2),
+              max_num_seqs=1, max_model_len=32)
+    assert llm.draft_vocab_size == 16
+    assert llm.params["draft_ids"].tolist() == ranking[:16].tolist()
+    np.testing.assert_array_equal(np.asarray(llm.params["draft_head"]),
+                                  np.asarray(params["embed"])[ranking[:16]])
+    full = LLM(model_config=cfg2, params=p2, max_num_seqs=1, max_model_len=32,
+               speculative_config=SpeculativeConfig("mtp", 2, draft_vocab_size=0))
+    assert full.draft_vocab_size == 0 and "draft_head" not in full.params
+    with pytest.raises(ValueError, match="exceeds"):
+        LLM(model_config=cfg2, params={**p2, "draft_vocab": ranking[:8]}, max_num_seqs=1,
+            max_model_len=32, speculative_config=SpeculativeConfig("mtp", 2))
+    with pytest.raises(ValueError, match="needs a token ranking"):
+        LLM(model_config=cfg2, params=fresh | {"mtp": params["mtp"]}, max_num_seqs=1,
+            max_model_len=32, speculative_config=SpeculativeConfig("mtp", 2))
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        SpeculativeConfig("mtp", 2, draft_vocab_size=-1)
+    with pytest.raises(ValueError, match="hidden_size"):
+        attach_mtp_head(cfg.replace(hidden_size=64, head_dim=16), fresh, path)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        export_mtp_head(path, params["mtp"], cfg, draft_vocab_size=4)
 
 
 def test_train_config_rejects_bad_values():
