@@ -98,10 +98,15 @@ def _generations(args, cfg, params, tok, data_dir, log):
                         [r for r in recs if r["split"] == "eval"])
     prompts = D.load_prompts(args.num_prompts)
     train_p, eval_p = D.split_prompts(prompts, args.eval_frac, args.seed)
-    if args.gen_limit is not None:   # keeps the batches (and caches) of a full run: a prefix
+    enc = {p.id: D.encode_chat(tok, p.text) for p in prompts}
+    # Batches of similar prompt lengths: a generation batch's attention cost follows its longest
+    # prompt. --gen-limit keeps a prefix of this order (the cached batches of a longer run).
+    if len(train_p) > args.gen_batch:
+        train_p = [train_p[i] for i in sorted(range(len(train_p)),
+                                              key=lambda i: (len(enc[train_p[i].id]), i))]
+    if args.gen_limit is not None:
         train_p = train_p[:args.gen_limit]
     log.info("%d prompts: %d train, %d eval", len(prompts), len(train_p), len(eval_p))
-    enc = {p.id: D.encode_chat(tok, p.text) for p in prompts}
     have_engine = D.engine_available()
 
     def gen(ps, temperature, seed, kind):
@@ -111,11 +116,6 @@ def _generations(args, cfg, params, tok, data_dir, log):
             args.generator == "auto" and have_engine and temperature == 0)
         log.info("generating %d responses (temperature %g) with %s", len(ps), temperature,
                  "the jmtp engine" if use_engine else "the simple generator")
-        # Batches of similar prompt lengths: a batch's attention cost follows its longest prompt.
-        order = list(range(len(ps)))
-        if len(ps) > args.gen_batch:
-            order.sort(key=lambda i: (len(enc[ps[i].id]), i))
-        ps = [ps[i] for i in order]
         cache_dir = os.path.join(data_dir, "gen")
         os.makedirs(cache_dir, exist_ok=True)
         resps, hids = [], []
@@ -149,8 +149,7 @@ def _generations(args, cfg, params, tok, data_dir, log):
                 hids += np.split(z["hidden"], np.cumsum(z["hlens"])[:-1])
             else:
                 hids += [None] * len(chunk)
-        back = np.argsort(order)            # restore the caller's prompt order
-        return [resps[i] for i in back], [hids[i] for i in back]
+        return resps, hids
 
     jobs = [("eval", "greedy", eval_p, 0.0, args.seed), ("train", "greedy", train_p, 0.0, args.seed)]
     jobs += [("train", f"sampled{j}", train_p, args.temperature, args.seed + 1 + j)
