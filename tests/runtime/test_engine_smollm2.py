@@ -1,4 +1,5 @@
-"""End-to-end on the real default model: speculative greedy == plain greedy, token for token."""
+"""End-to-end on the real default model with the MTP head jmtp ships for it (trained, FR-Spec draft
+vocabulary): speculative greedy == plain greedy, token for token."""
 from __future__ import annotations
 
 import pytest
@@ -39,19 +40,23 @@ def plain_outputs(plain_llm, smollm2_prompts):
 _LLMS = {}
 
 
-def spec_llm(smollm2, tokenizer, k, m):
-    if (k, m) not in _LLMS:
+def spec_llm(smollm2, tokenizer, k, m, draft_vocab_size=None):
+    if (k, m, draft_vocab_size) not in _LLMS:
         cfg, params = smollm2
-        _LLMS[(k, m)] = LLM(model_config=cfg, params=params, tokenizer=tokenizer,
-                            speculative_config=SpeculativeConfig("mtp", k, m), max_num_seqs=5,
-                            max_model_len=160, block_size=16, max_num_batched_tokens=64, max_logprobs=2)
-    return _LLMS[(k, m)]
+        _LLMS[(k, m, draft_vocab_size)] = LLM(
+            model_config=cfg, params=params, tokenizer=tokenizer,
+            speculative_config=SpeculativeConfig("mtp", k, m, draft_vocab_size=draft_vocab_size),
+            max_num_seqs=5, max_model_len=160, block_size=16, max_num_batched_tokens=64,
+            max_logprobs=2)
+    return _LLMS[(k, m, draft_vocab_size)]
 
 
-@pytest.mark.parametrize("k,m", [(1, 1), (2, 1), (2, 2), (3, 1), (3, 3)])
+@pytest.mark.parametrize("k,m,draft_vocab_size", [(1, 1, None), (2, 1, None), (2, 2, 0),
+                                                  (3, 1, None), (3, 3, None)])
 def test_smollm2_speculative_equals_plain(smollm2, smollm2_tokenizer, smollm2_prompts,
-                                          plain_outputs, k, m):
-    llm = spec_llm(smollm2, smollm2_tokenizer, k, m)
+                                          plain_outputs, k, m, draft_vocab_size):
+    llm = spec_llm(smollm2, smollm2_tokenizer, k, m, draft_vocab_size)
+    assert llm.draft_vocab_size == (0 if draft_vocab_size == 0 else smollm2[0].draft_vocab_size)
     outs = llm.generate(smollm2_prompts, SamplingParams(max_tokens=48, ignore_eos=True),
                         use_tqdm=False)
     for a, b in zip(plain_outputs, outs):
@@ -59,6 +64,10 @@ def test_smollm2_speculative_equals_plain(smollm2, smollm2_tokenizer, smollm2_pr
         assert b.token_ids == a.token_ids
         assert b.text == a.text
     assert "Paris" in plain_outputs[0].text
+    # The shipped head is trained: drafts do get accepted (an untrained head scores 1.00 here).
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    steps = sum(o.metrics.num_decode_steps for o in outs)
+    assert steps and accepted / steps > 0.1, (accepted, steps)
 
 
 def test_smollm2_sampling_parameters_speculative_equals_plain(smollm2, smollm2_tokenizer,
