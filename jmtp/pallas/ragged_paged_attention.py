@@ -151,7 +151,7 @@ def ragged_paged_attention_xla(
     padded = n_tiles * tile
 
     t = jnp.arange(padded, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, num_seqs - 1)
+    seq = jnp.minimum(token_seq_ids(cu_q_lens, padded), num_seqs - 1)   # padding rows: masked
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     valid_tok = t < cu_q_lens[-1]
     q_pos = kv_lens[seq] - q_lens[seq] + (t - cu_q_lens[seq])             # i32[T']
