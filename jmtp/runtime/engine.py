@@ -150,11 +150,7 @@ class LLM:
         self.engine_config = EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             num_blocks=num_blocks or max_num_seqs * pages, max_num_batched_tokens=max_num_batched_tokens,
-            k=k, m=m, max_stop_ids=8, max_logprobs=max_logprobs,
-            verify_strategy=spec.verify_strategy, max_candidate_len=spec.max_candidate_len,
-            verify_window=spec.verify_window, draft_sampling=spec.draft_sampling,
-            draft_temperature=spec.draft_temperature, draft_top_p=spec.draft_top_p,
-            draft_top_k=spec.draft_top_k)
+            k=k, m=m, max_stop_ids=8, max_logprobs=max_logprobs, spec=spec)
         self._seed_rng = np.random.default_rng(seed)
         self.attention_backend = attention_backend
         ec = self.engine_config

@@ -92,7 +92,7 @@ def init_state(ec: EngineConfig, vocab_size: int) -> EngineState:
         accept_tokens=jnp.full((b, w), -1, jnp.int32),
         accept_num=zi(b),
         num_drafts=zi(b),
-        draft_probs=(jnp.zeros((b, ec.k, vocab_size), jnp.float32) if ec.draft_sampling else None),
+        draft_probs=(jnp.zeros((b, ec.k, vocab_size), jnp.float32) if ec.spec.draft_sampling else None),
         max_dec_len=zi(b),
         sampling=SamplingArrays.empty(b, vocab_size, ec.max_stop_ids, ec.max_bad_words,
                                       ec.max_bad_word_len),

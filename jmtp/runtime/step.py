@@ -146,8 +146,8 @@ def engine_step(
 
     # ---- 4. verify (penalties, min_tokens, bad words at every window row; see verify.py).
     res = verify(logits, s.draft_tokens[:, 1:], num_drafts, s.draft_probs, s.sampling, s.step_idx,
-                 jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32), strategy=ec.verify_strategy,
-                 max_candidate_len=ec.max_candidate_len, verify_window=ec.verify_window,
+                 jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32), strategy=ec.spec.verify_strategy,
+                 max_candidate_len=ec.spec.max_candidate_len, verify_window=ec.spec.verify_window,
                  num_logprobs=ec.max_logprobs, truncate_at_stop=False)
     target_tok = jnp.maximum(res.accept_tokens, 0)
     n_acc = res.accept_num - 1
@@ -216,7 +216,7 @@ def engine_step(
     new_window = state.draft_tokens.at[:, 1:].set(drafts)
     state = dataclasses.replace(
         state, draft_tokens=jnp.where(paused[:, None], s.draft_tokens, new_window))
-    if ec.draft_sampling:
+    if ec.spec.draft_sampling:
         q = q if q is not None else jnp.zeros_like(s.draft_probs)
         state = dataclasses.replace(
             state, draft_probs=jnp.where(paused[:, None, None], s.draft_probs, q))
@@ -266,8 +266,8 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
             logits = compute_logits(params, h_rows)
         tok, probs = draft_sample(
             logits, state.sampling, state.step_idx + sub,
-            draft_sampling=ec.draft_sampling, draft_temperature=ec.draft_temperature,
-            draft_top_p=ec.draft_top_p, draft_top_k=ec.draft_top_k)
+            draft_sampling=ec.spec.draft_sampling, draft_temperature=ec.spec.draft_temperature,
+            draft_top_p=ec.spec.draft_top_p, draft_top_k=ec.spec.draft_top_k)
         if "draft_head" in params:    # back to full-vocabulary ids (q is zero off the N tokens)
             tok = params["draft_ids"][tok]
             if probs is not None:
@@ -301,7 +301,7 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
     if M < K:
         drafts = jnp.concatenate([drafts, jnp.full((B, K - M), -1, jnp.int32)], axis=1)
     q_all = None
-    if ec.draft_sampling:
+    if ec.spec.draft_sampling:
         q_all = jnp.stack(qs, axis=1)
         if M < K:
             q_all = jnp.concatenate([q_all, jnp.zeros((B, K - M, q_all.shape[-1]))], axis=1)

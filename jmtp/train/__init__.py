@@ -1,6 +1,7 @@
 """MTP head training by self-distillation (frozen target, cached hidden states).
 
 * :mod:`jmtp.train.data` — prompts, target generations, cached hidden states, packed batches;
+* :mod:`jmtp.train.corpus` — teacher-forced text (Python docs and stdlib, PSF) as chat turns;
 * :mod:`jmtp.train.dense` — the MTP module over packed rows (training forward, recursive passes);
 * :mod:`jmtp.train.mtp_trainer` — objective, optax/orbax training loop, evaluation, export.
 

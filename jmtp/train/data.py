@@ -423,6 +423,29 @@ class MTPData:
             top1=(None if self.top1 is None else
                   np.concatenate([self.top1[p] for p in parts]) if parts else self.top1[:0]))
 
+    @classmethod
+    def concat(cls, parts: Sequence["MTPData"]) -> "MTPData":
+        """The sequences of ``parts`` back to back (copied into memory).
+
+        Raises:
+          ValueError: if ``parts`` is empty, hidden sizes differ, or only some parts have ``top1``.
+        """
+        if not parts:
+            raise ValueError("concat needs at least one MTPData")
+        if len({p.hidden.shape[1] for p in parts}) != 1:
+            raise ValueError(f"hidden sizes differ: {[p.hidden.shape[1] for p in parts]}")
+        has_top1 = [p.top1 is not None for p in parts]
+        if any(has_top1) and not all(has_top1):
+            raise ValueError("either every part or none has top1")
+        lens = np.concatenate([np.diff(p.offsets) for p in parts])
+        return cls(tokens=np.concatenate([p.tokens for p in parts]),
+                   hidden=np.concatenate([np.asarray(p.hidden) for p in parts]),
+                   offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+                   prompt_lens=np.concatenate([p.prompt_lens for p in parts]).astype(np.int32),
+                   prompt_ids=[i for p in parts for i in p.prompt_ids],
+                   kinds=[k for p in parts for k in p.kinds],
+                   top1=np.concatenate([p.top1 for p in parts]) if all(has_top1) else None)
+
     def save(self, directory: str) -> None:
         """Write ``tokens.npy hidden.npy offsets.npy prompt_lens.npy [top1.npy] meta.json`` into
         ``directory``."""
@@ -466,16 +489,18 @@ def target_top1(cfg: ModelConfig, params: dict, hidden: np.ndarray, chunk: int =
 
 
 def target_hidden_states(cfg: ModelConfig, params: dict, tokens: Sequence[int],
-                         bucket: int = 64) -> np.ndarray:
+                         bucket: int = 64, attention_impl: str | None = "reference") -> np.ndarray:
     """Target post-norm hidden states ``f32[n, H]`` of one sequence (a single causal prefill).
 
     The ids are padded to a multiple of ``bucket`` (causality keeps the first ``n`` rows exact) so
-    that few shapes are compiled.
+    that few shapes are compiled. ``attention_impl`` defaults to the dense reference attention,
+    the fastest for a single sequence (see :func:`jmtp.model.forward.forward_hidden`).
     """
     n = len(tokens)
     padded = np.zeros(-(-n // bucket) * bucket, np.int32)
     padded[:n] = tokens
-    return np.asarray(forward_hidden(cfg, params, padded), np.float32)[:n]
+    return np.asarray(forward_hidden(cfg, params, padded, attention_impl=attention_impl),
+                      np.float32)[:n]
 
 
 def build_dataset(
