@@ -137,9 +137,12 @@ def ragged_paged_attention_xla(
     """Plain-XLA ragged paged attention for backends without a kernel (the CPU default).
 
     Same contract as :func:`ragged_paged_attention_reference`, different schedule: the query rows
-    are processed ``q_tile`` at a time (``lax.map``) and each row gathers the pages of its own
-    sequence only. Cost O(T · pages·block_size · Nq · D) and O(q_tile · pages·block_size · Nkv · D)
-    scratch memory, independent of the number of sequences S.
+    are processed ``q_tile`` at a time (``lax.map``). A tile whose rows all belong to one sequence
+    (prefill chunks) gathers that sequence's pages once; a mixed tile (decode rows of several
+    sequences) lets each row gather its own sequence's pages. Cost O(T · pages·block_size · Nq · D)
+    and O(q_tile · pages·block_size · Nkv · D) scratch memory, independent of the number of
+    sequences S. (One gather per tile instead of per row made a 582-token batch-1 prefill on a
+    2-core CPU take 5.9 s instead of 22 s.)
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -161,15 +164,7 @@ def ragged_paged_attention_xla(
     qf = qf.reshape(n_tiles, tile, num_kv_heads, group, head_dim)
     kv_pos = jnp.arange(max_kv, dtype=jnp.int32)
 
-    def one_tile(args):
-        qt, seq_t, lo_t, hi_t = args                                   # [tile, Nkv, G, D], i32[tile]
-        tables = jnp.clip(block_tables[seq_t], 0, num_blocks - 1)      # i32[tile, pages]
-        mask = (kv_pos[None, :] >= lo_t[:, None]) & (kv_pos[None, :] < hi_t[:, None])  # [tile, Lk]
-        k = k_cache[tables].reshape(tile, max_kv, num_kv_heads, head_dim)
-        v = v_cache[tables].reshape(tile, max_kv, num_kv_heads, head_dim)
-        k = jnp.where(mask[..., None, None], k, 0).astype(jnp.float32)
-        v = jnp.where(mask[..., None, None], v, 0).astype(jnp.float32)
-        scores = jnp.einsum("tkgd,tjkd->tkgj", qt, k) * sm_scale       # f[tile, Nkv, G, Lk]
+    def softmax(scores, mask):                                         # f[tile, Nkv, G, Lk]
         if soft_cap is not None:
             scores = soft_cap * jnp.tanh(scores / soft_cap)
         m4 = mask[:, None, None, :]
@@ -178,8 +173,39 @@ def ragged_paged_attention_xla(
         mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
         p = jnp.where(m4, jnp.exp(scores - mx), 0.0)
         den = jnp.sum(p, axis=-1, keepdims=True)
-        p = p / jnp.where(den > 0, den, 1.0)
+        return p / jnp.where(den > 0, den, 1.0)
+
+    def rows_mask(lo_t, hi_t):
+        return (kv_pos[None, :] >= lo_t[:, None]) & (kv_pos[None, :] < hi_t[:, None])  # [tile, Lk]
+
+    def per_row_tile(args):
+        """Rows of several sequences: each row gathers its own sequence's pages."""
+        qt, seq_t, lo_t, hi_t = args                                   # [tile, Nkv, G, D], i32[tile]
+        tables = jnp.clip(block_tables[seq_t], 0, num_blocks - 1)      # i32[tile, pages]
+        mask = rows_mask(lo_t, hi_t)
+        k = k_cache[tables].reshape(tile, max_kv, num_kv_heads, head_dim)
+        v = v_cache[tables].reshape(tile, max_kv, num_kv_heads, head_dim)
+        k = jnp.where(mask[..., None, None], k, 0).astype(jnp.float32)
+        v = jnp.where(mask[..., None, None], v, 0).astype(jnp.float32)
+        p = softmax(jnp.einsum("tkgd,tjkd->tkgj", qt, k) * sm_scale, mask)
         return jnp.einsum("tkgj,tjkd->tkgd", p, v)
+
+    def one_seq_tile(args):
+        """Rows of one sequence (prefill chunks, padding): its pages are gathered once."""
+        qt, seq_t, lo_t, hi_t = args
+        table = jnp.clip(block_tables[seq_t[0]], 0, num_blocks - 1)   # i32[pages]
+        mask = rows_mask(lo_t, hi_t)
+        used = (kv_pos >= jnp.min(lo_t)) & (kv_pos < jnp.max(hi_t))   # keys some row sees
+        k = k_cache[table].reshape(max_kv, num_kv_heads, head_dim)
+        v = v_cache[table].reshape(max_kv, num_kv_heads, head_dim)
+        k = jnp.where(used[:, None, None], k, 0).astype(jnp.float32)
+        v = jnp.where(used[:, None, None], v, 0).astype(jnp.float32)
+        p = softmax(jnp.einsum("tkgd,jkd->tkgj", qt, k) * sm_scale, mask)
+        return jnp.einsum("tkgj,jkd->tkgd", p, v)
+
+    def one_tile(args):
+        seq_t = args[1]
+        return jax.lax.cond(jnp.all(seq_t == seq_t[0]), one_seq_tile, per_row_tile, args)
 
     out = jax.lax.map(one_tile, (qf, seq.reshape(n_tiles, tile), lo.reshape(n_tiles, tile),
                                  hi.reshape(n_tiles, tile)))

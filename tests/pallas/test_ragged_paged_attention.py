@@ -62,6 +62,17 @@ class TestXLA(RaggedPagedAttentionTestBase):
         check_output(case, out, self.expected(case))
 
 
+    @pytest.mark.parametrize("window,cap", [(None, None), (6, 20.0)])
+    def test_one_sequence_tiles_gather_once(self, window, cap):
+        """4-row tiles: rows 0-27 are tiles of sequence 0 only (one gather per tile), tile 28-31
+        mixes sequences 0 and 1, the rest is padding (NaN queries, NaN in unowned blocks)."""
+        cfg = Config(8, 2, 3, 64, num_tokens=40, num_seqs=3, max_kv=60, sliding_window=window,
+                     soft_cap=cap)
+        case = build_case(cfg, [30, 3, 0], [45, 3, 7], stale_tables=True, seed=5)
+        out = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), q_tile=4)
+        check_output(case, out, self.expected(case))
+
+
 class TestPallasTPU(RaggedPagedAttentionTestBase):
     """Mosaic TPU kernel in TPU interpret mode, race detector on, OOB reads raise."""
 
