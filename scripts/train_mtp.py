@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 
@@ -231,8 +232,8 @@ def _corpus(args, cfg, params, tok, data_dir, log, progress):
                                    max_total_tokens=args.corpus_code_tokens, seed=args.seed)
     if not seqs:
         return None
-    key = hashlib.sha1(json.dumps([[s["id"], s["prompt_ids"], s["response_ids"]] for s in seqs]
-                                  ).encode()).hexdigest()[:10]
+    key = hashlib.sha1(json.dumps([args.model, [[s["id"], s["prompt_ids"], s["response_ids"]]
+                                                for s in seqs]]).encode()).hexdigest()[:10]
     root = os.path.join(data_dir, f"corpus_{key}")
     n_tok = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs)
     log.info("corpus: %d sequences, %d tokens (%s)", len(seqs), n_tok, root)
@@ -244,13 +245,15 @@ def _corpus(args, cfg, params, tok, data_dir, log, progress):
     parts, t0 = [], time.perf_counter()
     for s0 in starts:
         d_dir = os.path.join(root, f"shard_{s0 // shard:04d}")
-        if not os.path.exists(os.path.join(d_dir, "top1.npy")):
+        if not os.path.isdir(d_dir):          # a shard appears only once complete
             chunk = seqs[s0:s0 + shard]
             d = build_dataset(cfg, params, [s["prompt_ids"] + s["response_ids"] for s in chunk],
                               [len(s["prompt_ids"]) for s in chunk], [s["id"] for s in chunk],
                               [s["kind"] for s in chunk])
             d.top1 = target_top1(cfg, params, d.hidden)
-            d.save(d_dir)
+            shutil.rmtree(d_dir + ".tmp", ignore_errors=True)
+            d.save(d_dir + ".tmp")
+            os.replace(d_dir + ".tmp", d_dir)
         parts.append(MTPData.load(d_dir))
     log.info("corpus hidden states ready in %.0f s", time.perf_counter() - t0)
     return MTPData.concat(parts)

@@ -51,6 +51,16 @@ _ROLE = re.compile(r":[\w:.+-]+:`!?~?([^`<]*?)\s*(?:<[^>`]*>)?`")   # :func:`~a.
 _LINK = re.compile(r"`([^`<]+?)\s*<[^>`]+>`_+")                       # `text <url>`_ -> text
 _REF = re.compile(r"`([^`]+)`_+")                                     # `name`_ -> name
 _UNDERLINE = re.compile(r"^([=\-~^\"'*+#`:.])\1{2,}\s*$")
+_OPTION = re.compile(r"^:[\w-]+:(\s.*)?$")
+_DROP_DIRECTIVES = frozenset((
+    "index", "toctree", "only", "highlight", "module", "currentmodule", "moduleauthor",
+    "sectionauthor", "testsetup", "testcleanup", "image", "figure", "raw", "include",
+    "literalinclude", "tabularcolumns", "audit-event", "productionlist", "c:namespace"))
+_CODE_DIRECTIVES = frozenset(("code-block", "code", "sourcecode", "testcode", "doctest"))
+_NOTE_DIRECTIVES = {"note": "Note", "warning": "Warning", "tip": "Tip", "important": "Important",
+                    "seealso": "See also"}
+_VERSION_DIRECTIVES = {"versionadded": "New in version", "versionchanged": "Changed in version",
+                       "deprecated": "Deprecated since version"}
 
 
 def clean_rst(text: str) -> str:
@@ -69,14 +79,26 @@ def clean_rst(text: str) -> str:
             else:
                 continue
         if stripped.startswith(".. "):
-            # keep the bodies of code-ish and note directives, drop targets/index/toctree/...
-            m = re.match(r"\.\.\s+([\w-]+)::\s*(.*)", stripped)
-            if m and m.group(1) in ("code-block", "code", "sourcecode", "testcode", "doctest"):
-                continue                          # its indented body follows and is kept
-            if m and m.group(1) in ("note", "warning", "tip", "important", "seealso"):
-                out.append(f"{m.group(1).capitalize()}: {m.group(2)}".rstrip())
+            m = re.match(r"\.\.\s+([\w:-]+)::\s*(.*)", stripped)
+            name, arg = (m.group(1), m.group(2).strip()) if m else (None, "")
+            if name is None or name in _DROP_DIRECTIVES:   # targets, comments, index, toctree...
+                skip_indent = indent
                 continue
-            skip_indent = indent
+            # Other directives keep their indented body: code blocks as they are, API
+            # descriptions (function, class, method, ...) under their signature, notes and
+            # version notes under a short label.
+            if name in _CODE_DIRECTIVES:
+                continue
+            if name in _NOTE_DIRECTIVES:
+                out.append(f"{_NOTE_DIRECTIVES[name]}: {arg}".rstrip())
+                continue
+            if name in _VERSION_DIRECTIVES:
+                out.append(f"{_VERSION_DIRECTIVES[name]} {arg}:")
+                continue
+            if arg:
+                out.append(_ROLE.sub(r"`\1`", arg))
+            continue
+        if _OPTION.match(stripped):                # ":noindex:", ":module: os" under a directive
             continue
         if _UNDERLINE.match(stripped):
             continue

@@ -35,6 +35,19 @@ Perhaps the most well-known statement is :keyword:`if`.  See :func:`~os.path.joi
 
 .. note:: Keep it short.
 
+.. function:: join(a, *p)
+   :noindex:
+
+   Join one or more paths.
+
+   .. versionchanged:: 3.6
+      Accepts a path-like object.
+
+.. toctree::
+   :maxdepth: 2
+
+   other
+
 Done.
 """
 
@@ -46,6 +59,10 @@ def test_clean_rst_hand_worked():
         "`len(x)` or the docs.  For example:\n\n"
         "   >>> x = 1\n\n"
         "Note: Keep it short.\n\n"
+        "join(a, *p)\n\n"
+        "   Join one or more paths.\n\n"
+        "Changed in version 3.6:\n"
+        "      Accepts a path-like object.\n\n"
         "Done.")
 
 
