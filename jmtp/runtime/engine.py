@@ -143,14 +143,15 @@ class LLM:
         self.params = params
         self.tokenizer = tokenizer
         self.speculative_config = spec
-        k, m = spec.k, (spec.m if spec.method == "mtp" else 0)
-        pages = -(-(max_model_len + k + m) // block_size)
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(256, max_num_seqs * (k + 1))
-        self.engine_config = EngineConfig(
+            max_num_batched_tokens = max(256, max_num_seqs * (spec.k + 1))
+        ec = EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
-            num_blocks=num_blocks or max_num_seqs * pages, max_num_batched_tokens=max_num_batched_tokens,
-            k=k, m=m, max_stop_ids=8, max_logprobs=max_logprobs, spec=spec)
+            num_blocks=num_blocks or 1, max_num_batched_tokens=max_num_batched_tokens,
+            max_stop_ids=8, max_logprobs=max_logprobs, spec=spec)
+        if not num_blocks:      # default: every slot can hold a full-length sequence
+            ec = dataclasses.replace(ec, num_blocks=max_num_seqs * ec.pages_per_seq)
+        self.engine_config = ec
         self._seed_rng = np.random.default_rng(seed)
         self.attention_backend = attention_backend
         ec = self.engine_config

@@ -489,18 +489,16 @@ def target_top1(cfg: ModelConfig, params: dict, hidden: np.ndarray, chunk: int =
 
 
 def target_hidden_states(cfg: ModelConfig, params: dict, tokens: Sequence[int],
-                         bucket: int = 64, attention_impl: str | None = "reference") -> np.ndarray:
+                         bucket: int = 64) -> np.ndarray:
     """Target post-norm hidden states ``f32[n, H]`` of one sequence (a single causal prefill).
 
     The ids are padded to a multiple of ``bucket`` (causality keeps the first ``n`` rows exact) so
-    that few shapes are compiled. ``attention_impl`` defaults to the dense reference attention,
-    the fastest for a single sequence (see :func:`jmtp.model.forward.forward_hidden`).
+    that few shapes are compiled.
     """
     n = len(tokens)
     padded = np.zeros(-(-n // bucket) * bucket, np.int32)
     padded[:n] = tokens
-    return np.asarray(forward_hidden(cfg, params, padded, attention_impl=attention_impl),
-                      np.float32)[:n]
+    return np.asarray(forward_hidden(cfg, params, padded), np.float32)[:n]
 
 
 def build_dataset(

@@ -213,10 +213,14 @@ def test_token_buckets_start_at_one_full_decode_step():
     # row, not 8), then powers of two from 8 above it, then the step budget.
     buckets = lambda **kw: EngineConfig(**kw).token_buckets()
     assert buckets(max_num_seqs=1, max_num_batched_tokens=256) == (1, 8, 16, 32, 64, 128, 256)
-    assert buckets(max_num_seqs=1, k=1, m=1, max_num_batched_tokens=64) == (2, 8, 16, 32, 64)
-    assert buckets(max_num_seqs=8, k=3, m=3, max_num_batched_tokens=128) == (32, 64, 128)
+    assert buckets(max_num_seqs=1, spec=SpeculativeConfig("mtp", 1),
+                   max_num_batched_tokens=64) == (2, 8, 16, 32, 64)
+    assert buckets(max_num_seqs=8, spec=SpeculativeConfig("mtp", 3),
+                   max_num_batched_tokens=128) == (32, 64, 128)
     assert buckets(max_num_seqs=3, max_num_batched_tokens=20) == (3, 8, 16, 20)
-    assert buckets(max_num_seqs=5, k=1, max_num_batched_tokens=10) == (10,)
+    assert buckets(max_num_seqs=5, spec=SpeculativeConfig("custom", 1, drafter=len),
+                   max_num_batched_tokens=10) == (10,)
+    assert EngineConfig(spec=SpeculativeConfig("custom", 2, drafter=len)).m == 0
 
 
 def test_bad_input_raises_before_running(tiny):
