@@ -165,15 +165,22 @@ class EngineConfig:
         return self.max_model_len + self.k + 1
 
     def token_buckets(self) -> tuple[int, ...]:
-        """Static token counts T a step may be compiled for: exactly B*(K+1) (every slot decoding
-        one window), then the powers of two from 8 above it, then ``max_num_batched_tokens``.
+        """Static token counts T a step may be compiled for: the decode buckets ``W, 2W, 4W, ...``
+        below ``B*W`` and ``B*W`` itself (W = K+1: a decode-only step of ``a`` slots runs
+        ``a*W`` rows rounded up to a power-of-two slot count, see :mod:`jmtp.runtime.buckets`), then
+        the powers of two from 8 above ``B*W``, then ``max_num_batched_tokens``.
 
-        The smallest bucket is exact rather than a power of two, so a batch-1 plain decode step
-        runs 1 row, not 8 (on CPU a one-row matmul takes XLA's matrix-vector path: 30 SmolLM2-sized
-        fp32 layers in 42 ms instead of 134 ms for 8 rows).
+        The smallest bucket is one decode window, not ``B*W`` rows, so one request on a
+        ``max_num_seqs=8`` engine runs the rows of one request (on CPU a one-row matmul also takes
+        XLA's matrix-vector path: 30 SmolLM2-sized fp32 layers in 42 ms instead of 134 ms for 8
+        rows).
         """
-        lo = self.max_num_seqs * self.window
-        out, t = [lo], 8
+        W, lo = self.window, self.max_num_seqs * self.window
+        out, t = [lo], W
+        while t < lo:
+            out.append(t)
+            t *= 2
+        t = 8
         while t < self.max_num_batched_tokens:
             if t > lo:
                 out.append(t)

@@ -18,6 +18,7 @@ import numpy as np
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.llama import init_kv_cache
+from jmtp.runtime.buckets import choose_bucket
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.outputs import RequestOutput, SpecDecodeMetrics
 from jmtp.runtime.sampling import SamplingParams, make_row
@@ -261,7 +262,6 @@ class LLM:
         slots: list[_Request | None] = [None] * B
         order: list[int] = []           # admission order of occupied slots (for LIFO preemption)
         done: dict[int, RequestOutput] = {}
-        buckets = ec.token_buckets()
         bar = None
         if use_tqdm and len(reqs) > 1:
             from tqdm.auto import tqdm
@@ -296,9 +296,10 @@ class LLM:
                     c = min(len(r.context_ids) - r.prefilled, budget)
                     chunks[b], budget = c, budget - c
             total = n_dec * W + int(chunks.sum())
-            T = next(t for t in buckets if t >= total)
+            bucket = choose_bucket(ec, total, n_dec + int(np.count_nonzero(chunks)),
+                                   bool(chunks.any()))
             self.state, self.cache, self.mtp_cache, out = self._step(
-                mc, ec, self.speculative_config.drafter, T, self.attention_backend, self.params,
+                mc, ec, self.speculative_config.drafter, bucket, self.attention_backend, self.params,
                 self.state, self.cache, self.mtp_cache, jnp.asarray(chunks))
             out = jax.device_get(out)
             steps += 1

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jmtp.model.config import ModelConfig
 from jmtp.model.llama import KVCache, compute_logits, forward, mtp_forward
 from jmtp.model.metadata import ragged_batch
+from jmtp.runtime.buckets import StepBucket, active_slots
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.sampling import draft_sample, update_history
 from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState
@@ -76,11 +77,22 @@ def _take_rows(x, rows):
     return jnp.take(x, jnp.clip(rows, 0, x.shape[0] - 1), axis=0)
 
 
+def _gather_slots(tree, sl):
+    """Rows ``sl`` (i32[A], in range) of every ``[B, ...]`` leaf of ``tree``."""
+    return jax.tree_util.tree_map(lambda x: x[sl], tree)
+
+
+def _scatter_slots(x, slots, num_seqs, fill=0):
+    """``[B, ...]`` array of ``fill`` holding row ``i`` of ``x [A, ...]`` at slot ``slots[i]``;
+    padding rows (``slots[i] == B``) are dropped."""
+    return jnp.full((num_seqs,) + x.shape[1:], fill, x.dtype).at[slots].set(x, mode="drop")
+
+
 def engine_step(
     mc: ModelConfig,
     ec: EngineConfig,
     drafter,                    # None (MTP head / no speculation) or callable(state) -> i32[B, K]
-    num_tokens: int,            # T, static token bucket
+    bucket: StepBucket | int,   # static (T, A) bucket; an int T means A = max_num_seqs
     attention_impl: str | None,
     params: dict,
     state: EngineState,
@@ -91,8 +103,12 @@ def engine_step(
     """One engine step (see module docstring).
 
     Args:
-      mc, ec, drafter, num_tokens, attention_impl: static (hashable) arguments; ``num_tokens`` is
-        the token bucket T, at least ``sum(seq_lens_this_time)`` of the step (the host picks it).
+      mc, ec, drafter, bucket, attention_impl: static (hashable) arguments. ``bucket`` is the
+        :class:`~jmtp.runtime.buckets.StepBucket` ``(T, A)`` the host picked
+        (:func:`~jmtp.runtime.buckets.choose_bucket`): T token rows, at least
+        ``sum(seq_lens_this_time)``, and A slot rows, at least the number of slots with work; the
+        window logits, verification and MTP substeps run over those A compacted slots only. An int
+        is taken as T with ``A = max_num_seqs``.
       params: model parameter pytree (with ``params["mtp"]`` when drafting with the MTP head).
       state, cache, mtp_cache: donated by :class:`~jmtp.runtime.engine.LLM`; returned updated.
       prefill_chunk: i32[B] prompt tokens each prefilling slot processes this step (clipped to
@@ -102,6 +118,11 @@ def engine_step(
       ``(state, cache, mtp_cache, StepOutput)``.
     """
     B, W, K, M, bs = ec.max_num_seqs, ec.window, ec.k, ec.m, ec.block_size
+    if not isinstance(bucket, StepBucket):
+        bucket = StepBucket(int(bucket), B)
+    num_tokens, A = bucket.num_tokens, bucket.num_slots
+    if not 1 <= A <= B:
+        raise ValueError(f"StepBucket.num_slots={A} must lie in [1, max_num_seqs={B}]")
     s = state
     use_mtp = K > 0 and drafter is None
     running = ~s.stop_flags
@@ -138,17 +159,26 @@ def engine_step(
     ids = jnp.clip(ids, 0, mc.vocab_size - 1)
     hidden, cache = forward(mc, params, ids, positions, meta, cache, attention_impl)
 
+    # Compact the slots with work into A rows (slot ids ascending, then padding = B); logits and
+    # verification run over those rows only and are scattered back to [B, ...].
+    slots, valid_a = active_slots(slt > 0, A)
+    sl = jnp.minimum(slots, B - 1)                                       # in-range gather index
+
     # Window rows: all 1+n rows of a verify window; the last row of a prefill chunk.
     w = jnp.arange(W, dtype=jnp.int32)
-    rows = jnp.where(prefilling[:, None], cu[:B, None] + chunk[:, None] - 1, cu[:B, None] + w[None])
+    rows = jnp.where(prefilling[sl, None], cu[sl, None] + chunk[sl, None] - 1,
+                     cu[sl, None] + w[None])                             # i32[A, W]
     h_win = _take_rows(hidden, rows.reshape(-1))
-    logits = compute_logits(params, h_win).reshape(B, W, -1)
+    logits = compute_logits(params, h_win).reshape(A, W, -1)
 
     # ---- 4. verify (penalties, min_tokens, bad words at every window row; see verify.py).
-    res = verify(logits, s.draft_tokens[:, 1:], num_drafts, s.draft_probs, s.sampling, s.step_idx,
+    res = verify(logits, s.draft_tokens[sl, 1:], jnp.where(valid_a, num_drafts[sl], 0),
+                 None if s.draft_probs is None else s.draft_probs[sl],
+                 _gather_slots(s.sampling, sl), s.step_idx[sl],
                  jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32), strategy=ec.spec.verify_strategy,
                  max_candidate_len=ec.spec.max_candidate_len, verify_window=ec.spec.verify_window,
                  num_logprobs=ec.max_logprobs, truncate_at_stop=False)
+    res = jax.tree_util.tree_map(lambda x: _scatter_slots(x, slots, B), res)
     target_tok = jnp.maximum(res.accept_tokens, 0)
     n_acc = res.accept_num - 1
     finishing_prefill = prefilling & (dec + chunk == s.prompt_lens)
@@ -205,7 +235,7 @@ def engine_step(
     if use_mtp:
         drafts, q, mtp_cache = _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu, dec,
                                          prefilling, chunk, decoding, emit, allowed, num_tokens,
-                                         attention_impl)
+                                         attention_impl, slots, valid_a)
     elif K > 0:
         drafts = drafter(state).astype(jnp.int32)
     drafts = jnp.where(jnp.arange(K)[None] < allowed[:, None], drafts, -1)
@@ -235,15 +265,22 @@ def engine_step(
 
 
 def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling, chunk, decoding,
-                 emit, allowed, num_tokens, attention_impl):
+                 emit, allowed, num_tokens, attention_impl, slots, valid_a):
     """MTP proposer: substep 0 over this step's committed positions, substeps 1..M-1 recursive.
 
     Substep 0 processes MTP positions ``p in [dec_old, dec_old + q)`` with tokens
     ``input_ids[p + 1]`` (prompt tokens, then the tokens just committed) and the target's hidden row
-    of position p; ``q`` is the prefill chunk or ``accept_num``. Returns ``(drafts i32[B, K],
+    of position p; ``q`` is the prefill chunk or ``accept_num``. The draft picks and substeps
+    1..M-1 run over the A compacted slots ``slots i32[A]`` (``valid_a bool[A]``, see
+    :func:`~jmtp.runtime.buckets.active_slots`). Returns ``(drafts i32[B, K],
     draft_probs f32[B, K, V] | None, cache)``.
     """
     B, K, M, bs = ec.max_num_seqs, ec.k, ec.m, ec.block_size
+    # ---- slot compaction (row-count plumbing): every per-slot array below is over the A rows.
+    A = slots.shape[0]
+    sl = jnp.minimum(slots, B - 1)
+    sampling_a, step_idx_a = _gather_slots(state.sampling, sl), state.step_idx[sl]
+    tables_a, allowed_a = state.block_tables[sl], jnp.where(valid_a, allowed[sl], 0)
     n_layers = max(mc.num_mtp_layers, 1)
     q = jnp.where(state.stop_flags, 0, jnp.where(prefilling, chunk, jnp.where(decoding, emit, 0)))
     positions, meta = ragged_batch(q, dec, state.block_tables, bs, num_tokens)
@@ -256,7 +293,7 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
     h_in = _take_rows(hidden, cu_t[seq] + local)
     h_log, h_next, mtp_cache = mtp_forward(mc, params, 0, ids, h_in, positions, meta, mtp_cache,
                                            attention_impl)
-    last = cu[:B] + q - 1
+    last = cu[sl] + q[sl] - 1                                           # i32[A]
 
     def pick(h_rows, sub):
         """Draft ``sub`` (0-based): argmax, or a sample with its exact distribution q."""
@@ -265,7 +302,7 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
         else:
             logits = compute_logits(params, h_rows)
         tok, probs = draft_sample(
-            logits, state.sampling, state.step_idx + sub,
+            logits, sampling_a, step_idx_a + sub,
             draft_sampling=ec.spec.draft_sampling, draft_temperature=ec.spec.draft_temperature,
             draft_top_p=ec.spec.draft_top_p, draft_top_k=ec.spec.draft_top_k)
         if "draft_head" in params:    # back to full-vocabulary ids (q is zero off the N tokens)
@@ -277,18 +314,17 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
 
     d, probs = pick(_take_rows(h_log, last), 0)
     h_prev = _take_rows(h_next, last)
-    active = allowed > 0
+    active = allowed_a > 0
     drafts = [jnp.where(active, d, -1)]
     qs = [probs]
-    pos0 = state.seq_lens_decoder  # MTP position of draft d1 (= target dec after the update)
+    pos0 = state.seq_lens_decoder[sl]  # MTP position of draft d1 (= target dec after the update)
     for sub in range(1, M):
-        active = active & (allowed > sub)
-        pos_s, meta_s = ragged_batch(active.astype(jnp.int32), pos0 + sub - 1, state.block_tables,
-                                     bs, B)
-        # Rows are packed in slot order; slot b's row is cu_s[b] when active.
-        rows = jnp.clip(meta_s.cu_q_lens[:B], 0, B - 1)
-        scatter = jnp.where(active, rows, B)
-        ids_s = jnp.zeros((B,), jnp.int32).at[scatter].set(jnp.clip(d, 0, mc.vocab_size - 1),
+        active = active & (allowed_a > sub)
+        pos_s, meta_s = ragged_batch(active.astype(jnp.int32), pos0 + sub - 1, tables_a, bs, A)
+        # Rows are packed in compacted-slot order; row i's token is at cu_s[i] when active.
+        rows = jnp.clip(meta_s.cu_q_lens[:A], 0, A - 1)
+        scatter = jnp.where(active, rows, A)
+        ids_s = jnp.zeros((A,), jnp.int32).at[scatter].set(jnp.clip(d, 0, mc.vocab_size - 1),
                                                              mode="drop")
         h_s = jnp.zeros_like(h_prev).at[scatter].set(h_prev, mode="drop")
         h_log, h_next, mtp_cache = mtp_forward(mc, params, sub % n_layers, ids_s, h_s, pos_s,
@@ -299,12 +335,14 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
         qs.append(probs)
     drafts = jnp.stack(drafts, axis=1)
     if M < K:
-        drafts = jnp.concatenate([drafts, jnp.full((B, K - M), -1, jnp.int32)], axis=1)
+        drafts = jnp.concatenate([drafts, jnp.full((A, K - M), -1, jnp.int32)], axis=1)
+    drafts = _scatter_slots(drafts, slots, B, fill=-1)                  # back to i32[B, K]
     q_all = None
     if ec.spec.draft_sampling:
         q_all = jnp.stack(qs, axis=1)
         if M < K:
-            q_all = jnp.concatenate([q_all, jnp.zeros((B, K - M, q_all.shape[-1]))], axis=1)
+            q_all = jnp.concatenate([q_all, jnp.zeros((A, K - M, q_all.shape[-1]))], axis=1)
+        q_all = _scatter_slots(q_all, slots, B)
     return drafts, q_all, mtp_cache
 
 

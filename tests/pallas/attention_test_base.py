@@ -289,6 +289,15 @@ class RaggedPagedAttentionTestBase:
         case = build_case(cfg, [4, 9], [40, 9], stale_tables=True, seed=4)
         self._check(case)
 
+    def test_short_sequences_long_block_table(self):
+        """Short sequences in a 2048-key block table (the engine's batch-1 decode at a long
+        max_model_len): every page past kv_lens holds NaN or a stale id, so an implementation that
+        bounds its loop by kv_lens and one that reads (and masks) every page both must give the
+        reference; reading an unmasked unused page would show as NaN."""
+        cfg = Config(16, 2, 3, 64, num_tokens=24, num_seqs=4, max_kv=2048)
+        case = build_case(cfg, [1, 4, 0, 16], [1, 37, 5, 16 * 9 + 3], stale_tables=True, seed=12)
+        self._check(case)
+
     def test_all_padding(self):
         """No sequence has queries: every row is padding and must be 0."""
         cfg = Config(8, 1, 1, 64, num_tokens=16, num_seqs=2, max_kv=20)
