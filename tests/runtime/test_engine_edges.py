@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jmtp.model.llama import KVCache
-from jmtp.runtime.config import EngineConfig, SpeculativeConfig
+from jmtp.runtime.buckets import step_buckets
+from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from tests.runtime.conftest import reference_greedy, tiny_model
 
@@ -183,44 +184,34 @@ def test_preemption_when_blocks_run_out(tiny):
 
 
 def test_one_graph_no_recompiles_and_no_callbacks(tiny):
+    """Warm-up compiles exactly the buckets of ``step_buckets`` (each run once on the idle state);
+    random traffic afterwards (prefills, 1..4 decoding slots, preemption-free) compiles nothing."""
     cfg, params = tiny
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
               max_num_seqs=4, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+    ec = llm.engine_config
     rng = np.random.default_rng(0)
     batch = lambda n: [list(rng.integers(2, 64, rng.integers(1, 30))) for _ in range(n)]
-    # Warm up every token bucket.
-    llm.generate(batch(6), SamplingParams(max_tokens=4), use_tqdm=False)
-    for t in llm.engine_config.token_buckets():
-        llm.generate([list(rng.integers(2, 64, t - 1))[: MAX_LEN - 8]], SamplingParams(max_tokens=2),
-                     use_tqdm=False)
+    for bucket in step_buckets(ec):   # idle state: every step is a no-op
+        llm.state, llm.cache, llm.mtp_cache, _ = llm._step(
+            cfg, ec, None, bucket, None, params, llm.state, llm.cache, llm.mtp_cache,
+            jnp.zeros((ec.max_num_seqs,), jnp.int32))
     compiled = llm._step._cache_size()
-    steps = 0
+    assert compiled == len(step_buckets(ec)) == 7
+    steps, seen = 0, set()
+    real = llm._step
+    llm._step = lambda *a: (seen.add(a[3]), real(*a))[1]
     while steps < 100:
         llm.generate(batch(int(rng.integers(1, 7))),
                      SamplingParams(max_tokens=int(rng.integers(1, 12))), use_tqdm=False)
         steps += llm.last_run_stats["steps"]
-    assert llm._step._cache_size() == compiled
-    ec = llm.engine_config
-    hlo = jax.jit(llm._step.__wrapped__ if hasattr(llm._step, "__wrapped__") else llm._step,
+    assert real._cache_size() == compiled
+    assert {b.num_slots for b in seen} >= {1, 2, 4}, seen     # the traffic used narrow buckets
+    hlo = jax.jit(real.__wrapped__ if hasattr(real, "__wrapped__") else real,
                   static_argnums=(0, 1, 2, 3, 4)).lower(
-        cfg, ec, None, ec.token_buckets()[0], None, params, llm.state, llm.cache, llm.mtp_cache,
+        cfg, ec, None, step_buckets(ec)[0], None, params, llm.state, llm.cache, llm.mtp_cache,
         jnp.zeros((ec.max_num_seqs,), jnp.int32)).as_text()
     assert "callback" not in hlo.lower()
-
-
-def test_token_buckets_start_at_one_full_decode_step():
-    # Hand-worked: the smallest bucket is exactly B*(K+1) (a batch-1 plain decode step runs one
-    # row, not 8), then powers of two from 8 above it, then the step budget.
-    buckets = lambda **kw: EngineConfig(**kw).token_buckets()
-    assert buckets(max_num_seqs=1, max_num_batched_tokens=256) == (1, 8, 16, 32, 64, 128, 256)
-    assert buckets(max_num_seqs=1, spec=SpeculativeConfig("mtp", 1),
-                   max_num_batched_tokens=64) == (2, 8, 16, 32, 64)
-    assert buckets(max_num_seqs=8, spec=SpeculativeConfig("mtp", 3),
-                   max_num_batched_tokens=128) == (32, 64, 128)
-    assert buckets(max_num_seqs=3, max_num_batched_tokens=20) == (3, 8, 16, 20)
-    assert buckets(max_num_seqs=5, spec=SpeculativeConfig("custom", 1, drafter=len),
-                   max_num_batched_tokens=10) == (10,)
-    assert EngineConfig(spec=SpeculativeConfig("custom", 2, drafter=len)).m == 0
 
 
 def test_bad_input_raises_before_running(tiny):
