@@ -136,3 +136,16 @@ def test_compiled_decode_copies_no_cache_or_embedding(t):
         if m:
             n = int(np.prod([int(d) for d in m.group(1).split(",")]))
             assert n not in big, line.strip()[:200]
+
+
+def test_check_params_accepts_unstacked_layers_and_names_bad_ones():
+    from jmtp.model.params import check_params
+    cfg = CFG.replace(num_mtp_layers=0)
+    params = {k: v for k, v in PARAMS.items() if k != "mtp"}
+    split = unstack_layers(params)
+    check_params(cfg, split)
+    with pytest.raises(ValueError, match="2 unstacked layers, expected 3"):
+        check_params(cfg, {**split, "layers": split["layers"][:2]})
+    bad = split["layers"][1] | {"wq": jnp.zeros((3, 3))}
+    with pytest.raises(ValueError, match=r"layers\[1\]\.wq"):
+        check_params(cfg, {**split, "layers": (split["layers"][0], bad, split["layers"][2])})
