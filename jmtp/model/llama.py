@@ -17,6 +17,7 @@ Nkv, D]``. The MTP head has its own one-layer-per-MTP-module cache addressed by 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -101,14 +102,21 @@ def decoder_layer(
     x: jax.Array,              # f[T, H] residual stream
     positions: jax.Array,      # i32[T]
     meta: AttentionMetadata,
-    k_cache: jax.Array,        # f[num_blocks, block_size, Nkv, D] this layer's cache
-    v_cache: jax.Array,
+    k_cache: jax.Array,        # f[num_blocks, block_size, Nkv, D] cache pool holding this layer's
+    v_cache: jax.Array,        #   blocks (``meta`` addresses them; see _layer_view)
     attention_impl: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pre-norm Llama block: GQA attention over the paged cache (writing this step's K/V) + SwiGLU."""
     t = x.shape[0]
     q, k, v = project_qkv(cfg, p, x, positions)
-    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    slots = meta.slot_mapping
+    if t == 1:
+        # One row: XLA turns the scatter into a bounds-checked dynamic-update-slice that reads the
+        # old slot first, and copy insertion then copies the whole (stacked) cache every layer.
+        # A second, dropped row (slot -1) keeps it a scatter, which XLA updates in place.
+        k, v = (jnp.concatenate([a, jnp.zeros_like(a)], 0) for a in (k, v))
+        slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])
+    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots)
     attn = ragged_paged_attention(
         q, k_cache, v_cache, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
         sm_scale=1.0 / math.sqrt(cfg.head_dim), implementation=attention_impl)
@@ -118,18 +126,50 @@ def decoder_layer(
     return x, k_cache, v_cache
 
 
+def _layer_view(meta: AttentionMetadata, cache: KVCache, i) -> AttentionMetadata:
+    """Metadata addressing layer ``i`` of a stacked cache seen as one pool of ``L·num_blocks``
+    blocks (:func:`_flat`): block ids and slots shifted by ``i·num_blocks``; padding slots stay -1.
+
+    Attention and :func:`write_kv` then read and update the stacked cache in place. Slicing out
+    ``cache.k[i]`` instead made XLA copy that layer's whole cache (all ``num_blocks``, used or not)
+    for the scatter and again for the update, every layer of every step: on a 2-core CPU a batch-1
+    decode step with ``num_blocks=1024`` took 2.8x as long as with the in-place view (704 vs 253 ms
+    on a loaded machine; ``scripts/bench_roofline.py``)."""
+    nb, bs = cache.k.shape[1], cache.k.shape[2]
+    return dataclasses.replace(
+        meta,
+        slot_mapping=jnp.where(meta.slot_mapping >= 0, meta.slot_mapping + i * (nb * bs), -1),
+        block_tables=meta.block_tables + i * nb)
+
+
+def _flat(c: jax.Array) -> jax.Array:
+    """``f[L, num_blocks, block_size, Nkv, D]`` -> ``f[L·num_blocks, block_size, Nkv, D]`` (a view)."""
+    return c.reshape((c.shape[0] * c.shape[1],) + c.shape[2:])
+
+
 def _run_layers(cfg, layers, x, positions, meta, cache: KVCache, attention_impl):
-    """Scan the stacked layers; the cache rides in the carry so XLA updates it in place."""
+    """Run the layers over the flat cache (:func:`_layer_view`), updated in place.
 
-    def body(carry, inp):
-        x, kc, vc = carry
-        i, p = inp
-        x, k_l, v_l = decoder_layer(cfg, p, x, positions, meta, kc[i], vc[i], attention_impl)
-        return (x, kc.at[i].set(k_l), vc.at[i].set(v_l)), None
+    ``layers`` stacked (a dict of ``f[L, ...]``): one ``lax.scan``. ``layers`` a list of per-layer
+    dicts (:func:`unstack_layers`): a Python loop (unrolled), so that no weight is sliced out of a
+    stack inside the step (XLA:CPU copies each sliced weight before its dot), at the price of a
+    compile several times as long."""
+    kc, vc = _flat(cache.k), _flat(cache.v)
 
-    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-    (x, kc, vc), _ = jax.lax.scan(body, (x, cache.k, cache.v), (jnp.arange(n), layers))
-    return x, KVCache(kc, vc)
+    def layer(x, kc, vc, i, p):
+        return decoder_layer(cfg, p, x, positions, _layer_view(meta, cache, i), kc, vc,
+                             attention_impl)
+
+    if isinstance(layers, (list, tuple)):
+        for i, p in enumerate(layers):
+            x, kc, vc = layer(x, kc, vc, i, p)
+    else:
+        def body(carry, inp):
+            return layer(*carry, *inp), None
+
+        n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+        (x, kc, vc), _ = jax.lax.scan(body, (x, kc, vc), (jnp.arange(n), layers))
+    return x, KVCache(kc.reshape(cache.k.shape), vc.reshape(cache.v.shape))
 
 
 def forward(
@@ -155,8 +195,12 @@ def forward(
 
 def compute_logits(params: dict, h: jax.Array) -> jax.Array:
     """LM head: ``f32[T, V]`` logits of post-norm hidden states ``h: f[T, H]``."""
-    w = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return jnp.dot(h, w, preferred_element_type=jnp.float32).astype(jnp.float32)
+    if "lm_head" in params:
+        return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32).astype(jnp.float32)
+    # Contract with the [V, H] table directly: ``h @ embed.T`` makes XLA:CPU materialise the
+    # transposed table (a 113 MB copy per step for SmolLM2) when T = 1.
+    return jax.lax.dot_general(h, params["embed"], (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(jnp.float32)
 
 
 def mtp_forward(
@@ -183,8 +227,22 @@ def mtp_forward(
     hn = rms_norm(hidden.astype(e.dtype), pick(m["hnorm"]), cfg.rms_norm_eps)
     x = jnp.concatenate([e, hn], axis=-1) @ pick(m["eh_proj"])
     layer = jax.tree_util.tree_map(pick, m["layer"])
-    x, kc, vc = decoder_layer(cfg, layer, x, positions, meta, cache.k[layer_idx],
-                              cache.v[layer_idx], attention_impl)
-    cache = KVCache(cache.k.at[layer_idx].set(kc), cache.v.at[layer_idx].set(vc))
+    x, kc, vc = decoder_layer(cfg, layer, x, positions, _layer_view(meta, cache, layer_idx),
+                              _flat(cache.k), _flat(cache.v), attention_impl)
+    cache = KVCache(kc.reshape(cache.k.shape), vc.reshape(cache.v.shape))
     h = rms_norm(x, pick(m["final_norm"]), cfg.rms_norm_eps)
     return h, (x if cfg.mtp_layout == "deepseek" else h), cache
+
+
+def unstack_layers(params: dict) -> dict:
+    """``params`` with ``params["layers"]`` as a tuple of ``L`` per-layer dicts of separate arrays
+    (the stacked ``f[L, ...]`` leaves split), which :func:`forward` runs as an unrolled loop.
+
+    Leaves already split are returned as they are. The stacked form stays the canonical pytree
+    (loaders, training, :func:`jmtp.model.params.check_params`)."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n = jax.tree_util.tree_leaves(layers)[0].shape[0]
+    split = tuple(jax.tree_util.tree_map(lambda a, i=i: a[i], layers) for i in range(n))
+    return {**params, "layers": split}

@@ -103,9 +103,25 @@ def init_mtp_params(cfg: ModelConfig, params: dict, key: jax.Array, dtype=None) 
 
 
 def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None:
-    """Raise ``ValueError`` naming the tensor if any leaf is missing or has the wrong shape."""
-    expected = param_shapes(cfg)
+    """Raise ``ValueError`` naming the tensor if any leaf is missing or has the wrong shape.
 
+    ``params["layers"]`` may be stacked (``f[L, ...]`` leaves) or unstacked (a list of ``L``
+    per-layer dicts, :func:`jmtp.model.llama.unstack_layers`)."""
+    expected = param_shapes(cfg)
+    walk = _walk_shapes(source)
+
+    layers = params.get("layers") if isinstance(params, dict) else None
+    if isinstance(layers, (list, tuple)):  # unstacked layers (jmtp.model.llama.unstack_layers)
+        if len(layers) != cfg.num_layers:
+            raise ValueError(f"{source}: {len(layers)} unstacked layers, expected {cfg.num_layers}")
+        per_layer = layer_shapes(cfg)
+        for i, layer in enumerate(layers):
+            walk(per_layer, layer, f"layers[{i}]")
+        expected = {k: v for k, v in expected.items() if k != "layers"}
+    walk(expected, params, "")
+
+
+def _walk_shapes(source: str):
     def walk(exp, got, path):
         for name, shape in exp.items():
             where = f"{path}.{name}" if path else name
@@ -117,4 +133,4 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
                 raise ValueError(
                     f"{source}: tensor {where!r} has shape {tuple(got[name].shape)}, expected {shape}")
 
-    walk(expected, params, "")
+    return walk
