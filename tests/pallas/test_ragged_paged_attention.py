@@ -73,20 +73,6 @@ class TestXLA(RaggedPagedAttentionTestBase):
         check_output(case, out, self.expected(case))
 
 
-    @pytest.mark.parametrize("kv_chunk", [8, 16, 40, 1024])
-    def test_kv_chunk_boundaries(self, kv_chunk):
-        """The kv_lens-bounded chunk loop: chunks of one page (many steps), a chunk that is not a
-        page multiple (rounded down to whole pages), and one chunk covering the whole table; kv
-        lengths on and off chunk boundaries, a sliding window that starts the loop past chunk 0,
-        NaN in every unused page and stale table entries."""
-        cfg = Config(8, 2, 3, 64, num_tokens=40, num_seqs=5, max_kv=300, sliding_window=20,
-                     soft_cap=5.0)
-        case = build_case(cfg, [5, 17, 0, 1, 9], [32, 300, 44, 1, 9], stale_tables=True, seed=13)
-        out = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), q_tile=8,
-                                             kv_chunk=kv_chunk)
-        check_output(case, out, self.expected(case))
-
-
 class TestPallasTPU(RaggedPagedAttentionTestBase):
     """Mosaic TPU kernel in TPU interpret mode, race detector on, OOB reads raise."""
 
