@@ -281,7 +281,20 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
                                            attention_impl)
     last = cu[:B] + q - 1
 
-    def pick(h_rows, sub):
+    def pick(h_rows, sub, needed):
+        """Draft ``sub`` (0-based), skipped at run time (``lax.cond``) when no slot needs it (all
+        draft limits below ``sub + 1``): saves the draft LM head."""
+        def run(h_rows):
+            return _pick(h_rows, sub)
+
+        def skip(h_rows):
+            tok = jnp.zeros((h_rows.shape[0],), jnp.int32)
+            if not ec.spec.draft_sampling:
+                return tok, None
+            return tok, jnp.zeros((h_rows.shape[0], mc.vocab_size), jnp.float32)
+        return jax.lax.cond(jnp.any(needed), run, skip, h_rows)
+
+    def _pick(h_rows, sub):
         """Draft ``sub`` (0-based): argmax, or a sample with its exact distribution q."""
         if "draft_head" in params:    # FR-Spec: score the N-token draft vocabulary only
             logits = jnp.dot(h_rows, params["draft_head"].T, preferred_element_type=jnp.float32)
@@ -296,11 +309,11 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
             if probs is not None:
                 probs = jnp.zeros((probs.shape[0], mc.vocab_size), probs.dtype).at[
                     :, params["draft_ids"]].set(probs)
-        return tok.astype(jnp.int32), probs
+        return tok.astype(jnp.int32), (None if probs is None else probs.astype(jnp.float32))
 
-    d, probs = pick(_take_rows(h_log, last), 0)
-    h_prev = _take_rows(h_next, last)
     active = allowed > 0
+    d, probs = pick(_take_rows(h_log, last), 0, active)
+    h_prev = _take_rows(h_next, last)
     drafts = [jnp.where(active, d, -1)]
     qs = [probs]
     pos0 = state.seq_lens_decoder  # MTP position of draft d1 (= target dec after the update)
@@ -316,7 +329,7 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
         h_s = jnp.zeros_like(h_prev).at[scatter].set(h_prev, mode="drop")
         h_log, h_next, mtp_cache = mtp_forward(mc, params, sub % n_layers, ids_s, h_s, pos_s,
                                                meta_s, mtp_cache, attention_impl)
-        d, probs = pick(_take_rows(h_log, rows), sub)
+        d, probs = pick(_take_rows(h_log, rows), sub, active)
         h_prev = _take_rows(h_next, rows)
         drafts.append(jnp.where(active, d, -1))
         qs.append(probs)
