@@ -207,6 +207,10 @@ def test_no_recompiles_when_limits_change():
               max_num_seqs=3, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=24)
     rng = np.random.default_rng(0)
     batch = lambda n: [list(rng.integers(2, 64, rng.integers(1, 30))) for _ in range(n)]
+    # Reference outputs first (jit caches of engine_step are shared between engines).
+    work = [(batch(int(rng.integers(1, 5))), SamplingParams(max_tokens=int(rng.integers(1, 12))))
+            for _ in range(4)]
+    refs = [[o.token_ids for o in engine(None).generate(p, sp, use_tqdm=False)] for p, sp in work]
     llm.generate(batch(5), SamplingParams(max_tokens=4), use_tqdm=False)
     for t in llm.engine_config.token_buckets():
         llm.generate([list(rng.integers(2, 64, t - 1))[: MAX_LEN - 8]], SamplingParams(max_tokens=2),
@@ -222,12 +226,8 @@ def test_no_recompiles_when_limits_change():
         orig(active)
         return lim
     policy.draft_limits = varied
-    ref = engine(None)
-    for _ in range(4):
-        prompts = batch(int(rng.integers(1, 5)))
-        sp = SamplingParams(max_tokens=int(rng.integers(1, 12)))
-        assert ([o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-                == [o.token_ids for o in ref.generate(prompts, sp, use_tqdm=False)])
+    for (prompts, sp), ref in zip(work, refs):
+        assert [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
     assert seen == {0, 1, 2, 3}
     assert llm._step._cache_size() == compiled
 
