@@ -4,7 +4,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-METHODS = (None, "mtp", "custom")
+METHODS = (None, "mtp", "ngram", "custom")
+MTP_STRATEGIES = ("default", "with_ngram")
+SPECULATION_POLICIES = ("fixed", "dynamic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,13 +14,29 @@ class SpeculativeConfig:
     """Speculative decoding settings (vLLM/FastDeploy ``--speculative-config`` analog).
 
     Attributes:
-      method: ``"mtp"`` (the model's MTP head drafts), ``"custom"`` (``drafter`` drafts; used by
-        tests for oracle / null drafters) or ``None`` (no speculation).
+      method: ``"mtp"`` (the model's MTP head drafts), ``"ngram"`` (prompt + history n-gram
+        matching inside the jitted step, FastDeploy's ``ngram_match``; no MTP weights or cache;
+        see :mod:`jmtp.runtime.ngram`), ``"custom"`` (``drafter`` drafts; used by tests for
+        oracle / null drafters) or ``None`` (no speculation).
       num_speculative_tokens: K, the verify window holds ``[last token, d1..dK]``.
       num_model_steps: M, MTP substeps (= drafts) per engine step, ``1 <= M <= K``. Substep ``s``
         uses MTP module ``s mod num_mtp_layers``, so one module is applied recursively. With M < K
-        the window has room for K drafts but only M are proposed (FastDeploy fills the rest with
-        n-gram matches; jmtp does not yet).
+        the window has room for K drafts but only M are proposed, unless
+        ``mtp_strategy="with_ngram"`` fills the rest with n-gram matches.
+      mtp_strategy: ``"default"`` or ``"with_ngram"`` (FastDeploy's ``hybrid_mtp_ngram``, spec
+        §6.12: with M < K, the last n tokens of history + the M MTP drafts are matched against
+        earlier history and the tokens following the match extend the drafts up to K).
+      max_ngram_size / min_ngram_size: n-gram sizes tried, longest first (``1 <= min <= max``).
+        ``min_ngram_size=None`` = FastDeploy's default for the method: 1 for ``"ngram"``, 2 for
+        the hybrid.
+      speculation_policy: ``"fixed"`` (every slot drafts up to K each step) or ``"dynamic"``
+        (:class:`jmtp.runtime.spec_policy.DynamicSpeculation`: per slot, the host picks the draft
+        count 0..K that maximises expected tokens per second from the slot's measured acceptance
+        (EMA) and the step time measured per scheduled row count; 0 where speculation cannot
+        pay). Limits are a data input of the jitted step, so changing them never recompiles.
+        Default ``"fixed"``: output and speed are then reproducible run to run, and with a good
+        drafter fixed K is what FastDeploy and vLLM do; choose ``"dynamic"`` for loaded servers
+        or weak drafters.
       drafter: for ``method="custom"``: a hashable callable ``(state) -> i32[B, K]`` returning draft
         tokens (-1 = none) from the post-update :class:`~jmtp.runtime.state.EngineState`.
       verify_strategy: ``"auto"`` (greedy rows for temperature 0, rejection sampling otherwise;
@@ -54,6 +72,10 @@ class SpeculativeConfig:
     draft_top_p: float | None = None
     draft_top_k: int | None = None
     draft_vocab_size: int | None = None
+    mtp_strategy: str = "default"
+    max_ngram_size: int = 5
+    min_ngram_size: int | None = None
+    speculation_policy: str = "fixed"
 
     def __post_init__(self):
         from jmtp.runtime.verify import STRATEGIES
@@ -66,8 +88,23 @@ class SpeculativeConfig:
                              f"{self.draft_vocab_size!r}")
         if self.method not in METHODS:
             raise ValueError(f"SpeculativeConfig.method must be one of {METHODS}, got {self.method!r}")
+        if self.mtp_strategy not in MTP_STRATEGIES:
+            raise ValueError(f"SpeculativeConfig.mtp_strategy must be one of {MTP_STRATEGIES}, "
+                             f"got {self.mtp_strategy!r}")
+        if self.speculation_policy not in SPECULATION_POLICIES:
+            raise ValueError(f"SpeculativeConfig.speculation_policy must be one of "
+                             f"{SPECULATION_POLICIES}, got {self.speculation_policy!r}")
+        if not isinstance(self.max_ngram_size, int) or self.max_ngram_size < 1:
+            raise ValueError(f"SpeculativeConfig.max_ngram_size must be an int >= 1, got "
+                             f"{self.max_ngram_size!r}")
+        mn = self.min_ngram_size
+        if mn is not None and (not isinstance(mn, int) or not 1 <= mn <= self.max_ngram_size):
+            raise ValueError(f"SpeculativeConfig.min_ngram_size must be an int in [1, "
+                             f"max_ngram_size={self.max_ngram_size}], got {mn!r}")
         if self.method is None:
             return
+        if self.mtp_strategy == "with_ngram" and self.method != "mtp":
+            raise ValueError("SpeculativeConfig.mtp_strategy='with_ngram' needs method='mtp'")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"SpeculativeConfig.num_speculative_tokens must be an int >= 1, got {k!r}")
@@ -85,6 +122,16 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method is not None
+
+    @property
+    def ngram_sizes(self) -> tuple[int, int]:
+        """``(min, max)`` n-gram sizes matched; ``(0, 0)`` when no n-gram matching runs (neither
+        ``method="ngram"`` nor the hybrid with M < K)."""
+        if self.method == "ngram":
+            return (self.min_ngram_size or 1, self.max_ngram_size)
+        if self.method == "mtp" and self.mtp_strategy == "with_ngram" and self.m < self.k:
+            return (self.min_ngram_size or min(2, self.max_ngram_size), self.max_ngram_size)
+        return (0, 0)
 
     @property
     def k(self) -> int:

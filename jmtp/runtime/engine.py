@@ -22,6 +22,7 @@ from jmtp.runtime.buckets import choose_bucket
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.outputs import RequestOutput, SpecDecodeMetrics
 from jmtp.runtime.sampling import SamplingParams, make_row
+from jmtp.runtime.spec_policy import DynamicSpeculation
 from jmtp.runtime.state import FINISH_REASONS, init_state, insert_request
 from jmtp.runtime.step import engine_step, release_slot
 
@@ -166,6 +167,9 @@ class LLM:
         self._release = jax.jit(release_slot, donate_argnums=0)
         self._free_count = ec.num_blocks
         self.last_run_stats: dict = {}
+        self.spec_policy = (DynamicSpeculation(max_num_seqs, spec.k, ec.token_buckets())
+                            if spec.enabled and spec.speculation_policy == "dynamic" else None)
+        self._next_drafts = np.zeros((max_num_seqs,), np.int32)  # drafts in each slot's window
 
     # ------------------------------------------------------------------ validation
     def _validate(self, prompt_ids: list[int], sp: SamplingParams, where: str):
@@ -288,20 +292,29 @@ class LLM:
                 slots[b], _ = r, order.append(b)
             # Token budget: decode windows first, then prefill chunks in slot order.
             budget = ec.max_num_batched_tokens
-            n_dec = sum(1 for r in slots if r is not None and r.prefilled >= len(r.context_ids))
-            budget -= n_dec * W
+            dec_rows = sum(1 + int(self._next_drafts[b]) for b, r in enumerate(slots)
+                           if r is not None and r.prefilled >= len(r.context_ids))
+            budget -= dec_rows
             chunks = np.zeros((B,), np.int32)
             for b, r in enumerate(slots):
                 if r is not None and r.prefilled < len(r.context_ids):
                     c = min(len(r.context_ids) - r.prefilled, budget)
                     chunks[b], budget = c, budget - c
-            total = n_dec * W + int(chunks.sum())
+            total = dec_rows + int(chunks.sum())
+            n_dec = sum(1 for r in slots if r is not None and r.prefilled >= len(r.context_ids))
             bucket = choose_bucket(ec, total, n_dec + int(np.count_nonzero(chunks)),
                                    bool(chunks.any()))
+            limits = (np.full((B,), ec.k, np.int32) if self.spec_policy is None else
+                      self.spec_policy.draft_limits(np.array([r is not None for r in slots])))
+            t_step = time.perf_counter()
             self.state, self.cache, self.mtp_cache, out = self._step(
                 mc, ec, self.speculative_config.drafter, bucket, self.attention_backend, self.params,
-                self.state, self.cache, self.mtp_cache, jnp.asarray(chunks))
+                self.state, self.cache, self.mtp_cache, jnp.asarray(chunks), jnp.asarray(limits))
             out = jax.device_get(out)
+            self._next_drafts = np.asarray(out.num_next_drafts)
+            if self.spec_policy is not None:
+                self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket.num_tokens,
+                                         time.perf_counter() - t_step)
             steps += 1
             self._free_count = int(out.free_count)
             progressed = False
@@ -369,6 +382,8 @@ class LLM:
             row["recent_tokens"][ec.max_bad_word_len - 1 - tail.size:] = tail
         remaining = r.params.max_tokens - len(r.output_ids)
         r.prefilled = 0
+        if self.spec_policy is not None:
+            self.spec_policy.reset_slot(b)
         if not r.metrics.accepted_per_position:
             r.metrics.accepted_per_position = [0] * ec.k
         self.state = self._insert(self.state, jnp.int32(b), jnp.asarray(ids),

@@ -35,6 +35,7 @@ from jmtp.model.llama import KVCache, compute_logits, forward, mtp_forward
 from jmtp.model.metadata import ragged_batch
 from jmtp.runtime.buckets import StepBucket, active_slots
 from jmtp.runtime.config import EngineConfig
+from jmtp.runtime.ngram import extend_with_ngram, ngram_match
 from jmtp.runtime.sampling import draft_sample, update_history
 from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState
 from jmtp.runtime.verify import verify
@@ -56,6 +57,8 @@ class StepOutput:
       finish_reason: i32[B]    FINISH_STOP / FINISH_LENGTH for finished slots.
       paused: bool[B]          slot could not get KV blocks (did nothing this step).
       free_count: i32[]        free KV blocks after the step.
+      num_next_drafts: i32[B]  drafts in the slot's next verify window (the next step verifies
+                               ``1 + num_next_drafts`` rows for a decoding slot).
       logprobs: f32[B, K+1]    logprob of each emitted token (None unless max_logprobs > 0).
       top_logprob_ids: i32[B, K+1, n] / top_logprobs: f32[B, K+1, n]  the target's top-n.
     """
@@ -68,6 +71,7 @@ class StepOutput:
     finish_reason: jax.Array
     paused: jax.Array
     free_count: jax.Array
+    num_next_drafts: jax.Array | None = None
     logprobs: jax.Array | None = None
     top_logprob_ids: jax.Array | None = None
     top_logprobs: jax.Array | None = None
@@ -99,6 +103,7 @@ def engine_step(
     cache: KVCache,             # target cache (L layers)
     mtp_cache: KVCache | None,  # MTP cache (num_mtp_layers), None without MTP
     prefill_chunk: jax.Array,   # i32[B] prompt tokens each prefilling slot processes this step
+    draft_limit: jax.Array | None = None,  # i32[B] max drafts proposed for the next step
 ):
     """One engine step (see module docstring).
 
@@ -113,6 +118,9 @@ def engine_step(
       state, cache, mtp_cache: donated by :class:`~jmtp.runtime.engine.LLM`; returned updated.
       prefill_chunk: i32[B] prompt tokens each prefilling slot processes this step (clipped to
         what is left of its prompt; ignored for decoding and idle slots).
+      draft_limit: i32[B] or None: at most this many drafts are proposed per slot for the next
+        step (the dynamic speculation policy's choice, :mod:`jmtp.runtime.spec_policy`); data,
+        so new limits never recompile. None = K.
 
     Returns:
       ``(state, cache, mtp_cache, StepOutput)``.
@@ -124,7 +132,7 @@ def engine_step(
     if not 1 <= A <= B:
         raise ValueError(f"StepBucket.num_slots={A} must lie in [1, max_num_seqs={B}]")
     s = state
-    use_mtp = K > 0 and drafter is None
+    use_mtp = ec.m > 0          # the MTP head drafts (not n-gram, not a custom drafter)
     running = ~s.stop_flags
     dec = s.seq_lens_decoder
     prefilling = running & (dec < s.prompt_lens)
@@ -230,12 +238,25 @@ def engine_step(
         draft_tokens=jnp.full((B, W), -1, jnp.int32).at[:, 0].set(draft0))
 
     # ---- 6. proposer.
+    if draft_limit is not None:
+        allowed = jnp.minimum(allowed, jnp.maximum(draft_limit, 0))
     drafts = jnp.full((B, K), -1, jnp.int32)
     q = None
+    ng_min, ng_max = ec.spec.ngram_sizes
     if use_mtp:
         drafts, q, mtp_cache = _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu, dec,
                                          prefilling, chunk, decoding, emit, allowed, num_tokens,
                                          attention_impl, slots, valid_a)
+        if ng_max:      # hybrid_mtp_ngram: n-gram tokens extend the M MTP drafts up to K
+            mtp_drafts = jnp.where(jnp.arange(K)[None] < allowed[:, None], drafts, -1)
+            drafts = extend_with_ngram(state.input_ids, new_seq_len, mtp_drafts, allowed,
+                                       ng_max, ng_min)
+            if q is not None:   # n-gram drafts are deterministic: one-hot q (exact rejection)
+                from_ngram = (jnp.arange(K)[None] >= ec.m) & (drafts >= 0)
+                q = jnp.where(from_ngram[..., None],
+                              jax.nn.one_hot(jnp.maximum(drafts, 0), q.shape[-1], dtype=q.dtype), q)
+    elif ec.spec.method == "ngram" and K > 0:
+        drafts, _ = ngram_match(state.input_ids, new_seq_len, allowed, ng_max, ng_min, K)
     elif K > 0:
         drafts = drafter(state).astype(jnp.int32)
     drafts = jnp.where(jnp.arange(K)[None] < allowed[:, None], drafts, -1)
@@ -259,7 +280,9 @@ def engine_step(
     out = StepOutput(tokens=tokens, num_tokens=emit, num_drafts=num_drafts,
                      num_accepted=num_accepted, finished=finished,
                      finish_reason=jnp.where(finished, reason, FINISH_NONE), paused=paused,
-                     free_count=state.free_count, logprobs=res.logprobs,
+                     free_count=state.free_count,
+                     num_next_drafts=jnp.sum(state.draft_tokens[:, 1:] >= 0, axis=1).astype(jnp.int32),
+                     logprobs=res.logprobs,
                      top_logprob_ids=res.top_logprob_ids, top_logprobs=res.top_logprobs)
     return state, cache, mtp_cache, out
 
@@ -295,7 +318,20 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
                                            attention_impl)
     last = cu[sl] + q[sl] - 1                                           # i32[A]
 
-    def pick(h_rows, sub):
+    def pick(h_rows, sub, needed):
+        """Draft ``sub`` (0-based), skipped at run time (``lax.cond``) when no slot needs it (all
+        draft limits below ``sub + 1``): saves the draft LM head."""
+        def run(h_rows):
+            return _pick(h_rows, sub)
+
+        def skip(h_rows):
+            tok = jnp.zeros((h_rows.shape[0],), jnp.int32)
+            if not ec.spec.draft_sampling:
+                return tok, None
+            return tok, jnp.zeros((h_rows.shape[0], mc.vocab_size), jnp.float32)
+        return jax.lax.cond(jnp.any(needed), run, skip, h_rows)
+
+    def _pick(h_rows, sub):
         """Draft ``sub`` (0-based): argmax, or a sample with its exact distribution q."""
         if "draft_head" in params:    # FR-Spec: score the N-token draft vocabulary only
             logits = jnp.dot(h_rows, params["draft_head"].T, preferred_element_type=jnp.float32)
@@ -310,11 +346,11 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
             if probs is not None:
                 probs = jnp.zeros((probs.shape[0], mc.vocab_size), probs.dtype).at[
                     :, params["draft_ids"]].set(probs)
-        return tok.astype(jnp.int32), probs
+        return tok.astype(jnp.int32), (None if probs is None else probs.astype(jnp.float32))
 
-    d, probs = pick(_take_rows(h_log, last), 0)
-    h_prev = _take_rows(h_next, last)
     active = allowed_a > 0
+    d, probs = pick(_take_rows(h_log, last), 0, active)
+    h_prev = _take_rows(h_next, last)
     drafts = [jnp.where(active, d, -1)]
     qs = [probs]
     pos0 = state.seq_lens_decoder[sl]  # MTP position of draft d1 (= target dec after the update)
@@ -329,7 +365,7 @@ def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling
         h_s = jnp.zeros_like(h_prev).at[scatter].set(h_prev, mode="drop")
         h_log, h_next, mtp_cache = mtp_forward(mc, params, sub % n_layers, ids_s, h_s, pos_s,
                                                meta_s, mtp_cache, attention_impl)
-        d, probs = pick(_take_rows(h_log, rows), sub)
+        d, probs = pick(_take_rows(h_log, rows), sub, active)
         h_prev = _take_rows(h_next, rows)
         drafts.append(jnp.where(active, d, -1))
         qs.append(probs)

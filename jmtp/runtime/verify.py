@@ -126,6 +126,13 @@ def _rejection(pen, d, valid, nd, draft_probs, sampling, u, greedy_row):
     argmax_t = jnp.argmax(pen, axis=-1).astype(jnp.int32)                    # [B, W]
     p = smp.target_probs(pen, sampling)                                       # [B, W, V]
     pd = jnp.take_along_axis(p[:, :K], d[..., None], axis=-1)[..., 0]         # [B, K]
+    if draft_probs is not None:
+        # A row of q with no mass is a deterministic draft (e.g. an n-gram draft in a batch of
+        # sampled MTP drafts): its exact q is one-hot. Without this, q(d) = 0 would accept d
+        # whenever p(d) > 0, which is lossy.
+        draft_probs = draft_probs.astype(jnp.float32)
+        empty = jnp.sum(draft_probs, axis=-1, keepdims=True) <= 0
+        draft_probs = jnp.where(empty, jax.nn.one_hot(d, V, dtype=jnp.float32), draft_probs)
     if draft_probs is None:
         qd = jnp.ones_like(pd)
     else:
@@ -226,7 +233,8 @@ def verify(logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
       num_drafts: i32[B] drafts present per slot (0 for prefill / no drafts); clipped to [0, K].
       draft_probs: f32[B, K, V] q, the exact distribution each draft was sampled from
         (:func:`jmtp.runtime.sampling.draft_sample`), or None for greedy drafts (one-hot q).
-        Used by the rejection strategy only.
+        A row summing to 0 also means one-hot q (a deterministic draft, e.g. n-gram). Used by
+        the rejection strategy only.
       sampling: :class:`SamplingArrays` of the B slots.
       num_generated: i32[B] tokens generated before this step (min_tokens, RNG positions).
       eos_token_ids: i32[E] model EOS ids (-1 entries ignored): masked by min_tokens and treated

@@ -1,0 +1,173 @@
+"""Dynamic speculation: per-slot draft limits that maximise expected tokens per second.
+
+The host calls :meth:`DynamicSpeculation.draft_limits` before each engine step (the limits cap the
+drafts proposed in that step, i.e. verified in the next one) and :meth:`DynamicSpeculation.observe`
+after it. The limits are an ``i32[B]`` data input of the jitted step, so they never recompile.
+
+Model (in the spirit of "SpecDec++" (Huang et al. 2024) and vLLM's / TensorRT-LLM's dynamic
+speculation-length heuristics, reduced to what the host measures anyway):
+
+* **Acceptance**, per slot and draft position ``i`` (1-based): ``a_i = P(draft i accepted | draft
+  i-1 accepted)``, estimated from decayed counts (half-life ``halflife`` steps) of the slot's own
+  verify steps, shrunk towards the pooled estimate over all slots (weight ``prior_weight``
+  trials), which itself starts at ``prior_acceptance``. A slot drafting ``k`` is expected to
+  commit ``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j`` tokens; the gain of its ``k``-th draft,
+  ``prod_{j<=k} a_j``, never grows with ``k``.
+* **Cost**: seconds per step as a function of the token bucket ``T`` the step runs (the engine
+  picks the smallest bucket holding the scheduled rows), an EMA of the host's own step timings per
+  bucket. A bucket not yet measured is estimated by linear interpolation between measured ones,
+  or, past the largest measured, optimistically as equal to it, so the policy tries it once and
+  learns its price.
+* **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain; the
+  policy takes the ``x`` best candidates (a prefix per slot, since gains fall with position) for
+  the ``x`` in ``0..n·K`` maximising ``(n + sum of their gains) / time(bucket(n + x))``.
+  Slots whose drafts cannot pay get 0.
+* **Probing**: a slot held at 0 drafts for ``probe_every`` consecutive steps gets one draft, so a
+  change in its acceptance (e.g. the text turns to copying) is noticed.
+
+Expected-throughput maximisation is greedy per step (no look-ahead), and acceptance is treated as
+independent of batch composition.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Sequence
+
+import numpy as np
+
+
+class DynamicSpeculation:
+    """Per-slot draft-limit policy (see the module docstring).
+
+    Args:
+      num_slots: B.
+      k: K, the largest draft count.
+      buckets: the engine's token buckets (sorted static row counts of a step).
+      prior_acceptance: initial pooled per-position acceptance ``a_i`` (before any measurement).
+      prior_weight: pseudo-trials of the pooled estimate in each slot's estimate.
+      halflife: steps after which a count has half its weight.
+      cost_ema: weight of a new step timing in its bucket's EMA.
+      probe_every: a slot at 0 drafts this many steps in a row drafts once (0 = never probe).
+
+    Raises:
+      ValueError: ``num_slots < 1``, ``k < 1``, empty buckets, or a parameter outside its range.
+    """
+
+    def __init__(self, num_slots: int, k: int, buckets: Sequence[int], *,
+                 prior_acceptance: float = 0.5, prior_weight: float = 4.0, halflife: float = 32.0,
+                 cost_ema: float = 0.2, probe_every: int = 16):
+        if num_slots < 1 or k < 1:
+            raise ValueError(f"DynamicSpeculation: need num_slots >= 1 and k >= 1, got "
+                             f"num_slots={num_slots}, k={k}")
+        if not buckets:
+            raise ValueError("DynamicSpeculation: buckets must not be empty")
+        if not 0.0 <= prior_acceptance <= 1.0 or prior_weight < 0 or halflife <= 0:
+            raise ValueError("DynamicSpeculation: prior_acceptance must lie in [0, 1], "
+                             "prior_weight >= 0, halflife > 0")
+        if not 0.0 < cost_ema <= 1.0 or probe_every < 0:
+            raise ValueError("DynamicSpeculation: cost_ema must lie in (0, 1], probe_every >= 0")
+        self.num_slots, self.k = num_slots, k
+        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        self.prior_weight, self.cost_ema, self.probe_every = prior_weight, cost_ema, probe_every
+        self.decay = 0.5 ** (1.0 / halflife)
+        self.trials = np.zeros((num_slots, k))         # decayed per-slot, per-position counts
+        self.succ = np.zeros((num_slots, k))
+        self.pool_trials = np.full((k,), prior_weight)  # pooled counts, seeded with the prior
+        self.pool_succ = np.full((k,), prior_weight * prior_acceptance)
+        self.step_seconds: dict[int, float] = {}        # bucket -> EMA seconds
+        self.zero_streak = np.zeros((num_slots,), np.int64)
+        self._seen: set[int] = set()                     # buckets run once (compiled)
+
+    # ------------------------------------------------------------------ estimates
+    def acceptance(self) -> np.ndarray:
+        """f64[B, K]: per-slot conditional acceptance ``a_i`` of draft position i = 1..K."""
+        pool = self.pool_succ / np.maximum(self.pool_trials, 1e-9)
+        w = self.prior_weight
+        return (self.succ + w * pool[None]) / np.maximum(self.trials + w, 1e-9)
+
+    def gains(self) -> np.ndarray:
+        """f64[B, K]: expected extra tokens from each slot's i-th draft, ``prod_{j<=i} a_j``."""
+        return np.cumprod(self.acceptance(), axis=1)
+
+    def bucket(self, rows: int) -> int:
+        """The token bucket a step of ``rows`` scheduled rows runs in (the largest if beyond)."""
+        i = bisect.bisect_left(self.buckets, rows)
+        return self.buckets[min(i, len(self.buckets) - 1)]
+
+    def step_time(self, rows: int) -> float:
+        """Estimated seconds of a step with ``rows`` rows (measured, interpolated or optimistic);
+        1.0 before any measurement (every bucket then costs the same)."""
+        t = self.bucket(rows)
+        if t in self.step_seconds:
+            return self.step_seconds[t]
+        known = sorted(self.step_seconds)
+        if not known:
+            return 1.0
+        lo = [b for b in known if b < t]
+        hi = [b for b in known if b > t]
+        if lo and hi:
+            a, b = lo[-1], hi[0]
+            f = (t - a) / (b - a)
+            return (1 - f) * self.step_seconds[a] + f * self.step_seconds[b]
+        return self.step_seconds[lo[-1] if lo else hi[0]]
+
+    # ------------------------------------------------------------------ decisions
+    def draft_limits(self, active: np.ndarray) -> np.ndarray:
+        """i32[B] drafts each slot may propose this step (0 for inactive slots).
+
+        Args:
+          active: bool[B] slots holding a request (decoding next step, or prefilling).
+        """
+        active = np.asarray(active, bool)
+        n = int(active.sum())
+        limits = np.zeros((self.num_slots,), np.int32)
+        if n == 0:
+            return limits
+        g = self.gains()
+        slots = np.nonzero(active)[0]
+        cand = [(-g[b, i], i, b) for b in slots for i in range(self.k)]
+        cand.sort()
+        best_x, best_rate, tok = 0, n / self.step_time(n), float(n)
+        for x, (neg_gain, _, _) in enumerate(cand, start=1):
+            tok -= neg_gain
+            rate = tok / self.step_time(n + x)
+            if rate > best_rate * (1 + 1e-9):
+                best_x, best_rate = x, rate
+        for _, i, b in cand[:best_x]:
+            limits[b] = max(limits[b], i + 1)
+        if self.probe_every:
+            probe = active & (limits == 0) & (self.zero_streak >= self.probe_every)
+            limits[probe] = 1
+            self.zero_streak = np.where(active & (limits == 0), self.zero_streak + 1, 0)
+        return limits
+
+    def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray, rows: int,
+                seconds: float) -> None:
+        """Record one step: per-slot drafts verified / accepted (``StepOutput.num_drafts`` /
+        ``num_accepted``, i32[B]) and the step's bucket ``rows`` and wall ``seconds``. The first
+        timing of each bucket is discarded (it includes the bucket's compilation)."""
+        nd = np.asarray(num_drafts, np.int64)[:, None]
+        na = np.asarray(num_accepted, np.int64)[:, None]
+        i = np.arange(1, self.k + 1)[None]
+        tried = (nd >= i) & (na >= i - 1)
+        ok = na >= i
+        self.trials *= self.decay
+        self.succ *= self.decay
+        self.trials += tried
+        self.succ += tried & ok
+        # Pooled estimate: decayed sums over every slot, seeded with the prior.
+        self.pool_trials = self.pool_trials * self.decay + tried.sum(0)
+        self.pool_succ = self.pool_succ * self.decay + (tried & ok).sum(0)
+        t = self.bucket(int(rows))
+        if t not in self._seen:     # a bucket's first step includes its compilation: not a cost
+            self._seen.add(t)
+            return
+        old = self.step_seconds.get(t)
+        self.step_seconds[t] = seconds if old is None else (
+            (1 - self.cost_ema) * old + self.cost_ema * seconds)
+
+    def reset_slot(self, slot: int) -> None:
+        """A new request took ``slot``: forget its acceptance (the pooled estimate remains)."""
+        self.trials[slot] = 0.0
+        self.succ[slot] = 0.0
+        self.zero_streak[slot] = 0

@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Speculation variants against plain decoding, in one process, on two prompt sets (jmtp issue 11).
+
+Variants (``--variants``, comma-separated): ``plain``, ``mtpK`` (MTP, K drafts), ``ngramK``
+(prompt-lookup, K drafts, n = 5..1), ``hybridK.M`` (M MTP drafts extended by n-gram matches to K),
+``dynngramK`` / ``dynmtpK`` / ``dynhybridK.M`` (the same with ``speculation_policy="dynamic"``).
+Prompt sets: the held-out general chat prompts (the shipped head's evaluation split) and the
+copy-heavy set ``jmtp/data/prompts_copy.jsonl``. Greedy, chat template applied.
+
+For each batch size (``--batches``; batch B runs the prompts with ``max_num_seqs=B``, so B
+requests are in flight) every variant's engine is built and warmed once (compilation, reported
+separately), then the timed runs interleave the variants ``--rounds`` times (A, B, C, A, B, C ...)
+and each variant's tokens/s is total tokens / total seconds over its rounds. Printed per row:
+tok/s, ratio to plain, mean acceptance length, whether every output equals plain decoding.
+
+``--exact-buckets`` replaces the engine's token buckets by powers of two from 1 (plus B·(K+1)), so
+a step runs only the rows it schedules; this emulates issue 11 item 1 ("cost follows the scheduled
+work", done on another branch) and is what lets dynamic speculation fall back to 1-row steps.
+
+    python scripts/bench_spec.py --batches 1,8 --num-prompts 8 --max-tokens 64 --exact-buckets
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--variants", default="plain,mtp1,mtp2,mtp3,ngram3,ngram4,ngram5,hybrid3.1,"
+                                          "dynngram3,dynhybrid3.1")
+    ap.add_argument("--sets", default="general,copy", help="prompt sets: general, copy")
+    ap.add_argument("--num-prompts", type=int, default=8, help="prompts per set (0 = all)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--exact-buckets", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.variants = args.variants.split(",")
+    args.sets = args.sets.split(",")
+    return args
+
+
+def spec_for(name: str):
+    """SpeculativeConfig of a variant name (None for plain)."""
+    from jmtp import SpeculativeConfig
+
+    policy = "dynamic" if name.startswith("dyn") else "fixed"
+    base = name[3:] if name.startswith("dyn") else name
+    if base == "plain":
+        return None
+    if base.startswith("mtp"):
+        return SpeculativeConfig("mtp", int(base[3:]), speculation_policy=policy)
+    if base.startswith("ngram"):
+        return SpeculativeConfig("ngram", int(base[5:]), speculation_policy=policy)
+    if base.startswith("hybrid"):
+        k, m = (int(x) for x in base[6:].split("."))
+        return SpeculativeConfig("mtp", k, m, mtp_strategy="with_ngram", speculation_policy=policy)
+    raise SystemExit(f"unknown variant {name!r}")
+
+
+def exact_buckets():
+    """Patch EngineConfig.token_buckets: powers of two from 1, B*(K+1), max_num_batched_tokens."""
+    from jmtp.runtime.config import EngineConfig
+
+    def buckets(self):
+        out, t = {self.max_num_seqs * self.window, self.max_num_batched_tokens}, 1
+        while t < self.max_num_batched_tokens:
+            out.add(t)
+            t *= 2
+        return tuple(sorted(out))
+    EngineConfig.token_buckets = buckets
+
+
+def prompt_sets(tok, names, n):
+    from jmtp.model.loader import resolve_checkpoint, shipped_head_path
+    from jmtp.model.mtp_head import head_metadata
+    from jmtp.train.data import encode_chat, load_prompts, split_prompts
+    import importlib.resources
+    import json as _json
+
+    out = {}
+    if "general" in names:
+        meta = head_metadata(str(shipped_head_path(resolve_checkpoint(None)[0])))
+        _, held = split_prompts(load_prompts(), float(meta.get("eval_frac", 0.1)),
+                                int(meta.get("split_seed", 0)))
+        out["general"] = [encode_chat(tok, p.text) for p in held[: n or None]]
+    if "copy" in names:
+        path = importlib.resources.files("jmtp.data") / "prompts_copy.jsonl"
+        rows = [_json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        out["copy"] = [encode_chat(tok, r["prompt"]) for r in rows[: n or None]]
+    return out
+
+
+def warm_up(llm, prompts):
+    """Compile every token bucket a run of these prompts can use: the decode buckets up to
+    B*(K+1) by steps over idle slots (nothing is scheduled, the state is unchanged), the prefill
+    buckets by a short generation (the policy of a dynamic engine also starts learning here)."""
+    import jax.numpy as jnp
+    from jmtp import SamplingParams
+
+    ec, mc = llm.engine_config, llm.model_config
+    B = ec.max_num_seqs
+    for t in ec.token_buckets():
+        if t > B * ec.window:
+            break
+        llm.state, llm.cache, llm.mtp_cache, _ = llm._step(
+            mc, ec, llm.speculative_config.drafter, t, llm.attention_backend, llm.params,
+            llm.state, llm.cache, llm.mtp_cache, jnp.zeros((B,), jnp.int32),
+            jnp.zeros((B,), jnp.int32))
+    llm.generate(prompts, SamplingParams(max_tokens=ec.k + 2, temperature=0.0), use_tqdm=False)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.exact_buckets:
+        exact_buckets()
+    from jmtp import LLM, SamplingParams
+    from jmtp.model import load_checkpoint, load_tokenizer
+    from jmtp.runtime.outputs import SpecDecodeMetrics
+
+    cfg, params = load_checkpoint(None)
+    tok = load_tokenizer(None)
+    sets = prompt_sets(tok, args.sets, args.num_prompts)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    longest = max(len(p) for ps in sets.values() for p in ps)
+    print(f"# {platform.machine()} | SmolLM2-135M-Instruct + shipped head | greedy, max_tokens "
+          f"{args.max_tokens} | rounds {args.rounds} | exact buckets {args.exact_buckets} | "
+          + ", ".join(f"{k}: {len(v)} prompts" for k, v in sets.items()), flush=True)
+    rows = []
+    for b in args.batches:
+        engines = {}
+        for name in args.variants:
+            t0 = time.perf_counter()
+            llm = LLM(model_config=cfg, params=params, tokenizer=tok, max_num_seqs=b,
+                      max_model_len=longest + args.max_tokens + 16, speculative_config=spec_for(name))
+            warm_up(llm, [p for ps in sets.values() for p in ps])
+            engines[name] = llm
+            print(f"# batch {b} {name}: built and warmed in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+        for set_name, ps in sets.items():
+            acc = {n: dict(sec=0.0, tok=0, outs=None, m=SpecDecodeMetrics()) for n in args.variants}
+            for _ in range(args.rounds):
+                for name in args.variants:          # interleaved
+                    t0 = time.perf_counter()
+                    outs = engines[name].generate(ps, sp, use_tqdm=False)
+                    acc[name]["sec"] += time.perf_counter() - t0
+                    acc[name]["tok"] += sum(len(o.token_ids) for o in outs)
+                    acc[name]["outs"] = outs
+                    for o in outs:
+                        acc[name]["m"].merge(o.metrics)
+            base = acc["plain"] if "plain" in acc else None
+            print(f"\n{set_name} prompts, batch {b}\n\n| variant | tok/s | vs plain | mean acc. len "
+                  "| identical | min tokens |\n|---|---|---|---|---|---|")
+            for name in args.variants:
+                a = acc[name]
+                rate = a["tok"] / a["sec"]
+                ratio = rate / (base["tok"] / base["sec"]) if base else float("nan")
+                same = base is None or all(x.token_ids == y.token_ids
+                                           for x, y in zip(base["outs"], a["outs"]))
+                mal = a["m"].mean_acceptance_length
+                mn = min(len(o.token_ids) for o in a["outs"])
+                rows.append(dict(batch=b, set=set_name, variant=name, tok_s=rate, ratio=ratio,
+                                 mean_acceptance_length=mal, identical=same, min_tokens=mn))
+                print(f"| {name} | {rate:.1f} | {ratio:.2f}x | {mal:.2f} | "
+                      f"{'yes' if same else 'NO'} | {mn} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), rows=rows), f, indent=2)
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

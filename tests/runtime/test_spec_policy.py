@@ -1,0 +1,119 @@
+"""The dynamic speculation policy on synthetic acceptance and cost sequences (hand-worked)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jmtp.runtime.spec_policy import DynamicSpeculation
+
+
+def policy(num_slots, k, buckets, **kw):
+    kw.setdefault("probe_every", 0)
+    return DynamicSpeculation(num_slots, k, buckets, **kw)
+
+
+def feed(p, num_drafts, num_accepted, steps, rows=1, seconds=1.0):
+    for _ in range(steps):
+        p.observe(np.asarray(num_drafts), np.asarray(num_accepted), rows, seconds)
+
+
+def test_conditional_acceptance_counts():
+    # One slot, K=3, no prior, no decay to speak of: 4 steps with accepted 3, 1, 0, 2 of 3 drafts.
+    p = policy(1, 3, [4], prior_weight=0.0, halflife=1e9)
+    for a in (3, 1, 0, 2):
+        p.observe(np.array([3]), np.array([a]), 4, 1.0)
+    # position 1: tried 4, accepted 3; position 2: tried 3 (those with a >= 1), accepted 2;
+    # position 3: tried 2 (a >= 2), accepted 1.
+    np.testing.assert_allclose(p.acceptance()[0], [3 / 4, 2 / 3, 1 / 2])
+    np.testing.assert_allclose(p.gains()[0], [3 / 4, 1 / 2, 1 / 4])
+
+
+def test_high_acceptance_and_cheap_rows_draft_k():
+    p = policy(2, 3, [2, 4, 8])
+    feed(p, [3, 3], [3, 3], 50, rows=8, seconds=0.10)
+    feed(p, [3, 3], [3, 3], 2, rows=2, seconds=0.10)   # 2 rows cost the same as 8
+    np.testing.assert_array_equal(p.draft_limits(np.array([True, True])), [3, 3])
+    # inactive slots never draft
+    np.testing.assert_array_equal(p.draft_limits(np.array([False, True])), [0, 3])
+
+
+def test_zero_acceptance_drafts_nothing():
+    p = policy(2, 3, [2, 4, 8])
+    feed(p, [3, 3], [0, 0], 300, rows=8, seconds=0.20)
+    feed(p, [0, 0], [0, 0], 2, rows=2, seconds=0.10)
+    np.testing.assert_array_equal(p.draft_limits(np.array([True, True])), [0, 0])
+
+
+def test_hand_worked_optimum_one_slot():
+    # a_i = 1/2: gains 1/2, 1/4, 1/8. Step time 1.0 + 0.1 per row beyond the first.
+    # tokens/s for 0..3 drafts: 1/1.0, 1.5/1.1 = 1.364, 1.75/1.2 = 1.458, 1.875/1.3 = 1.442 -> 2.
+    p = policy(1, 3, [1, 2, 3, 4], prior_weight=0.0, halflife=1e9)
+    p.trials[0] = [8, 4, 2]
+    p.succ[0] = [4, 2, 1]
+    p.step_seconds = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}
+    assert p.draft_limits(np.array([True]))[0] == 2
+    # rows get twice as expensive: 1/1, 1.5/1.2 = 1.25, 1.75/1.4 = 1.25, 1.875/1.6 -> 1 draft
+    p.step_seconds = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6}
+    assert p.draft_limits(np.array([True]))[0] == 1
+
+
+def test_batch_load_makes_rows_expensive():
+    # Same acceptance (1/2 per position) for 8 slots. Batch 1: a row costs 10 % of a 1-row step
+    # -> drafts pay. Batch 8: the step is compute bound, every row costs the same 0.1 s:
+    # 8 / 0.8 = 10 tok/s plain; one draft each: 12 / 1.6 = 7.5 -> no drafts.
+    buckets = list(range(1, 33))
+    p = policy(8, 3, buckets, prior_weight=0.0, halflife=1e9)
+    p.trials[:] = [8, 4, 2]
+    p.succ[:] = [4, 2, 1]
+    p.step_seconds = {t: 1.0 + 0.1 * (t - 1) for t in buckets}
+    one = np.zeros(8, bool)
+    one[3] = True
+    assert p.draft_limits(one)[3] == 2
+    p.step_seconds = {t: 0.1 * t for t in buckets}
+    np.testing.assert_array_equal(p.draft_limits(np.ones(8, bool)), np.zeros(8))
+    # In between (0.4 s fixed + 0.04 s per row): plain 8 / 0.72 = 11.1 tok/s; one draft per slot
+    # (gain 1/2 each) 12 / 1.04 = 11.5; second drafts (gain 1/4) 14 / 1.36 = 10.3 (and every
+    # partial count in between is worse than 11.5) -> exactly one draft per slot.
+    p.step_seconds = {t: 0.4 + 0.04 * t for t in buckets}
+    np.testing.assert_array_equal(p.draft_limits(np.ones(8, bool)), np.ones(8))
+
+
+def test_cost_learning_and_interpolation():
+    p = policy(1, 3, [1, 4, 8, 16])
+    assert p.step_time(3) == 1.0                        # nothing measured: all equal
+    p.observe(np.array([0]), np.array([0]), 1, 9.0)     # first step of a bucket: compilation
+    assert p.step_seconds == {}
+    p.observe(np.array([0]), np.array([0]), 1, 0.10)
+    p.observe(np.array([0]), np.array([0]), 1, 0.20)    # EMA with weight 0.2
+    assert p.step_seconds[1] == pytest.approx(0.8 * 0.10 + 0.2 * 0.20)
+    p.step_seconds = {1: 0.1, 16: 0.4}
+    assert p.step_time(3) == pytest.approx(0.1 + (4 - 1) / 15 * 0.3)   # bucket 4, interpolated
+    assert p.bucket(9) == 16 and p.bucket(100) == 16
+    p.step_seconds = {1: 0.1}
+    assert p.step_time(8) == 0.1                        # past the measured: optimistic
+
+
+def test_probe_after_a_zero_streak():
+    p = policy(1, 2, [1, 2, 3], probe_every=3, prior_weight=0.0, halflife=1e9)
+    p.trials[0] = [10, 0]
+    p.step_seconds = {1: 1.0, 2: 2.0, 3: 3.0}
+    got = [int(p.draft_limits(np.array([True]))[0]) for _ in range(8)]
+    assert got == [0, 0, 0, 1, 0, 0, 0, 1]
+
+
+def test_reset_slot_falls_back_to_the_pool():
+    p = policy(2, 1, [2], prior_weight=2.0, prior_acceptance=0.5, halflife=1e9)
+    feed(p, [1, 1], [1, 0], 10, rows=2)
+    # pooled: (2*0.5 + 10) / (2 + 20) = 0.5; slot 0: (10 + 2*0.5)/(10 + 2) = 11/12
+    assert p.acceptance()[0, 0] == pytest.approx(11 / 12)
+    p.reset_slot(0)
+    assert p.acceptance()[0, 0] == pytest.approx(0.5)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="k >= 1"):
+        DynamicSpeculation(2, 0, [4])
+    with pytest.raises(ValueError, match="buckets"):
+        DynamicSpeculation(2, 2, [])
+    with pytest.raises(ValueError, match="prior_acceptance"):
+        DynamicSpeculation(2, 2, [4], prior_acceptance=1.5)
