@@ -41,9 +41,11 @@ DEFAULT_COPY = Path(__file__).resolve().parent.parent / "jmtp" / "data" / "promp
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/peers", help="folder for peers.md/.json/.png")
-    ap.add_argument("--quick", action="store_true", help="3 prompts per set, 48 tokens")
-    ap.add_argument("--num-prompts", type=int, default=8, help="prompts per set")
-    ap.add_argument("--max-tokens", type=int, default=64, help="generated tokens per prompt (>= 48)")
+    ap.add_argument("--quick", action="store_true",
+                    help="3 prompts per set, 48 tokens (unless given explicitly)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="prompts per set (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="generated tokens per prompt (default 64; >= 48 for the issue's figures)")
     ap.add_argument("--batches", default="1,8", help="jmtp max_num_seqs values")
     ap.add_argument("--copy-prompts", default=str(DEFAULT_COPY), help="copy-heavy prompt JSONL")
     ap.add_argument("--sets", default="general,copy", help="prompt sets to run")
@@ -54,8 +56,9 @@ def parse_args(argv=None):
     ap.add_argument("--skip", default="", help="comma-separated system names to skip "
                     "(hf, hf-pld, llama.cpp, plain, mtp, ngram, hybrid)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.num_prompts, args.max_tokens = 3, 48
+    quick = args.quick
+    args.num_prompts = args.num_prompts or (3 if quick else 8)
+    args.max_tokens = args.max_tokens or (48 if quick else 64)
     args.batches = [int(x) for x in args.batches.split(",")]
     args.sets = [s for s in args.sets.split(",") if s]
     args.skip = {s for s in args.skip.split(",") if s}
@@ -331,6 +334,22 @@ def plot(rows: list[Row], path: Path, title: str):
     plt.close(fig)
 
 
+def report(rows: list[Row], sets: dict, head: str, args, out: Path) -> str:
+    """Sort the rows, write peers.md / peers.json / peers.png under ``out``; return the table."""
+    order = ["HF greedy", "HF prompt-lookup", "llama.cpp", "jmtp plain", "jmtp mtp", "jmtp ngram",
+             "jmtp hybrid"]
+    rows.sort(key=lambda r: (list(sets).index(r.prompt_set),
+                             next(i for i, o in enumerate(order) if r.system.startswith(o)),
+                             r.batch))
+    md = table(rows)
+    (out / "peers.md").write_text(f"{head}\n\n{md}\n", encoding="utf-8")
+    (out / "peers.json").write_text(json.dumps({"header": head, "args": {
+        k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()
+        if k != "plain_b1"}, "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
+    plot(rows, out / "peers.png", head)
+    return md
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jmtp.model import load_checkpoint, load_tokenizer
@@ -345,28 +364,23 @@ def main(argv=None) -> int:
         return 2
     head = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs | "
             f"SmolLM2-135M-Instruct ({Path(gguf_path).name}) | greedy, {args.max_tokens} tokens, "
-            + ", ".join(f"{len(v)} {k} prompts" for k, v in sets.items()))
+            + ", ".join(f"{len(v)} {k} prompts" for k, v in sets.items())
+            + " | load average at start %.1f" % os.getloadavg()[0])
     print("# " + head, flush=True)
     rows: list[Row] = []
     t_all = time.perf_counter()
-    run_jmtp(args, cfg, params, tok, sets, rows)
-    run_hf(args, os.path.dirname(gguf_path), os.path.basename(gguf_path), sets, rows)
-    run_llamacpp(args, gguf_path, sets, rows)
-    order = ["HF greedy", "HF prompt-lookup", "llama.cpp", "jmtp plain", "jmtp mtp", "jmtp ngram",
-             "jmtp hybrid"]
-    rows.sort(key=lambda r: (list(sets).index(r.prompt_set),
-                             next(i for i, o in enumerate(order) if r.system.startswith(o)),
-                             r.batch))
-    md = table(rows)
-    print(md)
-    print(f"# total {time.perf_counter() - t_all:.0f}s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "peers.md").write_text(f"{head}\n\n{md}\n", encoding="utf-8")
-    (out / "peers.json").write_text(json.dumps({"header": head, "args": {
-        k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()
-        if k != "plain_b1"}, "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
-    plot(rows, out / "peers.png", head)
+    md = ""
+    # The report is rewritten after each group of systems, so an interrupted run keeps its rows.
+    for run in (lambda: run_jmtp(args, cfg, params, tok, sets, rows),
+                lambda: run_llamacpp(args, gguf_path, sets, rows),
+                lambda: run_hf(args, os.path.dirname(gguf_path), os.path.basename(gguf_path),
+                               sets, rows)):
+        run()
+        md = report(rows, sets, head, args, out)
+    print(md)
+    print(f"# total {time.perf_counter() - t_all:.0f}s")
     bad = [r for r in rows if r.system.startswith("jmtp") and r.identical not in ("", "-")
            and r.identical.split("/")[0] != r.identical.split("/")[1]]
     if bad:
