@@ -135,9 +135,10 @@ else
               --steps 400 --batch 64 --seq-len 512 --lr 7e-4 --warmup 20 --eval-every 50
               --eval-passes 4 --ckpt-every 50 --train-vocab 8192)
 fi
-stage train "$T_TRAIN" "$PY" scripts/train_mtp.py --out "$OUT_DIR/train" --labels target \
+stage train "$T_TRAIN" env JMTP_COMPILE=lazy "$PY" scripts/train_mtp.py --out "$OUT_DIR/train" --labels target \
   --prompt-rows --num-passes 2 --kl-weight 0.5 --feature-noise 0.05 --no-progress \
   ${SHIPPED:+--init "$SHIPPED"} "${TRAIN_ARGS[@]}"
+# (lazy: the generator compiles only the buckets it uses.)
 # Export whatever the last checkpoint holds (the train stage may have been cut by its time box).
 stage export "$T_EXPORT" "$PY" scripts/train_mtp.py --out "$OUT_DIR/train" --labels target \
   --prompt-rows --num-passes 2 --kl-weight 0.5 --feature-noise 0.05 --no-progress \
