@@ -21,7 +21,7 @@
 # --dry-run: run every stage's command on this machine's CPU with tiny sizes, in the existing
 #   .venv (no install), to check the wiring. The CPU test suite never depends on this script.
 # Stage time limits (seconds) can be overridden: T_SETUP, T_KERNELS, T_LOSSLESS, T_BENCH, T_TRAIN,
-# T_EXPORT, T_EVALHEAD.
+# T_EXPORT, T_EVALHEAD. STAGES=a,b,... runs only those stages (e.g. STAGES=bench,bench_plot).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -63,6 +63,10 @@ export PYTHONUNBUFFERED=1
 stage() {
   local name=$1 limit=$2; shift 2
   local t=$(date +%s) rc
+  if [ -n "${STAGES:-}" ] && [[ ",$STAGES," != *",$name,"* ]]; then
+    echo "| $name | SKIPPED | 0s | not in STAGES |" >> "$SUMMARY.tmp"
+    return 0
+  fi
   echo "=== [$name] (limit ${limit}s) $*" | tee "$LOG/$name.log"
   timeout --kill-after=10 "$limit" "$@" >> "$LOG/$name.log" 2>&1
   rc=$?
