@@ -7,6 +7,10 @@ import os
 
 import pytest
 
+# Engines in tests compile each token bucket on first use (jmtp's default compiles them all at
+# LLM(...)); tests/runtime/test_compile.py covers the eager mode explicitly.
+os.environ.setdefault("JMTP_COMPILE", "lazy")
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.llama import init_kv_cache
-from jmtp.runtime.buckets import choose_bucket
+from jmtp.runtime.buckets import choose_bucket, step_buckets
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.outputs import RequestOutput, SpecDecodeMetrics
 from jmtp.runtime.sampling import SamplingParams, make_row
@@ -99,6 +99,14 @@ class LLM:
       mtp_head: with ``model``: ``"auto"`` (the checkpoint's MTP weights, else the head jmtp ships
         for it, else a fresh one), ``None`` (never the shipped head) or a head file; see
         :func:`jmtp.model.loader.load_checkpoint`.
+      compile: ``"eager"``: compile the step for every token bucket (and the request
+        insert/release) here, with a progress bar, so ``generate`` never compiles; ``"lazy"``:
+        compile each bucket on its first use inside ``generate``. ``None``: ``$JMTP_COMPILE``,
+        default ``"eager"``. See :mod:`jmtp.runtime.compile`.
+      compilation_cache_dir: JAX's persistent compilation cache folder. ``"auto"``: JAX's own
+        setting if the user made one, else ``$JMTP_CACHE_DIR``, ``$XDG_CACHE_HOME/jmtp/xla`` or
+        ``~/.cache/jmtp/xla`` (``JMTP_CACHE_DIR=off`` disables it); a path; ``None``/``False``:
+        leave JAX's configuration alone. See :func:`jmtp.runtime.compile.setup_compilation_cache`.
 
     Raises:
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
@@ -110,7 +118,11 @@ class LLM:
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
                  dtype=None, attention_backend: str | None = None, max_logprobs: int = 0,
                  seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
-                 tokenizer=None, mtp_head: str | None = "auto"):
+                 tokenizer=None, mtp_head: str | None = "auto", compile: str | None = None,
+                 compilation_cache_dir: str | bool | None = "auto"):
+        from jmtp.runtime import compile as jc
+        compile = jc.resolve_compile_mode(compile)
+        self.compilation_cache_dir = jc.setup_compilation_cache(compilation_cache_dir)
         dtype = jnp.dtype(dtype or default_dtype())
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
@@ -170,6 +182,29 @@ class LLM:
         self.spec_policy = (DynamicSpeculation(max_num_seqs, spec.k, ec.token_buckets())
                             if spec.enabled and spec.speculation_policy == "dynamic" else None)
         self._next_drafts = np.zeros((max_num_seqs,), np.int32)  # drafts in each slot's window
+        self.compile_seconds = self._compile_ahead() if compile == "eager" else {}
+
+    def _compile_ahead(self) -> dict:
+        """Compile every step bucket and the request insert/release; ``{label: seconds}``."""
+        from jmtp.runtime.compile import compile_ahead
+        ec, mc = self.engine_config, self.model_config
+        buckets = step_buckets(ec)
+        static = (mc, ec, self.speculative_config.drafter)
+        # Host arrays go through jnp.asarray as in generate (that stages them with a small jit).
+        chunks = jnp.asarray(np.zeros((ec.max_num_seqs,), np.int32))
+        limits = jnp.asarray(np.zeros((ec.max_num_seqs,), np.int32))
+        times = compile_ahead(self._step, [
+            static + (T, self.attention_backend, self.params, self.state, self.cache,
+                      self.mtp_cache, chunks) for T in buckets],
+            labels=[f"T={T}" for T in buckets], desc="compile step buckets")
+        row = self._sampling_row(SamplingParams(), [0], [], 0)
+        times.update(compile_ahead(self._insert, [(
+            self.state, jnp.int32(0), jnp.asarray(np.zeros((ec.seq_buffer_len,), np.int32)),
+            jnp.int32(1), jnp.int32(1), {k: jnp.asarray(v) for k, v in row.items()})], labels=["insert"],
+            progress=False))
+        times.update(compile_ahead(self._release, [(self.state, jnp.int32(0))], labels=["release"],
+                                   progress=False))
+        return times
 
     # ------------------------------------------------------------------ validation
     def _validate(self, prompt_ids: list[int], sp: SamplingParams, where: str):

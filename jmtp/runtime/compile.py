@@ -1,0 +1,136 @@
+"""Compilation out of the hot path: JAX's persistent compilation cache and ahead-of-time compiles.
+
+Two independent pieces, both called once from ``LLM.__init__``:
+
+* :func:`setup_compilation_cache` points JAX's persistent compilation cache at a per-user folder
+  (default ``$JMTP_CACHE_DIR``, else ``$XDG_CACHE_HOME/jmtp/xla``, else ``~/.cache/jmtp/xla``), so a
+  second process loads the step executables from disk instead of compiling them again.
+* :func:`compile_ahead` compiles a jitted function for a list of argument tuples (one per static
+  bucket key) with ``jit(f).lower(*args).compile()``, behind a tqdm bar. Lowering and compiling
+  go through the same caches as a later call with arguments of the same shapes, so that call only
+  traces and does not compile again (``tests/runtime/test_compile.py`` checks this with
+  ``jax.log_compiles``). Nothing runs: donated buffers stay valid.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+
+log = logging.getLogger(__name__)
+
+COMPILE_MODES = ("eager", "lazy")
+_OFF = ("", "0", "off", "none", "false")
+
+
+def default_cache_dir() -> str | None:
+    """The per-user cache folder: ``$JMTP_CACHE_DIR`` (``off``, ``0``, ``none``, ``false`` or empty
+    = no cache: returns None), else ``$XDG_CACHE_HOME/jmtp/xla``, else ``~/.cache/jmtp/xla``."""
+    env = os.environ.get("JMTP_CACHE_DIR")
+    if env is not None:
+        return None if env.strip().lower() in _OFF else os.path.expanduser(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jmtp", "xla")
+
+
+def setup_compilation_cache(cache_dir: str | bool | None = "auto") -> str | None:
+    """Turn on JAX's persistent compilation cache for this process; return the folder in use.
+
+    Args:
+      cache_dir: ``"auto"``: keep a folder the user already gave JAX (``jax_compilation_cache_dir``),
+        else :func:`default_cache_dir`. A path: use that folder (it replaces JAX's current one).
+        ``None`` or ``False``: leave JAX's cache configuration as it is (no cache unless the user
+        set JAX's own). ``True`` is the same as ``"auto"``.
+
+    When jmtp sets the folder it also caches every entry, however small or quick to compile
+    (``jax_persistent_cache_min_compile_time_secs=0``, ``jax_persistent_cache_min_entry_size_bytes
+    =-1``): an engine's step compiles in seconds but each bucket is a separate entry. These are
+    process-wide JAX settings; the folder must not be writable by users you do not trust (JAX
+    loads executables from it).
+
+    Raises:
+      ValueError: ``cache_dir`` is not a string, bool or None, or the folder cannot be created.
+    """
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    if cache_dir is None or cache_dir is False:
+        return jax.config.jax_compilation_cache_dir
+    if cache_dir is True:
+        cache_dir = "auto"
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise ValueError(f"compilation_cache_dir must be 'auto', a path, None or False, got "
+                         f"{cache_dir!r}")
+    current = jax.config.jax_compilation_cache_dir
+    if cache_dir == "auto":
+        if current:
+            return current            # the user's own JAX setting wins over jmtp's default
+        path = default_cache_dir()
+        if path is None:
+            return None
+    else:
+        path = os.path.expanduser(os.fspath(cache_dir))
+    path = os.path.abspath(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"compilation_cache_dir={path!r} cannot be created: {e}") from e
+    if current and os.path.abspath(current) == path:
+        return path
+    cc.set_cache_dir(path)
+    cc.reset_cache()                  # a folder set after JAX's first compile takes effect too
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    log.info("persistent compilation cache: %s", path)
+    return path
+
+
+def compile_ahead(fn: Callable, arg_lists: Sequence[tuple], *, labels: Sequence[Any] | None = None,
+                  desc: str = "compile", progress: bool = True) -> dict[Any, float]:
+    """Compile the jitted ``fn`` once per argument tuple, ahead of its first call.
+
+    Args:
+      fn: a ``jax.jit``-wrapped function (static arguments marked there).
+      arg_lists: one positional-argument tuple per bucket; static arguments are the bucket's key,
+        arrays give the shapes and dtypes (``jax.ShapeDtypeStruct`` works too). Nothing is run and
+        no buffer is donated.
+      labels: one label per tuple for the report (default: its index).
+      desc: the progress bar's title.
+      progress: show a tqdm bar.
+
+    Returns:
+      ``{label: seconds}`` spent lowering and compiling each (a persistent-cache hit is quick).
+
+    Raises:
+      ValueError: ``labels`` and ``arg_lists`` differ in length.
+    """
+    labels = list(range(len(arg_lists))) if labels is None else list(labels)
+    if len(labels) != len(arg_lists):
+        raise ValueError(f"got {len(labels)} labels for {len(arg_lists)} argument tuples")
+    from tqdm.auto import tqdm
+
+    times: dict[Any, float] = {}
+    bar = tqdm(total=len(arg_lists), desc=desc, unit="bucket", disable=not progress)
+    for label, args in zip(labels, arg_lists):
+        bar.set_postfix_str(str(label))
+        t0 = time.perf_counter()
+        fn.lower(*args).compile()
+        times[label] = time.perf_counter() - t0
+        bar.update(1)
+    bar.close()
+    return times
+
+
+def resolve_compile_mode(mode: str | None) -> str:
+    """``mode`` or, when None, ``$JMTP_COMPILE`` (default ``"eager"``).
+
+    Raises:
+      ValueError: not one of :data:`COMPILE_MODES`.
+    """
+    if mode is None:
+        mode = os.environ.get("JMTP_COMPILE", "eager").strip().lower() or "eager"
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {COMPILE_MODES} (or $JMTP_COMPILE), got {mode!r}")
+    return mode

@@ -1,0 +1,170 @@
+"""Compilation out of the hot path (jmtp/runtime/compile.py): ahead-of-time bucket compiles and the
+persistent compilation cache. Tiny random model, one or two token buckets."""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+
+import jmtp
+from jmtp.runtime import compile as jc
+
+from tests.runtime.conftest import reference_greedy, tiny_model
+
+PROMPT = [3, 4, 5, 6, 7]
+
+
+@pytest.fixture
+def jax_cache_config():
+    """Restore JAX's process-wide cache settings after a test changes them."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    saved = {n: getattr(jax.config, n) for n in names}
+    yield
+    for n, v in saved.items():
+        jax.config.update(n, v)
+    cc.reset_cache()
+
+
+class _CompileLog(logging.Handler):
+    """Collects JAX's "Compiling <name> ..." messages (emitted under ``jax.log_compiles()``)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.names: list[str] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if msg.startswith("Compiling "):
+            self.names.append(msg.split()[1])
+
+    def __enter__(self):
+        self._ctx = jax.log_compiles()
+        self._ctx.__enter__()
+        logging.getLogger("jax").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("jax").removeHandler(self)
+        self._ctx.__exit__(*exc)
+
+
+def _llm(compile_mode, spec=None, max_model_len=48):
+    cfg, params = tiny_model()
+    # max_num_seqs=1 and an 8-token budget: buckets (W, 8), two compiles of the step.
+    return jmtp.LLM(model_config=cfg, params=params, max_num_seqs=1, max_model_len=max_model_len,
+                    max_num_batched_tokens=8, speculative_config=spec, compile=compile_mode,
+                    compilation_cache_dir=None)
+
+
+@pytest.mark.parametrize("spec", [None, jmtp.SpeculativeConfig("mtp", num_speculative_tokens=2,
+                                                               num_model_steps=1)])
+def test_eager_compile_then_generate_compiles_nothing(spec):
+    with _CompileLog() as at_init:
+        llm = _llm("eager", spec)
+    buckets = llm.engine_config.token_buckets()
+    assert len(buckets) == 2
+    assert at_init.names.count("jit(engine_step)") == len(buckets)
+    assert set(llm.compile_seconds) == {f"T={T}" for T in buckets} | {"insert", "release"}
+    # A 7-token prompt prefills in the 8-token bucket, then decodes in the smallest one.
+    with _CompileLog() as at_gen:
+        out = llm.generate([PROMPT + [8, 9]], jmtp.SamplingParams(max_tokens=6))[0]
+    assert at_gen.names == [], f"generate compiled {at_gen.names}"
+    cfg, params = tiny_model()
+    assert out.token_ids == reference_greedy(cfg, params, PROMPT + [8, 9], 6)
+
+
+def test_lazy_compiles_on_first_use():
+    with _CompileLog() as at_init:   # an engine no other test builds (JAX caches in memory too)
+        llm = _llm("lazy", max_model_len=40)
+    assert "jit(engine_step)" not in at_init.names
+    assert llm.compile_seconds == {}
+    with _CompileLog() as at_gen:
+        llm.generate([PROMPT], jmtp.SamplingParams(max_tokens=3))
+    assert "jit(engine_step)" in at_gen.names      # the check above can fail
+
+
+def test_compile_mode_from_env_and_bad_value(monkeypatch):
+    monkeypatch.setenv("JMTP_COMPILE", "lazy")
+    assert jc.resolve_compile_mode(None) == "lazy"
+    monkeypatch.delenv("JMTP_COMPILE")
+    assert jc.resolve_compile_mode(None) == "eager"
+    with pytest.raises(ValueError, match="compile must be one of"):
+        _llm("sometimes")
+
+
+def test_default_cache_dir_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("JMTP_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert jc.default_cache_dir() == str(tmp_path / "xdg" / "jmtp" / "xla")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert jc.default_cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "jmtp", "xla")
+    monkeypatch.setenv("JMTP_CACHE_DIR", str(tmp_path / "mine"))
+    assert jc.default_cache_dir() == str(tmp_path / "mine")
+    for off in ("off", "0", ""):
+        monkeypatch.setenv("JMTP_CACHE_DIR", off)
+        assert jc.default_cache_dir() is None
+
+
+def test_cache_dir_option_env_and_user_setting(monkeypatch, tmp_path, jax_cache_config):
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setenv("JMTP_CACHE_DIR", "off")
+    assert jc.setup_compilation_cache("auto") is None
+    assert jax.config.jax_compilation_cache_dir is None
+    monkeypatch.setenv("JMTP_CACHE_DIR", str(tmp_path / "env"))
+    assert jc.setup_compilation_cache("auto") == str(tmp_path / "env")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "env")
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+    # "auto" keeps a folder already set (the user's own); None leaves it; a path replaces it.
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "user"))
+    assert jc.setup_compilation_cache("auto") == str(tmp_path / "user")
+    assert jc.setup_compilation_cache(None) == str(tmp_path / "user")
+    assert jc.setup_compilation_cache(False) == str(tmp_path / "user")
+    with pytest.raises(ValueError, match="compilation_cache_dir"):
+        jc.setup_compilation_cache(3)
+    # An LLM with an explicit folder writes its executables there (an engine no other test
+    # builds: one compiled earlier in this process would come from JAX's in-memory cache).
+    cfg, params = tiny_model()
+    llm = jmtp.LLM(model_config=cfg, params=params, max_num_seqs=1, max_model_len=44,
+                   max_num_batched_tokens=8, compile="eager",
+                   compilation_cache_dir=str(tmp_path / "explicit"))
+    assert llm.compilation_cache_dir == str(tmp_path / "explicit")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "explicit")
+    assert len(os.listdir(tmp_path / "explicit")) >= len(llm.engine_config.token_buckets())
+
+
+_CHILD = textwrap.dedent("""
+    import sys, jax, jmtp
+    sys.path.insert(0, {root!r})
+    from tests.runtime.conftest import tiny_model
+    hits = []
+    jax.monitoring.register_event_listener(
+        lambda name, **kw: hits.append(1) if name == "/jax/compilation_cache/cache_hits" else None)
+    cfg, params = tiny_model()
+    jmtp.LLM(model_config=cfg, params=params, max_num_seqs=1, max_model_len=48,
+             max_num_batched_tokens=8, compile="eager", compilation_cache_dir={cache!r})
+    print("HITS", len(hits))
+""")
+
+
+def test_second_process_hits_the_persistent_cache(tmp_path):
+    """Two fresh processes build the same engine: the second loads every step executable from
+    the folder the first one wrote (JAX's cache-hit event counts them)."""
+    code = _CHILD.format(root=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                         cache=str(tmp_path / "cache"))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JMTP_CACHE_DIR", None)
+    hits = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        hits.append(int(r.stdout.split("HITS")[-1]))
+    assert hits[0] == 0
+    assert hits[1] >= 4                     # two step buckets + insert + release
