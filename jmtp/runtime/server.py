@@ -135,7 +135,7 @@ def param_of(err: Exception, prompt_field: str) -> str:
     if "KV blocks" in msg:
         return "max_tokens"
     for f in _REQUEST_FIELDS:
-        if re.search(rf"\b{f}\b", msg):
+        if re.search(rf"\b{f}=", msg):
             return f
     return prompt_field
 
@@ -303,9 +303,12 @@ class OpenAIServing:
                              code="model_not_found")
 
     def _sampling_params(self, req, max_tokens: int | None, prompt_len: int, logprobs,
-                         default_max: int | None) -> SamplingParams:
+                         default_max: int | None, prompt_field: str) -> SamplingParams:
         if req.n < 1:
             raise BadRequest(f"n={req.n}: must be >= 1", "n")
+        if prompt_len >= self.max_model_len:
+            raise BadRequest(f"{prompt_field}: the prompt has {prompt_len} tokens; it must be "
+                             f"shorter than max_model_len={self.max_model_len}", prompt_field)
         if max_tokens is None:
             max_tokens = default_max if default_max is not None else self.max_model_len - prompt_len
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -387,7 +390,7 @@ class OpenAIServing:
                              f"{self.max_logprobs} (start it with --max-logprobs)", "logprobs")
         # OpenAI's default max_tokens for completions is 16.
         sps = [self._sampling_params(req, req.max_tokens, self._prompt_len(pr), req.logprobs,
-                                     default_max=16) for pr in prompts]
+                                     default_max=16, prompt_field="prompt") for pr in prompts]
         base = f"cmpl-{uuid.uuid4().hex}"
         return await self._serve(
             raw, req, base, prompts, sps, "prompt", "text_completion", self._completion_choice,
@@ -430,7 +433,13 @@ class OpenAIServing:
             raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
-        sp = self._sampling_params(req, max_tokens, self._prompt_len(prompt), top, default_max=None)
+        try:
+            sp = self._sampling_params(req, max_tokens, self._prompt_len(prompt), top,
+                                       default_max=None, prompt_field="messages")
+        except BadRequest as e:
+            if e.param == "max_tokens" and req.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"     # name the field the client sent
+            raise
         base = f"chatcmpl-{uuid.uuid4().hex}"
         return await self._serve(raw, req, base, [prompt], [sp], "messages", "chat.completion",
                                  self._chat_choice, self._chat_chunk_choice)
@@ -590,6 +599,9 @@ def build_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_l
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request, exc: RequestValidationError):
         e = exc.errors()[0] if exc.errors() else {}
+        if e.get("type") == "json_invalid":
+            return err(400, f"request body is not valid JSON: {e.get('ctx', {}).get('error', '')}",
+                       "invalid_request_error", None)
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
         where = ".".join(loc)

@@ -214,7 +214,7 @@ def test_bad_chat_requests(client, model_id, server):
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(model=model_id, max_completion_tokens=0,
                                        messages=[{"role": "user", "content": QUESTION}])
-    assert ei.value.body["param"] == "max_tokens"
+    assert ei.value.body["param"] == "max_completion_tokens"
     with pytest.raises(openai.NotFoundError) as ei:
         client.chat.completions.create(model="gpt-4o", max_tokens=4,
                                        messages=[{"role": "user", "content": QUESTION}])
