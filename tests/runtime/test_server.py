@@ -23,7 +23,8 @@ prom_parser = pytest.importorskip("prometheus_client.parser")
 
 pytestmark = pytest.mark.slow
 
-SERVER_ARGS = ["--max-num-seqs", "2", "--max-model-len", "256", "--num-speculative-tokens", "2"]
+SERVER_ARGS = ["--max-num-seqs", "2", "--max-model-len", "256", "--num-speculative-tokens", "2",
+               "--max-logprobs", "2"]
 QUESTION = "What is the capital of France?"
 COMPLETION_PROMPT = "The three primary colors are"
 MAX_TOKENS = 24
@@ -185,6 +186,32 @@ def test_n2_greedy_and_sampled(client, model_id, offline):
     s2 = client.chat.completions.create(model=model_id, max_tokens=8, temperature=1.0, seed=3, n=2,
                                         messages=[{"role": "user", "content": QUESTION}])
     assert [c.message.content for c in s2.choices] == [c.message.content for c in s.choices]
+
+
+def test_logprobs(client, model_id, offline):
+    r = client.completions.create(model=model_id, prompt=COMPLETION_PROMPT, max_tokens=MAX_TOKENS,
+                                  temperature=0, logprobs=2)
+    c = r.choices[0]
+    assert c.text == offline["completion"]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == c.text
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert val <= 0 and 1 <= len(top) <= 3
+        assert val == pytest.approx(max(top.values()))   # greedy: the emitted token is the top-1
+    ch = client.chat.completions.create(model=model_id, temperature=0, max_tokens=8,
+                                        logprobs=True, top_logprobs=2,
+                                        messages=[{"role": "user", "content": QUESTION}])
+    content = ch.choices[0].logprobs.content
+    assert len(content) == ch.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 2
+        assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob == pytest.approx(item.top_logprobs[0].logprob)
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.completions.create(model=model_id, prompt=COMPLETION_PROMPT, max_tokens=2,
+                                  logprobs=5)                      # above --max-logprobs 2
+    assert ei.value.body["param"] == "logprobs"
 
 
 @pytest.mark.parametrize("field,kwargs", [
