@@ -13,7 +13,7 @@ from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM
 from jmtp.runtime.sampling import SamplingParams
 
-from .conftest import reference_greedy
+from tests.runtime.conftest import reference_greedy
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 10, 12, 14, 2], [7, 2, 30, 31]]
 
