@@ -223,7 +223,9 @@ class ServerMetrics:
         for out in outputs:
             for c in out.outputs:
                 self.generation_tokens.inc(len(c.delta_token_ids))
-                if c.finish_reason is not None:
+                # Counted when the whole request finished (a finished sample of an n > 1
+                # request reappears in later outputs until its siblings finish).
+                if out.finished:
                     self.request_success.labels(finish_reason=str(c.finish_reason)).inc()
 
     def render(self) -> bytes:
@@ -537,6 +539,7 @@ class OpenAIServing:
         started: set[int] = set()
         offsets: dict[int, int] = {}
         seen = set()
+        done: set[int] = set()
         finished_ok = False
         try:
             async for i, out in _merge(streams):
@@ -548,8 +551,11 @@ class OpenAIServing:
                 for c in out.outputs:
                     idx = i * n + c.index
                     first = idx not in started
-                    if not (first or c.delta_text or c.delta_token_ids or c.finish_reason):
-                        continue
+                    if idx in done or not (first or c.delta_text or c.delta_token_ids
+                                           or c.finish_reason):
+                        continue    # finished samples of n > 1 reappear until all finish
+                    if c.finish_reason is not None:
+                        done.add(idx)
                     started.add(idx)
                     choices.append(chunk_fn(idx, c, req, first, offsets.get(idx, 0)))
                     offsets[idx] = offsets.get(idx, 0) + len(c.delta_text)

@@ -177,6 +177,16 @@ def test_n2_greedy_and_sampled(client, model_id, offline):
                                   temperature=0, n=2)
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert [c.text for c in r.choices] == [offline["completion"]] * 2
+    # Streamed: one finish per choice, each choice's deltas concatenate to the greedy text.
+    texts, finishes = {0: "", 1: ""}, {0: [], 1: []}
+    for ch in client.completions.create(model=model_id, prompt=COMPLETION_PROMPT, n=2,
+                                        max_tokens=MAX_TOKENS, temperature=0, stream=True):
+        for c in ch.choices:
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                finishes[c.index].append(c.finish_reason)
+    assert texts == {0: offline["completion"], 1: offline["completion"]}
+    assert finishes == {i: [r.choices[0].finish_reason] for i in (0, 1)}
     s = client.chat.completions.create(model=model_id, max_tokens=8, temperature=1.0, seed=3, n=2,
                                        messages=[{"role": "user", "content": QUESTION}])
     assert sorted(c.index for c in s.choices) == [0, 1]
