@@ -558,12 +558,12 @@ class LLMEngine:
                              metrics=metrics)
 
     def _completion(self, seq: _Seq) -> CompletionOutput:
-        if seq.detok is not None:
-            if seq.finish_reason is not None and seq.stop_reason is None or (
-                    seq.finish_reason is not None and not isinstance(seq.stop_reason, str)):
-                seq.detok.flush()
+        if seq.detok is not None and not isinstance(seq.stop_reason, str):
+            # (a matched stop string already set the final, cut text in _append)
+            if seq.finish_reason is not None:
+                seq.detok.flush()          # characters that never completed, as decode gives them
                 seq.text = seq.detok.text
-            elif seq.finish_reason is None:
+            else:
                 text = seq.detok.text
                 if seq.params.stop and not seq.params.include_stop_str_in_output:
                     # hold back what could be the start of a stop string
