@@ -142,6 +142,9 @@ async def run_load(base: str, model: str, prompts: list[str], a) -> list[dict]:
                 results[i] = await one(i)
             except Exception as e:  # noqa: BLE001 -- recorded as a failure
                 results[i] = dict(error=f"{type(e).__name__}: {e}")
+            done = sum(r is not None for r in results)
+            if done % 25 == 0 or done == len(prompts):
+                print(f"  {done}/{len(prompts)} requests answered", flush=True)
 
     await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(a.concurrency))),
                            timeout=a.total_timeout)
