@@ -21,9 +21,6 @@ from jmtp.runtime.sampling import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "default_dtype", "with_draft_vocab"]
 
-_CALLS = itertools.count()
-
-
 def _engine_attr(name: str) -> property:
     """An attribute of ``LLM`` that is the same attribute of its ``llm_engine``."""
     return property(lambda self: getattr(self.llm_engine, name),
@@ -73,6 +70,7 @@ class LLM:
             attention_backend=attention_backend, max_logprobs=max_logprobs, seed=seed,
             model_config=model_config, params=params, tokenizer=tokenizer, mtp_head=mtp_head)
         self.last_run_stats: dict = {}
+        self._calls = itertools.count()     # request ids of generate calls: generate-<call>-<i>
 
     # The engine's configuration and device state, read (and, for tests, written) through.
     model_config = _engine_attr("model_config")
@@ -122,7 +120,7 @@ class LLM:
             raise RuntimeError(f"LLM.generate: the engine has {engine.get_num_unfinished_requests()}"
                                " unfinished requests added through llm_engine; finish or abort "
                                "them first")
-        call = next(_CALLS)
+        call = next(self._calls)
         ids = [f"generate-{call}-{i}" for i in range(len(prompts))]
         try:
             for i, (rid, p, sp) in enumerate(zip(ids, prompts, sps)):
