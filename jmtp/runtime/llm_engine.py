@@ -254,8 +254,8 @@ class LLMEngine:
         else:
             try:
                 arr = np.asarray(prompt)
-            except ValueError:
-                arr = np.asarray([], dtype=object)
+            except ValueError:          # ragged nested lists
+                arr = np.asarray([None], dtype=object)
             if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
                 raise ValueError(f"{where}: a token-id prompt must be a flat list of ints, got "
                                  f"{arr.dtype} with shape {arr.shape}")
