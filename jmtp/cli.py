@@ -1,4 +1,4 @@
-"""``jmtp`` command line: ``jmtp generate`` (also ``python -m jmtp generate``)."""
+"""``jmtp`` command line: ``jmtp generate`` and ``jmtp serve`` (also ``python -m jmtp ...``)."""
 from __future__ import annotations
 
 import argparse
@@ -90,8 +90,40 @@ def main(argv=None) -> int:
     g.add_argument("--compilation-cache-dir", default="auto",
                    help="JAX persistent compilation cache folder (default 'auto': $JMTP_CACHE_DIR, "
                         "else ~/.cache/jmtp/xla; 'none': leave JAX's setting alone)")
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    s.add_argument("--served-model-name", default=None,
+                   help="model id in the API (default: SmolLM2-135M-Instruct or the model's "
+                        "file/directory name)")
+    s.add_argument("--num-speculative-tokens", type=int, default=3)
+    s.add_argument("--num-model-steps", type=int, default=None)
+    s.add_argument("--no-spec", action="store_true", help="plain decoding (no speculation)")
+    s.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="FR-Spec draft vocabulary (default: the MTP head's own; 0 = full vocabulary)")
+    s.add_argument("--mtp-head", default="auto",
+                   help="MTP head file ('auto': the checkpoint's own or the shipped one; 'none')")
+    s.add_argument("--max-num-seqs", type=int, default=8)
+    s.add_argument("--max-model-len", type=int, default=1024)
+    s.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default: every slot can hold max-model-len tokens)")
+    s.add_argument("--max-logprobs", type=int, default=0,
+                   help="largest logprobs / top_logprobs served (0: logprobs off)")
+    s.add_argument("--seed", type=int, default=0, help="seeds requests that send no seed")
+    s.add_argument("--attention-backend", default=None,
+                   choices=[None, "reference", "xla", "pallas_tpu", "pallas_gpu"])
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
     args = p.parse_args(argv)
     try:
+        if args.cmd == "serve":
+            import logging
+
+            from jmtp.runtime.server import serve
+            logging.basicConfig(level=args.log_level.upper(),
+                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            return serve(args)
         return _generate(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -45,27 +45,78 @@ class SpecDecodeMetrics:
 
 
 @dataclasses.dataclass
-class RequestOutput:
-    """The result of one request.
+class CompletionOutput:
+    """One generated sequence of a request (vLLM ``CompletionOutput`` shape).
 
     Attributes:
-      request_id: index of the prompt in the ``generate`` call.
-      prompt: the prompt string (None for token-id prompts).
-      prompt_token_ids: prompt ids.
-      token_ids: generated ids (stop token included when it ended the request).
-      text: detokenised ``token_ids`` ("" without a tokenizer).
-      finish_reason: "stop" (stop/EOS token) or "length" (max_tokens or max_model_len).
-      metrics: speculation counters.
-      logprobs: with ``SamplingParams.logprobs=n``: per generated token, ``{token id: logprob}`` of
-        the target's top-n plus the emitted token (log-softmax after penalties, before
-        temperature); None otherwise.
+      index: 0..n-1, the sample's index among the request's ``SamplingParams.n`` samples.
+      text: the text so far (cumulative; cut before a matched stop string unless
+        ``include_stop_str_in_output``; never ends in a broken multi-byte character).
+      token_ids: generated ids so far (cumulative; the stop token, or the token that completed a
+        stop string, included; nothing after a stop).
+      delta_text / delta_token_ids: what is new since the previous :class:`RequestOutput` of this
+        request (the deltas of all outputs concatenate exactly to ``text`` / ``token_ids``).
+      finish_reason: None while running, "stop" (stop/EOS token or stop string) or "length".
+      stop_reason: the stop string matched, or the ``stop_token_ids`` id that ended the sample
+        (None for EOS, "length" and running samples).
+      logprobs: with ``SamplingParams.logprobs=n``: cumulative, one ``{token id: logprob}`` per id
+        of ``token_ids``; None otherwise.
     """
 
-    request_id: int
+    index: int
+    text: str
+    token_ids: list[int]
+    delta_text: str = ""
+    delta_token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """The output of one request (vLLM ``RequestOutput`` shape); incremental from ``LLMEngine.step``.
+
+    Attributes:
+      request_id: the engine request id (str); ``LLM.generate`` / ``LLM.chat`` return the index
+        of the prompt in the call (int).
+      prompt: the prompt string (None for token-id prompts).
+      prompt_token_ids: prompt ids.
+      outputs: one :class:`CompletionOutput` per sample (``SamplingParams.n``), index order.
+      finished: every sample has finished.
+      metrics: speculation counters, summed over the samples.
+
+    ``token_ids``, ``text``, ``finish_reason``, ``stop_reason`` and ``logprobs`` are read-only
+    shortcuts of ``outputs[0]``.
+    """
+
+    request_id: str | int
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
+    outputs: list[CompletionOutput]
+    finished: bool
     metrics: SpecDecodeMetrics
-    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs

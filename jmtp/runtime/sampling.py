@@ -72,7 +72,8 @@ class SamplingParams:
     Fields:
       max_tokens: int >= 1, maximum number of generated tokens (enforced by the engine).
       temperature: float >= 0; ``< GREEDY_EPS`` means greedy decoding.
-      top_p: float in (0, 1]. top_k: int >= 0 (0 = off; values above the vocabulary are clamped).
+      top_p: float in (0, 1]. top_k: int >= 0, or -1 (0 and -1 = off, stored as 0; values above
+        the vocabulary are clamped).
       min_p: float in [0, 1].
       repetition_penalty: float > 0 (1 = off), HF semantics over prompt ∪ generated tokens.
       frequency_penalty, presence_penalty: float in [-2, 2], over generated tokens only.
@@ -85,6 +86,12 @@ class SamplingParams:
       ignore_eos: EOS neither stops the request nor is masked by ``min_tokens``.
       seed: int in [0, 2**32) or None (the engine then supplies a request seed).
       logprobs: None or int >= 0: number of top logprobs returned per emitted token.
+      n: int >= 1, independent samples of the prompt (distinct random streams; with ``seed``,
+        sample 0 uses ``seed`` and sample i > 0 a seed derived from ``(seed, i)``).
+      stop: None, a string or a sequence of non-empty strings; the engine ends a sample when its
+        text contains one (checked after every token, also inside a multi-token verify step) and
+        cuts the text before it (``finish_reason="stop"``, ``stop_reason`` = the string).
+      include_stop_str_in_output: keep the matched stop string at the end of the text.
 
     Raises:
       ValueError naming the field and its limit for any out-of-range value.
@@ -105,8 +112,24 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    n: int = 1
+    stop: str | Sequence[str] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, bytes) or not isinstance(stop, Sequence) or not all(
+                isinstance(x, str) and x for x in stop):
+            raise _err("stop", self.stop, "None, a string or a list of non-empty strings")
+        if any(not x for x in stop):
+            raise _err("stop", self.stop, "None, a string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
+            raise _err("include_stop_str_in_output", self.include_stop_str_in_output, "a bool")
         for name in ("stop_token_ids", "bad_token_ids", "bad_words"):
             val = getattr(self, name)
             if isinstance(val, (str, bytes)) or not isinstance(val, Sequence):
@@ -119,7 +142,7 @@ class SamplingParams:
         def is_num(x):
             return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
 
-        for name in ("max_tokens", "top_k", "min_tokens"):
+        for name in ("max_tokens", "top_k", "min_tokens", "n"):
             if not is_int(getattr(self, name)):
                 raise _err(name, getattr(self, name), "an int")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
@@ -133,8 +156,12 @@ class SamplingParams:
             raise _err("temperature", self.temperature, ">= 0")
         if not 0 < self.top_p <= 1:
             raise _err("top_p", self.top_p, "in (0, 1]")
-        if self.top_k < 0:
-            raise _err("top_k", self.top_k, ">= 0 (0 = off)")
+        if self.top_k < -1:
+            raise _err("top_k", self.top_k, ">= 1, or 0 / -1 (off)")
+        if self.top_k == -1:            # vLLM / OpenAI clients send -1 for "off": one meaning, 0
+            object.__setattr__(self, "top_k", 0)
+        if self.n < 1:
+            raise _err("n", self.n, ">= 1")
         if not 0 <= self.min_p <= 1:
             raise _err("min_p", self.min_p, "in [0, 1]")
         if self.repetition_penalty <= 0:
@@ -182,6 +209,9 @@ class SamplingArrays:
       recent_tokens: i32[B, LW-1] the last ``LW-1`` tokens of prompt + output (-1 where the history
         is shorter), for multi-token bad words.
       seed: u32[B] the request's RNG seed (see :func:`request_keys`).
+      rng_offset: i32[B] tokens the request generated before its current admission (non-zero
+        after a preemption): added to the per-admission ``step_idx`` to give the output position
+        of every random draw, so a re-admitted request continues its random stream.
       prompt_mask: bool[B, V] token occurs in the prompt (repetition penalty).
       output_counts: i32[B, V] occurrences of each token among the generated tokens.
       logprobs: i32[B] requested number of top logprobs (-1 = none); informational for the engine.
@@ -201,6 +231,7 @@ class SamplingArrays:
     bad_word_seqs: jax.Array
     recent_tokens: jax.Array
     seed: jax.Array
+    rng_offset: jax.Array
     prompt_mask: jax.Array
     output_counts: jax.Array
     logprobs: jax.Array
@@ -248,7 +279,8 @@ def _neutral_row(V: int, S: int, NW: int, LW: int) -> dict[str, np.ndarray]:
         stop_token_ids=np.full((S,), -1, np.int32), bad_token_mask=np.zeros((V,), bool),
         bad_word_seqs=np.full((NW, LW), -1, np.int32),
         recent_tokens=np.full((LW - 1,), -1, np.int32),
-        seed=np.uint32(0), prompt_mask=np.zeros((V,), bool), output_counts=np.zeros((V,), np.int32),
+        seed=np.uint32(0), rng_offset=np.int32(0), prompt_mask=np.zeros((V,), bool),
+        output_counts=np.zeros((V,), np.int32),
         logprobs=np.int32(-1))
 
 
@@ -675,7 +707,8 @@ def draft_sample(logits: jax.Array, sampling: SamplingArrays, positions: jax.Arr
       logits: f[B, V] proposer logits for the next draft of each slot.
       sampling: the slots' :class:`SamplingArrays` (seed, and temperature/top-p/top-k defaults).
       positions: i32[B] output position of the token being drafted (``num_generated`` of the step
-        being drafted for + draft index); required with ``draft_sampling`` unless ``key`` is given.
+        being drafted for + draft index, counted from the current admission: ``sampling.rng_offset``
+        is added); required with ``draft_sampling`` unless ``key`` is given.
       draft_sampling: static. False (default): greedy drafts, returns ``(argmax, None)`` -- the
         verifier then treats q as one-hot. True: sample with the draft temperature / top-p /
         top-k and return the exact distribution sampled from.
@@ -712,7 +745,7 @@ def draft_sample(logits: jax.Array, sampling: SamplingArrays, positions: jax.Arr
     q = jnp.where(greedy[:, None] | (jnp.sum(q, -1, keepdims=True) <= 0), am, q)
     pos = jnp.zeros((B,), jnp.int32) if positions is None else positions.astype(jnp.int32)
     if key is None:
-        u = uniform_draws(sampling.seed, pos, PURPOSE_DRAFT)
+        u = uniform_draws(sampling.seed, pos + sampling.rng_offset, PURPOSE_DRAFT)
     else:
         keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(
             jax.random.fold_in(key, r), p), PURPOSE_DRAFT))(jnp.arange(B, dtype=jnp.uint32),

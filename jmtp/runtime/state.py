@@ -113,9 +113,15 @@ def insert_request(
     prompt_len: jax.Array,    # i32[]
     max_dec_len: jax.Array,   # i32[]
     sampling_row: dict,       # one row of SamplingArrays (jmtp.runtime.sampling.make_row)
+    resume_token: jax.Array | int = -1,   # i32[] see below; -1 = a new request
 ) -> EngineState:
     """Put a new request into ``slot`` (every per-slot field reset; nothing leaks from the last
-    occupant). Its blocks are allocated by the next engine step."""
+    occupant). Its blocks are allocated by the next engine step.
+
+    ``resume_token >= 0`` re-admits a preempted request: ``prompt`` is its prompt plus all but the
+    last generated token, and ``resume_token`` is that last token. It waits in
+    ``draft_tokens[slot, 0]`` (the window's "last token") and the step that finishes the prefill
+    emits it instead of sampling, so the next verify window starts where the preempted one did."""
     s = state
     upd = lambda a, v: a.at[slot].set(v)
     return dataclasses.replace(
@@ -126,7 +132,8 @@ def insert_request(
         seq_lens_decoder=upd(s.seq_lens_decoder, 0),
         seq_lens_this_time=upd(s.seq_lens_this_time, 0),
         step_idx=upd(s.step_idx, 0),
-        draft_tokens=upd(s.draft_tokens, -1),
+        draft_tokens=upd(s.draft_tokens, jnp.full((s.draft_tokens.shape[1],), -1, jnp.int32)
+                         .at[0].set(resume_token)),
         accept_tokens=upd(s.accept_tokens, -1),
         accept_num=upd(s.accept_num, 0),
         num_drafts=upd(s.num_drafts, 0),

@@ -190,6 +190,9 @@ def engine_step(
     target_tok = jnp.maximum(res.accept_tokens, 0)
     n_acc = res.accept_num - 1
     finishing_prefill = prefilling & (dec + chunk == s.prompt_lens)
+    # A request resumed after a preemption re-emits its last token (insert_request's resume_token).
+    resume = finishing_prefill & (s.draft_tokens[:, 0] >= 0)
+    target_tok = target_tok.at[:, 0].set(jnp.where(resume, s.draft_tokens[:, 0], target_tok[:, 0]))
     emit = jnp.where(finishing_prefill, 1, jnp.where(decoding, n_acc + 1, 0))
 
     # ---- 5. speculate_update: stop checks per emitted token, truncation at the first stop.

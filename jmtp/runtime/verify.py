@@ -55,8 +55,9 @@ after penalties, min_tokens and bad words, before temperature and top-k/top-p/mi
 ``w`` sees exactly the non-speculative history, they equal the logprobs without speculation.
 
 Randomness: the draw for output position ``n`` of slot ``b`` comes from
-``fold_in(key(seed[b]), n * NUM_PURPOSES + purpose)`` with ``n = num_generated[b] + w``
-(:func:`jmtp.runtime.sampling.request_keys`); one uniform per row for the acceptance coin, one per
+``fold_in(key(seed[b]), n * NUM_PURPOSES + purpose)`` with
+``n = rng_offset[b] + num_generated[b] + w`` (:func:`jmtp.runtime.sampling.request_keys`; the
+offset is non-zero for a request re-admitted after a preemption); one uniform per row for the acceptance coin, one per
 row for sampling. Every draw that influenced the emitted tokens belongs to a position below the
 next step's ``num_generated``, so reusing keys by position across steps keeps the draws
 independent of everything already decided.
@@ -298,7 +299,8 @@ def verify(logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
     elif strategy == "greedy":
         u = jnp.zeros((B, W, 2), jnp.float32)               # never read: no randomness consumed
     else:
-        pos = ng[:, None, None] + jnp.arange(W, dtype=jnp.int32)[None, :, None]
+        pos = ((ng + sampling.rng_offset)[:, None, None]
+               + jnp.arange(W, dtype=jnp.int32)[None, :, None])
         purpose = jnp.array([smp.PURPOSE_ACCEPT, smp.PURPOSE_SAMPLE], jnp.int32)[None, None, :]
         u = smp.uniform_draws(sampling.seed, jnp.broadcast_to(pos, (B, W, 2)),
                               jnp.broadcast_to(purpose, (B, W, 2)))

@@ -174,9 +174,9 @@ def test_preemption_when_blocks_run_out(tiny):
               max_num_seqs=4, max_model_len=MAX_LEN, block_size=4, num_blocks=12,
               max_num_batched_tokens=32)
     preempted = []
-    real = llm._preempt
-    llm._preempt = lambda slots, order, waiting: (preempted.append(order[-1]),
-                                                  real(slots, order, waiting))
+    eng = llm.llm_engine
+    real = eng._preempt
+    eng._preempt = lambda: (preempted.append(eng._order[-1]), real())
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert preempted, "the block budget was meant to force a preemption"
     assert [o.token_ids for o in outs] == refs

@@ -101,7 +101,7 @@ def test_sampled_requests_reproducible_and_batch_independent():
 
 def test_bad_sampling_values():
     for kw, field in [(dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
-                      (dict(top_k=-1), "top_k"), (dict(min_tokens=5, max_tokens=2), "min_tokens")]:
+                      (dict(top_k=-2), "top_k"), (dict(min_tokens=5, max_tokens=2), "min_tokens")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
     with pytest.raises(ValueError, match="verify_strategy"):

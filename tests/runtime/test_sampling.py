@@ -94,12 +94,22 @@ def ref_params_probs(logits, prompt, generated, params, eos_ids=(), bad_words_id
 
 BAD_VALUES = [
     ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
-    ("top_k", -1), ("min_p", -0.1), ("min_p", 1.1), ("max_tokens", 0),
+    ("top_k", -2), ("min_p", -0.1), ("min_p", 1.1), ("max_tokens", 0),
     ("repetition_penalty", 0.0), ("frequency_penalty", 2.5), ("presence_penalty", -3.0),
     ("min_tokens", -1), ("logprobs", -1), ("seed", -1), ("seed", 2**32),
     ("stop_token_ids", (-3,)), ("bad_token_ids", (1.5,)), ("bad_words", ("",)),
-    ("ignore_eos", "yes"), ("stop_token_ids", "12"),
+    ("ignore_eos", "yes"), ("stop_token_ids", "12"), ("n", 0), ("n", 1.5), ("stop", [""]),
+    ("stop", [3]), ("stop", b"x"), ("include_stop_str_in_output", "yes"),
 ]
+
+
+def test_top_k_minus_one_is_off_and_stop_normalised():
+    # vLLM / OpenAI clients send top_k=-1 for "off": the same parameters as top_k=0.
+    assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(stop="\n").stop == ("\n",)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
+    assert SamplingParams(stop=None).stop == ()
 
 
 @pytest.mark.parametrize("field,value", BAD_VALUES)

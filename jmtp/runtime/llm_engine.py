@@ -1,0 +1,633 @@
+"""``LLMEngine``: the serving loop, one step at a time (vLLM ``LLMEngine`` shape).
+
+Data flows one way: config → model/params → state → jitted step → host bookkeeping → outputs.
+Requests come in through :meth:`LLMEngine.add_request` (validated at once), each :meth:`step`
+admits waiting sequences into idle slots (continuous batching), picks the prefill chunks and the
+token bucket, calls the one compiled engine step, reads back the emitted tokens and a few flags,
+detokenizes incrementally, checks stop strings and returns a :class:`RequestOutput` for every
+request that produced tokens or finished. :meth:`abort_request` frees a request's KV blocks at once.
+
+Not thread-safe: call it from one thread at a time (any thread; nothing here installs signal
+handlers or progress bars).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmtp.model.config import ModelConfig
+from jmtp.model.llama import init_kv_cache
+from jmtp.runtime.buckets import choose_bucket, step_buckets
+from jmtp.runtime.config import EngineConfig, SpeculativeConfig
+from jmtp.runtime.detokenizer import IncrementalDetokenizer
+from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetrics
+from jmtp.runtime.sampling import SamplingParams, make_row
+from jmtp.runtime.spec_policy import DynamicSpeculation
+from jmtp.runtime.state import FINISH_REASONS, init_state, insert_request
+from jmtp.runtime.step import engine_step, release_slot
+
+log = logging.getLogger(__name__)
+
+
+def default_dtype():
+    """fp32 on CPU (≈5× faster than bf16 matmuls there), bf16 on TPU/GPU."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def with_draft_vocab(cfg: ModelConfig, params: dict, draft_vocab_size: int | None
+                     ) -> tuple[dict, int]:
+    """Attach the FR-Spec draft LM head to ``params`` (see ``SpeculativeConfig.draft_vocab_size``).
+
+    Returns ``(params, N)``; with ``N > 0`` the new params hold ``draft_ids i32[N]`` (the N
+    top-ranked ids of ``params["draft_vocab"]``) and ``draft_head f[N, H]`` (their LM-head rows),
+    which the MTP proposer scores instead of the full LM head.
+
+    Raises:
+      ValueError: N > 0 without a ranking ``params["draft_vocab"]``, or N above its length.
+    """
+    n = cfg.draft_vocab_size if draft_vocab_size is None else draft_vocab_size
+    params = {k: v for k, v in params.items() if k not in ("draft_ids", "draft_head")}
+    if n == 0 or n >= cfg.vocab_size:
+        return params, 0
+    ranking = params.get("draft_vocab")
+    if ranking is None:
+        raise ValueError(f"SpeculativeConfig.draft_vocab_size={n} needs a token ranking "
+                         "params['draft_vocab'] (shipped with a trained MTP head, see jmtp.train)")
+    if n > len(ranking):
+        raise ValueError(f"SpeculativeConfig.draft_vocab_size={n} exceeds the {len(ranking)} ranked "
+                         "ids of params['draft_vocab']")
+    ids = jnp.asarray(np.asarray(ranking)[:n], jnp.int32)
+    head = params["embed"][ids] if "lm_head" not in params else params["lm_head"][:, ids].T
+    return dict(params, draft_ids=ids, draft_head=head), n
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """Seed of sample ``index`` of a request seeded with ``seed``: ``seed`` itself for sample 0,
+    else a ``numpy.random.SeedSequence((seed, index))`` draw (distinct, reproducible streams)."""
+    if index == 0:
+        return int(seed)
+    return int(np.random.SeedSequence((int(seed), int(index))).generate_state(1)[0])
+
+
+@dataclasses.dataclass
+class _Seq:
+    """One sample of a request: what one batch slot runs."""
+
+    group: "_Group"
+    index: int
+    params: SamplingParams         # the request's params with this sample's seed
+    detok: IncrementalDetokenizer | None
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    metrics: SpecDecodeMetrics = dataclasses.field(default_factory=SpecDecodeMetrics)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""                 # visible text (stop-string cut applied once finished)
+    checked: int = 0               # detokenized characters already searched for stop strings
+    # per admission
+    slot: int | None = None
+    context_ids: list[int] = dataclasses.field(default_factory=list)
+    prefilled: int = 0
+    resuming: bool = False         # the finishing prefill re-emits output_ids[-1]
+    # reported so far
+    sent_tokens: int = 0
+    sent_text: int = 0
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.group.prompt_ids
+
+
+@dataclasses.dataclass
+class _Group:
+    """One request: its ``n`` samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    bad_words_ids: list[list[int]]
+    seqs: list[_Seq] = dataclasses.field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
+
+
+class LLMEngine:
+    """Serving engine with MTP speculative decoding (vLLM ``LLMEngine`` shape).
+
+    Args: as :class:`jmtp.LLM` (which builds one and exposes it as ``llm.llm_engine``):
+      model: GGUF file or HF directory; ``None`` = the default SmolLM2-135M-Instruct.
+      speculative_config: :class:`SpeculativeConfig`; ``None`` disables speculation.
+      max_num_seqs: batch slots B (each sample of a request takes one).
+      max_model_len: prompt + generated tokens per request.
+      block_size: KV block size (positions).
+      num_blocks: KV blocks; default: enough for every slot at max_model_len.
+      max_num_batched_tokens: token budget per step (largest bucket).
+      dtype: parameter/cache dtype (default fp32 on CPU, bf16 on accelerators).
+      attention_backend: ``"reference" | "xla" | "pallas_tpu" | "pallas_gpu" | None``.
+      max_logprobs: largest ``SamplingParams.logprobs`` served (0 = logprobs off).
+      seed: seeds the per-request seeds of requests whose ``SamplingParams.seed`` is None.
+      model_config / params / tokenizer: pass an already-built model instead of ``model``.
+      mtp_head: with ``model``: ``"auto"``, ``None`` or a head file
+        (:func:`jmtp.model.loader.load_checkpoint`).
+      compile: ``"eager"``: compile the step for every bucket of
+        :func:`~jmtp.runtime.buckets.step_buckets` (and the request insert/release) here, with a
+        progress bar, so no step compiles later; ``"lazy"``: compile each bucket on its first use.
+        ``None``: ``$JMTP_COMPILE``, default ``"eager"``. See :mod:`jmtp.runtime.compile`.
+      compilation_cache_dir: JAX's persistent compilation cache folder. ``"auto"``: JAX's own
+        setting if the user made one, else ``$JMTP_CACHE_DIR``, ``$XDG_CACHE_HOME/jmtp/xla`` or
+        ``~/.cache/jmtp/xla`` (``JMTP_CACHE_DIR=off`` disables it); a path; ``None``/``False``:
+        leave JAX's configuration alone. See :func:`jmtp.runtime.compile.setup_compilation_cache`.
+
+    Raises:
+      ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
+        unknown model path.
+    """
+
+    def __init__(self, model: str | None = None, *, speculative_config: SpeculativeConfig | None = None,
+                 max_num_seqs: int = 8, max_model_len: int = 2048, block_size: int = 16,
+                 num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
+                 dtype=None, attention_backend: str | None = None, max_logprobs: int = 0,
+                 seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
+                 tokenizer=None, mtp_head: str | None = "auto", compile: str | None = None,
+                 compilation_cache_dir: str | bool | None = "auto"):
+        from jmtp.runtime import compile as jc
+        compile = jc.resolve_compile_mode(compile)
+        self.compilation_cache_dir = jc.setup_compilation_cache(compilation_cache_dir)
+        dtype = jnp.dtype(dtype or default_dtype())
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if params is None:
+            from jmtp.model.loader import load_checkpoint, load_tokenizer
+            model_config, params = load_checkpoint(model, dtype=dtype, mtp_head=mtp_head)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(model)
+        elif model_config is None:
+            raise ValueError("model_config is required when params are given")
+        else:
+            from jmtp.model.params import check_params
+            # An MTP head is optional unless method="mtp" (checked below).
+            check_params(model_config if "mtp" in params else
+                         model_config.replace(num_mtp_layers=0), params, "params")
+        if not 0 <= max_logprobs <= model_config.vocab_size:
+            raise ValueError(f"max_logprobs must lie in [0, vocab_size={model_config.vocab_size}], "
+                             f"got {max_logprobs}")
+        from jmtp.pallas.ragged_paged_attention import IMPLEMENTATIONS
+        if attention_backend not in (None,) + IMPLEMENTATIONS:
+            raise ValueError(f"attention_backend must be one of {IMPLEMENTATIONS} or None, got "
+                             f"{attention_backend!r}")
+        spec = speculative_config or SpeculativeConfig(method=None)
+        if spec.method == "mtp" and "mtp" not in params:
+            raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
+        self.model_config = model_config
+        self.draft_vocab_size = 0
+        if spec.method == "mtp":
+            params, self.draft_vocab_size = with_draft_vocab(model_config, params, spec.draft_vocab_size)
+        self.params = params
+        self.tokenizer = tokenizer
+        self.speculative_config = spec
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(256, max_num_seqs * (spec.k + 1))
+        ec = EngineConfig(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
+            num_blocks=num_blocks or 1, max_num_batched_tokens=max_num_batched_tokens,
+            max_stop_ids=8, max_logprobs=max_logprobs, spec=spec)
+        if not num_blocks:      # default: every slot can hold a full-length sequence
+            ec = dataclasses.replace(ec, num_blocks=max_num_seqs * ec.pages_per_seq)
+        self.engine_config = ec
+        self._seed_rng = np.random.default_rng(seed)
+        self.attention_backend = attention_backend
+        self.state = init_state(ec, model_config.vocab_size)
+        self.cache = init_kv_cache(model_config, model_config.num_layers, ec.num_blocks, block_size, dtype)
+        self.mtp_cache = (init_kv_cache(model_config, max(model_config.num_mtp_layers, 1),
+                                        ec.num_blocks, block_size, dtype)
+                          if spec.method == "mtp" else None)
+        self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
+        self._insert = jax.jit(insert_request, donate_argnums=0)
+        self._release = jax.jit(release_slot, donate_argnums=0)
+        self._free_count = ec.num_blocks
+        # host-side scheduler state
+        self._groups: dict[str, _Group] = {}
+        self._waiting: collections.deque[_Seq] = collections.deque()
+        self._slots: list[_Seq | None] = [None] * ec.max_num_seqs
+        self._paused = [False] * ec.max_num_seqs
+        self._order: list[int] = []     # admission order of occupied slots (LIFO preemption)
+        self._hold = False              # after a preemption, admit nothing until a request ends
+        # cumulative counters (get_stats)
+        self._totals = SpecDecodeMetrics(accepted_per_position=[0] * ec.k)
+        self._num_steps = 0
+        self._num_preemptions = 0
+        self._num_generated = 0
+        self._last_step_seconds = 0.0
+        # speculation: drafts waiting in each slot's window, and the dynamic draft-limit policy
+        self._next_drafts = np.zeros((ec.max_num_seqs,), np.int32)
+        self.spec_policy = (DynamicSpeculation(ec.max_num_seqs, spec.k,
+                                               sorted({b.num_tokens for b in step_buckets(ec)}))
+                            if spec.enabled and spec.speculation_policy == "dynamic" else None)
+        self.compile_seconds = self._compile_ahead() if compile == "eager" else {}
+
+    def _compile_ahead(self) -> dict:
+        """Compile every step bucket and the request insert/release; ``{label: seconds}``."""
+        from jmtp.runtime.compile import compile_ahead
+        ec, mc = self.engine_config, self.model_config
+        buckets = step_buckets(ec)
+        static = (mc, ec, self.speculative_config.drafter)
+        # Host arrays go through jnp.asarray as in step() (that stages them with a small jit).
+        zeros = jnp.asarray(np.zeros((ec.max_num_seqs,), np.int32))
+        times = compile_ahead(self._step, [
+            static + (bk, self.attention_backend, self.params, self.state, self.cache,
+                      self.mtp_cache, zeros, zeros) for bk in buckets],
+            labels=[f"T={bk.num_tokens},A={bk.num_slots}" for bk in buckets],
+            desc="compile step buckets")
+        row = self._sampling_row(SamplingParams(), [0], [], 0)
+        times.update(compile_ahead(self._insert, [(
+            self.state, jnp.int32(0), jnp.asarray(np.zeros((ec.seq_buffer_len,), np.int32)),
+            jnp.int32(1), jnp.int32(1), {k: jnp.asarray(v) for k, v in row.items()},
+            jnp.int32(-1))], labels=["insert"], progress=False))
+        times.update(compile_ahead(self._release, [(self.state, jnp.int32(0))], labels=["release"],
+                                   progress=False))
+        return times
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    sampling_params: SamplingParams | None = None) -> None:
+        """Queue a request; it joins the running batch at the next :meth:`step`.
+
+        Args:
+          request_id: unique among unfinished requests (str).
+          prompt: a string (needs a tokenizer) or a flat list of token ids.
+          sampling_params: :class:`SamplingParams` (default: greedy, 16 tokens).
+
+        Raises (before anything is queued):
+          TypeError: ``request_id`` not a str, ``sampling_params`` not a SamplingParams.
+          ValueError: duplicate ``request_id``; empty prompt, prompt not shorter than
+            ``max_model_len``, token ids out of range, more KV blocks needed than exist,
+            ``logprobs`` above ``max_logprobs``, string prompt / stop strings / bad words without
+            a tokenizer — each naming the field.
+        """
+        self._add(request_id, prompt, sampling_params, f"request {request_id!r}")
+
+    def _add(self, request_id, prompt, sp, where: str) -> None:
+        if not isinstance(request_id, str):
+            raise TypeError(f"{where}: request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self._groups:
+            raise ValueError(f"{where}: request_id {request_id!r} is already in use by an "
+                             "unfinished request")
+        if sp is None:
+            sp = SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"{where}: sampling_params must be a jmtp.SamplingParams, got "
+                            f"{type(sp).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{where}: string prompt but the engine has no tokenizer")
+            ids, text = list(self.tokenizer.encode(prompt)), prompt
+        else:
+            try:
+                arr = np.asarray(prompt)
+            except ValueError:          # ragged nested lists
+                arr = np.asarray([None], dtype=object)
+            if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+                raise ValueError(f"{where}: a token-id prompt must be a flat list of ints, got "
+                                 f"{arr.dtype} with shape {arr.shape}")
+            ids, text = [int(t) for t in arr], None
+        if sp.stop and self.tokenizer is None:
+            raise ValueError(f"{where}: stop strings need a tokenizer (use stop_token_ids)")
+        self._validate(ids, sp, where)
+        bad_words = self._bad_words_ids(sp) if sp.bad_words else []
+        group = _Group(request_id, text, ids, sp, bad_words)
+        for i in range(sp.n):
+            seed = (sample_seed(sp.seed, i) if sp.seed is not None
+                    else int(self._seed_rng.integers(0, 2**32)))
+            group.seqs.append(_Seq(
+                group, i, dataclasses.replace(sp, seed=seed),
+                IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+                context_ids=list(ids), logprobs=[] if sp.logprobs is not None else None))
+        self._groups[request_id] = group
+        self._waiting.extend(group.seqs)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Drop one or several requests (unknown or finished ids are ignored). Their KV blocks
+        are freed at once, whether they wait, prefill or decode; no further output is returned."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                if seq.slot is not None:
+                    self._free_slot(seq.slot, release=True)
+            self._waiting = collections.deque(s for s in self._waiting if s.group is not group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._groups)
+
+    def get_stats(self) -> dict:
+        """Counters for monitoring (plain Python values).
+
+        Keys: ``num_unfinished_requests``; ``num_waiting`` / ``num_running`` (samples queued / in
+        a slot); ``num_free_blocks`` / ``num_blocks`` (KV blocks); ``num_steps``,
+        ``last_step_seconds`` (wall time of the last :meth:`step`, s), ``num_preemptions``,
+        ``num_generated_tokens``; cumulative speculation counters over every sample ever run:
+        ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_position`` (K counts),
+        ``num_decode_steps``, ``num_decode_tokens`` (see :class:`SpecDecodeMetrics`).
+        """
+        t = self._totals
+        return dict(
+            num_unfinished_requests=len(self._groups), num_waiting=len(self._waiting),
+            num_running=sum(s is not None for s in self._slots),
+            num_free_blocks=int(self._free_count), num_blocks=self.engine_config.num_blocks,
+            num_steps=self._num_steps, last_step_seconds=self._last_step_seconds,
+            num_preemptions=self._num_preemptions, num_generated_tokens=self._num_generated,
+            num_draft_tokens=t.num_draft_tokens, num_accepted_tokens=t.num_accepted_tokens,
+            accepted_per_position=list(t.accepted_per_position),
+            num_decode_steps=t.num_decode_steps, num_decode_tokens=t.num_decode_tokens)
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self, prompt_ids: list[int], sp: SamplingParams, where: str):
+        ec, mc = self.engine_config, self.model_config
+        if len(prompt_ids) == 0:
+            raise ValueError(f"{where}: prompt is empty (a prompt needs at least one token)")
+        if len(prompt_ids) >= ec.max_model_len:
+            raise ValueError(
+                f"{where}: prompt has {len(prompt_ids)} tokens; max_model_len={ec.max_model_len} "
+                "leaves no room to generate (prompt must be shorter than max_model_len)")
+        bad = [t for t in prompt_ids if not 0 <= t < mc.vocab_size]
+        if bad:
+            raise ValueError(f"{where}: token id {bad[0]} outside [0, vocab_size={mc.vocab_size})")
+        need = -(-(min(len(prompt_ids) + sp.max_tokens, ec.max_model_len) + ec.k + ec.m)
+                 // ec.block_size)
+        if need > ec.num_blocks:
+            raise ValueError(
+                f"{where}: the request needs up to {need} KV blocks but num_blocks={ec.num_blocks}")
+        if sp.logprobs is not None and max(sp.logprobs, 1) > ec.max_logprobs:
+            raise ValueError(f"{where}: logprobs={sp.logprobs} exceeds max_logprobs="
+                             f"{ec.max_logprobs} (set LLM(max_logprobs=...))")
+        if sp.bad_words and self.tokenizer is None:
+            raise ValueError(f"{where}: bad_words need a tokenizer (use bad_token_ids)")
+        # Builds (and so validates) the sampling row: stop ids, bad words, capacities.
+        self._sampling_row(sp, prompt_ids, self._bad_words_ids(sp), 0)
+
+    def _bad_words_ids(self, sp: SamplingParams) -> list[list[int]]:
+        out = []
+        for wd in sp.bad_words:  # a word and its space-prefixed form, as vLLM does
+            for variant in (wd, " " + wd.lstrip()):
+                ids = list(self.tokenizer.encode(variant))
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def _sampling_row(self, sp, prompt_ids, bad_words_ids, seed):
+        ec = self.engine_config
+        return make_row(sp, prompt_ids, self.model_config.vocab_size, max_stop=ec.max_stop_ids,
+                        max_bad_words=ec.max_bad_words, max_bad_word_len=ec.max_bad_word_len,
+                        eos_ids=self.model_config.eos_token_ids, request_seed=seed,
+                        bad_words_ids=bad_words_ids)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step.
+
+        Admits waiting samples into idle slots, runs the jitted step once, and returns one
+        :class:`RequestOutput` per request that produced new tokens or finished in this step
+        (``finished=True`` on its last one; finished requests are forgotten). Returns ``[]`` when
+        nothing is unfinished.
+        """
+        t0 = time.perf_counter()
+        ec, mc = self.engine_config, self.model_config
+        B, W, bs = ec.max_num_seqs, ec.window, ec.block_size
+        slots = self._slots
+        if self._hold and not any(s is not None for s in slots):
+            self._hold = False
+        # Admit while a slot is idle and the free blocks cover the first prefill chunk.
+        free = self._free_count
+        any_paused = any(s is not None and self._paused[b] for b, s in enumerate(slots))
+        for b in range(B):
+            if self._hold or any_paused or not self._waiting or slots[b] is not None:
+                continue
+            seq = self._waiting[0]
+            first_chunk = min(len(seq.context_ids), ec.max_num_batched_tokens)
+            need = -(-(first_chunk + ec.m) // bs)
+            if need > free and any(x is not None for x in slots):
+                break  # wait for running requests to free blocks
+            self._waiting.popleft()
+            self._admit(b, seq)
+            free -= need
+        if not any(s is not None for s in slots):
+            return []
+        # Token budget: decode windows first, then prefill chunks in slot order.
+        budget = ec.max_num_batched_tokens
+        decoding = [b for b, s in enumerate(slots)
+                    if s is not None and s.prefilled >= len(s.context_ids)]
+        dec_rows = sum(1 + int(self._next_drafts[b]) for b in decoding)   # windows actually drafted
+        budget -= dec_rows
+        chunks = np.zeros((B,), np.int32)
+        for b, s in enumerate(slots):
+            if s is not None and s.prefilled < len(s.context_ids):
+                c = min(len(s.context_ids) - s.prefilled, budget)
+                chunks[b], budget = c, budget - c
+        bucket = choose_bucket(ec, dec_rows + int(chunks.sum()),
+                               len(decoding) + int(np.count_nonzero(chunks)), bool(chunks.any()))
+        limits = (np.full((B,), ec.k, np.int32) if self.spec_policy is None else
+                  self.spec_policy.draft_limits(np.array([s is not None for s in slots])))
+        t_step = time.perf_counter()
+        self.state, self.cache, self.mtp_cache, out = self._step(
+            mc, ec, self.speculative_config.drafter, bucket, self.attention_backend, self.params,
+            self.state, self.cache, self.mtp_cache, jnp.asarray(chunks), jnp.asarray(limits))
+        out = jax.device_get(out)
+        self._next_drafts = np.asarray(out.num_next_drafts)
+        if self.spec_policy is not None:
+            self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket.num_tokens,
+                                     time.perf_counter() - t_step)
+        self._num_steps += 1
+        self._free_count = int(out.free_count)
+        touched: dict[str, _Group] = {}
+        progressed = False
+        for b, seq in enumerate(slots):
+            self._paused[b] = bool(seq is not None and out.paused[b])
+            if seq is None or out.paused[b]:
+                continue
+            progressed = progressed or chunks[b] > 0 or out.num_tokens[b] > 0
+            was_decode = seq.prefilled >= len(seq.context_ids)
+            seq.prefilled += int(chunks[b])
+            n = int(out.num_tokens[b])
+            first = 0
+            if seq.resuming and n:      # the re-emitted last token of a resumed request
+                first, seq.resuming = 1, False
+            tokens = [int(x) for x in out.tokens[b, first:n]]
+            kept, stop_str = self._append(seq, tokens)
+            if seq.logprobs is not None and kept:
+                self._collect_logprobs(seq, out, b, first, kept)
+            self._num_generated += kept
+            if was_decode and n:
+                self._count_metrics(seq, out, b, kept)
+            if stop_str is not None:
+                seq.finish_reason, seq.stop_reason = "stop", stop_str
+                self._free_slot(b, release=not out.finished[b])
+            elif out.finished[b]:
+                seq.finish_reason = FINISH_REASONS[int(out.finish_reason[b])]
+                last = seq.output_ids[-1] if seq.output_ids else None
+                if seq.finish_reason == "stop" and last in seq.params.stop_token_ids:
+                    seq.stop_reason = last
+                self._free_slot(b, release=False)
+            if kept or seq.finish_reason is not None:
+                touched[seq.group.request_id] = seq.group
+        if not progressed and any(s is not None and self._paused[b] for b, s in enumerate(slots)):
+            self._preempt()
+            self._hold = True
+        outputs = [self._make_output(g) for g in touched.values()]
+        self._last_step_seconds = time.perf_counter() - t0
+        return outputs
+
+    def _append(self, seq: _Seq, tokens: list[int]) -> tuple[int, str | None]:
+        """Add ``tokens`` to ``seq``, detokenizing one token at a time so a stop string that
+        completes inside a multi-token step is caught at its token. Returns ``(tokens kept,
+        matched stop string or None)``; tokens after the one completing a stop string are dropped."""
+        stops = seq.params.stop
+        if seq.detok is None:
+            seq.output_ids += tokens
+            return len(tokens), None
+        for i, t in enumerate(tokens):
+            seq.output_ids.append(t)
+            seq.detok.push([t])
+            if not stops:
+                continue
+            text = seq.detok.text
+            longest = max(len(s) for s in stops)
+            start = max(0, seq.checked - longest + 1)
+            hits = [(j, s) for s in stops if (j := text.find(s, start)) >= 0]
+            seq.checked = len(text)
+            if hits:
+                j, s = min(hits)
+                end = j + len(s) if seq.params.include_stop_str_in_output else j
+                seq.text = text[:end]
+                return i + 1, s
+        return len(tokens), None
+
+    def _collect_logprobs(self, seq: _Seq, out, b: int, first: int, kept: int):
+        """vLLM shape: per emitted token, {token id: logprob} of the top-n plus the token itself."""
+        k = seq.params.logprobs
+        for i in range(first, first + kept):
+            d = {int(t): float(v) for t, v in zip(out.top_logprob_ids[b, i, :k],
+                                                   out.top_logprobs[b, i, :k])}
+            d[int(out.tokens[b, i])] = float(out.logprobs[b, i])
+            seq.logprobs.append(d)
+
+    def _count_metrics(self, seq: _Seq, out, b: int, kept: int):
+        mt, tot = seq.metrics, self._totals
+        a = min(int(out.num_accepted[b]), kept)   # drafts cut by a stop string do not count
+        d = int(out.num_drafts[b])
+        for m in (mt, tot):
+            m.num_decode_steps += 1
+            m.num_decode_tokens += kept
+            m.num_draft_tokens += d
+            m.num_accepted_tokens += a
+            for i in range(a):
+                m.accepted_per_position[i] += 1
+
+    def _admit(self, b: int, seq: _Seq):
+        ec, g = self.engine_config, seq.group
+        resume = bool(seq.output_ids)   # re-admission after a preemption
+        hist = seq.output_ids[:-1] if resume else []
+        seq.context_ids = g.prompt_ids + hist
+        ids = np.zeros((ec.seq_buffer_len,), np.int32)
+        ids[: len(seq.context_ids)] = seq.context_ids
+        row = self._sampling_row(seq.params, g.prompt_ids, g.bad_words_ids, None)
+        if hist:  # restore the generated history the resumed sampling state depends on
+            row["output_counts"] += np.bincount(hist, minlength=self.model_config.vocab_size
+                                                ).astype(np.int32)
+            row["min_tokens"] = np.int32(max(seq.params.min_tokens - len(hist), 0))
+            tail = np.asarray(seq.context_ids[-(ec.max_bad_word_len - 1):]
+                              if ec.max_bad_word_len > 1 else [], np.int32)
+            row["recent_tokens"][ec.max_bad_word_len - 1 - tail.size:] = tail
+        row["rng_offset"] = np.int32(len(hist))
+        remaining = seq.params.max_tokens - len(hist)
+        seq.prefilled = 0
+        seq.resuming = resume
+        seq.slot = b
+        if self.spec_policy is not None:
+            self.spec_policy.reset_slot(b)
+        if not seq.metrics.accepted_per_position:
+            seq.metrics.accepted_per_position = [0] * ec.k
+        self.state = self._insert(self.state, jnp.int32(b), jnp.asarray(ids),
+                                  jnp.int32(len(seq.context_ids)), jnp.int32(remaining),
+                                  {k: jnp.asarray(v) for k, v in row.items()},
+                                  jnp.int32(seq.output_ids[-1] if resume else -1))
+        self._slots[b] = seq
+        self._paused[b] = False
+        self._order.append(b)
+
+    def _free_slot(self, b: int, release: bool):
+        """Empty slot ``b``; ``release`` returns its KV blocks (the step already released those
+        of slots it finished)."""
+        seq = self._slots[b]
+        self._slots[b] = None
+        self._paused[b] = False
+        self._order.remove(b)
+        seq.slot = None
+        self._hold = False
+        if release:
+            self.state = self._release(self.state, jnp.int32(b))
+            self._free_count = int(self.state.free_count)
+
+    def _preempt(self):
+        """Every occupied slot is paused for KV blocks: preempt the newest (LIFO) and re-queue it;
+        on re-admission its prompt and generated tokens are recomputed and it resumes exactly
+        where it stopped (same window start, same random stream; see :func:`insert_request`)."""
+        b = self._order[-1]
+        seq = self._slots[b]
+        log.info("preempting request %r sample %d (slot %d): out of KV blocks",
+                 seq.group.request_id, seq.index, b)
+        self._free_slot(b, release=True)
+        self._num_preemptions += 1
+        self._waiting.appendleft(seq)
+
+    # ------------------------------------------------------------------ outputs
+    def _make_output(self, g: _Group) -> RequestOutput:
+        outs = []
+        metrics = SpecDecodeMetrics(accepted_per_position=[0] * self.engine_config.k)
+        for seq in g.seqs:
+            metrics.merge(seq.metrics)
+            outs.append(self._completion(seq))
+        finished = g.finished
+        if finished:
+            self._groups.pop(g.request_id, None)
+        return RequestOutput(request_id=g.request_id, prompt=g.prompt,
+                             prompt_token_ids=list(g.prompt_ids), outputs=outs, finished=finished,
+                             metrics=metrics)
+
+    def _completion(self, seq: _Seq) -> CompletionOutput:
+        if seq.detok is not None and not isinstance(seq.stop_reason, str):
+            # (a matched stop string already set the final, cut text in _append)
+            if seq.finish_reason is not None:
+                seq.detok.flush()          # characters that never completed, as decode gives them
+                seq.text = seq.detok.text
+            else:
+                text = seq.detok.text
+                if seq.params.stop and not seq.params.include_stop_str_in_output:
+                    # hold back what could be the start of a stop string
+                    text = text[:max(len(text) - max(len(s) for s in seq.params.stop) + 1,
+                                     seq.sent_text)]
+                seq.text = text
+        delta_ids = seq.output_ids[seq.sent_tokens:]
+        delta_text = seq.text[seq.sent_text:]
+        seq.sent_tokens, seq.sent_text = len(seq.output_ids), len(seq.text)
+        return CompletionOutput(
+            index=seq.index, text=seq.text, token_ids=list(seq.output_ids), delta_text=delta_text,
+            delta_token_ids=list(delta_ids), finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None)

@@ -1,0 +1,194 @@
+"""AsyncLLMEngine in-process on a tiny random model: continuous batching gives the reference greedy
+tokens, abort frees blocks, a failing request or step does not stop the loop, idle means no steps,
+shutdown ends streams."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from jmtp.runtime.async_engine import AsyncLLMEngine, EngineDeadError
+from jmtp.runtime.config import SpeculativeConfig
+from jmtp.runtime.engine import LLM
+from jmtp.runtime.sampling import SamplingParams
+
+from tests.runtime.conftest import reference_greedy
+
+PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 10, 12, 14, 2], [7, 2, 30, 31]]
+
+
+class CountingEngine:
+    """Forwards to a real LLMEngine, counts ``step`` calls, and can make one step raise."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.steps = 0
+        self.fail_next_step = False
+        self.lock = threading.Lock()
+
+    def step(self):
+        with self.lock:
+            self.steps += 1
+            if self.fail_next_step:
+                self.fail_next_step = False
+                raise RuntimeError("injected step failure")
+        return self.engine.step()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    cfg, params = tiny
+    return LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2),
+               max_num_seqs=2, max_model_len=64, block_size=4, max_num_batched_tokens=32)
+
+
+@pytest.fixture()
+def aengine(llm):
+    counting = CountingEngine(llm.llm_engine)
+    seen = []
+    eng = AsyncLLMEngine(counting, on_step=lambda stats, outs, dt: seen.append(dict(stats)))
+    eng.counting, eng.seen = counting, seen
+    yield eng
+    eng.shutdown()
+    assert not eng.is_running
+
+
+def run(coro, timeout=300):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def collect(eng, rid, prompt, sp):
+    outs = [o async for o in eng.generate(rid, prompt, sp)]
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    return outs
+
+
+def test_continuous_batching_matches_reference(aengine, tiny):
+    cfg, params = tiny
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def with_late_joiners():
+        # "a" starts alone; "b".."d" arrive while it runs and join the batch (2 slots).
+        task_a = asyncio.ensure_future(collect(aengine, "a", PROMPTS[0], sp))
+        while not aengine.seen or aengine.seen[-1]["num_running"] == 0:
+            await asyncio.sleep(0.01)
+        others = [asyncio.ensure_future(collect(aengine, r, p, sp))
+                  for r, p in zip("bcd", PROMPTS[1:])]
+        return await asyncio.gather(task_a, *others)
+
+    results = run(with_late_joiners())
+    for prompt, outs in zip(PROMPTS, results):
+        final = outs[-1].outputs[0]
+        assert final.token_ids == reference_greedy(cfg, params, prompt, 12, stop_ids=())
+        # Deltas concatenate to the final ids.
+        assert sum((o.outputs[0].delta_token_ids for o in outs), []) == final.token_ids
+    assert max(s["num_running"] for s in aengine.seen) == 2     # the late requests joined
+    st = aengine.stats
+    assert st["num_free_blocks"] == st["num_blocks"]
+
+
+def test_abort_frees_blocks_and_stream_ends(aengine):
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def main():
+        stream = await aengine.add_request("long", PROMPTS[2], sp)
+        first = await stream.__anext__()
+        assert not first.finished
+        await aengine.abort("long")
+        rest = [o async for o in stream]     # ends without a finished output
+        for _ in range(500):
+            if aengine.stats["num_free_blocks"] == aengine.stats["num_blocks"]:
+                break
+            await asyncio.sleep(0.01)
+        return rest
+
+    rest = run(main())
+    assert all(not o.finished for o in rest)
+    assert aengine.stats["num_free_blocks"] == aengine.stats["num_blocks"]
+    assert aengine.stats["num_running"] == 0 and aengine.stats["num_waiting"] == 0
+
+
+def test_leaving_the_stream_aborts(aengine):
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def main():
+        async for out in aengine.generate("gone", PROMPTS[1], sp):
+            break                                  # the consumer walks away
+        for _ in range(500):
+            if aengine.stats["num_free_blocks"] == aengine.stats["num_blocks"]:
+                break
+            await asyncio.sleep(0.01)
+
+    run(main())
+    assert aengine.stats["num_free_blocks"] == aengine.stats["num_blocks"]
+    assert aengine.stats["num_requests_in_flight"] == 0
+
+
+def test_failing_request_does_not_stop_the_loop(aengine, tiny):
+    cfg, params = tiny
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(ValueError):
+            await aengine.add_request("bad", [cfg.vocab_size + 3], sp)   # id out of range
+        with pytest.raises(ValueError):
+            await aengine.add_request("long", [2] * 64, sp)              # >= max_model_len
+        # A step that raises fails the in-flight requests only.
+        s1 = await aengine.add_request("x", PROMPTS[0], sp)
+        aengine.counting.fail_next_step = True
+        with pytest.raises(RuntimeError, match="injected"):
+            async for _ in s1:
+                pass
+        return await collect(aengine, "y", PROMPTS[1], sp)
+
+    outs = run(main())
+    assert outs[-1].outputs[0].token_ids == reference_greedy(cfg, params, PROMPTS[1], 5,
+                                                             stop_ids=())
+    assert not aengine.is_dead
+    assert aengine.stats["num_free_blocks"] == aengine.stats["num_blocks"]
+
+
+def test_duplicate_request_id_rejected(aengine):
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+
+    async def main():
+        s = await aengine.add_request("dup", PROMPTS[0], sp)
+        with pytest.raises(ValueError, match="already in flight"):
+            await aengine.add_request("dup", PROMPTS[1], sp)
+        return [o async for o in s]
+
+    assert run(main())[-1].finished
+
+
+def test_idle_loop_does_not_step(aengine):
+    async def main():
+        await collect(aengine, "warm", PROMPTS[0], SamplingParams(max_tokens=2))
+        await asyncio.sleep(0.1)
+        n = aengine.counting.steps
+        await asyncio.sleep(0.5)
+        return aengine.counting.steps - n
+
+    assert run(main()) == 0
+
+
+def test_shutdown_ends_streams_and_rejects_new_requests(llm):
+    eng = AsyncLLMEngine(llm.llm_engine)
+    sp = SamplingParams(max_tokens=60, ignore_eos=True)
+
+    async def main():
+        stream = await eng.add_request("s", PROMPTS[0], sp)
+        await stream.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await eng.add_request("t", PROMPTS[1], sp)
+
+    run(main())
+    assert not eng.is_running and eng.is_dead
+    assert not llm.llm_engine.has_unfinished_requests()
