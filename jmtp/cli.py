@@ -7,9 +7,63 @@ import sys
 import time
 
 
-def _generate(args) -> int:
+def build_llm(args):
+    """The :class:`jmtp.LLM` described by the engine options of :func:`add_engine_args`."""
     from jmtp.runtime.config import SpeculativeConfig
     from jmtp.runtime.engine import LLM
+
+    spec = None
+    if not args.no_spec:
+        spec = SpeculativeConfig(
+            args.speculative_method, args.num_speculative_tokens, args.num_model_steps,
+            draft_vocab_size=args.draft_vocab_size, mtp_strategy=args.mtp_strategy,
+            max_ngram_size=args.max_ngram_size, min_ngram_size=args.min_ngram_size,
+            speculation_policy=args.speculation_policy)
+    cache = args.compilation_cache_dir
+    return LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs,
+               max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+               attention_backend=args.attention_backend, max_logprobs=args.max_logprobs,
+               seed=args.seed, mtp_head=None if args.mtp_head == "none" else args.mtp_head,
+               compile=args.compile, compilation_cache_dir=None if cache == "none" else cache)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine options ``jmtp generate`` and ``jmtp serve`` share."""
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
+    p.add_argument("--speculative-method", default="mtp", choices=["mtp", "ngram"],
+                   help="drafter: the model's MTP head, or n-gram matches of the prompt and history")
+    p.add_argument("--num-speculative-tokens", type=int, default=3)
+    p.add_argument("--num-model-steps", type=int, default=None)
+    p.add_argument("--mtp-strategy", default="default", choices=["default", "with_ngram"],
+                   help="with_ngram: n-gram matches extend the MTP drafts up to K (hybrid)")
+    p.add_argument("--max-ngram-size", type=int, default=5)
+    p.add_argument("--min-ngram-size", type=int, default=None)
+    p.add_argument("--speculation-policy", default="fixed", choices=["fixed", "dynamic"],
+                   help="dynamic: per-slot draft counts follow measured acceptance and step cost")
+    p.add_argument("--no-spec", action="store_true", help="plain decoding (no speculation)")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="FR-Spec draft vocabulary (default: the MTP head's own; 0 = full vocabulary)")
+    p.add_argument("--mtp-head", default="auto",
+                   help="MTP head file (default 'auto': the checkpoint's own, else the head jmtp "
+                        "ships for it; 'none': a fresh, untrained head)")
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default: every slot can hold max-model-len tokens)")
+    p.add_argument("--max-logprobs", type=int, default=0,
+                   help="largest logprobs / top_logprobs served (0: logprobs off)")
+    p.add_argument("--seed", type=int, default=0, help="seeds requests that send no seed")
+    p.add_argument("--attention-backend", default=None,
+                   choices=[None, "reference", "xla", "pallas_tpu", "pallas_gpu"])
+    p.add_argument("--compile", choices=["eager", "lazy"], default=None,
+                   help="eager: compile every step bucket at start-up (default, or "
+                        "$JMTP_COMPILE); lazy: compile each bucket on first use")
+    p.add_argument("--compilation-cache-dir", default="auto",
+                   help="JAX persistent compilation cache folder (default 'auto': $JMTP_CACHE_DIR, "
+                        "else ~/.cache/jmtp/xla; 'none': leave JAX's setting alone)")
+
+
+def _generate(args) -> int:
     from jmtp.runtime.outputs import SpecDecodeMetrics
     from jmtp.runtime.sampling import SamplingParams
 
@@ -23,25 +77,17 @@ def _generate(args) -> int:
                 prompts.append(json.loads(line)["prompt"] if line.lstrip().startswith("{") else line)
     if not prompts:
         prompts = ["Write a Python function that checks whether a number is prime."]
-    spec = None
-    if not args.no_spec:
-        spec = SpeculativeConfig("mtp", args.num_speculative_tokens, args.num_model_steps,
-                                 draft_vocab_size=args.draft_vocab_size)
-    cache = args.compilation_cache_dir
-    cache = None if cache == "none" else cache
     t0 = time.perf_counter()
-    llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-              mtp_head=None if args.mtp_head == "none" else args.mtp_head, compile=args.compile,
-              compilation_cache_dir=cache)
+    llm = build_llm(args)
     compile_s = sum(llm.compile_seconds.values())
     load_s = time.perf_counter() - t0 - compile_s
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    for p in prompts]
+    spec = llm.speculative_config
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     outs = llm.generate(prompts, sp, use_tqdm=len(prompts) > 1)
-    total = SpecDecodeMetrics(accepted_per_position=[0] * (spec.k if spec else 0))
+    total = SpecDecodeMetrics(accepted_per_position=[0] * spec.k)
     for o in outs:
         print(f"--- prompt {o.request_id} ({len(o.prompt_token_ids)} tokens, "
               f"{len(o.token_ids)} generated, finish={o.finish_reason})")
@@ -49,7 +95,7 @@ def _generate(args) -> int:
         total.merge(o.metrics)
     st = llm.last_run_stats
     per_pos = ""
-    if spec and total.num_decode_steps:
+    if spec.enabled and total.num_decode_steps:
         per_pos = " per-position acceptance=" + ",".join(
             f"{c / total.num_decode_steps:.2f}" for c in total.accepted_per_position)
     lazy = " (incl. lazy compiles)" if not llm.compile_seconds else ""
@@ -68,53 +114,19 @@ def main(argv=None) -> int:
     g = sub.add_parser("generate", help="generate text (greedy by default) with MTP speculation")
     g.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     g.add_argument("--prompts-file", help="text file, one prompt per line (or JSONL with 'prompt')")
-    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--num-speculative-tokens", type=int, default=3)
-    g.add_argument("--num-model-steps", type=int, default=None)
-    g.add_argument("--no-spec", action="store_true", help="plain decoding (no speculation)")
-    g.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="FR-Spec draft vocabulary (default: the MTP head's own; 0 = full vocabulary)")
-    g.add_argument("--mtp-head", default="auto",
-                   help="MTP head file (default 'auto': the checkpoint's own, else the head jmtp "
-                        "ships for it; 'none': a fresh, untrained head)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    g.add_argument("--max-num-seqs", type=int, default=8)
-    g.add_argument("--max-model-len", type=int, default=1024)
-    g.add_argument("--attention-backend", default=None,
-                   choices=[None, "reference", "xla", "pallas_tpu", "pallas_gpu"])
-    g.add_argument("--compile", choices=["eager", "lazy"], default=None,
-                   help="eager: compile every step bucket before generating (default, or "
-                        "$JMTP_COMPILE); lazy: compile each bucket on first use")
-    g.add_argument("--compilation-cache-dir", default="auto",
-                   help="JAX persistent compilation cache folder (default 'auto': $JMTP_CACHE_DIR, "
-                        "else ~/.cache/jmtp/xla; 'none': leave JAX's setting alone)")
+    add_engine_args(g)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
     s.add_argument("--served-model-name", default=None,
                    help="model id in the API (default: SmolLM2-135M-Instruct or the model's "
                         "file/directory name)")
-    s.add_argument("--num-speculative-tokens", type=int, default=3)
-    s.add_argument("--num-model-steps", type=int, default=None)
-    s.add_argument("--no-spec", action="store_true", help="plain decoding (no speculation)")
-    s.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="FR-Spec draft vocabulary (default: the MTP head's own; 0 = full vocabulary)")
-    s.add_argument("--mtp-head", default="auto",
-                   help="MTP head file ('auto': the checkpoint's own or the shipped one; 'none')")
-    s.add_argument("--max-num-seqs", type=int, default=8)
-    s.add_argument("--max-model-len", type=int, default=1024)
-    s.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks (default: every slot can hold max-model-len tokens)")
-    s.add_argument("--max-logprobs", type=int, default=0,
-                   help="largest logprobs / top_logprobs served (0: logprobs off)")
-    s.add_argument("--seed", type=int, default=0, help="seeds requests that send no seed")
-    s.add_argument("--attention-backend", default=None,
-                   choices=[None, "reference", "xla", "pallas_tpu", "pallas_gpu"])
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(s)
     args = p.parse_args(argv)
     try:
         if args.cmd == "serve":

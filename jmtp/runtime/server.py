@@ -662,17 +662,9 @@ def serve(args) -> int:
 
     import uvicorn
 
-    from jmtp.runtime.config import SpeculativeConfig
-    from jmtp.runtime.engine import LLM
+    from jmtp.cli import build_llm
 
-    spec = None
-    if not args.no_spec:
-        spec = SpeculativeConfig("mtp", args.num_speculative_tokens, args.num_model_steps,
-                                 draft_vocab_size=args.draft_vocab_size)
-    llm = LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-              mtp_head=None if args.mtp_head == "none" else args.mtp_head,
-              num_blocks=args.num_blocks, max_logprobs=args.max_logprobs, seed=args.seed)
+    llm = build_llm(args)
     name = args.served_model_name
     if not name:
         name = ("SmolLM2-135M-Instruct" if args.model is None else
