@@ -12,11 +12,13 @@ bound that work:
 The host picks the pair with :func:`choose_bucket` from what it scheduled. Every pair it can ever
 pick is listed by :func:`step_buckets` (what an ahead-of-time compile iterates over):
 
-* decode-only steps of ``a`` slots: ``A`` = the smallest power of two ``>= a`` (capped at ``B``),
-  ``T`` = the smallest token bucket ``>= A * (K+1)`` (``A * (K+1)`` itself, since the token buckets
-  start ``W, 2W, 4W, ..., B*W``);
+* decode-only steps of ``a`` slots: ``A`` = the smallest slot bucket ``>= a`` (powers of two,
+  capped at ``B``), ``T`` = the smallest of ``A, 2A, 4A, ... (< A*(K+1)), A*(K+1)`` holding the rows
+  actually scheduled, i.e. each slot's ``1 + drafts in its window`` (:func:`decode_buckets`): when
+  slots draft nothing (no n-gram match, or the dynamic policy chose 0) the step runs one row per
+  slot, as plain decoding does;
 * steps with a prefill chunk: ``A = B`` and ``T`` = any token bucket (prefill steps are few, so
-  this keeps the count at ``|token buckets| + log2(B) + 1``).
+  this keeps the count near ``|token buckets| + log2(B)·log2(2(K+1))``).
 """
 from __future__ import annotations
 
@@ -50,6 +52,16 @@ def slot_buckets(ec: EngineConfig) -> tuple[int, ...]:
     return tuple(out) + (ec.max_num_seqs,)
 
 
+def decode_buckets(ec: EngineConfig, num_slots: int) -> tuple[int, ...]:
+    """Token rows T of a decode-only step over ``num_slots`` (= A) slot rows: ``A·m`` for the powers
+    of two ``m < K+1``, then ``A·(K+1)`` (every slot verifying a full window)."""
+    out, m = [], 1
+    while m < ec.window:
+        out.append(num_slots * m)
+        m *= 2
+    return tuple(out) + (num_slots * ec.window,)
+
+
 def _token_bucket(ec: EngineConfig, rows: int) -> int:
     for t in ec.token_buckets():
         if t >= rows:
@@ -62,7 +74,7 @@ def choose_bucket(ec: EngineConfig, num_rows: int, num_slots: int, has_prefill: 
     """The bucket of a step that schedules ``num_rows`` token rows over ``num_slots`` slots.
 
     Args:
-      num_rows: rows the host scheduled (``sum`` of the decode windows ``K+1`` and prefill chunks),
+      num_rows: rows the host scheduled (each decoding slot's ``1 + drafts``, plus prefill chunks),
         ``0 <= num_rows <= max_num_batched_tokens``.
       num_slots: slots with work this step (decoding or prefilling), ``0 <= num_slots <= B``.
       has_prefill: some slot processes a prefill chunk.
@@ -82,14 +94,17 @@ def choose_bucket(ec: EngineConfig, num_rows: int, num_slots: int, has_prefill: 
     if has_prefill:
         return StepBucket(_token_bucket(ec, num_rows), B)
     a = next(x for x in slot_buckets(ec) if x >= num_slots)
-    return StepBucket(_token_bucket(ec, max(num_rows, a * ec.window)), a)
+    if num_rows > a * ec.window:
+        raise ValueError(f"num_rows={num_rows} exceed num_slots={num_slots} decode windows of "
+                         f"K+1={ec.window} rows")
+    return StepBucket(next(t for t in decode_buckets(ec, a) if t >= num_rows), a)
 
 
 def step_buckets(ec: EngineConfig) -> tuple[StepBucket, ...]:
     """Every bucket :func:`choose_bucket` can return for ``ec``, sorted (no duplicates)."""
     out = {StepBucket(t, ec.max_num_seqs) for t in ec.token_buckets()}
     for a in slot_buckets(ec):
-        out.add(StepBucket(_token_bucket(ec, a * ec.window), a))
+        out.update(StepBucket(t, a) for t in decode_buckets(ec, a))
     return tuple(sorted(out))
 
 

@@ -27,13 +27,22 @@ def test_token_buckets_hand_worked():
 def test_choose_bucket_hand_worked():
     ec = B8K3
     assert slot_buckets(ec) == (1, 2, 4, 8)
-    # Decode-only: A = next power of two of the slots, T = A * (K+1).
+    # Decode-only: A = next power of two of the slots, T = the smallest of A, 2A, 4A (= A*(K+1))
+    # holding the rows each slot really drafted (1 + drafts).
+    assert choose_bucket(ec, 1, 1, False) == StepBucket(1, 1)      # one slot, no drafts
+    assert choose_bucket(ec, 2, 1, False) == StepBucket(2, 1)
+    assert choose_bucket(ec, 3, 1, False) == StepBucket(4, 1)
     assert choose_bucket(ec, 4, 1, False) == StepBucket(4, 1)
     assert choose_bucket(ec, 8, 2, False) == StepBucket(8, 2)
+    assert choose_bucket(ec, 3, 3, False) == StepBucket(4, 4)      # 3 slots, no drafts
+    assert choose_bucket(ec, 5, 3, False) == StepBucket(8, 4)
     assert choose_bucket(ec, 12, 3, False) == StepBucket(16, 4)
+    assert choose_bucket(ec, 8, 8, False) == StepBucket(8, 8)      # 8 slots, no drafts
     assert choose_bucket(ec, 20, 5, False) == StepBucket(32, 8)
     assert choose_bucket(ec, 32, 8, False) == StepBucket(32, 8)
-    assert choose_bucket(ec, 0, 0, False) == StepBucket(4, 1)      # idle step: the smallest
+    assert choose_bucket(ec, 0, 0, False) == StepBucket(1, 1)      # idle step: the smallest
+    with pytest.raises(ValueError, match="decode windows"):
+        choose_bucket(ec, 5, 1, False)
     # With a prefill chunk: A = B, T = the smallest token bucket >= rows.
     assert choose_bucket(ec, 3, 1, True) == StepBucket(4, 8)
     assert choose_bucket(ec, 4 + 37, 2, True) == StepBucket(64, 8)
@@ -42,6 +51,7 @@ def test_choose_bucket_hand_worked():
     ec3 = EngineConfig(max_num_seqs=3, spec=SpeculativeConfig("mtp", 1), max_num_batched_tokens=16)
     assert slot_buckets(ec3) == (1, 2, 3)
     assert choose_bucket(ec3, 6, 3, False) == StepBucket(6, 3)
+    assert choose_bucket(ec3, 3, 3, False) == StepBucket(3, 3)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         choose_bucket(ec, 129, 8, True)
     with pytest.raises(ValueError, match="num_slots"):
@@ -57,14 +67,19 @@ def test_step_buckets_list_every_choice():
         chosen = set()
         for n_dec in range(B + 1):
             for n_pre in range(B + 1 - n_dec):
-                for pre_rows in ([0] if n_pre == 0 else
-                                 range(n_pre, ec.max_num_batched_tokens - n_dec * W + 1)):
-                    chosen.add(choose_bucket(ec, n_dec * W + pre_rows, n_dec + n_pre, n_pre > 0))
+                if n_pre == 0:    # decode-only: 1..W rows per slot
+                    for rows in range(n_dec, n_dec * W + 1):
+                        chosen.add(choose_bucket(ec, rows, n_dec, False))
+                else:             # any mix of windows and chunks up to the budget
+                    for rows in range(n_dec + n_pre, ec.max_num_batched_tokens + 1):
+                        chosen.add(choose_bucket(ec, rows, n_dec + n_pre, True))
         assert chosen == listed
-    # Hand-worked: 4 decode pairs + 6 prefill pairs (T = 4 with A = 8 included).
-    assert step_buckets(B8K3) == (StepBucket(4, 1), StepBucket(4, 8), StepBucket(8, 2),
-                                  StepBucket(8, 8), StepBucket(16, 4), StepBucket(16, 8),
-                                  StepBucket(32, 8), StepBucket(64, 8), StepBucket(128, 8))
+    # Hand-worked: decode (A, T) for A in 1, 2, 4, 8 and T in A, 2A, 4A; prefill (T, 8) for the
+    # token buckets 4..128.
+    S = StepBucket
+    assert step_buckets(B8K3) == (S(1, 1), S(2, 1), S(2, 2), S(4, 1), S(4, 2), S(4, 4), S(4, 8),
+                                  S(8, 2), S(8, 4), S(8, 8), S(16, 4), S(16, 8), S(32, 8), S(64, 8),
+                                  S(128, 8))
 
 
 def test_active_slots_compaction():

@@ -12,6 +12,7 @@ import jax
 import pytest
 
 import jmtp
+from jmtp.runtime.buckets import step_buckets
 from jmtp.runtime import compile as jc
 
 from tests.runtime.conftest import reference_greedy, tiny_model
@@ -57,7 +58,7 @@ class _CompileLog(logging.Handler):
 
 def _llm(compile_mode, spec=None, max_model_len=48):
     cfg, params = tiny_model()
-    # max_num_seqs=1 and an 8-token budget: buckets (W, 8), two compiles of the step.
+    # max_num_seqs=1 and an 8-token budget (see step_buckets).
     return jmtp.LLM(model_config=cfg, params=params, max_num_seqs=1, max_model_len=max_model_len,
                     max_num_batched_tokens=8, speculative_config=spec, compile=compile_mode,
                     compilation_cache_dir=None)
@@ -68,10 +69,13 @@ def _llm(compile_mode, spec=None, max_model_len=48):
 def test_eager_compile_then_generate_compiles_nothing(spec):
     with _CompileLog() as at_init:
         llm = _llm("eager", spec)
-    buckets = llm.engine_config.token_buckets()
-    assert len(buckets) == 2
+    buckets = step_buckets(llm.engine_config)
+    # Hand-worked: plain (W=1): decode (1, A=1), prefill (8, 1); K=2 (W=3): decode T = 1, 2, 3,
+    # prefill T = 3, 8.
+    assert len(buckets) == (2 if spec is None else 4)
     assert at_init.names.count("jit(engine_step)") == len(buckets)
-    assert set(llm.compile_seconds) == {f"T={T}" for T in buckets} | {"insert", "release"}
+    assert set(llm.compile_seconds) == ({f"T={b.num_tokens},A={b.num_slots}" for b in buckets}
+                                        | {"insert", "release"})
     # A 7-token prompt prefills in the 8-token bucket, then decodes in the smallest one.
     with _CompileLog() as at_gen:
         out = llm.generate([PROMPT + [8, 9]], jmtp.SamplingParams(max_tokens=6))[0]
@@ -136,7 +140,7 @@ def test_cache_dir_option_env_and_user_setting(monkeypatch, tmp_path, jax_cache_
                    compilation_cache_dir=str(tmp_path / "explicit"))
     assert llm.compilation_cache_dir == str(tmp_path / "explicit")
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "explicit")
-    assert len(os.listdir(tmp_path / "explicit")) >= len(llm.engine_config.token_buckets())
+    assert len(os.listdir(tmp_path / "explicit")) >= len(step_buckets(llm.engine_config))
 
 
 _CHILD = textwrap.dedent("""

@@ -197,7 +197,8 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny):
             cfg, ec, None, bucket, None, params, llm.state, llm.cache, llm.mtp_cache,
             jnp.zeros((ec.max_num_seqs,), jnp.int32))
     compiled = llm._step._cache_size()
-    assert compiled == len(step_buckets(ec)) == 7
+    # decode (T, A): (1|2|3, 1), (2|4|6, 2), (4|8|12, 4); prefill (3|6|12|16|32, 4)
+    assert compiled == len(step_buckets(ec)) == 13
     steps, seen = 0, set()
     real = llm._step
     llm._step = lambda *a: (seen.add(a[3]), real(*a))[1]
