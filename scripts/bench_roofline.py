@@ -194,6 +194,7 @@ def load_hf():
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
     from conftest import SMOLLM2_FILE, _smollm2_dir
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     saved = gguf.GGUFReader, gguf.get_tensor_name_map   # memoised while loading (speed only)
     gguf.GGUFReader = functools.lru_cache(maxsize=None)(saved[0])
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[1])
