@@ -13,11 +13,10 @@ separately), then the timed runs interleave the variants ``--rounds`` times (A, 
 and each variant's tokens/s is total tokens / total seconds over its rounds. Printed per row:
 tok/s, ratio to plain, mean acceptance length, whether every output equals plain decoding.
 
-``--exact-buckets`` replaces the engine's token buckets by powers of two from 1 (plus B·(K+1)), so
-a step runs only the rows it schedules; this emulates issue 11 item 1 ("cost follows the scheduled
-work", done on another branch) and is what lets dynamic speculation fall back to 1-row steps.
+Engines are built with ``compile="eager"`` (every step bucket compiled at construction, see
+:mod:`jmtp.runtime.compile`), so no timed run compiles.
 
-    python scripts/bench_spec.py --batches 1,8 --num-prompts 8 --max-tokens 64 --exact-buckets
+    python scripts/bench_spec.py --batches 1,8 --num-prompts 8 --max-tokens 64
 """
 from __future__ import annotations
 
@@ -36,7 +35,6 @@ def parse_args(argv=None):
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per set (0 = all)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--exact-buckets", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.batches = [int(x) for x in args.batches.split(",")]
@@ -63,19 +61,6 @@ def spec_for(name: str):
     raise SystemExit(f"unknown variant {name!r}")
 
 
-def exact_buckets():
-    """Patch EngineConfig.token_buckets: powers of two from 1, B*(K+1), max_num_batched_tokens."""
-    from jmtp.runtime.config import EngineConfig
-
-    def buckets(self):
-        out, t = {self.max_num_seqs * self.window, self.max_num_batched_tokens}, 1
-        while t < self.max_num_batched_tokens:
-            out.add(t)
-            t *= 2
-        return tuple(sorted(out))
-    EngineConfig.token_buckets = buckets
-
-
 def prompt_sets(tok, names, n):
     from jmtp.model.loader import resolve_checkpoint, shipped_head_path
     from jmtp.model.mtp_head import head_metadata
@@ -97,28 +82,16 @@ def prompt_sets(tok, names, n):
 
 
 def warm_up(llm, prompts):
-    """Compile every token bucket a run of these prompts can use: the decode buckets up to
-    B*(K+1) by steps over idle slots (nothing is scheduled, the state is unchanged), the prefill
-    buckets by a short generation (the policy of a dynamic engine also starts learning here)."""
-    import jax.numpy as jnp
+    """A short generation over the prompts (the step buckets are compiled already; this runs each
+    code path once and lets a dynamic engine's policy start learning step costs)."""
     from jmtp import SamplingParams
 
-    ec, mc = llm.engine_config, llm.model_config
-    B = ec.max_num_seqs
-    for t in ec.token_buckets():
-        if t > B * ec.window:
-            break
-        llm.state, llm.cache, llm.mtp_cache, _ = llm._step(
-            mc, ec, llm.speculative_config.drafter, t, llm.attention_backend, llm.params,
-            llm.state, llm.cache, llm.mtp_cache, jnp.zeros((B,), jnp.int32),
-            jnp.zeros((B,), jnp.int32))
-    llm.generate(prompts, SamplingParams(max_tokens=ec.k + 2, temperature=0.0), use_tqdm=False)
+    llm.generate(prompts, SamplingParams(max_tokens=llm.engine_config.k + 2, temperature=0.0),
+                 use_tqdm=False)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.exact_buckets:
-        exact_buckets()
     from jmtp import LLM, SamplingParams
     from jmtp.model import load_checkpoint, load_tokenizer
     from jmtp.runtime.outputs import SpecDecodeMetrics
@@ -129,7 +102,7 @@ def main(argv=None) -> int:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     longest = max(len(p) for ps in sets.values() for p in ps)
     print(f"# {platform.machine()} | SmolLM2-135M-Instruct + shipped head | greedy, max_tokens "
-          f"{args.max_tokens} | rounds {args.rounds} | exact buckets {args.exact_buckets} | "
+          f"{args.max_tokens} | rounds {args.rounds} | "
           + ", ".join(f"{k}: {len(v)} prompts" for k, v in sets.items()), flush=True)
     rows = []
     for b in args.batches:
@@ -137,7 +110,8 @@ def main(argv=None) -> int:
         for name in args.variants:
             t0 = time.perf_counter()
             llm = LLM(model_config=cfg, params=params, tokenizer=tok, max_num_seqs=b,
-                      max_model_len=longest + args.max_tokens + 16, speculative_config=spec_for(name))
+                      max_model_len=longest + args.max_tokens + 16, speculative_config=spec_for(name),
+                      compile="eager")
             warm_up(llm, [p for ps in sets.values() for p in ps])
             engines[name] = llm
             print(f"# batch {b} {name}: built and warmed in {time.perf_counter() - t0:.1f} s",

@@ -10,6 +10,11 @@ import pytest
 # Engines in tests compile each token bucket on first use (jmtp's default compiles them all at
 # LLM(...)); tests/runtime/test_compile.py covers the eager mode explicitly.
 os.environ.setdefault("JMTP_COMPILE", "lazy")
+# No persistent compilation cache in tests: two pytest-xdist workers sharing one cache folder
+# crashed XLA:CPU reading and writing entries (an abort in executable.serialize(), a segfault in
+# deserialize, with jax 0.10.2); tests/runtime/test_compile.py covers the cache with its own
+# folders, one process at a time.
+os.environ["JMTP_CACHE_DIR"] = "off"
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
