@@ -16,6 +16,19 @@ os.environ.setdefault("JMTP_COMPILE", "lazy")
 # folders, one process at a time.
 os.environ["JMTP_CACHE_DIR"] = "off"
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_executables():
+    """Drop JAX's compiled executables after each test module. A pytest-xdist worker otherwise
+    accumulates thousands of XLA:CPU executables (every test engine compiles its own step
+    buckets), and long-lived workers crashed inside XLA compile / cache calls (abort, segfault)."""
+    yield
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()
+
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

@@ -89,6 +89,9 @@ class LLM:
     mtp_cache = _engine_attr("mtp_cache")
     _free_count = _engine_attr("_free_count")
     _step = _engine_attr("_step")
+    compile_seconds = _engine_attr("compile_seconds")
+    compilation_cache_dir = _engine_attr("compilation_cache_dir")
+    spec_policy = _engine_attr("spec_policy")
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
