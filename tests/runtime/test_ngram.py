@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp.runtime import sampling as smp
 from jmtp.runtime import verify as vf
+from jmtp.runtime.buckets import step_buckets
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from jmtp.runtime.ngram import extend_with_ngram, ngram_match
@@ -211,10 +212,12 @@ def test_no_recompiles_when_limits_change():
     work = [(batch(int(rng.integers(1, 5))), SamplingParams(max_tokens=int(rng.integers(1, 12))))
             for _ in range(4)]
     refs = [[o.token_ids for o in engine(None).generate(p, sp, use_tqdm=False)] for p, sp in work]
-    llm.generate(batch(5), SamplingParams(max_tokens=4), use_tqdm=False)
-    for t in llm.engine_config.token_buckets():
-        llm.generate([list(rng.integers(2, 64, t - 1))[: MAX_LEN - 8]], SamplingParams(max_tokens=2),
-                     use_tqdm=False)
+    ec = llm.engine_config
+    zeros = jnp.zeros((ec.max_num_seqs,), jnp.int32)
+    for bucket in step_buckets(ec):   # warm every step shape on the idle state (a no-op step)
+        llm.state, llm.cache, llm.mtp_cache, _ = llm._step(
+            cfg, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache, zeros,
+            zeros)
     compiled = llm._step._cache_size()
     seen = set()
     policy = llm.spec_policy
