@@ -24,6 +24,7 @@ than an asyncio background task because one engine step is a long, blocking XLA 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -160,8 +161,9 @@ class AsyncLLMEngine:
         """``add_request`` + iterate: yields the request's :class:`RequestOutput` s (vLLM's
         ``AsyncLLMEngine.generate``). Errors of ``add_request`` are raised on the first iteration."""
         stream = await self.add_request(request_id, prompt, sampling_params)
-        async for out in stream:
-            yield out
+        async with contextlib.aclosing(stream):     # leaving early aborts at once, not at GC
+            async for out in stream:
+                yield out
 
     async def abort(self, request_id: str) -> None:
         """Abort a request (no-op when it is unknown or already finished); its stream ends."""
