@@ -7,6 +7,10 @@ import sys
 import time
 
 
+#: Batch slots of ``jmtp serve`` (and of ``generate`` with at least this many prompts).
+DEFAULT_MAX_NUM_SEQS = 8
+
+
 def build_llm(args):
     """The :class:`jmtp.LLM` described by the engine options of :func:`add_engine_args`."""
     from jmtp.runtime.config import SpeculativeConfig
@@ -20,7 +24,8 @@ def build_llm(args):
             max_ngram_size=args.max_ngram_size, min_ngram_size=args.min_ngram_size,
             speculation_policy=args.speculation_policy)
     cache = args.compilation_cache_dir
-    return LLM(args.model, speculative_config=spec, max_num_seqs=args.max_num_seqs,
+    max_num_seqs = DEFAULT_MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs
+    return LLM(args.model, speculative_config=spec, max_num_seqs=max_num_seqs,
                max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                attention_backend=args.attention_backend, max_logprobs=args.max_logprobs,
                seed=args.seed, mtp_head=None if args.mtp_head == "none" else args.mtp_head,
@@ -46,7 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtp-head", default="auto",
                    help="MTP head file (default 'auto': the checkpoint's own, else the head jmtp "
                         "ships for it; 'none': a fresh, untrained head)")
-    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="batch slots (default: generate: min(8, number of prompts); serve: 8)")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: every slot can hold max-model-len tokens)")
@@ -77,6 +83,9 @@ def _generate(args) -> int:
                 prompts.append(json.loads(line)["prompt"] if line.lstrip().startswith("{") else line)
     if not prompts:
         prompts = ["Write a Python function that checks whether a number is prime."]
+    if args.max_num_seqs is None:
+        # No more slots than prompts: every slot count adds step shapes to compile.
+        args.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, len(prompts))
     t0 = time.perf_counter()
     llm = build_llm(args)
     compile_s = sum(llm.compile_seconds.values())

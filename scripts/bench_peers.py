@@ -218,20 +218,26 @@ def run_hf(args, gguf_dir: str, gguf_name: str, sets, rows):
                                        max_new_tokens=max_new, pad_token_id=eos, **extra)
                 outs.append(y[0, len(p):].tolist())
             return outs
-        for sname, prompts in sets.items():
-            t0 = time.perf_counter()
-            gen(prompts, 4)
-            warm = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            ids = gen(prompts, args.max_tokens)
-            dt = time.perf_counter() - t0
-            n = sum(len(x) for x in ids)
-            ref = getattr(args, "plain_b1", {}).get(sname)
-            same = f"{sum(a == c for a, c in zip(ids, ref))}/{len(ids)}" if ref else "-"
-            rows.append(Row(sname, label, 1, n / dt, n, dt, load_s, warm, same))
-            print(f"# {label} {sname}: {n / dt:.1f} tok/s ({n} tokens, {dt:.1f}s; same as jmtp "
-                  f"plain {same})", flush=True)
+        time_peer(args, label, gen, sets, rows, load_s)
     del model
+
+
+def time_peer(args, label: str, gen, sets, rows, load_s: float) -> None:
+    """Time a batch-1 peer on every prompt set: a 4-token warm-up, then ``args.max_tokens`` per
+    prompt; compares its ids with jmtp plain batch 1 (``args.plain_b1``) and appends a Row."""
+    for sname, prompts in sets.items():
+        t0 = time.perf_counter()
+        gen(prompts, 4)
+        warm = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ids = gen(prompts, args.max_tokens)
+        dt = time.perf_counter() - t0
+        n = sum(len(x) for x in ids)
+        ref = getattr(args, "plain_b1", {}).get(sname)
+        same = f"{sum(a == c for a, c in zip(ids, ref))}/{len(ids)}" if ref else "-"
+        rows.append(Row(sname, label, 1, n / dt, n, dt, load_s, warm, same))
+        print(f"# {label} {sname}: {n / dt:.1f} tok/s ({n} tokens, {dt:.1f}s; same as jmtp "
+              f"plain {same})", flush=True)
 
 
 def run_llamacpp(args, gguf_path: str, sets, rows):
@@ -264,19 +270,7 @@ def run_llamacpp(args, gguf_path: str, sets, rows):
                     break
             outs.append(out)
         return outs
-    for sname, prompts in sets.items():
-        t0 = time.perf_counter()
-        gen(prompts, 4)
-        warm = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ids = gen(prompts, args.max_tokens)
-        dt = time.perf_counter() - t0
-        n = sum(len(x) for x in ids)
-        ref = getattr(args, "plain_b1", {}).get(sname)
-        same = f"{sum(a == c for a, c in zip(ids, ref))}/{len(ids)}" if ref else "-"
-        rows.append(Row(sname, "llama.cpp (Q4_1)", 1, n / dt, n, dt, load_s, warm, same))
-        print(f"# llama.cpp {sname}: {n / dt:.1f} tok/s ({n} tokens, {dt:.1f}s; same as jmtp plain "
-              f"{same})", flush=True)
+    time_peer(args, "llama.cpp (Q4_1)", gen, sets, rows, load_s)
 
 
 # ---------------------------------------------------------------------------------- report

@@ -35,44 +35,19 @@ class LLM:
 
     Args:
       model: GGUF file or HF directory; ``None`` = the default SmolLM2-135M-Instruct.
-      speculative_config: :class:`SpeculativeConfig`; ``None`` disables speculation.
-      max_num_seqs: batch slots B.
-      max_model_len: prompt + generated tokens per request.
-      block_size: KV block size (positions).
-      num_blocks: KV blocks; default: enough for every slot at max_model_len.
-      max_num_batched_tokens: token budget per step (largest bucket).
-      dtype: parameter/cache dtype (default fp32 on CPU, bf16 on accelerators).
-      attention_backend: ``"reference" | "xla" | "pallas_tpu" | "pallas_gpu" | None`` (None = the
-        backend's default: ``"xla"`` on CPU).
-      max_logprobs: largest ``SamplingParams.logprobs`` served (0 = logprobs off: nothing extra
-        is computed in the step).
-      seed: seeds the per-request seeds of requests whose ``SamplingParams.seed`` is None.
-      model_config / params / tokenizer: pass an already-built model instead of ``model``.
-      mtp_head: with ``model``: ``"auto"`` (the checkpoint's MTP weights, else the head jmtp ships
-        for it, else a fresh one), ``None`` (never the shipped head) or a head file; see
-        :func:`jmtp.model.loader.load_checkpoint`.
-      compile / compilation_cache_dir: ahead-of-time compilation and JAX's persistent
-        compilation cache; see :class:`LLMEngine`.
+      **engine_args: every keyword of :class:`LLMEngine` (``speculative_config``, ``max_num_seqs``,
+        ``max_model_len``, ``block_size``, ``num_blocks``, ``max_num_batched_tokens``, ``dtype``,
+        ``attention_backend``, ``max_logprobs``, ``seed``, ``model_config``/``params``/
+        ``tokenizer``, ``mtp_head``, ``compile``, ``compilation_cache_dir``), documented there.
 
     Raises:
+      TypeError: an unknown keyword.
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
         unknown model path.
     """
 
-    def __init__(self, model: str | None = None, *, speculative_config: SpeculativeConfig | None = None,
-                 max_num_seqs: int = 8, max_model_len: int = 2048, block_size: int = 16,
-                 num_blocks: int | None = None, max_num_batched_tokens: int | None = None,
-                 dtype=None, attention_backend: str | None = None, max_logprobs: int = 0,
-                 seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
-                 tokenizer=None, mtp_head: str | None = "auto", compile: str | None = None,
-                 compilation_cache_dir: str | bool | None = "auto"):
-        self.llm_engine = LLMEngine(
-            model, speculative_config=speculative_config, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, block_size=block_size, num_blocks=num_blocks,
-            max_num_batched_tokens=max_num_batched_tokens, dtype=dtype,
-            attention_backend=attention_backend, max_logprobs=max_logprobs, seed=seed,
-            model_config=model_config, params=params, tokenizer=tokenizer, mtp_head=mtp_head,
-            compile=compile, compilation_cache_dir=compilation_cache_dir)
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.llm_engine = LLMEngine(model, **engine_args)
         self.last_run_stats: dict = {}
         self._calls = itertools.count()     # request ids of generate calls: generate-<call>-<i>
 

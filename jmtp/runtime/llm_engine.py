@@ -124,7 +124,9 @@ class _Group:
 class LLMEngine:
     """Serving engine with MTP speculative decoding (vLLM ``LLMEngine`` shape).
 
-    Args: as :class:`jmtp.LLM` (which builds one and exposes it as ``llm.llm_engine``):
+    :class:`jmtp.LLM` builds one from the same arguments and exposes it as ``llm.llm_engine``.
+
+    Args:
       model: GGUF file or HF directory; ``None`` = the default SmolLM2-135M-Instruct.
       speculative_config: :class:`SpeculativeConfig`; ``None`` disables speculation.
       max_num_seqs: batch slots B (each sample of a request takes one).
@@ -149,6 +151,7 @@ class LLMEngine:
         leave JAX's configuration alone. See :func:`jmtp.runtime.compile.setup_compilation_cache`.
 
     Raises:
+      TypeError: an unknown keyword.
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
         unknown model path.
     """
@@ -232,9 +235,11 @@ class LLMEngine:
         self._last_step_seconds = 0.0
         # speculation: drafts waiting in each slot's window, and the dynamic draft-limit policy
         self._next_drafts = np.zeros((ec.max_num_seqs,), np.int32)
-        self.spec_policy = (DynamicSpeculation(ec.max_num_seqs, spec.k,
-                                               sorted({b.num_tokens for b in step_buckets(ec)}))
-                            if spec.enabled and spec.speculation_policy == "dynamic" else None)
+        self.spec_policy = None
+        if spec.enabled and spec.speculation_policy == "dynamic":
+            self.spec_policy = DynamicSpeculation(
+                ec.max_num_seqs, spec.k, bucket_of=lambda rows, n: choose_bucket(
+                    ec, min(rows, ec.max_num_batched_tokens), n, has_prefill=False))
         self.compile_seconds = self._compile_ahead() if compile == "eager" else {}
 
     def _compile_ahead(self) -> dict:
@@ -451,7 +456,7 @@ class LLMEngine:
         out = jax.device_get(out)
         self._next_drafts = np.asarray(out.num_next_drafts)
         if self.spec_policy is not None:
-            self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket.num_tokens,
+            self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket,
                                      time.perf_counter() - t_step)
         self._num_steps += 1
         self._free_count = int(out.free_count)

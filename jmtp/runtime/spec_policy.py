@@ -13,11 +13,12 @@ speculation-length heuristics, reduced to what the host measures anyway):
   trials), which itself starts at ``prior_acceptance``. A slot drafting ``k`` is expected to
   commit ``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j`` tokens; the gain of its ``k``-th draft,
   ``prod_{j<=k} a_j``, never grows with ``k``.
-* **Cost**: seconds per step as a function of the token bucket ``T`` the step runs (the engine
-  picks the smallest bucket holding the scheduled rows), an EMA of the host's own step timings per
-  bucket. A bucket not yet measured is estimated by linear interpolation between measured ones,
-  or, past the largest measured, optimistically as equal to it, so the policy tries it once and
-  learns its price.
+* **Cost**: seconds per step as a function of the step bucket the step runs in (the engine's
+  :func:`~jmtp.runtime.buckets.choose_bucket`: token rows ``T`` and compacted slots ``A``), an EMA
+  of the host's own step timings per bucket. A bucket not yet measured is estimated by linear
+  interpolation in ``T`` between measured buckets with the same ``A``, or, past the largest
+  measured, optimistically as equal to it, so the policy tries it once and learns its price.
+  Prefill steps run in buckets of their own and never price a decode step.
 * **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain; the
   policy takes the ``x`` best candidates (a prefix per slot, since gains fall with position) for
   the ``x`` in ``0..n·K`` maximising ``(n + sum of their gains) / time(bucket(n + x))``.
@@ -31,9 +32,14 @@ independent of batch composition.
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
+
+from jmtp.runtime.buckets import StepBucket
+
+#: ``(num_rows, num_slots) -> StepBucket`` of a decode step, e.g. ``choose_bucket(ec, r, n, False)``.
+BucketOf = Callable[[int, int], StepBucket]
 
 
 class DynamicSpeculation:
@@ -42,7 +48,9 @@ class DynamicSpeculation:
     Args:
       num_slots: B.
       k: K, the largest draft count.
-      buckets: the engine's token buckets (sorted static row counts of a step).
+      buckets: token buckets (static row counts) when steps differ by rows only; or
+      bucket_of: the engine's bucket of a decode step with ``rows`` rows over ``n`` slots (keyword;
+        exactly one of ``buckets`` / ``bucket_of``).
       prior_acceptance: initial pooled per-position acceptance ``a_i`` (before any measurement).
       prior_weight: pseudo-trials of the pooled estimate in each slot's estimate.
       halflife: steps after which a count has half its weight.
@@ -50,16 +58,19 @@ class DynamicSpeculation:
       probe_every: a slot at 0 drafts this many steps in a row drafts once (0 = never probe).
 
     Raises:
-      ValueError: ``num_slots < 1``, ``k < 1``, empty buckets, or a parameter outside its range.
+      ValueError: ``num_slots < 1``, ``k < 1``, empty buckets, both or neither of ``buckets`` /
+        ``bucket_of``, or a parameter outside its range.
     """
 
-    def __init__(self, num_slots: int, k: int, buckets: Sequence[int], *,
-                 prior_acceptance: float = 0.5, prior_weight: float = 4.0, halflife: float = 32.0,
+    def __init__(self, num_slots: int, k: int, buckets: Sequence[int] | None = None, *,
+                 bucket_of: BucketOf | None = None, prior_acceptance: float = 0.5, prior_weight: float = 4.0, halflife: float = 32.0,
                  cost_ema: float = 0.2, probe_every: int = 16):
         if num_slots < 1 or k < 1:
             raise ValueError(f"DynamicSpeculation: need num_slots >= 1 and k >= 1, got "
                              f"num_slots={num_slots}, k={k}")
-        if not buckets:
+        if (buckets is None) == (bucket_of is None):
+            raise ValueError("DynamicSpeculation: give exactly one of buckets / bucket_of")
+        if buckets is not None and not buckets:
             raise ValueError("DynamicSpeculation: buckets must not be empty")
         if not 0.0 <= prior_acceptance <= 1.0 or prior_weight < 0 or halflife <= 0:
             raise ValueError("DynamicSpeculation: prior_acceptance must lie in [0, 1], "
@@ -67,16 +78,20 @@ class DynamicSpeculation:
         if not 0.0 < cost_ema <= 1.0 or probe_every < 0:
             raise ValueError("DynamicSpeculation: cost_ema must lie in (0, 1], probe_every >= 0")
         self.num_slots, self.k = num_slots, k
-        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        if buckets is not None:
+            ts = tuple(sorted(set(int(b) for b in buckets)))
+            bucket_of = lambda rows, n: StepBucket(ts[min(bisect.bisect_left(ts, rows),  # noqa: E731
+                                                          len(ts) - 1)], 0)
+        self.bucket = bucket_of
         self.prior_weight, self.cost_ema, self.probe_every = prior_weight, cost_ema, probe_every
         self.decay = 0.5 ** (1.0 / halflife)
         self.trials = np.zeros((num_slots, k))         # decayed per-slot, per-position counts
         self.succ = np.zeros((num_slots, k))
         self.pool_trials = np.full((k,), prior_weight)  # pooled counts, seeded with the prior
         self.pool_succ = np.full((k,), prior_weight * prior_acceptance)
-        self.step_seconds: dict[int, float] = {}        # bucket -> EMA seconds
+        self.step_seconds: dict[StepBucket, float] = {}  # bucket -> EMA seconds
         self.zero_streak = np.zeros((num_slots,), np.int64)
-        self._seen: set[int] = set()                     # buckets run once (compiled)
+        self._seen: set[StepBucket] = set()              # buckets run once (compiled)
 
     # ------------------------------------------------------------------ estimates
     def acceptance(self) -> np.ndarray:
@@ -89,27 +104,24 @@ class DynamicSpeculation:
         """f64[B, K]: expected extra tokens from each slot's i-th draft, ``prod_{j<=i} a_j``."""
         return np.cumprod(self.acceptance(), axis=1)
 
-    def bucket(self, rows: int) -> int:
-        """The token bucket a step of ``rows`` scheduled rows runs in (the largest if beyond)."""
-        i = bisect.bisect_left(self.buckets, rows)
-        return self.buckets[min(i, len(self.buckets) - 1)]
-
-    def step_time(self, rows: int) -> float:
-        """Estimated seconds of a step with ``rows`` rows (measured, interpolated or optimistic);
-        1.0 before any measurement (every bucket then costs the same)."""
-        t = self.bucket(rows)
-        if t in self.step_seconds:
-            return self.step_seconds[t]
-        known = sorted(self.step_seconds)
+    def step_time(self, rows: int, num_slots: int = 0) -> float:
+        """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots (measured,
+        interpolated in T among buckets of the same A, or optimistic); 1.0 before any measurement
+        of that A (every bucket then costs the same)."""
+        key = self.bucket(rows, num_slots)
+        if key in self.step_seconds:
+            return self.step_seconds[key]
+        known = sorted(b.num_tokens for b in self.step_seconds if b.num_slots == key.num_slots)
         if not known:
             return 1.0
+        t, sec = key.num_tokens, lambda t: self.step_seconds[StepBucket(t, key.num_slots)]
         lo = [b for b in known if b < t]
         hi = [b for b in known if b > t]
         if lo and hi:
             a, b = lo[-1], hi[0]
             f = (t - a) / (b - a)
-            return (1 - f) * self.step_seconds[a] + f * self.step_seconds[b]
-        return self.step_seconds[lo[-1] if lo else hi[0]]
+            return (1 - f) * sec(a) + f * sec(b)
+        return sec(lo[-1] if lo else hi[0])
 
     # ------------------------------------------------------------------ decisions
     def draft_limits(self, active: np.ndarray) -> np.ndarray:
@@ -127,10 +139,10 @@ class DynamicSpeculation:
         slots = np.nonzero(active)[0]
         cand = [(-g[b, i], i, b) for b in slots for i in range(self.k)]
         cand.sort()
-        best_x, best_rate, tok = 0, n / self.step_time(n), float(n)
+        best_x, best_rate, tok = 0, n / self.step_time(n, n), float(n)
         for x, (neg_gain, _, _) in enumerate(cand, start=1):
             tok -= neg_gain
-            rate = tok / self.step_time(n + x)
+            rate = tok / self.step_time(n + x, n)
             if rate > best_rate * (1 + 1e-9):
                 best_x, best_rate = x, rate
         for _, i, b in cand[:best_x]:
@@ -141,11 +153,12 @@ class DynamicSpeculation:
             self.zero_streak = np.where(active & (limits == 0), self.zero_streak + 1, 0)
         return limits
 
-    def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray, rows: int,
-                seconds: float) -> None:
+    def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray,
+                bucket: StepBucket | int, seconds: float) -> None:
         """Record one step: per-slot drafts verified / accepted (``StepOutput.num_drafts`` /
-        ``num_accepted``, i32[B]) and the step's bucket ``rows`` and wall ``seconds``. The first
-        timing of each bucket is discarded (it includes the bucket's compilation)."""
+        ``num_accepted``, i32[B]), the :class:`StepBucket` the step ran in (or its row count with
+        ``buckets``) and its wall ``seconds``. The first timing of each bucket is discarded (it
+        includes the bucket's compilation)."""
         nd = np.asarray(num_drafts, np.int64)[:, None]
         na = np.asarray(num_accepted, np.int64)[:, None]
         i = np.arange(1, self.k + 1)[None]
@@ -158,7 +171,7 @@ class DynamicSpeculation:
         # Pooled estimate: decayed sums over every slot, seeded with the prior.
         self.pool_trials = self.pool_trials * self.decay + tried.sum(0)
         self.pool_succ = self.pool_succ * self.decay + (tried & ok).sum(0)
-        t = self.bucket(int(rows))
+        t = bucket if isinstance(bucket, StepBucket) else self.bucket(int(bucket), 0)
         if t not in self._seen:     # a bucket's first step includes its compilation: not a cost
             self._seen.add(t)
             return

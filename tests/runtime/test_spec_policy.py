@@ -4,7 +4,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jmtp.runtime.buckets import StepBucket, choose_bucket
+from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.spec_policy import DynamicSpeculation
+
+
+def by_rows(seconds: dict) -> dict:
+    """Step costs keyed by token rows only (the ``buckets=`` mode keys them StepBucket(T, 0))."""
+    return {StepBucket(t, 0): v for t, v in seconds.items()}
 
 
 def policy(num_slots, k, buckets, **kw):
@@ -50,10 +57,10 @@ def test_hand_worked_optimum_one_slot():
     p = policy(1, 3, [1, 2, 3, 4], prior_weight=0.0, halflife=1e9)
     p.trials[0] = [8, 4, 2]
     p.succ[0] = [4, 2, 1]
-    p.step_seconds = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3}
+    p.step_seconds = by_rows({1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3})
     assert p.draft_limits(np.array([True]))[0] == 2
     # rows get twice as expensive: 1/1, 1.5/1.2 = 1.25, 1.75/1.4 = 1.25, 1.875/1.6 -> 1 draft
-    p.step_seconds = {1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6}
+    p.step_seconds = by_rows({1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6})
     assert p.draft_limits(np.array([True]))[0] == 1
 
 
@@ -65,16 +72,16 @@ def test_batch_load_makes_rows_expensive():
     p = policy(8, 3, buckets, prior_weight=0.0, halflife=1e9)
     p.trials[:] = [8, 4, 2]
     p.succ[:] = [4, 2, 1]
-    p.step_seconds = {t: 1.0 + 0.1 * (t - 1) for t in buckets}
+    p.step_seconds = by_rows({t: 1.0 + 0.1 * (t - 1) for t in buckets})
     one = np.zeros(8, bool)
     one[3] = True
     assert p.draft_limits(one)[3] == 2
-    p.step_seconds = {t: 0.1 * t for t in buckets}
+    p.step_seconds = by_rows({t: 0.1 * t for t in buckets})
     np.testing.assert_array_equal(p.draft_limits(np.ones(8, bool)), np.zeros(8))
     # In between (0.4 s fixed + 0.04 s per row): plain 8 / 0.72 = 11.1 tok/s; one draft per slot
     # (gain 1/2 each) 12 / 1.04 = 11.5; second drafts (gain 1/4) 14 / 1.36 = 10.3 (and every
     # partial count in between is worse than 11.5) -> exactly one draft per slot.
-    p.step_seconds = {t: 0.4 + 0.04 * t for t in buckets}
+    p.step_seconds = by_rows({t: 0.4 + 0.04 * t for t in buckets})
     np.testing.assert_array_equal(p.draft_limits(np.ones(8, bool)), np.ones(8))
 
 
@@ -85,18 +92,18 @@ def test_cost_learning_and_interpolation():
     assert p.step_seconds == {}
     p.observe(np.array([0]), np.array([0]), 1, 0.10)
     p.observe(np.array([0]), np.array([0]), 1, 0.20)    # EMA with weight 0.2
-    assert p.step_seconds[1] == pytest.approx(0.8 * 0.10 + 0.2 * 0.20)
-    p.step_seconds = {1: 0.1, 16: 0.4}
+    assert p.step_seconds[StepBucket(1, 0)] == pytest.approx(0.8 * 0.10 + 0.2 * 0.20)
+    p.step_seconds = by_rows({1: 0.1, 16: 0.4})
     assert p.step_time(3) == pytest.approx(0.1 + (4 - 1) / 15 * 0.3)   # bucket 4, interpolated
-    assert p.bucket(9) == 16 and p.bucket(100) == 16
-    p.step_seconds = {1: 0.1}
+    assert p.bucket(9, 1) == StepBucket(16, 0) and p.bucket(100, 1) == StepBucket(16, 0)
+    p.step_seconds = by_rows({1: 0.1})
     assert p.step_time(8) == 0.1                        # past the measured: optimistic
 
 
 def test_probe_after_a_zero_streak():
     p = policy(1, 2, [1, 2, 3], probe_every=3, prior_weight=0.0, halflife=1e9)
     p.trials[0] = [10, 0]
-    p.step_seconds = {1: 1.0, 2: 2.0, 3: 3.0}
+    p.step_seconds = by_rows({1: 1.0, 2: 2.0, 3: 3.0})
     got = [int(p.draft_limits(np.array([True]))[0]) for _ in range(8)]
     assert got == [0, 0, 0, 1, 0, 0, 0, 1]
 
@@ -115,5 +122,34 @@ def test_bad_arguments():
         DynamicSpeculation(2, 0, [4])
     with pytest.raises(ValueError, match="buckets"):
         DynamicSpeculation(2, 2, [])
+    with pytest.raises(ValueError, match="exactly one"):
+        DynamicSpeculation(2, 2)
     with pytest.raises(ValueError, match="prior_acceptance"):
         DynamicSpeculation(2, 2, [4], prior_acceptance=1.5)
+
+
+def test_costs_keyed_by_step_bucket():
+    """With the engine's buckets, a step's cost belongs to its (T, A): prefill steps and steps over
+    other slot counts never price a decode step (they used to share a key by T alone)."""
+    ec = EngineConfig(max_num_seqs=8, max_model_len=64, block_size=4, num_blocks=32,
+                      max_num_batched_tokens=32, spec=SpeculativeConfig("mtp", 3))
+    p = DynamicSpeculation(8, 3, bucket_of=lambda rows, n: choose_bucket(ec, rows, n, False),
+                           prior_weight=0.0, halflife=1e9, probe_every=0)
+    assert p.bucket(3, 1) == StepBucket(4, 1)
+    prefill = choose_bucket(ec, 4, 8, True)             # a 4-row prefill chunk over all 8 slots
+    assert prefill.num_slots == 8
+    for seconds in (9.0, 5.0):                          # (the first timing is compilation)
+        p.observe(np.zeros(8), np.zeros(8), prefill, seconds)
+    assert p.step_time(4, 1) == 1.0                     # nothing measured at A=1: all equal
+    for bucket, seconds in ((StepBucket(1, 1), 0.10), (StepBucket(4, 1), 0.16)):
+        p.observe(np.zeros(8), np.zeros(8), bucket, 9.0)
+        p.observe(np.zeros(8), np.zeros(8), bucket, seconds)
+    assert p.step_time(1, 1) == 0.10 and p.step_time(4, 1) == 0.16
+    assert p.step_time(2, 1) == pytest.approx(0.12)    # T=2 interpolated between 1 and 4 at A=1
+    # One active slot with a_i = 1/2: 0..3 drafts give 1/0.10 = 10, 1.5/0.12 = 12.5,
+    # 1.75/0.16 = 10.9, 1.875/0.16 = 11.7 tok/s -> 1 draft (the prefill step's 5 s plays no part).
+    p.trials[:] = [8, 4, 2]
+    p.succ[:] = [4, 2, 1]
+    one = np.zeros(8, bool)
+    one[0] = True
+    assert p.draft_limits(one)[0] == 1
