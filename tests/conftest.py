@@ -15,6 +15,13 @@ os.environ.setdefault("JMTP_COMPILE", "lazy")
 # deserialize, with jax 0.10.2); tests/runtime/test_compile.py covers the cache with its own
 # folders, one process at a time.
 os.environ["JMTP_CACHE_DIR"] = "off"
+# The suite's time is mostly XLA:CPU compiling small step graphs (every test engine compiles its own
+# step buckets): LLVM's -O0 cuts a tiny-model engine test by about 30 % and leaves the SmolLM2
+# tests' time as it was (measured). Results do not depend on it: every exactness test compares
+# two computations compiled the same way, or allows a tolerance.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_backend_optimization_level=0").strip()
 
 
 @pytest.fixture(autouse=True, scope="module")
