@@ -13,8 +13,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jmtp.model.config import ModelConfig
-from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.llm_engine import LLMEngine, default_dtype, with_draft_vocab
 from jmtp.runtime.outputs import RequestOutput
 from jmtp.runtime.sampling import SamplingParams

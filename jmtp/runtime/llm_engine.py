@@ -238,7 +238,7 @@ class LLMEngine:
         self.spec_policy = None
         if spec.enabled and spec.speculation_policy == "dynamic":
             self.spec_policy = DynamicSpeculation(
-                ec.max_num_seqs, spec.k, bucket_of=lambda rows, n: choose_bucket(
+                ec.max_num_seqs, spec.k, lambda rows, n: choose_bucket(
                     ec, min(rows, ec.max_num_batched_tokens), n, has_prefill=False))
         self.compile_seconds = self._compile_ahead() if compile == "eager" else {}
 

@@ -31,8 +31,7 @@ independent of batch composition.
 """
 from __future__ import annotations
 
-import bisect
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 
@@ -48,9 +47,8 @@ class DynamicSpeculation:
     Args:
       num_slots: B.
       k: K, the largest draft count.
-      buckets: token buckets (static row counts) when steps differ by rows only; or
-      bucket_of: the engine's bucket of a decode step with ``rows`` rows over ``n`` slots (keyword;
-        exactly one of ``buckets`` / ``bucket_of``).
+      bucket_of: the :class:`StepBucket` a decode step with ``rows`` rows over ``n`` slots runs in
+        (the engine passes ``choose_bucket(ec, rows, n, has_prefill=False)``).
       prior_acceptance: initial pooled per-position acceptance ``a_i`` (before any measurement).
       prior_weight: pseudo-trials of the pooled estimate in each slot's estimate.
       halflife: steps after which a count has half its weight.
@@ -58,30 +56,21 @@ class DynamicSpeculation:
       probe_every: a slot at 0 drafts this many steps in a row drafts once (0 = never probe).
 
     Raises:
-      ValueError: ``num_slots < 1``, ``k < 1``, empty buckets, both or neither of ``buckets`` /
-        ``bucket_of``, or a parameter outside its range.
+      ValueError: ``num_slots < 1``, ``k < 1``, or a parameter outside its range.
     """
 
-    def __init__(self, num_slots: int, k: int, buckets: Sequence[int] | None = None, *,
-                 bucket_of: BucketOf | None = None, prior_acceptance: float = 0.5, prior_weight: float = 4.0, halflife: float = 32.0,
+    def __init__(self, num_slots: int, k: int, bucket_of: BucketOf, *,
+                 prior_acceptance: float = 0.5, prior_weight: float = 4.0, halflife: float = 32.0,
                  cost_ema: float = 0.2, probe_every: int = 16):
         if num_slots < 1 or k < 1:
             raise ValueError(f"DynamicSpeculation: need num_slots >= 1 and k >= 1, got "
                              f"num_slots={num_slots}, k={k}")
-        if (buckets is None) == (bucket_of is None):
-            raise ValueError("DynamicSpeculation: give exactly one of buckets / bucket_of")
-        if buckets is not None and not buckets:
-            raise ValueError("DynamicSpeculation: buckets must not be empty")
         if not 0.0 <= prior_acceptance <= 1.0 or prior_weight < 0 or halflife <= 0:
             raise ValueError("DynamicSpeculation: prior_acceptance must lie in [0, 1], "
                              "prior_weight >= 0, halflife > 0")
         if not 0.0 < cost_ema <= 1.0 or probe_every < 0:
             raise ValueError("DynamicSpeculation: cost_ema must lie in (0, 1], probe_every >= 0")
         self.num_slots, self.k = num_slots, k
-        if buckets is not None:
-            ts = tuple(sorted(set(int(b) for b in buckets)))
-            bucket_of = lambda rows, n: StepBucket(ts[min(bisect.bisect_left(ts, rows),  # noqa: E731
-                                                          len(ts) - 1)], 0)
         self.bucket = bucket_of
         self.prior_weight, self.cost_ema, self.probe_every = prior_weight, cost_ema, probe_every
         self.decay = 0.5 ** (1.0 / halflife)
@@ -104,7 +93,7 @@ class DynamicSpeculation:
         """f64[B, K]: expected extra tokens from each slot's i-th draft, ``prod_{j<=i} a_j``."""
         return np.cumprod(self.acceptance(), axis=1)
 
-    def step_time(self, rows: int, num_slots: int = 0) -> float:
+    def step_time(self, rows: int, num_slots: int) -> float:
         """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots (measured,
         interpolated in T among buckets of the same A, or optimistic); 1.0 before any measurement
         of that A (every bucket then costs the same)."""
@@ -154,10 +143,9 @@ class DynamicSpeculation:
         return limits
 
     def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray,
-                bucket: StepBucket | int, seconds: float) -> None:
+                bucket: StepBucket, seconds: float) -> None:
         """Record one step: per-slot drafts verified / accepted (``StepOutput.num_drafts`` /
-        ``num_accepted``, i32[B]), the :class:`StepBucket` the step ran in (or its row count with
-        ``buckets``) and its wall ``seconds``. The first timing of each bucket is discarded (it
+        ``num_accepted``, i32[B]), the :class:`StepBucket` the step ran in and its wall ``seconds``. The first timing of each bucket is discarded (it
         includes the bucket's compilation)."""
         nd = np.asarray(num_drafts, np.int64)[:, None]
         na = np.asarray(num_accepted, np.int64)[:, None]
@@ -171,12 +159,11 @@ class DynamicSpeculation:
         # Pooled estimate: decayed sums over every slot, seeded with the prior.
         self.pool_trials = self.pool_trials * self.decay + tried.sum(0)
         self.pool_succ = self.pool_succ * self.decay + (tried & ok).sum(0)
-        t = bucket if isinstance(bucket, StepBucket) else self.bucket(int(bucket), 0)
-        if t not in self._seen:     # a bucket's first step includes its compilation: not a cost
-            self._seen.add(t)
+        if bucket not in self._seen:     # a bucket's first step includes its compilation: not a cost
+            self._seen.add(bucket)
             return
-        old = self.step_seconds.get(t)
-        self.step_seconds[t] = seconds if old is None else (
+        old = self.step_seconds.get(bucket)
+        self.step_seconds[bucket] = seconds if old is None else (
             (1 - self.cost_ema) * old + self.cost_ema * seconds)
 
     def reset_slot(self, slot: int) -> None:

@@ -9,26 +9,33 @@ from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.spec_policy import DynamicSpeculation
 
 
+def rows_only(buckets):
+    """A ``bucket_of`` whose cost depends on rows only: the smallest of ``buckets`` holding the
+    rows (the largest beyond), every slot count sharing slot bucket 0."""
+    ts = sorted(buckets)
+    return lambda rows, n: StepBucket(next((t for t in ts if t >= rows), ts[-1]), 0)
+
+
 def by_rows(seconds: dict) -> dict:
-    """Step costs keyed by token rows only (the ``buckets=`` mode keys them StepBucket(T, 0))."""
+    """Step costs keyed by token rows only (as :func:`rows_only` keys them)."""
     return {StepBucket(t, 0): v for t, v in seconds.items()}
 
 
 def policy(num_slots, k, buckets, **kw):
     kw.setdefault("probe_every", 0)
-    return DynamicSpeculation(num_slots, k, buckets, **kw)
+    return DynamicSpeculation(num_slots, k, rows_only(buckets), **kw)
 
 
 def feed(p, num_drafts, num_accepted, steps, rows=1, seconds=1.0):
     for _ in range(steps):
-        p.observe(np.asarray(num_drafts), np.asarray(num_accepted), rows, seconds)
+        p.observe(np.asarray(num_drafts), np.asarray(num_accepted), p.bucket(rows, 0), seconds)
 
 
 def test_conditional_acceptance_counts():
     # One slot, K=3, no prior, no decay to speak of: 4 steps with accepted 3, 1, 0, 2 of 3 drafts.
     p = policy(1, 3, [4], prior_weight=0.0, halflife=1e9)
     for a in (3, 1, 0, 2):
-        p.observe(np.array([3]), np.array([a]), 4, 1.0)
+        p.observe(np.array([3]), np.array([a]), p.bucket(4, 1), 1.0)
     # position 1: tried 4, accepted 3; position 2: tried 3 (those with a >= 1), accepted 2;
     # position 3: tried 2 (a >= 2), accepted 1.
     np.testing.assert_allclose(p.acceptance()[0], [3 / 4, 2 / 3, 1 / 2])
@@ -87,17 +94,18 @@ def test_batch_load_makes_rows_expensive():
 
 def test_cost_learning_and_interpolation():
     p = policy(1, 3, [1, 4, 8, 16])
-    assert p.step_time(3) == 1.0                        # nothing measured: all equal
-    p.observe(np.array([0]), np.array([0]), 1, 9.0)     # first step of a bucket: compilation
+    assert p.step_time(3, 1) == 1.0                     # nothing measured: all equal
+    one_row = p.bucket(1, 1)
+    p.observe(np.array([0]), np.array([0]), one_row, 9.0)   # first step of a bucket: compilation
     assert p.step_seconds == {}
-    p.observe(np.array([0]), np.array([0]), 1, 0.10)
-    p.observe(np.array([0]), np.array([0]), 1, 0.20)    # EMA with weight 0.2
+    p.observe(np.array([0]), np.array([0]), one_row, 0.10)
+    p.observe(np.array([0]), np.array([0]), one_row, 0.20)  # EMA with weight 0.2
     assert p.step_seconds[StepBucket(1, 0)] == pytest.approx(0.8 * 0.10 + 0.2 * 0.20)
     p.step_seconds = by_rows({1: 0.1, 16: 0.4})
-    assert p.step_time(3) == pytest.approx(0.1 + (4 - 1) / 15 * 0.3)   # bucket 4, interpolated
+    assert p.step_time(3, 1) == pytest.approx(0.1 + (4 - 1) / 15 * 0.3)   # bucket 4, interpolated
     assert p.bucket(9, 1) == StepBucket(16, 0) and p.bucket(100, 1) == StepBucket(16, 0)
     p.step_seconds = by_rows({1: 0.1})
-    assert p.step_time(8) == 0.1                        # past the measured: optimistic
+    assert p.step_time(8, 1) == 0.1                     # past the measured: optimistic
 
 
 def test_probe_after_a_zero_streak():
@@ -119,13 +127,9 @@ def test_reset_slot_falls_back_to_the_pool():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="k >= 1"):
-        DynamicSpeculation(2, 0, [4])
-    with pytest.raises(ValueError, match="buckets"):
-        DynamicSpeculation(2, 2, [])
-    with pytest.raises(ValueError, match="exactly one"):
-        DynamicSpeculation(2, 2)
+        policy(2, 0, [4])
     with pytest.raises(ValueError, match="prior_acceptance"):
-        DynamicSpeculation(2, 2, [4], prior_acceptance=1.5)
+        policy(2, 2, [4], prior_acceptance=1.5)
 
 
 def test_costs_keyed_by_step_bucket():
@@ -133,7 +137,7 @@ def test_costs_keyed_by_step_bucket():
     other slot counts never price a decode step (they used to share a key by T alone)."""
     ec = EngineConfig(max_num_seqs=8, max_model_len=64, block_size=4, num_blocks=32,
                       max_num_batched_tokens=32, spec=SpeculativeConfig("mtp", 3))
-    p = DynamicSpeculation(8, 3, bucket_of=lambda rows, n: choose_bucket(ec, rows, n, False),
+    p = DynamicSpeculation(8, 3, lambda rows, n: choose_bucket(ec, rows, n, False),
                            prior_weight=0.0, halflife=1e9, probe_every=0)
     assert p.bucket(3, 1) == StepBucket(4, 1)
     prefill = choose_bucket(ec, 4, 8, True)             # a 4-row prefill chunk over all 8 slots
