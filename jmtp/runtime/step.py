@@ -29,6 +29,11 @@ stage (this module)         FastDeploy op(s)
                             return their blocks in the step they finish
 =========================== ====================================================================
 
+The step calls the allocator twice: the top-up at the start (a slot's need depends on this step's
+schedule) and the release at the end (a slot's blocks return in the step it finishes, so the host
+sees them free at once and an idle engine owns no blocks). Folding the release into the next
+step's single call would hold a finished request's blocks for one more step.
+
 Every stage output is a frozen dataclass registered with ``jax.tree_util.register_dataclass``;
 all fields are data (array leaves, or None for an absent optional array), static sizes live in
 :class:`~jmtp.runtime.config.EngineConfig` / :class:`~jmtp.runtime.buckets.StepBucket`.
@@ -47,7 +52,7 @@ import jax.numpy as jnp
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.llama import KVCache, compute_logits, forward, mtp_forward
-from jmtp.model.metadata import AttentionMetadata, ragged_batch
+from jmtp.model.metadata import AttentionMetadata, packed_row_seq, ragged_batch
 from jmtp.runtime.buckets import StepBucket, active_slots
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.ngram import extend_with_ngram, ngram_match
@@ -256,16 +261,6 @@ def _scatter_slots(x, slots, num_seqs, fill=0):
     """``[B, ...]`` array of ``fill`` holding row ``i`` of ``x [A, ...]`` at slot ``slots[i]``;
     padding rows (``slots[i] == B``) are dropped."""
     return jnp.full((num_seqs,) + x.shape[1:], fill, x.dtype).at[slots].set(x, mode="drop")
-
-
-def packed_row_seq(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
-    """The packed-row → sequence lookup: ``(seq i32[T], local i32[T])`` for ``T = num_tokens``
-    rows, with row ``t`` the ``local[t]``-th query of sequence ``seq[t]``
-    (``cu_q_lens[seq] <= t < cu_q_lens[seq + 1]``). Padding rows map to the last sequence that
-    starts at or before them (clipped to ``[0, S-1]``; callers mask them)."""
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, cu_q_lens.shape[0] - 2)
-    return seq.astype(jnp.int32), t - cu_q_lens[seq]
 
 
 # ------------------------------------------------------------------------------------ stages

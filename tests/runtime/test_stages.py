@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp.model import forward_logits
 from jmtp.model.llama import compute_logits, init_kv_cache, mtp_forward
-from jmtp.model.metadata import ragged_batch
+from jmtp.model.metadata import packed_row_seq, ragged_batch
 from jmtp.pallas import block_allocator as ba
 from jmtp.pallas.block_allocator import BlockAllocatorState, blocks_needed
 from jmtp.runtime import step as stp
@@ -429,3 +429,10 @@ def test_engine_step_traces_once_per_bucket(tiny):
     outs = llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
     assert all(1 <= len(o.token_ids) <= 8 for o in outs)
     assert eng._step._cache_size() == len(buckets)
+
+
+def test_packed_row_seq_hand_case():
+    # 3 sequences with 2, 0, 3 queries packed into 6 rows (the last is padding)
+    seq, local = packed_row_seq(i32([0, 2, 2, 5]), 6)
+    np.testing.assert_array_equal(seq, [0, 0, 2, 2, 2, 2])
+    np.testing.assert_array_equal(local, [0, 1, 0, 1, 2, 3])
