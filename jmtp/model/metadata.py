@@ -26,6 +26,16 @@ class AttentionMetadata:
     block_tables: jax.Array
 
 
+def packed_row_seq(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """The packed-row -> sequence lookup: ``(seq i32[T], local i32[T])`` for ``T = num_tokens``
+    rows, with row ``t`` the ``local[t]``-th query of sequence ``seq[t]``
+    (``cu_q_lens[seq] <= t < cu_q_lens[seq + 1]``). Padding rows map to the last sequence that
+    starts at or before them (clipped to ``[0, S-1]``; callers mask them)."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, cu_q_lens.shape[0] - 2)
+    return seq.astype(jnp.int32), t - cu_q_lens[seq]
+
+
 def ragged_batch(
     q_lens: jax.Array,        # i32[S]   new tokens per sequence this step (0 = idle)
     context_lens: jax.Array,  # i32[S]   tokens already in the cache (position of the first new token)
@@ -43,9 +53,9 @@ def ragged_batch(
     context_lens = context_lens.astype(jnp.int32)
     cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, q_lens.shape[0] - 1)
+    seq, local = packed_row_seq(cu, num_tokens)
     valid = t < cu[-1]
-    pos = context_lens[seq] + t - cu[seq]
+    pos = context_lens[seq] + local
     blk = jnp.take_along_axis(block_tables[seq], (pos // block_size)[:, None], axis=1,
                               mode="clip")[:, 0]
     slot = jnp.where(valid & (blk >= 0), blk * block_size + pos % block_size, -1)

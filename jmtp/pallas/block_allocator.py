@@ -284,3 +284,61 @@ def check_state(free_stack, free_count, block_tables, num_owned) -> None:
         dup = np.nonzero(counts > 1)[0].tolist()
         lost = np.nonzero(counts == 0)[0].tolist()
         raise ValueError(f"blocks held twice: {dup}; blocks lost: {lost}")
+
+
+def blocks_needed(num_positions, block_size: int):
+    """KV blocks that cover ``num_positions`` positions: ``ceil(num_positions / block_size)``.
+
+    The one formula shared by the host (request validation, admission), the engine config
+    (block-table width) and the device allocator (each step's top-up); works on Python ints and on
+    integer arrays alike (``i32[B] -> i32[B]``).
+    """
+    return -(-num_positions // block_size)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockAllocatorState:
+    """The allocator's state as one pytree (every field is data; shapes are static).
+
+    Attributes:
+      free_stack: i32[N]       free block ids; entries ``[0, free_count)`` valid, top at
+                               ``free_count - 1``.
+      free_count: i32[]        number of free blocks.
+      block_tables: i32[B, P]  slot b owns ``block_tables[b, :num_owned[b]]``; the rest is -1.
+      num_owned: i32[B]        blocks each slot owns.
+    """
+
+    free_stack: jax.Array
+    free_count: jax.Array
+    block_tables: jax.Array
+    num_owned: jax.Array
+
+    @classmethod
+    def create(cls, num_blocks: int, num_slots: int, pages_per_slot: int,
+               top_first: bool = False) -> "BlockAllocatorState":
+        """Every block free, no slot owns any. ``top_first=False`` stacks ``arange(N)`` (block
+        ``N - 1`` is handed out first, the engine's order); ``True`` is
+        :func:`init_allocator_state`'s order (block 0 first).
+
+        Raises:
+          ValueError: if any size is < 1.
+        """
+        fs, fc, bt, no = init_allocator_state(num_blocks, num_slots, pages_per_slot)
+        if not top_first:
+            fs = fs[::-1]
+        return cls(free_stack=fs, free_count=fc, block_tables=bt, num_owned=no)
+
+    def allocate(self, release: jax.Array, num_needed: jax.Array, *,
+                 implementation: str | None = None
+                 ) -> tuple["BlockAllocatorState", jax.Array]:
+        """:func:`allocate_blocks` on this state: release ``bool[B]`` slots, then top every slot
+        up to ``num_needed i32[B]`` blocks, all or nothing. Returns ``(new state, paused bool[B])``.
+
+        Raises:
+          ValueError: at trace time, as :func:`allocate_blocks`.
+        """
+        r = allocate_blocks(self.free_stack, self.free_count, self.block_tables, self.num_owned,
+                            release, num_needed, implementation=implementation)
+        return BlockAllocatorState(free_stack=r.free_stack, free_count=r.free_count,
+                                   block_tables=r.block_tables, num_owned=r.num_owned), r.paused

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from jmtp.pallas.block_allocator import blocks_needed
+
 METHODS = (None, "mtp", "ngram", "custom")
 MTP_STRATEGIES = ("default", "with_ngram")
 SPECULATION_POLICIES = ("fixed", "dynamic")
@@ -204,7 +206,7 @@ class EngineConfig:
     @property
     def pages_per_seq(self) -> int:
         """Block-table width: covers max_model_len plus the speculative overhang K+M."""
-        return -(-(self.max_model_len + self.k + self.m) // self.block_size)
+        return blocks_needed(self.max_model_len + self.k + self.m, self.block_size)
 
     @property
     def seq_buffer_len(self) -> int:

@@ -31,6 +31,7 @@ from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetr
 from jmtp.runtime.sampling import SamplingParams, make_row
 from jmtp.runtime.spec_policy import DynamicSpeculation
 from jmtp.runtime.state import FINISH_REASONS, init_state, insert_request
+from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.runtime.step import engine_step, release_slot
 
 log = logging.getLogger(__name__)
@@ -374,8 +375,8 @@ class LLMEngine:
         bad = [t for t in prompt_ids if not 0 <= t < mc.vocab_size]
         if bad:
             raise ValueError(f"{where}: token id {bad[0]} outside [0, vocab_size={mc.vocab_size})")
-        need = -(-(min(len(prompt_ids) + sp.max_tokens, ec.max_model_len) + ec.k + ec.m)
-                 // ec.block_size)
+        need = blocks_needed(min(len(prompt_ids) + sp.max_tokens, ec.max_model_len) + ec.k + ec.m,
+                             ec.block_size)
         if need > ec.num_blocks:
             raise ValueError(
                 f"{where}: the request needs up to {need} KV blocks but num_blocks={ec.num_blocks}")
@@ -426,7 +427,7 @@ class LLMEngine:
                 continue
             seq = self._waiting[0]
             first_chunk = min(len(seq.context_ids), ec.max_num_batched_tokens)
-            need = -(-(first_chunk + ec.m) // bs)
+            need = blocks_needed(first_chunk + ec.m, bs)
             if need > free and any(x is not None for x in slots):
                 break  # wait for running requests to free blocks
             self._waiting.popleft()

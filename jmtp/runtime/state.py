@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmtp.pallas.block_allocator import BlockAllocatorState
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.sampling import SamplingArrays
 
@@ -23,7 +24,8 @@ FINISH_REASONS = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class EngineState:
-    """Per-slot serving state (all data fields; the static shape lives in EngineConfig).
+    """Per-slot serving state (a pytree; every field is data, none static: the static shape lives
+    in EngineConfig).
 
     Sequence bookkeeping:
       input_ids: i32[B, Lbuf]        prompt tokens followed by generated tokens. (FastDeploy splits
@@ -48,11 +50,11 @@ class EngineState:
       stop_flags: bool[B]            slot idle or finished (init True).
       finish_reason: i32[B]          FINISH_NONE / FINISH_STOP / FINISH_LENGTH.
     KV blocks (shared ids for the target and MTP caches):
-      block_tables: i32[B, P]        physical block of each logical block, -1 = absent.
-      num_owned: i32[B]              blocks owned (entries [0, num_owned) of the row are valid).
+      blocks: BlockAllocatorState    ``free_stack i32[N]``, ``free_count i32[]``,
+                                     ``block_tables i32[B, P]`` (physical block of each logical
+                                     block, -1 = absent), ``num_owned i32[B]``; read-only
+                                     shortcuts ``state.free_count`` etc. are properties.
       paused: bool[B]                slot could not get its blocks this step (``is_block_step``).
-      free_stack: i32[N]             free block ids; entries [0, free_count) valid.
-      free_count: i32[]              free blocks.
     """
 
     input_ids: jax.Array
@@ -70,11 +72,24 @@ class EngineState:
     sampling: SamplingArrays
     stop_flags: jax.Array
     finish_reason: jax.Array
-    block_tables: jax.Array
-    num_owned: jax.Array
+    blocks: BlockAllocatorState
     paused: jax.Array
-    free_stack: jax.Array
-    free_count: jax.Array
+
+    @property
+    def free_stack(self) -> jax.Array:
+        return self.blocks.free_stack
+
+    @property
+    def free_count(self) -> jax.Array:
+        return self.blocks.free_count
+
+    @property
+    def block_tables(self) -> jax.Array:
+        return self.blocks.block_tables
+
+    @property
+    def num_owned(self) -> jax.Array:
+        return self.blocks.num_owned
 
 
 def init_state(ec: EngineConfig, vocab_size: int) -> EngineState:
@@ -98,11 +113,8 @@ def init_state(ec: EngineConfig, vocab_size: int) -> EngineState:
                                       ec.max_bad_word_len),
         stop_flags=jnp.ones((b,), bool),
         finish_reason=zi(b),
-        block_tables=jnp.full((b, ec.pages_per_seq), -1, jnp.int32),
-        num_owned=zi(b),
+        blocks=BlockAllocatorState.create(ec.num_blocks, b, ec.pages_per_seq),
         paused=jnp.zeros((b,), bool),
-        free_stack=jnp.arange(ec.num_blocks, dtype=jnp.int32),
-        free_count=jnp.array(ec.num_blocks, jnp.int32),
     )
 
 

@@ -1,21 +1,42 @@
-"""The engine step: one jitted pure function doing target forward + verify + update + the whole
-multi-step MTP proposal + KV-block bookkeeping (FastDeploy ``execute_model`` speculative branch,
-§2 of the spec, with the "shadow state" MTP of §12 Q2).
+"""The engine step: one jitted pure function wired over named, pure stages (FastDeploy
+``execute_model`` speculative branch, §2 of ``fastdeploy_mtp_spec.md``, with the "shadow state"
+MTP of §12 Q2). :func:`engine_step` is the whole step, compiled once per step bucket with the state
+and both caches donated; each stage is a function of typed pytrees in → typed pytrees out, jittable
+and tested on its own (``tests/runtime/test_stages.py``).
 
-Order inside :func:`engine_step`:
+=========================== ====================================================================
+stage (this module)         FastDeploy op(s)
+=========================== ====================================================================
+:func:`schedule`            the ``seq_lens_this_time`` the scheduler / ``draft_model_postprocess``
+                            set: per slot the prefill chunk (``seq_lens_encoder``) or the verify
+                            window ``1 + #drafts`` (§2 step 10, §6.2)
+:func:`allocate_blocks`     ``speculate_step_paddle`` / ``step_cuda`` block top-up (§6.10, §9.3):
+                            every scheduled slot gets the blocks its writes need, all or nothing,
+                            else it is paused (``is_block_step``)
+:func:`target_forward`      ``speculate_get_padding_offset`` + model forward + ``rebuild_padding``
+                            + ``compute_logits`` (§3, §4): window rows only
+:func:`speculate_verify`    ``top_p_candidates`` + ``speculate_verify`` (§5.3)
+:func:`speculate_update`    ``speculate_update`` + ``speculate_set_value_by_flags_and_idx``
+                            (§5.4, §5.5): stop checks, truncation at the first stop, token append
+:func:`draft_model_preprocess`  ``draft_model_preprocess`` + ``eagle_get_hidden_states`` (§6.3,
+                            §6.4): MTP substep 0 inputs from the accepted tokens and target rows
+:func:`mtp_substep`         one MTP forward + draft pick, then ``draft_model_update`` +
+                            ``eagle_get_self_hidden_states`` (§6.5, §6.6) for the next substep;
+                            the step applies it M times
+:func:`draft_model_postprocess`  ``draft_model_postprocess`` (§6.7): drafts into
+                            ``draft_tokens[:, 1:]``, the next ``seq_lens_this_time``
+:func:`release_finished`    the release half of ``speculate_step_paddle`` (§6.10): finished slots
+                            return their blocks in the step they finish
+=========================== ====================================================================
 
-1. schedule: per slot, prefill chunk (host-chosen) or verify window ``[last, d1..dn]``;
-2. KV blocks: allocate what this step's target and MTP writes need (paused if none free);
-3. target forward over the packed ragged batch (``pre_process`` + model), logits of the window rows
-   only (``rebuild_padding`` + ``compute_logits``);
-4. verify (greedy: longest prefix of drafts equal to the target argmax, then the bonus token);
-5. ``speculate_update``: stop on stop tokens / max_tokens / max_model_len, truncating at the first stop
-   inside the accepted tokens; append tokens; advance ``seq_lens_decoder`` and ``step_idx``;
-6. proposer: MTP substep 0 over the accepted tokens paired with the target's hidden rows
-   (``draft_model_preprocess`` + ``eagle_get_hidden_states``), then substeps 1..M-1 fed the MTP's
-   own hidden state (``eagle_get_self_hidden_states``); drafts written to ``draft_tokens[:, 1:]``
-   (``draft_model_update`` / ``draft_model_postprocess``);
-7. release the blocks of slots that finished.
+The step calls the allocator twice: the top-up at the start (a slot's need depends on this step's
+schedule) and the release at the end (a slot's blocks return in the step it finishes, so the host
+sees them free at once and an idle engine owns no blocks). Folding the release into the next
+step's single call would hold a finished request's blocks for one more step.
+
+Every stage output is a frozen dataclass registered with ``jax.tree_util.register_dataclass``;
+all fields are data (array leaves, or None for an absent optional array), static sizes live in
+:class:`~jmtp.runtime.config.EngineConfig` / :class:`~jmtp.runtime.buckets.StepBucket`.
 
 The MTP keeps no state besides its cache: it processes positions ``[dec_old, dec_old + a)`` of the
 one-position-shifted cache (position p holds (x_{p+1}, h_p)), i.e. its ``seq_lens_decoder`` is the
@@ -25,28 +46,32 @@ target's minus ``accept_num`` (§12 Q2 "shadow state"). Speculative positions wr
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.llama import KVCache, compute_logits, forward, mtp_forward
-from jmtp.model.metadata import ragged_batch
+from jmtp.model.metadata import AttentionMetadata, packed_row_seq, ragged_batch
 from jmtp.runtime.buckets import StepBucket, active_slots
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.ngram import extend_with_ngram, ngram_match
-from jmtp.runtime.sampling import draft_sample, update_history
+from jmtp.runtime.sampling import SamplingArrays, draft_sample, update_history
 from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState
 from jmtp.runtime.verify import verify
 
-from jmtp.pallas.block_allocator import allocate_blocks
+from jmtp.pallas.block_allocator import BlockAllocatorState, blocks_needed
+
+
+def _pytree(cls):
+    """Frozen dataclass registered as a pytree whose fields are all data (no static fields)."""
+    return jax.tree_util.register_dataclass(dataclasses.dataclass(frozen=True)(cls))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class StepOutput:
-    """What the host reads back after each step (small arrays only).
+    """What the host reads back after each step (small arrays only; every field is data).
 
     Attributes:
       tokens: i32[B, K+1]      emitted tokens, -1 past ``num_tokens``.
@@ -77,6 +102,152 @@ class StepOutput:
     top_logprobs: jax.Array | None = None
 
 
+@_pytree
+class Schedule:
+    """What each slot does this step (output of :func:`schedule`, refined by
+    :func:`allocate_blocks`).
+
+    Attributes:
+      seq_lens_this_time: i32[B]  query rows: the prefill chunk, ``1 + num_drafts`` for a verify
+                                  window, 0 for idle / finished / paused slots.
+      seq_lens_encoder: i32[B]    prefill chunk (0 unless prefilling).
+      num_drafts: i32[B]          drafts verified (0 unless decoding).
+      prefilling: bool[B]         slot runs a prefill chunk.
+      decoding: bool[B]           slot runs a verify window.
+      paused: bool[B]             slot was scheduled but got no KV blocks (``is_block_step``).
+    """
+
+    seq_lens_this_time: jax.Array
+    seq_lens_encoder: jax.Array
+    num_drafts: jax.Array
+    prefilling: jax.Array
+    decoding: jax.Array
+    paused: jax.Array
+
+
+@_pytree
+class TargetOutput:
+    """Output of :func:`target_forward`.
+
+    Attributes:
+      hidden: f[T, H]              target hidden state of every packed row.
+      cu_q_lens: i32[B+1]          packed-row offsets of the slots.
+      logits: f32[A, K+1, V]       logits of the window rows of the A compacted slots (a prefill
+                                   chunk's last row in column 0; its other columns repeat row 0).
+      slots: i32[A]                compacted slot ids, ascending, padding = B
+                                   (:func:`~jmtp.runtime.buckets.active_slots`).
+      valid: bool[A]               row holds a slot.
+    """
+
+    hidden: jax.Array
+    cu_q_lens: jax.Array
+    logits: jax.Array
+    slots: jax.Array
+    valid: jax.Array
+
+
+@_pytree
+class Verified:
+    """Output of :func:`speculate_verify` (per slot, before stop truncation).
+
+    Attributes:
+      accept_tokens: i32[B, K+1]   accepted drafts then the correction / bonus token (>= 0; the
+                                   entries at and past ``accept_num`` are meaningless). A resumed
+                                   request's first token is its ``resume_token``.
+      accept_num: i32[B]           tokens to emit: ``1 + accepted drafts`` for a decoding slot, 1
+                                   for the step that finishes a prefill, else 0.
+      num_accepted: i32[B]         drafts accepted (meaningful for decoding slots only).
+      logprobs, top_logprob_ids, top_logprobs: as :class:`StepOutput` (None without logprobs).
+    """
+
+    accept_tokens: jax.Array
+    accept_num: jax.Array
+    num_accepted: jax.Array
+    logprobs: jax.Array | None = None
+    top_logprob_ids: jax.Array | None = None
+    top_logprobs: jax.Array | None = None
+
+
+@_pytree
+class Committed:
+    """Output of :func:`speculate_update` besides the new state.
+
+    Attributes:
+      tokens: i32[B, K+1]    committed tokens, -1 past ``num_tokens``.
+      num_tokens: i32[B]     committed this step (``accept_num`` cut at the first stop).
+      num_accepted: i32[B]   drafts among them (0 unless decoding).
+      finished: bool[B]      slot finished this step.
+      finish_reason: i32[B]  FINISH_STOP / FINISH_LENGTH where finished, else FINISH_NONE.
+      draft_budget: i32[B]   drafts the next window may hold: ``[0, K]``, never past max_tokens or
+                             max_model_len (§12 Q3); 0 for slots that cannot draft.
+    """
+
+    tokens: jax.Array
+    num_tokens: jax.Array
+    num_accepted: jax.Array
+    finished: jax.Array
+    finish_reason: jax.Array
+    draft_budget: jax.Array
+
+
+@_pytree
+class DraftContext:
+    """Per-step constants of the MTP proposal over the A compacted slots (from
+    :func:`draft_model_preprocess`).
+
+    Attributes:
+      slots: i32[A]             compacted slot ids (padding = B).
+      budget: i32[A]            drafts allowed per row (0 for padding rows).
+      start_pos: i32[A]         MTP position of draft d1 (the target's new ``seq_lens_decoder``).
+      block_tables: i32[A, P]   the rows' block tables.
+      sampling: SamplingArrays  the rows' sampling parameters.
+      step_idx: i32[A]          the rows' ``step_idx`` after the update.
+    """
+
+    slots: jax.Array
+    budget: jax.Array
+    start_pos: jax.Array
+    block_tables: jax.Array
+    sampling: SamplingArrays
+    step_idx: jax.Array
+
+
+@_pytree
+class MtpBatch:
+    """Inputs of one :func:`mtp_substep`: a packed ragged batch of R rows (R = T for substep 0,
+    A for the later ones).
+
+    Attributes:
+      ids: i32[R]                tokens fed to the MTP.
+      hidden: f[R, H]            hidden rows paired with them (the target's for substep 0, the
+                                 MTP's own after).
+      positions: i32[R]          MTP cache positions.
+      meta: AttentionMetadata    the batch's attention metadata.
+      pick_rows: i32[A]          row whose output drafts for each compacted slot.
+      active: bool[A]            slot drafts at this substep.
+    """
+
+    ids: jax.Array
+    hidden: jax.Array
+    positions: jax.Array
+    meta: AttentionMetadata
+    pick_rows: jax.Array
+    active: jax.Array
+
+
+@_pytree
+class DraftPick:
+    """Output of one :func:`mtp_substep` for the A compacted slots.
+
+    Attributes:
+      tokens: i32[A]          the draft, -1 where the slot is not active.
+      probs: f32[A, V] | None its exact distribution q (``draft_sampling`` only).
+    """
+
+    tokens: jax.Array
+    probs: jax.Array | None
+
+
 def _take_rows(x, rows):
     return jnp.take(x, jnp.clip(rows, 0, x.shape[0] - 1), axis=0)
 
@@ -92,47 +263,21 @@ def _scatter_slots(x, slots, num_seqs, fill=0):
     return jnp.full((num_seqs,) + x.shape[1:], fill, x.dtype).at[slots].set(x, mode="drop")
 
 
-def engine_step(
-    mc: ModelConfig,
-    ec: EngineConfig,
-    drafter,                    # None (MTP head / no speculation) or callable(state) -> i32[B, K]
-    bucket: StepBucket | int,   # static (T, A) bucket; an int T means A = max_num_seqs
-    attention_impl: str | None,
-    params: dict,
-    state: EngineState,
-    cache: KVCache,             # target cache (L layers)
-    mtp_cache: KVCache | None,  # MTP cache (num_mtp_layers), None without MTP
-    prefill_chunk: jax.Array,   # i32[B] prompt tokens each prefilling slot processes this step
-    draft_limit: jax.Array | None = None,  # i32[B] max drafts proposed for the next step
-):
-    """One engine step (see module docstring).
+# ------------------------------------------------------------------------------------ stages
+def schedule(ec: EngineConfig, state: EngineState, prefill_chunk: jax.Array) -> Schedule:
+    """Per slot: prefill chunk, verify window or nothing (the ``seq_lens_this_time`` FastDeploy's
+    scheduler and ``draft_model_postprocess`` leave for the next step).
 
     Args:
-      mc, ec, drafter, bucket, attention_impl: static (hashable) arguments. ``bucket`` is the
-        :class:`~jmtp.runtime.buckets.StepBucket` ``(T, A)`` the host picked
-        (:func:`~jmtp.runtime.buckets.choose_bucket`): T token rows, at least
-        ``sum(seq_lens_this_time)``, and A slot rows, at least the number of slots with work; the
-        window logits, verification and MTP substeps run over those A compacted slots only. An int
-        is taken as T with ``A = max_num_seqs``.
-      params: model parameter pytree (with ``params["mtp"]`` when drafting with the MTP head).
-      state, cache, mtp_cache: donated by :class:`~jmtp.runtime.engine.LLM`; returned updated.
-      prefill_chunk: i32[B] prompt tokens each prefilling slot processes this step (clipped to
-        what is left of its prompt; ignored for decoding and idle slots).
-      draft_limit: i32[B] or None: at most this many drafts are proposed per slot for the next
-        step (the dynamic speculation policy's choice, :mod:`jmtp.runtime.spec_policy`); data,
-        so new limits never recompile. None = K.
+      ec: static engine config.
+      state: the engine state.
+      prefill_chunk: i32[B] prompt tokens each prefilling slot may process (clipped to what is
+        left of its prompt; ignored for decoding and idle slots).
 
     Returns:
-      ``(state, cache, mtp_cache, StepOutput)``.
+      :class:`Schedule` (``paused`` all False: see :func:`allocate_blocks`).
     """
-    B, W, K, M, bs = ec.max_num_seqs, ec.window, ec.k, ec.m, ec.block_size
-    if not isinstance(bucket, StepBucket):
-        bucket = StepBucket(int(bucket), B)
-    num_tokens, A = bucket.num_tokens, bucket.num_slots
-    if not 1 <= A <= B:
-        raise ValueError(f"StepBucket.num_slots={A} must lie in [1, max_num_seqs={B}]")
     s = state
-    use_mtp = ec.m > 0          # the MTP head drafts (not n-gram, not a custom drafter)
     running = ~s.stop_flags
     dec = s.seq_lens_decoder
     prefilling = running & (dec < s.prompt_lens)
@@ -140,26 +285,68 @@ def engine_step(
     chunk = jnp.where(prefilling, jnp.minimum(prefill_chunk, s.prompt_lens - dec), 0)
     num_drafts = jnp.where(decoding, jnp.sum(s.draft_tokens[:, 1:] >= 0, axis=1), 0)
     slt = jnp.where(prefilling, chunk, jnp.where(decoding, 1 + num_drafts, 0)).astype(jnp.int32)
+    return Schedule(seq_lens_this_time=slt, seq_lens_encoder=chunk.astype(jnp.int32),
+                    num_drafts=num_drafts.astype(jnp.int32), prefilling=prefilling,
+                    decoding=decoding, paused=jnp.zeros_like(prefilling))
 
-    # ---- 2. KV blocks for this step's writes: target [dec, dec+slt), MTP up to dec+slt+M-2.
-    overhang = max(M - 1, 0) if use_mtp else 0
-    need = jnp.where(slt > 0, -(-(dec + slt + overhang) // bs), 0)
-    alloc = allocate_blocks(s.free_stack, s.free_count, s.block_tables, s.num_owned,
-                            jnp.zeros((B,), bool), need)
-    paused = alloc.paused & (slt > 0)
-    slt = jnp.where(paused, 0, slt)
-    chunk = jnp.where(paused, 0, chunk)
-    num_drafts = jnp.where(paused, 0, num_drafts)
-    prefilling = prefilling & ~paused
-    decoding = decoding & ~paused
-    tables = alloc.block_tables
 
-    # ---- 3. target forward over the packed batch.
+def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedule,
+                    seq_lens_decoder: jax.Array) -> tuple[BlockAllocatorState, Schedule]:
+    """Top every scheduled slot up to the blocks this step's writes need, all or nothing.
+
+    A slot writes target positions ``[dec, dec + slt)`` and, with the MTP head, MTP positions up
+    to ``dec + slt + M - 2``; it needs ``blocks_needed(dec + slt + max(M - 1, 0))`` blocks. A slot
+    that cannot get them is paused: its row of the returned schedule is zeroed (it does nothing
+    this step) and ``paused`` is set. Block ownership is the allocator's contract
+    (:func:`jmtp.pallas.block_allocator.allocate_blocks`).
+
+    Args:
+      blocks: allocator state.
+      sched: this step's :class:`Schedule`.
+      seq_lens_decoder: i32[B] tokens already in the cache.
+
+    Returns:
+      ``(new allocator state, schedule with paused slots removed)``.
+    """
+    B = sched.seq_lens_this_time.shape[0]
+    slt = sched.seq_lens_this_time
+    overhang = max(ec.m - 1, 0)
+    need = jnp.where(slt > 0, blocks_needed(seq_lens_decoder + slt + overhang, ec.block_size), 0)
+    blocks, paused = blocks.allocate(jnp.zeros((B,), bool), need.astype(jnp.int32))
+    paused = paused & (slt > 0)
+    return blocks, Schedule(
+        seq_lens_this_time=jnp.where(paused, 0, slt),
+        seq_lens_encoder=jnp.where(paused, 0, sched.seq_lens_encoder),
+        num_drafts=jnp.where(paused, 0, sched.num_drafts),
+        prefilling=sched.prefilling & ~paused, decoding=sched.decoding & ~paused, paused=paused)
+
+
+def target_forward(mc: ModelConfig, ec: EngineConfig, bucket: StepBucket,
+                   attention_impl: str | None, params: dict, state: EngineState, sched: Schedule,
+                   block_tables: jax.Array, cache: KVCache) -> tuple[TargetOutput, KVCache]:
+    """Target forward over the packed ragged batch, then the logits of the window rows only.
+
+    Row ``t`` of the packed batch is query ``local`` of slot ``seq``: a prompt token
+    (``input_ids[seq, dec + local]``) for a prefill chunk and for position 0 of a verify window
+    (the last accepted token, already in ``input_ids``), else draft ``draft_tokens[seq, local]``.
+
+    Args:
+      bucket: static (T, A) sizes; requires ``sum(seq_lens_this_time) <= T`` and at most A slots
+        with work.
+      block_tables: i32[B, P] after :func:`allocate_blocks`.
+
+    Returns:
+      ``(TargetOutput, updated target cache)``.
+    """
+    B, W, bs = ec.max_num_seqs, ec.window, ec.block_size
+    num_tokens, A = bucket.num_tokens, bucket.num_slots
+    s = state
+    slt, dec, chunk = sched.seq_lens_this_time, s.seq_lens_decoder, sched.seq_lens_encoder
+    prefilling = sched.prefilling
+    tables = block_tables
     positions, meta = ragged_batch(slt, dec, tables, bs, num_tokens)
     cu = meta.cu_q_lens
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, B - 1)
-    local = t - cu[seq]
+    seq, local = packed_row_seq(cu, num_tokens)
     from_prompt = prefilling[seq] | (local == 0)
     ids = jnp.where(from_prompt,
                     s.input_ids[seq, jnp.clip(dec[seq] + local, 0, ec.seq_buffer_len - 1)],
@@ -178,9 +365,25 @@ def engine_step(
                      cu[sl, None] + w[None])                             # i32[A, W]
     h_win = _take_rows(hidden, rows.reshape(-1))
     logits = compute_logits(params, h_win).reshape(A, W, -1)
+    return TargetOutput(hidden=hidden, cu_q_lens=cu, logits=logits, slots=slots,
+                        valid=valid_a), cache
 
-    # ---- 4. verify (penalties, min_tokens, bad words at every window row; see verify.py).
-    res = verify(logits, s.draft_tokens[sl, 1:], jnp.where(valid_a, num_drafts[sl], 0),
+
+def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sched: Schedule,
+                     target: TargetOutput) -> Verified:
+    """Verify each decoding slot's drafts against the target's window logits (penalties,
+    min_tokens and bad words applied at every row; strategy ``ec.spec.verify_strategy``, see
+    :func:`jmtp.runtime.verify.verify`), and take the first token of a slot whose prefill ends.
+
+    Returns:
+      :class:`Verified` over the B slots (no stop truncation: :func:`speculate_update` does it).
+    """
+    B = ec.max_num_seqs
+    s = state
+    slots, valid_a = target.slots, target.valid
+    sl = jnp.minimum(slots, B - 1)
+    res = verify(target.logits, s.draft_tokens[sl, 1:],
+                 jnp.where(valid_a, sched.num_drafts[sl], 0),
                  None if s.draft_probs is None else s.draft_probs[sl],
                  _gather_slots(s.sampling, sl), s.step_idx[sl],
                  jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32), strategy=ec.spec.verify_strategy,
@@ -189,27 +392,78 @@ def engine_step(
     res = jax.tree_util.tree_map(lambda x: _scatter_slots(x, slots, B), res)
     target_tok = jnp.maximum(res.accept_tokens, 0)
     n_acc = res.accept_num - 1
-    finishing_prefill = prefilling & (dec + chunk == s.prompt_lens)
+    finishing_prefill = sched.prefilling & (
+        s.seq_lens_decoder + sched.seq_lens_encoder == s.prompt_lens)
     # A request resumed after a preemption re-emits its last token (insert_request's resume_token).
     resume = finishing_prefill & (s.draft_tokens[:, 0] >= 0)
     target_tok = target_tok.at[:, 0].set(jnp.where(resume, s.draft_tokens[:, 0], target_tok[:, 0]))
-    emit = jnp.where(finishing_prefill, 1, jnp.where(decoding, n_acc + 1, 0))
+    emit = jnp.where(finishing_prefill, 1, jnp.where(sched.decoding, n_acc + 1, 0))
+    return Verified(accept_tokens=target_tok, accept_num=emit.astype(jnp.int32),
+                    num_accepted=n_acc.astype(jnp.int32), logprobs=res.logprobs,
+                    top_logprob_ids=res.top_logprob_ids, top_logprobs=res.top_logprobs)
 
-    # ---- 5. speculate_update: stop checks per emitted token, truncation at the first stop.
-    seq_len = s.prompt_lens + s.step_idx                                  # tokens in the sequence
-    valid = w[None] < emit[:, None]
-    stop_ids = s.sampling.stop_token_ids
-    is_stop_tok = jnp.any((target_tok[:, :, None] == stop_ids[:, None, :])
+
+def truncate_at_stop(tokens: jax.Array, num: jax.Array, step_idx: jax.Array,
+                     seq_len: jax.Array, stop_token_ids: jax.Array, min_tokens: jax.Array,
+                     max_dec_len: jax.Array, max_model_len: int
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Stop and length truncation of B candidate rows (the one place they are decided).
+
+    Token ``w < num[b]`` of ``tokens i32[B, W]`` is the ``step_idx[b] + w + 1``-th generated token
+    and sits at sequence position ``seq_len[b] + w``. It stops the slot if it is one of
+    ``stop_token_ids[b]`` (entries >= 0) and at least ``min_tokens[b]`` tokens are then generated
+    (FINISH_STOP), or if it reaches ``max_dec_len[b]`` generated tokens or ``max_model_len``
+    sequence tokens (FINISH_LENGTH). The row is cut after its first stopping token.
+
+    Returns:
+      ``(num i32[B] cut at the first stop, finished bool[B], reason i32[B])``; ``reason`` is
+      FINISH_STOP where the first stop is a stop token, else FINISH_LENGTH (meaningless where not
+      finished).
+    """
+    W = tokens.shape[1]
+    w = jnp.arange(W, dtype=jnp.int32)
+    valid = w[None] < num[:, None]
+    stop_ids = stop_token_ids
+    is_stop_tok = jnp.any((tokens[:, :, None] == stop_ids[:, None, :])
                           & (stop_ids[:, None, :] >= 0), axis=-1)
-    is_stop_tok &= (s.step_idx[:, None] + w[None] + 1) > s.sampling.min_tokens[:, None]
-    is_len = ((s.step_idx[:, None] + w[None] + 1) >= s.max_dec_len[:, None]) | (
-        (seq_len[:, None] + w[None] + 1) >= ec.max_model_len)
+    is_stop_tok &= (step_idx[:, None] + w[None] + 1) > min_tokens[:, None]
+    is_len = ((step_idx[:, None] + w[None] + 1) >= max_dec_len[:, None]) | (
+        (seq_len[:, None] + w[None] + 1) >= max_model_len)
     stop_at = valid & (is_stop_tok | is_len)
     any_stop = jnp.any(stop_at, axis=1)
     first = jnp.argmax(stop_at, axis=1)
-    emit = jnp.where(any_stop, first + 1, emit).astype(jnp.int32)
+    num = jnp.where(any_stop, first + 1, num).astype(jnp.int32)
     reason = jnp.where(jnp.take_along_axis(is_stop_tok, first[:, None], 1)[:, 0],
                        FINISH_STOP, FINISH_LENGTH)
+    return num, any_stop, reason.astype(jnp.int32)
+
+
+def speculate_update(ec: EngineConfig, state: EngineState, sched: Schedule, verified: Verified,
+                     blocks: BlockAllocatorState) -> tuple[EngineState, Committed]:
+    """Commit the verified tokens (FastDeploy ``speculate_update`` +
+    ``speculate_set_value_by_flags_and_idx``).
+
+    Per slot: cut ``accept_num`` at the first stop (:func:`truncate_at_stop`), append the
+    committed tokens to ``input_ids`` (and the penalty histories), advance ``seq_lens_decoder``
+    (by the chunk when prefilling, by the committed tokens when decoding) and ``step_idx``, set
+    ``stop_flags`` / ``finish_reason`` of finished slots, and start the next window
+    ``draft_tokens = [last committed token, -1, ...]`` (drafts come from the proposer).
+
+    Returns:
+      ``(new state, Committed)``; the new state also records this step's schedule
+      (``seq_lens_this_time/encoder``, ``num_drafts``, ``paused``) and ``blocks``.
+    """
+    B, W, K = ec.max_num_seqs, ec.window, ec.k
+    s = state
+    dec = s.seq_lens_decoder
+    slt, chunk = sched.seq_lens_this_time, sched.seq_lens_encoder
+    prefilling, decoding = sched.prefilling, sched.decoding
+    w = jnp.arange(W, dtype=jnp.int32)
+    target_tok, n_acc = verified.accept_tokens, verified.num_accepted
+    seq_len = s.prompt_lens + s.step_idx                                  # tokens in the sequence
+    emit, finished, reason = truncate_at_stop(
+        target_tok, verified.accept_num, s.step_idx, seq_len, s.sampling.stop_token_ids,
+        s.sampling.min_tokens, s.max_dec_len, ec.max_model_len)
     valid = w[None] < emit[:, None]
     tokens = jnp.where(valid, target_tok, -1)
     num_accepted = jnp.where(decoding, jnp.minimum(n_acc, emit), 0)
@@ -219,7 +473,6 @@ def engine_step(
     step_idx = s.step_idx + emit
     new_dec = jnp.where(prefilling, dec + chunk, jnp.where(decoding, dec + emit, dec))
     last_tok = jnp.take_along_axis(tokens, jnp.clip(emit - 1, 0, W - 1)[:, None], 1)[:, 0]
-    finished = any_stop
     stop_flags = s.stop_flags | finished
     draft0 = jnp.where(emit > 0, last_tok, s.draft_tokens[:, 0])
 
@@ -230,167 +483,279 @@ def engine_step(
     can_draft = ~stop_flags & (new_dec >= s.prompt_lens) & (emit > 0)
     allowed = jnp.where(can_draft, allowed, 0)
 
-    state = dataclasses.replace(
+    new_state = dataclasses.replace(
         s, input_ids=input_ids, seq_lens_encoder=chunk, seq_lens_decoder=new_dec,
         seq_lens_this_time=slt, step_idx=step_idx, accept_tokens=tokens, accept_num=emit,
-        num_drafts=num_drafts, stop_flags=stop_flags,
+        num_drafts=sched.num_drafts, stop_flags=stop_flags,
         sampling=update_history(s.sampling, tokens, emit),
         finish_reason=jnp.where(finished, reason, s.finish_reason),
-        block_tables=tables, num_owned=alloc.num_owned, paused=paused,
-        free_stack=alloc.free_stack, free_count=alloc.free_count,
+        blocks=blocks, paused=sched.paused,
         draft_tokens=jnp.full((B, W), -1, jnp.int32).at[:, 0].set(draft0))
+    return new_state, Committed(
+        tokens=tokens, num_tokens=emit, num_accepted=num_accepted.astype(jnp.int32),
+        finished=finished, finish_reason=jnp.where(finished, reason, FINISH_NONE),
+        draft_budget=allowed.astype(jnp.int32))
 
-    # ---- 6. proposer.
-    if draft_limit is not None:
-        allowed = jnp.minimum(allowed, jnp.maximum(draft_limit, 0))
+
+def draft_model_preprocess(mc: ModelConfig, ec: EngineConfig, num_tokens: int, state: EngineState,
+                           prev_seq_lens_decoder: jax.Array, target: TargetOutput,
+                           draft_budget: jax.Array) -> tuple[DraftContext, MtpBatch]:
+    """Inputs of MTP substep 0 (FastDeploy ``draft_model_preprocess`` +
+    ``eagle_get_hidden_states``).
+
+    Substep 0 processes MTP positions ``p in [dec_old, dec_old + q)`` with tokens
+    ``input_ids[p + 1]`` (prompt tokens, then the tokens just committed) paired with the target's
+    hidden row of position p; ``q`` is the prefill chunk or the committed count (0 for finished,
+    paused and idle slots). Each compacted slot drafts from its last row.
+
+    Args:
+      num_tokens: static T (rows of the packed batch, as the target's).
+      state: the state after :func:`speculate_update`.
+      prev_seq_lens_decoder: i32[B] ``seq_lens_decoder`` before the update (``dec_old``).
+      target: this step's :class:`TargetOutput` (hidden rows, row offsets, compacted slots).
+      draft_budget: i32[B] drafts allowed per slot.
+
+    Returns:
+      ``(DraftContext, MtpBatch)`` for :func:`mtp_substep`.
+    """
+    B, bs = ec.max_num_seqs, ec.block_size
+    hidden, cu_t, slots, valid_a = target.hidden, target.cu_q_lens, target.slots, target.valid
+    dec = prev_seq_lens_decoder
+    sl = jnp.minimum(slots, B - 1)
+    ctx = DraftContext(
+        slots=slots, budget=jnp.where(valid_a, draft_budget[sl], 0),
+        start_pos=state.seq_lens_decoder[sl], block_tables=state.block_tables[sl],
+        sampling=_gather_slots(state.sampling, sl), step_idx=state.step_idx[sl])
+    q = jnp.where(state.stop_flags, 0, jnp.where(state.seq_lens_encoder > 0, state.seq_lens_encoder,
+                                                 state.accept_num))
+    positions, meta = ragged_batch(q, dec, state.block_tables, bs, num_tokens)
+    cu = meta.cu_q_lens
+    seq, local = packed_row_seq(cu, num_tokens)
+    ids = state.input_ids[seq, jnp.clip(positions + 1, 0, ec.seq_buffer_len - 1)]
+    ids = jnp.clip(ids, 0, mc.vocab_size - 1)
+    h_in = _take_rows(hidden, cu_t[seq] + local)
+    last = cu[sl] + q[sl] - 1                                           # i32[A]
+    return ctx, MtpBatch(ids=ids, hidden=h_in, positions=positions, meta=meta, pick_rows=last,
+                         active=ctx.budget > 0)
+
+
+def _pick(mc, ec, params, ctx: DraftContext, h_rows, sub):
+    """Draft ``sub`` (0-based): argmax, or a sample with its exact distribution q."""
+    if "draft_head" in params:    # FR-Spec: score the N-token draft vocabulary only
+        logits = jnp.dot(h_rows, params["draft_head"].T, preferred_element_type=jnp.float32)
+    else:
+        logits = compute_logits(params, h_rows)
+    tok, probs = draft_sample(
+        logits, ctx.sampling, ctx.step_idx + sub,
+        draft_sampling=ec.spec.draft_sampling, draft_temperature=ec.spec.draft_temperature,
+        draft_top_p=ec.spec.draft_top_p, draft_top_k=ec.spec.draft_top_k)
+    if "draft_head" in params:    # back to full-vocabulary ids (q is zero off the N tokens)
+        tok = params["draft_ids"][tok]
+        if probs is not None:
+            probs = jnp.zeros((probs.shape[0], mc.vocab_size), probs.dtype).at[
+                :, params["draft_ids"]].set(probs)
+    return tok.astype(jnp.int32), (None if probs is None else probs.astype(jnp.float32))
+
+
+def mtp_substep(mc: ModelConfig, ec: EngineConfig, attention_impl: str | None, sub: int,
+                params: dict, ctx: DraftContext, batch: MtpBatch, mtp_cache: KVCache
+                ) -> tuple[DraftPick, MtpBatch, KVCache]:
+    """One MTP propose substep ``sub`` (static, 0-based): the MTP layer ``sub % num_mtp_layers``
+    over ``batch``, a draft per active slot from its pick row (skipped at run time with
+    ``lax.cond`` when no slot is active: saves the draft LM head), then the inputs of substep
+    ``sub + 1`` (FastDeploy ``draft_model_update`` + ``eagle_get_self_hidden_states``): the
+    slots whose budget exceeds ``sub + 1`` feed their draft and the MTP's own hidden row at
+    position ``start_pos + sub``, one row each in compacted-slot order.
+
+    Returns:
+      ``(DraftPick, MtpBatch of substep sub + 1 (A rows), updated MTP cache)``.
+    """
+    A = ctx.slots.shape[0]
+    bs = ec.block_size
+    n_layers = max(mc.num_mtp_layers, 1)
+    ids_s, h_s, pos_s, meta_s = batch.ids, batch.hidden, batch.positions, batch.meta
+    h_log, h_next, mtp_cache = mtp_forward(mc, params, sub % n_layers, ids_s, h_s, pos_s,
+                                           meta_s, mtp_cache, attention_impl)
+
+    def run(h_rows):
+        return _pick(mc, ec, params, ctx, h_rows, sub)
+
+    def skip(h_rows):
+        tok = jnp.zeros((h_rows.shape[0],), jnp.int32)
+        if not ec.spec.draft_sampling:
+            return tok, None
+        return tok, jnp.zeros((h_rows.shape[0], mc.vocab_size), jnp.float32)
+
+    d, probs = jax.lax.cond(jnp.any(batch.active), run, skip, _take_rows(h_log, batch.pick_rows))
+    h_prev = _take_rows(h_next, batch.pick_rows)
+    pick = DraftPick(tokens=jnp.where(batch.active, d, -1), probs=probs)
+
+    # Inputs of the next substep: rows packed in compacted-slot order; row i's token is at
+    # cu_s[i] when active.
+    active = batch.active & (ctx.budget > sub + 1)
+    pos_n, meta_n = ragged_batch(active.astype(jnp.int32), ctx.start_pos + sub, ctx.block_tables,
+                                 bs, A)
+    rows = jnp.clip(meta_n.cu_q_lens[:A], 0, A - 1)
+    scatter = jnp.where(active, rows, A)
+    ids_n = jnp.zeros((A,), jnp.int32).at[scatter].set(jnp.clip(d, 0, mc.vocab_size - 1),
+                                                         mode="drop")
+    h_n = jnp.zeros_like(h_prev).at[scatter].set(h_prev, mode="drop")
+    return pick, MtpBatch(ids=ids_n, hidden=h_n, positions=pos_n, meta=meta_n, pick_rows=rows,
+                          active=active), mtp_cache
+
+
+def draft_model_postprocess(ec: EngineConfig, state: EngineState, prev_state: EngineState,
+                            drafts: jax.Array, draft_probs: jax.Array | None,
+                            draft_budget: jax.Array) -> EngineState:
+    """Write the next verify windows (FastDeploy ``draft_model_postprocess``).
+
+    Drafts past a slot's budget are dropped, then everything after the first missing draft (a
+    window's drafts are a prefix), and ``draft_tokens[:, 1:]`` / ``draft_probs`` take them; the
+    next ``seq_lens_this_time`` of a decoding slot is ``1 + #drafts`` (:func:`schedule`). A
+    paused slot did nothing this step: it keeps ``prev_state``'s window for the retry.
+
+    Args:
+      state: the state after :func:`speculate_update` (window ``[last, -1, ...]``).
+      prev_state: the state the step started from.
+      drafts: i32[B, K] proposed drafts (-1 = none).
+      draft_probs: f32[B, K, V] their distributions q, or None (greedy one-hot drafts; zeros are
+        stored when ``draft_sampling`` is on).
+      draft_budget: i32[B] drafts allowed per slot.
+    """
+    K = ec.k
+    paused = state.paused
+    drafts = jnp.where(jnp.arange(K)[None] < draft_budget[:, None], drafts, -1)
+    # Drafts are a prefix: stop at the first missing one.
+    present = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=1) > 0
+    drafts = jnp.where(present, drafts, -1)
+    new_window = state.draft_tokens.at[:, 1:].set(drafts)
+    state = dataclasses.replace(
+        state, draft_tokens=jnp.where(paused[:, None], prev_state.draft_tokens, new_window))
+    if ec.spec.draft_sampling:
+        q = draft_probs if draft_probs is not None else jnp.zeros_like(prev_state.draft_probs)
+        state = dataclasses.replace(
+            state, draft_probs=jnp.where(paused[:, None, None], prev_state.draft_probs, q))
+    return state
+
+
+def release_finished(state: EngineState, finished: jax.Array) -> EngineState:
+    """Return the KV blocks of the slots in ``finished bool[B]`` to the free stack."""
+    B = finished.shape[0]
+    blocks, _ = state.blocks.allocate(finished, jnp.zeros((B,), jnp.int32))
+    return dataclasses.replace(state, blocks=blocks)
+
+
+# ------------------------------------------------------------------------------ the step
+def _propose(mc, ec, drafter, num_tokens, attention_impl, params, state, prev_dec, target,
+             budget, mtp_cache):
+    """Drafts ``i32[B, K]`` and their q (or None) for the next windows: the MTP head
+    (:func:`draft_model_preprocess`, then :func:`mtp_substep` M times, with the n-gram extension
+    of ``hybrid_mtp_ngram``), the n-gram matcher, or a custom drafter."""
+    B, K, M = ec.max_num_seqs, ec.k, ec.m
     drafts = jnp.full((B, K), -1, jnp.int32)
     q = None
     ng_min, ng_max = ec.spec.ngram_sizes
-    if use_mtp:
-        drafts, q, mtp_cache = _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu, dec,
-                                         prefilling, chunk, decoding, emit, allowed, num_tokens,
-                                         attention_impl, slots, valid_a)
+    new_seq_len = state.prompt_lens + state.step_idx
+    if M > 0:
+        ctx, batch = draft_model_preprocess(mc, ec, num_tokens, state, prev_dec, target, budget)
+        picks = []
+        for sub in range(M):
+            pick, batch, mtp_cache = mtp_substep(mc, ec, attention_impl, sub, params, ctx, batch,
+                                                 mtp_cache)
+            picks.append(pick)
+        A = ctx.slots.shape[0]
+        drafts = jnp.stack([p.tokens for p in picks], axis=1)
+        if M < K:
+            drafts = jnp.concatenate([drafts, jnp.full((A, K - M), -1, jnp.int32)], axis=1)
+        drafts = _scatter_slots(drafts, ctx.slots, B, fill=-1)          # back to i32[B, K]
+        if ec.spec.draft_sampling:
+            q = jnp.stack([p.probs for p in picks], axis=1)
+            if M < K:
+                q = jnp.concatenate([q, jnp.zeros((A, K - M, q.shape[-1]))], axis=1)
+            q = _scatter_slots(q, ctx.slots, B)
         if ng_max:      # hybrid_mtp_ngram: n-gram tokens extend the M MTP drafts up to K
-            mtp_drafts = jnp.where(jnp.arange(K)[None] < allowed[:, None], drafts, -1)
-            drafts = extend_with_ngram(state.input_ids, new_seq_len, mtp_drafts, allowed,
+            mtp_drafts = jnp.where(jnp.arange(K)[None] < budget[:, None], drafts, -1)
+            drafts = extend_with_ngram(state.input_ids, new_seq_len, mtp_drafts, budget,
                                        ng_max, ng_min)
             if q is not None:   # n-gram drafts are deterministic: one-hot q (exact rejection)
                 from_ngram = (jnp.arange(K)[None] >= ec.m) & (drafts >= 0)
                 q = jnp.where(from_ngram[..., None],
                               jax.nn.one_hot(jnp.maximum(drafts, 0), q.shape[-1], dtype=q.dtype), q)
     elif ec.spec.method == "ngram" and K > 0:
-        drafts, _ = ngram_match(state.input_ids, new_seq_len, allowed, ng_max, ng_min, K)
+        drafts, _ = ngram_match(state.input_ids, new_seq_len, budget, ng_max, ng_min, K)
     elif K > 0:
         drafts = drafter(state).astype(jnp.int32)
-    drafts = jnp.where(jnp.arange(K)[None] < allowed[:, None], drafts, -1)
-    # Drafts are a prefix: stop at the first missing one.
-    present = jnp.cumprod((drafts >= 0).astype(jnp.int32), axis=1) > 0
-    drafts = jnp.where(present, drafts, -1)
-    # A paused slot did nothing this step: it keeps its window for the retry.
-    new_window = state.draft_tokens.at[:, 1:].set(drafts)
-    state = dataclasses.replace(
-        state, draft_tokens=jnp.where(paused[:, None], s.draft_tokens, new_window))
-    if ec.spec.draft_sampling:
-        q = q if q is not None else jnp.zeros_like(s.draft_probs)
-        state = dataclasses.replace(
-            state, draft_probs=jnp.where(paused[:, None, None], s.draft_probs, q))
+    return drafts, q, mtp_cache
 
-    # ---- 7. release the blocks of slots that finished this step.
-    rel = allocate_blocks(state.free_stack, state.free_count, state.block_tables, state.num_owned,
-                          finished, jnp.zeros((B,), jnp.int32))
-    state = dataclasses.replace(state, free_stack=rel.free_stack, free_count=rel.free_count,
-                                block_tables=rel.block_tables, num_owned=rel.num_owned)
-    out = StepOutput(tokens=tokens, num_tokens=emit, num_drafts=num_drafts,
-                     num_accepted=num_accepted, finished=finished,
-                     finish_reason=jnp.where(finished, reason, FINISH_NONE), paused=paused,
+
+def engine_step(
+    mc: ModelConfig,
+    ec: EngineConfig,
+    drafter,                    # None (MTP head / no speculation) or callable(state) -> i32[B, K]
+    bucket: StepBucket | int,   # static (T, A) bucket; an int T means A = max_num_seqs
+    attention_impl: str | None,
+    params: dict,
+    state: EngineState,
+    cache: KVCache,             # target cache (L layers)
+    mtp_cache: KVCache | None,  # MTP cache (num_mtp_layers), None without MTP
+    prefill_chunk: jax.Array,   # i32[B] prompt tokens each prefilling slot processes this step
+    draft_limit: jax.Array | None = None,  # i32[B] max drafts proposed for the next step
+):
+    """One engine step: the stages of the module docstring, in order.
+
+    Args:
+      mc, ec, drafter, bucket, attention_impl: static (hashable) arguments. ``bucket`` is the
+        :class:`~jmtp.runtime.buckets.StepBucket` ``(T, A)`` the host picked
+        (:func:`~jmtp.runtime.buckets.choose_bucket`): T token rows, at least
+        ``sum(seq_lens_this_time)``, and A slot rows, at least the number of slots with work; the
+        window logits, verification and MTP substeps run over those A compacted slots only. An int
+        is taken as T with ``A = max_num_seqs``.
+      params: model parameter pytree (with ``params["mtp"]`` when drafting with the MTP head).
+      state, cache, mtp_cache: donated by :class:`~jmtp.runtime.engine.LLM`; returned updated.
+      prefill_chunk: i32[B] prompt tokens each prefilling slot processes this step (clipped to
+        what is left of its prompt; ignored for decoding and idle slots).
+      draft_limit: i32[B] or None: at most this many drafts are proposed per slot for the next
+        step (the dynamic speculation policy's choice, :mod:`jmtp.runtime.spec_policy`); data,
+        so new limits never recompile. None = K.
+
+    Returns:
+      ``(state, cache, mtp_cache, StepOutput)``.
+
+    Raises:
+      ValueError: at trace time, if ``bucket.num_slots`` is outside ``[1, max_num_seqs]``.
+    """
+    B = ec.max_num_seqs
+    if not isinstance(bucket, StepBucket):
+        bucket = StepBucket(int(bucket), B)
+    A = bucket.num_slots
+    if not 1 <= A <= B:
+        raise ValueError(f"StepBucket.num_slots={A} must lie in [1, max_num_seqs={B}]")
+    s = state
+    sched = schedule(ec, s, prefill_chunk)
+    blocks, sched = allocate_blocks(ec, s.blocks, sched, s.seq_lens_decoder)
+    target, cache = target_forward(mc, ec, bucket, attention_impl, params, s, sched,
+                                   blocks.block_tables, cache)
+    verified = speculate_verify(mc, ec, s, sched, target)
+    state, done = speculate_update(ec, s, sched, verified, blocks)
+    budget = done.draft_budget
+    if draft_limit is not None:
+        budget = jnp.minimum(budget, jnp.maximum(draft_limit, 0))
+    drafts, q, mtp_cache = _propose(mc, ec, drafter, bucket.num_tokens, attention_impl, params,
+                                    state, s.seq_lens_decoder, target, budget, mtp_cache)
+    state = draft_model_postprocess(ec, state, s, drafts, q, budget)
+    state = release_finished(state, done.finished)
+    out = StepOutput(tokens=done.tokens, num_tokens=done.num_tokens, num_drafts=sched.num_drafts,
+                     num_accepted=done.num_accepted, finished=done.finished,
+                     finish_reason=done.finish_reason, paused=sched.paused,
                      free_count=state.free_count,
                      num_next_drafts=jnp.sum(state.draft_tokens[:, 1:] >= 0, axis=1).astype(jnp.int32),
-                     logprobs=res.logprobs,
-                     top_logprob_ids=res.top_logprob_ids, top_logprobs=res.top_logprobs)
+                     logprobs=verified.logprobs,
+                     top_logprob_ids=verified.top_logprob_ids, top_logprobs=verified.top_logprobs)
     return state, cache, mtp_cache, out
-
-
-def _mtp_propose(mc, ec, params, state, mtp_cache, hidden, cu_t, dec, prefilling, chunk, decoding,
-                 emit, allowed, num_tokens, attention_impl, slots, valid_a):
-    """MTP proposer: substep 0 over this step's committed positions, substeps 1..M-1 recursive.
-
-    Substep 0 processes MTP positions ``p in [dec_old, dec_old + q)`` with tokens
-    ``input_ids[p + 1]`` (prompt tokens, then the tokens just committed) and the target's hidden row
-    of position p; ``q`` is the prefill chunk or ``accept_num``. The draft picks and substeps
-    1..M-1 run over the A compacted slots ``slots i32[A]`` (``valid_a bool[A]``, see
-    :func:`~jmtp.runtime.buckets.active_slots`). Returns ``(drafts i32[B, K],
-    draft_probs f32[B, K, V] | None, cache)``.
-    """
-    B, K, M, bs = ec.max_num_seqs, ec.k, ec.m, ec.block_size
-    # ---- slot compaction (row-count plumbing): every per-slot array below is over the A rows.
-    A = slots.shape[0]
-    sl = jnp.minimum(slots, B - 1)
-    sampling_a, step_idx_a = _gather_slots(state.sampling, sl), state.step_idx[sl]
-    tables_a, allowed_a = state.block_tables[sl], jnp.where(valid_a, allowed[sl], 0)
-    n_layers = max(mc.num_mtp_layers, 1)
-    q = jnp.where(state.stop_flags, 0, jnp.where(prefilling, chunk, jnp.where(decoding, emit, 0)))
-    positions, meta = ragged_batch(q, dec, state.block_tables, bs, num_tokens)
-    cu = meta.cu_q_lens
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, B - 1)
-    local = t - cu[seq]
-    ids = state.input_ids[seq, jnp.clip(positions + 1, 0, ec.seq_buffer_len - 1)]
-    ids = jnp.clip(ids, 0, mc.vocab_size - 1)
-    h_in = _take_rows(hidden, cu_t[seq] + local)
-    h_log, h_next, mtp_cache = mtp_forward(mc, params, 0, ids, h_in, positions, meta, mtp_cache,
-                                           attention_impl)
-    last = cu[sl] + q[sl] - 1                                           # i32[A]
-
-    def pick(h_rows, sub, needed):
-        """Draft ``sub`` (0-based), skipped at run time (``lax.cond``) when no slot needs it (all
-        draft limits below ``sub + 1``): saves the draft LM head."""
-        def run(h_rows):
-            return _pick(h_rows, sub)
-
-        def skip(h_rows):
-            tok = jnp.zeros((h_rows.shape[0],), jnp.int32)
-            if not ec.spec.draft_sampling:
-                return tok, None
-            return tok, jnp.zeros((h_rows.shape[0], mc.vocab_size), jnp.float32)
-        return jax.lax.cond(jnp.any(needed), run, skip, h_rows)
-
-    def _pick(h_rows, sub):
-        """Draft ``sub`` (0-based): argmax, or a sample with its exact distribution q."""
-        if "draft_head" in params:    # FR-Spec: score the N-token draft vocabulary only
-            logits = jnp.dot(h_rows, params["draft_head"].T, preferred_element_type=jnp.float32)
-        else:
-            logits = compute_logits(params, h_rows)
-        tok, probs = draft_sample(
-            logits, sampling_a, step_idx_a + sub,
-            draft_sampling=ec.spec.draft_sampling, draft_temperature=ec.spec.draft_temperature,
-            draft_top_p=ec.spec.draft_top_p, draft_top_k=ec.spec.draft_top_k)
-        if "draft_head" in params:    # back to full-vocabulary ids (q is zero off the N tokens)
-            tok = params["draft_ids"][tok]
-            if probs is not None:
-                probs = jnp.zeros((probs.shape[0], mc.vocab_size), probs.dtype).at[
-                    :, params["draft_ids"]].set(probs)
-        return tok.astype(jnp.int32), (None if probs is None else probs.astype(jnp.float32))
-
-    active = allowed_a > 0
-    d, probs = pick(_take_rows(h_log, last), 0, active)
-    h_prev = _take_rows(h_next, last)
-    drafts = [jnp.where(active, d, -1)]
-    qs = [probs]
-    pos0 = state.seq_lens_decoder[sl]  # MTP position of draft d1 (= target dec after the update)
-    for sub in range(1, M):
-        active = active & (allowed_a > sub)
-        pos_s, meta_s = ragged_batch(active.astype(jnp.int32), pos0 + sub - 1, tables_a, bs, A)
-        # Rows are packed in compacted-slot order; row i's token is at cu_s[i] when active.
-        rows = jnp.clip(meta_s.cu_q_lens[:A], 0, A - 1)
-        scatter = jnp.where(active, rows, A)
-        ids_s = jnp.zeros((A,), jnp.int32).at[scatter].set(jnp.clip(d, 0, mc.vocab_size - 1),
-                                                             mode="drop")
-        h_s = jnp.zeros_like(h_prev).at[scatter].set(h_prev, mode="drop")
-        h_log, h_next, mtp_cache = mtp_forward(mc, params, sub % n_layers, ids_s, h_s, pos_s,
-                                               meta_s, mtp_cache, attention_impl)
-        d, probs = pick(_take_rows(h_log, rows), sub, active)
-        h_prev = _take_rows(h_next, rows)
-        drafts.append(jnp.where(active, d, -1))
-        qs.append(probs)
-    drafts = jnp.stack(drafts, axis=1)
-    if M < K:
-        drafts = jnp.concatenate([drafts, jnp.full((A, K - M), -1, jnp.int32)], axis=1)
-    drafts = _scatter_slots(drafts, slots, B, fill=-1)                  # back to i32[B, K]
-    q_all = None
-    if ec.spec.draft_sampling:
-        q_all = jnp.stack(qs, axis=1)
-        if M < K:
-            q_all = jnp.concatenate([q_all, jnp.zeros((A, K - M, q_all.shape[-1]))], axis=1)
-        q_all = _scatter_slots(q_all, slots, B)
-    return drafts, q_all, mtp_cache
 
 
 def release_slot(state: EngineState, slot: jax.Array) -> EngineState:
     """Preempt ``slot``: return its KV blocks and mark it idle (the host re-queues the request)."""
     B = state.stop_flags.shape[0]
-    rel = allocate_blocks(state.free_stack, state.free_count, state.block_tables, state.num_owned,
-                          jnp.arange(B) == slot, jnp.zeros((B,), jnp.int32))
-    return dataclasses.replace(
-        state, stop_flags=state.stop_flags.at[slot].set(True),
-        free_stack=rel.free_stack, free_count=rel.free_count, block_tables=rel.block_tables,
-        num_owned=rel.num_owned)
+    state = release_finished(state, jnp.arange(B) == slot)
+    return dataclasses.replace(state, stop_flags=state.stop_flags.at[slot].set(True))
