@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.llama import KVCache, compute_logits, forward, mtp_forward
@@ -90,6 +91,20 @@ def _scatter_slots(x, slots, num_seqs, fill=0):
     """``[B, ...]`` array of ``fill`` holding row ``i`` of ``x [A, ...]`` at slot ``slots[i]``;
     padding rows (``slots[i] == B``) are dropped."""
     return jnp.full((num_seqs,) + x.shape[1:], fill, x.dtype).at[slots].set(x, mode="drop")
+
+
+def model_step(graphdef: nnx.GraphDef, mc: ModelConfig, ec: EngineConfig, drafter, bucket,
+               attention_impl: str | None, model_state: nnx.State, *args, **kwargs):
+    """:func:`engine_step` on an NNX model given as ``nnx.split``'s pure ``(graphdef, state)``.
+
+    ``graphdef`` is bound once (``functools.partial``) by :class:`~jmtp.runtime.llm_engine.LLMEngine`;
+    ``model_state`` (the :class:`~jmtp.model.modules.LlamaForCausalLM` state: arrays only) is a
+    traced argument, merged back into the module inside the trace. The module's parameter dict
+    names the same traced arrays, so the step compiles to the same graph as :func:`engine_step`
+    on that dict. Other arguments and the return value are :func:`engine_step`'s.
+    """
+    params = nnx.merge(graphdef, model_state).to_params()
+    return engine_step(mc, ec, drafter, bucket, attention_impl, params, *args, **kwargs)
 
 
 def engine_step(

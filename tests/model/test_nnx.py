@@ -186,3 +186,35 @@ def test_mlp_module_call_equals_layer_math():
     g = np.asarray(x @ mlp.w_gate[...], np.float64)
     want = (g / (1 + np.exp(-g)) * np.asarray(x @ mlp.w_up[...])) @ np.asarray(mlp.w_down[...])
     np.testing.assert_allclose(np.asarray(mlp(x)), want, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_step_from_nnx_state_compiles_to_the_dict_graph():
+    """The engine's jitted step takes the NNX state and merges it inside; the optimized graph has
+    the same instructions (opcode and shape) as the step on the plain parameter dict, so step time
+    cannot change."""
+    import collections
+    import re
+
+    from jmtp import LLM, SpeculativeConfig
+    from jmtp.runtime.buckets import step_buckets
+    from jmtp.runtime.step import engine_step
+
+    cfg = CFG.replace(qk_norm=False, attention_bias=False, num_mtp_layers=1)
+    llm = LLM(model_config=cfg, params=init_params(cfg, jax.random.key(0)), max_num_seqs=2,
+              speculative_config=SpeculativeConfig("mtp", 2), max_model_len=64, compile="lazy",
+              compilation_cache_dir=None)
+    e = llm.llm_engine
+    assert isinstance(e.params, nnx.State)
+    z = jnp.zeros((e.engine_config.max_num_seqs,), jnp.int32)
+    static = (cfg, e.engine_config, None, step_buckets(e.engine_config)[0], None)
+    rest = (e.state, e.cache, e.mtp_cache, z, z)
+    new = e._step.lower(*static, e.params, *rest).compile().as_text()
+    old = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8)).lower(
+        *static, nnx.merge(e.graphdef, e.params).to_params(), *rest).compile().as_text()
+
+    def ops(text):
+        return collections.Counter(m.groups() for m in re.finditer(
+            r"^\s*(?:ROOT )?\S+ = (\S+) ([\w-]+)\(", text, re.M))
+
+    assert sum(ops(new).values()) > 100
+    assert ops(new) == ops(old)
