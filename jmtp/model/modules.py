@@ -202,14 +202,17 @@ class LlamaForCausalLM(nnx.Module):
       dtype: parameter dtype.
       num_mtp: MTP modules (default ``cfg.num_mtp_layers``; 0 = no head).
       stacked: layers stacked on a leading ``layers`` axis (one ``lax.scan``) or a list.
+      lm_head: with a separate LM head (default: ``not cfg.tie_word_embeddings``).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 num_mtp: int | None = None, stacked: bool = True, std: float = 0.02):
+                 num_mtp: int | None = None, stacked: bool = True, lm_head: bool | None = None,
+                 std: float = 0.02):
         self.cfg = cfg
+        lm_head = not cfg.tie_word_embeddings if lm_head is None else lm_head
         v, h = cfg.vocab_size, cfg.hidden_size
         self.embed = _param(_rand(rngs, (v, h), dtype, std), ax.TOP_AXES["embed"])
-        self.lm_head = nnx.data(None if cfg.tie_word_embeddings else
+        self.lm_head = nnx.data(None if not lm_head else
                                 _param(_rand(rngs, (h, v), dtype, std), ax.TOP_AXES["lm_head"]))
         self.final_norm = _param(jnp.ones((h,), dtype), ax.TOP_AXES["final_norm"])
         self.layers = DecoderStack(cfg, rngs=rngs, dtype=dtype, stacked=stacked, std=std)
@@ -250,7 +253,8 @@ class LlamaForCausalLM(nnx.Module):
         """A module holding the arrays of ``params`` (the dict of :mod:`jmtp.model.llama`, e.g. from
         :func:`jmtp.model.load_checkpoint`), without random initialisation (``nnx.eval_shape``).
 
-        The MTP head is built if ``params`` has ``"mtp"`` (its N from ``mtp.enorm``); unstacked
+        The MTP head is built if ``params`` has ``"mtp"`` (its N from ``mtp.enorm``), the LM head
+        if it has ``"lm_head"`` (as :func:`jmtp.model.llama.compute_logits` decides); unstacked
         layers (a tuple of dicts) give an unstacked :class:`DecoderStack`. Arrays keep their dtype.
 
         Raises:
@@ -260,13 +264,11 @@ class LlamaForCausalLM(nnx.Module):
                                "draft_ids", "draft_head"}
         if extra:
             raise ValueError(f"params: unknown entries {sorted(extra)}")
-        if ("lm_head" in params) == cfg.tie_word_embeddings:
-            raise ValueError("params: lm_head present with tie_word_embeddings, or missing without")
         n = int(params["mtp"]["enorm"].shape[0]) if "mtp" in params else 0
         stacked = not isinstance(params["layers"], (list, tuple))
         dtype = params["embed"].dtype
         model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, num_mtp=n,
-                                           stacked=stacked))
+                                           stacked=stacked, lm_head="lm_head" in params))
         core = {k: v for k, v in params.items() if k not in ("draft_vocab", "draft_ids", "draft_head")}
         _fill({k: v for k, v in model.variables().items() if k in core}, core, "")
         for name in ("draft_vocab", "draft_ids", "draft_head"):
