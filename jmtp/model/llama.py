@@ -1,5 +1,9 @@
 """Llama-family decoder and MTP head as pure functions over a parameter pytree.
 
+These functions are the math of the Flax NNX modules of :mod:`jmtp.model.modules`
+(``LlamaForCausalLM.to_params()`` is this pytree; the logical axis names of every entry are in
+:mod:`jmtp.model.axes`).
+
 Parameter pytree (weights stored ``[in, out]`` so that ``y = x @ W``; per-layer tensors stacked on a
 leading layer axis L so that the layers run under one ``lax.scan``)::
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Iterable
@@ -21,9 +22,11 @@ from typing import Iterable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.llama import init_kv_cache
+from jmtp.model.modules import LlamaForCausalLM
 from jmtp.runtime.buckets import choose_bucket, step_buckets
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.detokenizer import IncrementalDetokenizer
@@ -32,7 +35,7 @@ from jmtp.runtime.sampling import SamplingParams, make_row
 from jmtp.runtime.spec_policy import DynamicSpeculation
 from jmtp.runtime.state import FINISH_REASONS, init_state, insert_request
 from jmtp.pallas.block_allocator import blocks_needed
-from jmtp.runtime.step import engine_step, release_slot
+from jmtp.runtime.step import model_step, release_slot
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +130,13 @@ class LLMEngine:
 
     :class:`jmtp.LLM` builds one from the same arguments and exposes it as ``llm.llm_engine``.
 
+    The model is a :class:`~jmtp.model.modules.LlamaForCausalLM` (filled from the loaded parameter
+    dict), split once here: ``graphdef`` (static) and ``params``, its ``nnx.State`` (every
+    ``nnx.Param`` / draft-vocabulary ``Buffer`` with its logical axes; ``params["embed"]``,
+    ``params["mtp"]["eh_proj"]``, ``params["draft_ids"]`` … index it like the parameter dict of
+    :mod:`jmtp.model.llama` and give Variables that behave as their arrays). The jitted step takes
+    ``params`` and merges it inside (:func:`~jmtp.runtime.step.model_step`).
+
     Args:
       model: GGUF file or HF directory; ``None`` = the default SmolLM2-135M-Instruct.
       speculative_config: :class:`SpeculativeConfig`; ``None`` disables speculation.
@@ -198,7 +208,10 @@ class LLMEngine:
         self.draft_vocab_size = 0
         if spec.method == "mtp":
             params, self.draft_vocab_size = with_draft_vocab(model_config, params, spec.draft_vocab_size)
-        self.params = params
+        # The model as an NNX module, split once: the jitted step takes the pure state (arrays with
+        # their logical-axis metadata) and merges it with the static graph definition inside.
+        model = LlamaForCausalLM.from_params(model_config, params)
+        self.graphdef, self.params = nnx.split(model)
         self.tokenizer = tokenizer
         self.speculative_config = spec
         if max_num_batched_tokens is None:
@@ -217,7 +230,8 @@ class LLMEngine:
         self.mtp_cache = (init_kv_cache(model_config, max(model_config.num_mtp_layers, 1),
                                         ec.num_blocks, block_size, dtype)
                           if spec.method == "mtp" else None)
-        self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
+        self._step = jax.jit(functools.partial(model_step, self.graphdef),
+                             static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
         self._insert = jax.jit(insert_request, donate_argnums=0)
         self._release = jax.jit(release_slot, donate_argnums=0)
         self._free_count = ec.num_blocks

@@ -49,6 +49,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.llama import KVCache, compute_logits, forward, mtp_forward
@@ -752,6 +753,20 @@ def engine_step(
                      logprobs=verified.logprobs,
                      top_logprob_ids=verified.top_logprob_ids, top_logprobs=verified.top_logprobs)
     return state, cache, mtp_cache, out
+
+
+def model_step(graphdef: nnx.GraphDef, mc: ModelConfig, ec: EngineConfig, drafter, bucket,
+               attention_impl: str | None, model_state: nnx.State, *args, **kwargs):
+    """:func:`engine_step` on an NNX model given as ``nnx.split``'s pure ``(graphdef, state)``.
+
+    ``graphdef`` is bound once (``functools.partial``) by :class:`~jmtp.runtime.llm_engine.LLMEngine`;
+    ``model_state`` (the :class:`~jmtp.model.modules.LlamaForCausalLM` state: arrays only) is a
+    traced argument, merged back into the module inside the trace. The module's parameter dict
+    names the same traced arrays, so the step compiles to the same graph as :func:`engine_step`
+    on that dict. Other arguments and the return value are :func:`engine_step`'s.
+    """
+    params = nnx.merge(graphdef, model_state).to_params()
+    return engine_step(mc, ec, drafter, bucket, attention_impl, params, *args, **kwargs)
 
 
 def release_slot(state: EngineState, slot: jax.Array) -> EngineState:

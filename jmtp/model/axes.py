@@ -1,0 +1,79 @@
+"""Logical axis names of every model parameter (and of the KV cache), in one place.
+
+Each ``nnx.Param`` of :mod:`jmtp.model.modules` carries a tuple of these names, one per array
+dimension, as its ``out_sharding`` metadata (created with ``eager_sharding=False``: the names are
+metadata only until a mesh and logical-to-mesh rules are given, e.g. with
+``flax.nnx.spmd.get_var_pspec`` under ``flax.linen.logical_axis_rules``). Sharding code maps these
+names to mesh axes; model code never names mesh axes itself.
+
+=============  ===========================================================================
+name           dimension
+=============  ===========================================================================
+``layers``     leading axis of a stack of decoder layers (target: L, MTP head: N modules)
+``embed``      the hidden size H (residual stream)
+``embed2``     the concatenated ``[enorm(e) ; hnorm(h)]`` input of the MTP ``eh_proj`` (2H)
+``vocab``      the vocabulary V (or the N ids of an FR-Spec draft vocabulary)
+``q_heads``    the fused query projection ``Nq·D`` (whole heads when split by Nq's divisors)
+``kv_heads``   the fused key / value projection ``Nkv·D`` (same)
+``head_dim``   one head's D (Qwen3 q/k-norm weights)
+``mlp``        the SwiGLU intermediate size I
+=============  ===========================================================================
+
+Parameters (``[...]`` = only for some architectures; ``L`` = ``layers``)::
+
+  embed                   f[V, H]          (vocab, embed)
+  lm_head                 f[H, V]          (embed, vocab)       absent when tied
+  final_norm              f[H]             (embed,)
+  layers.attn_norm        f[L, H]          (layers, embed)
+  layers.attn.wq          f[L, H, Nq·D]    (layers, embed, q_heads)
+  layers.attn.wk / wv     f[L, H, Nkv·D]   (layers, embed, kv_heads)
+  layers.attn.wo          f[L, Nq·D, H]    (layers, q_heads, embed)
+  [layers.attn.bq]        f[L, Nq·D]       (layers, q_heads)    Qwen2 biases
+  [layers.attn.bk / bv]   f[L, Nkv·D]      (layers, kv_heads)
+  [layers.attn.q_norm/k_norm] f[L, D]      (layers, head_dim)   Qwen3
+  layers.mlp_norm         f[L, H]          (layers, embed)
+  layers.mlp.w_gate/w_up  f[L, H, I]       (layers, embed, mlp)
+  layers.mlp.w_down       f[L, I, H]       (layers, mlp, embed)
+  mtp.enorm / hnorm / final_norm  f[N, H]  (layers, embed)
+  mtp.eh_proj             f[N, 2H, H]      (layers, embed2, embed)
+  mtp.layer.*             as ``layers.*`` with N stacked
+  draft_head (Buffer)     f[N', H]         (vocab, embed)       FR-Spec draft LM head
+  draft_ids / draft_vocab (Buffer) i32[N'] / i32[V]  (vocab,)
+
+KV cache ``k, v: f[L, num_blocks, block_size, Nkv, D]``: :data:`KV_CACHE_AXES`.
+"""
+from __future__ import annotations
+
+LAYERS = "layers"
+EMBED = "embed"
+EMBED2 = "embed2"
+VOCAB = "vocab"
+Q_HEADS = "q_heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+MLP = "mlp"
+# KV cache only (not parameters)
+BLOCKS = "kv_blocks"
+BLOCK_SIZE = "kv_block_size"
+
+ALL = (LAYERS, EMBED, EMBED2, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM, MLP, BLOCKS, BLOCK_SIZE)
+
+# One decoder layer's parameters (unstacked), by their name in the layer's parameter dict.
+LAYER_AXES: dict[str, tuple[str, ...]] = {
+    "attn_norm": (EMBED,), "mlp_norm": (EMBED,),
+    "wq": (EMBED, Q_HEADS), "wk": (EMBED, KV_HEADS), "wv": (EMBED, KV_HEADS), "wo": (Q_HEADS, EMBED),
+    "bq": (Q_HEADS,), "bk": (KV_HEADS,), "bv": (KV_HEADS,),
+    "q_norm": (HEAD_DIM,), "k_norm": (HEAD_DIM,),
+    "w_gate": (EMBED, MLP), "w_up": (EMBED, MLP), "w_down": (MLP, EMBED),
+}
+
+# Top-level and MTP-head parameters (MTP entries without their leading ``layers`` axis).
+TOP_AXES: dict[str, tuple[str, ...]] = {
+    "embed": (VOCAB, EMBED), "lm_head": (EMBED, VOCAB), "final_norm": (EMBED,),
+    "draft_head": (VOCAB, EMBED), "draft_ids": (VOCAB,), "draft_vocab": (VOCAB,),
+}
+MTP_AXES: dict[str, tuple[str, ...]] = {
+    "enorm": (EMBED,), "hnorm": (EMBED,), "final_norm": (EMBED,), "eh_proj": (EMBED2, EMBED),
+}
+
+KV_CACHE_AXES = (LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)

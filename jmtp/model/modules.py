@@ -1,0 +1,300 @@
+"""The Llama-family decoder and MTP head as Flax NNX modules.
+
+Every parameter is an ``nnx.Param`` created with its logical axis names (:mod:`jmtp.model.axes`)
+as ``out_sharding`` metadata; layer stacks are created directly stacked, the ``layers`` axis
+first, so the target's L layers (and the head's N MTP modules) run under one ``lax.scan`` and
+compile time does not grow with depth.
+
+The math lives in the pure functions of :mod:`jmtp.model.llama`; each module's ``__call__``
+runs them on :meth:`to_params`, the nested parameter dict they take (layout documented there).
+That dict is a view built at trace time: inside ``jax.jit`` the module (``nnx.merge`` of the
+state passed in) and the dict name the same arrays, so the jitted engine step compiles to the
+same graph as before the modules existed. :meth:`LlamaForCausalLM.from_params` fills a module
+from such a dict (what the GGUF / HF / MTP-head loaders produce) without random initialisation.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmtp.model import axes as ax
+from jmtp.model import llama
+from jmtp.model.config import ModelConfig
+from jmtp.model.metadata import AttentionMetadata
+
+
+class Buffer(nnx.Variable):
+    """A non-trainable array of a module (the FR-Spec draft ids, draft LM head and token ranking).
+
+    Not an ``nnx.Param``: optimizers built with ``wrt=nnx.Param`` leave it alone."""
+
+
+def _names(names, stacked: bool) -> tuple[str, ...]:
+    return ((ax.LAYERS,) if stacked else ()) + tuple(names)
+
+
+def _param(value: jax.Array, names, stacked: bool = False) -> nnx.Param:
+    """``nnx.Param(value)`` with logical axis names (``layers`` first when ``stacked``).
+
+    Raises:
+      ValueError: the number of names differs from ``value.ndim``."""
+    names = _names(names, stacked)
+    if len(names) != len(value.shape):
+        raise ValueError(f"{len(names)} axis names {names} for an array of shape {value.shape}")
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
+
+
+def _buffer(value: jax.Array, names) -> Buffer:
+    return Buffer(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def _rand(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
+    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def _values(tree):
+    """Replace every ``nnx.Variable`` of a nested dict / tuple with its array."""
+    return jax.tree_util.tree_map(lambda v: v[...], tree,
+                                  is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def _fill(variables, arrays, where: str) -> None:
+    """Set each Variable of ``variables`` (nested dict / tuple) to the array at the same place of
+    ``arrays``; raises ``ValueError`` naming the first tensor missing or of the wrong shape."""
+    if isinstance(variables, nnx.Variable):
+        if tuple(arrays.shape) != tuple(variables.shape):
+            raise ValueError(f"{where}: shape {tuple(arrays.shape)}, expected {variables.shape}")
+        variables.set_value(arrays)
+        return
+    items = enumerate(variables) if isinstance(variables, (list, tuple)) else variables.items()
+    for k, v in items:
+        if isinstance(variables, dict) and k not in arrays:
+            raise ValueError(f"missing tensor {where}.{k}")
+        _fill(v, arrays[k], f"{where}.{k}" if where else str(k))
+
+
+class Attention(nnx.Module):
+    """GQA attention projections: ``wq f[H, Nq·D]``, ``wk, wv f[H, Nkv·D]``, ``wo f[Nq·D, H]``,
+    Qwen2 biases ``bq, bk, bv`` when ``cfg.attention_bias``, Qwen3 ``q_norm, k_norm f[D]`` when
+    ``cfg.qk_norm``; each with a leading ``layers`` axis of size ``num_stacked`` if given."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 num_stacked: int | None = None, std: float = 0.02):
+        lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
+        h, q, kv, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
+        shapes = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h)}
+        if cfg.attention_bias:
+            shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+        for name, shape in shapes.items():
+            setattr(self, name, _param(_rand(rngs, lead + shape, dtype, std), ax.LAYER_AXES[name], st))
+        if cfg.qk_norm:
+            self.q_norm = _param(jnp.ones(lead + (d,), dtype), ax.LAYER_AXES["q_norm"], st)
+            self.k_norm = _param(jnp.ones(lead + (d,), dtype), ax.LAYER_AXES["k_norm"], st)
+
+    def variables(self) -> dict:
+        """``{name: nnx.Param}`` under the names of :mod:`jmtp.model.llama`'s layer dict."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP: ``w_gate, w_up f[H, I]``, ``w_down f[I, H]`` (leading ``layers`` axis if
+    ``num_stacked``)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 num_stacked: int | None = None, std: float = 0.02):
+        lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        for name, shape in {"w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}.items():
+            setattr(self, name, _param(_rand(rngs, lead + shape, dtype, std), ax.LAYER_AXES[name], st))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``f[T, H] -> f[T, H]`` (unstacked MLP only)."""
+        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+
+    def variables(self) -> dict:
+        return {k: v for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm Llama block: ``attn_norm f[H]``, :class:`Attention`, ``mlp_norm f[H]``,
+    :class:`MLP`. With ``num_stacked=L`` every parameter carries a leading ``layers`` axis of
+    size L: the stack of L layers :func:`jmtp.model.llama.forward` scans over."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 num_stacked: int | None = None, std: float = 0.02):
+        lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
+        h = cfg.hidden_size
+        self.num_stacked = num_stacked
+        self.attn_norm = _param(jnp.ones(lead + (h,), dtype), ax.LAYER_AXES["attn_norm"], st)
+        self.attn = Attention(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked, std=std)
+        self.mlp_norm = _param(jnp.ones(lead + (h,), dtype), ax.LAYER_AXES["mlp_norm"], st)
+        self.mlp = MLP(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked, std=std)
+
+    def variables(self) -> dict:
+        """The layer dict of :mod:`jmtp.model.llama` (``attn_norm, wq, …, w_down``) of Params."""
+        return {"attn_norm": self.attn_norm, "mlp_norm": self.mlp_norm,
+                **self.attn.variables(), **self.mlp.variables()}
+
+    def to_params(self) -> dict:
+        """``{name: array}``: one layer's dict, or the stacked ``f[L, ...]`` dict."""
+        return _values(self.variables())
+
+
+class DecoderStack(nnx.Module):
+    """The target's L decoder layers: one stacked :class:`DecoderLayer` (``stacked=True``, run
+    under one ``lax.scan``) or an ``nnx.List`` of L unstacked layers (run as an unrolled loop, see
+    :func:`jmtp.model.llama.unstack_layers`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 stacked: bool = True, std: float = 0.02):
+        self.stacked = stacked
+        if stacked:
+            self.layers = DecoderLayer(cfg, rngs=rngs, dtype=dtype, num_stacked=cfg.num_layers, std=std)
+        else:
+            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, dtype=dtype, std=std)
+                                    for _ in range(cfg.num_layers)])
+
+    def variables(self):
+        if self.stacked:
+            return self.layers.variables()
+        return tuple(layer.variables() for layer in self.layers)
+
+    def to_params(self):
+        """Stacked ``{name: f[L, ...]}`` or a tuple of L per-layer dicts."""
+        return _values(self.variables())
+
+
+class MTPHead(nnx.Module):
+    """N stacked MTP modules (DeepSeek-V3 §2.2): ``enorm, hnorm, final_norm f[N, H]``,
+    ``eh_proj f[N, 2H, H]`` and a :class:`DecoderLayer` stacked N times."""
+
+    def __init__(self, cfg: ModelConfig, num_modules: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 std: float = 0.02):
+        n, h = num_modules, cfg.hidden_size
+        self.enorm = _param(jnp.ones((n, h), dtype), ax.MTP_AXES["enorm"], True)
+        self.hnorm = _param(jnp.ones((n, h), dtype), ax.MTP_AXES["hnorm"], True)
+        self.eh_proj = _param(_rand(rngs, (n, 2 * h, h), dtype, (2 * h) ** -0.5),
+                              ax.MTP_AXES["eh_proj"], True)
+        self.final_norm = _param(jnp.ones((n, h), dtype), ax.MTP_AXES["final_norm"], True)
+        self.layer = DecoderLayer(cfg, rngs=rngs, dtype=dtype, num_stacked=n, std=std)
+
+    def variables(self) -> dict:
+        """``params["mtp"]`` of :mod:`jmtp.model.llama`, of Params."""
+        return {"enorm": self.enorm, "hnorm": self.hnorm, "eh_proj": self.eh_proj,
+                "final_norm": self.final_norm, "layer": self.layer.variables()}
+
+    def to_params(self) -> dict:
+        return _values(self.variables())
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama-family target (Llama, Qwen2, Qwen3) with an optional MTP head and FR-Spec buffers.
+
+    Attributes: ``embed f[V, H]``, ``lm_head f[H, V]`` (None when tied), ``final_norm f[H]``,
+    ``layers`` (:class:`DecoderStack`), ``mtp`` (:class:`MTPHead` or None), and the
+    :class:`Buffer` s ``draft_vocab i32[V]``, ``draft_ids i32[N']``, ``draft_head f[N', H]`` (None
+    unless set). ``cfg`` is static (part of the graph definition).
+
+    Args:
+      cfg: the model configuration.
+      rngs: random streams for the initial weights (matrices N(0, std²), norms 1).
+      dtype: parameter dtype.
+      num_mtp: MTP modules (default ``cfg.num_mtp_layers``; 0 = no head).
+      stacked: layers stacked on a leading ``layers`` axis (one ``lax.scan``) or a list.
+      lm_head: with a separate LM head (default: ``not cfg.tie_word_embeddings``).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 num_mtp: int | None = None, stacked: bool = True, lm_head: bool | None = None,
+                 std: float = 0.02):
+        self.cfg = cfg
+        lm_head = not cfg.tie_word_embeddings if lm_head is None else lm_head
+        v, h = cfg.vocab_size, cfg.hidden_size
+        self.embed = _param(_rand(rngs, (v, h), dtype, std), ax.TOP_AXES["embed"])
+        self.lm_head = nnx.data(None if not lm_head else
+                                _param(_rand(rngs, (h, v), dtype, std), ax.TOP_AXES["lm_head"]))
+        self.final_norm = _param(jnp.ones((h,), dtype), ax.TOP_AXES["final_norm"])
+        self.layers = DecoderStack(cfg, rngs=rngs, dtype=dtype, stacked=stacked, std=std)
+        n = cfg.num_mtp_layers if num_mtp is None else num_mtp
+        self.mtp = nnx.data(MTPHead(cfg, n, rngs=rngs, dtype=dtype, std=std) if n else None)
+        self.draft_vocab = nnx.data(None)   # Buffers, set by set_buffer
+        self.draft_ids = nnx.data(None)
+        self.draft_head = nnx.data(None)
+
+    # -- the parameter dict of jmtp.model.llama ------------------------------------------------
+    def variables(self) -> dict:
+        """The nested dict of :mod:`jmtp.model.llama` with Variables as leaves (absent entries
+        left out)."""
+        out = {"embed": self.embed, "final_norm": self.final_norm,
+               "layers": self.layers.variables()}
+        if self.lm_head is not None:
+            out["lm_head"] = self.lm_head
+        if self.mtp is not None:
+            out["mtp"] = self.mtp.variables()
+        for name in ("draft_vocab", "draft_ids", "draft_head"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+    def to_params(self) -> dict:
+        """The parameter dict the pure functions of :mod:`jmtp.model.llama` take (same arrays)."""
+        return _values(self.variables())
+
+    def set_buffer(self, name: str, value: jax.Array | None) -> None:
+        """Set (or with None remove) the :class:`Buffer` ``draft_vocab`` / ``draft_ids`` /
+        ``draft_head``. Raises ``ValueError`` for another name."""
+        if name not in ("draft_vocab", "draft_ids", "draft_head"):
+            raise ValueError(f"unknown buffer {name!r}")
+        setattr(self, name, nnx.data(None if value is None else _buffer(value, ax.TOP_AXES[name])))
+
+    @classmethod
+    def from_params(cls, cfg: ModelConfig, params: dict) -> "LlamaForCausalLM":
+        """A module holding the arrays of ``params`` (the dict of :mod:`jmtp.model.llama`, e.g. from
+        :func:`jmtp.model.load_checkpoint`), without random initialisation (``nnx.eval_shape``).
+
+        The MTP head is built if ``params`` has ``"mtp"`` (its N from ``mtp.enorm``), the LM head
+        if it has ``"lm_head"`` (as :func:`jmtp.model.llama.compute_logits` decides); unstacked
+        layers (a tuple of dicts) give an unstacked :class:`DecoderStack`. Arrays keep their dtype.
+
+        Raises:
+          ValueError: a tensor missing, of the wrong shape, or an unknown top-level key.
+        """
+        extra = set(params) - {"embed", "lm_head", "final_norm", "layers", "mtp", "draft_vocab",
+                               "draft_ids", "draft_head"}
+        if extra:
+            raise ValueError(f"params: unknown entries {sorted(extra)}")
+        n = int(params["mtp"]["enorm"].shape[0]) if "mtp" in params else 0
+        stacked = not isinstance(params["layers"], (list, tuple))
+        dtype = params["embed"].dtype
+        model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, num_mtp=n,
+                                           stacked=stacked, lm_head="lm_head" in params))
+        core = {k: v for k, v in params.items() if k not in ("draft_vocab", "draft_ids", "draft_head")}
+        _fill({k: v for k, v in model.variables().items() if k in core}, core, "")
+        for name in ("draft_vocab", "draft_ids", "draft_head"):
+            if name in params:
+                model.set_buffer(name, params[name])
+        return model
+
+    # -- forward passes (the pure functions of jmtp.model.llama on this module's arrays) -------
+    def __call__(self, ids: jax.Array, positions: jax.Array, meta: AttentionMetadata,
+                 cache: llama.KVCache, attention_impl: str | None = None):
+        """Target forward over a packed ragged batch (``ids, positions i32[T]``): returns
+        ``(hidden f[T, H] post-final-norm, cache with this step's K/V)``; see
+        :func:`jmtp.model.llama.forward`."""
+        return llama.forward(self.cfg, self.to_params(), ids, positions, meta, cache, attention_impl)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """``f32[T, V]`` logits of post-norm hidden states ``h f[T, H]``."""
+        return llama.compute_logits(self.to_params(), h)
+
+    def mtp_forward(self, layer_idx, ids, hidden, positions, meta, cache, attention_impl=None):
+        """One MTP module; see :func:`jmtp.model.llama.mtp_forward`. Raises ``ValueError``
+        without an MTP head."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP head")
+        return llama.mtp_forward(self.cfg, self.to_params(), layer_idx, ids, hidden, positions,
+                                 meta, cache, attention_impl)
+
+
+MODULE_CLASSES = (Attention, MLP, DecoderLayer, DecoderStack, MTPHead, LlamaForCausalLM)
