@@ -57,11 +57,11 @@ def compare(name, engines, prompt, sp, rounds):
 
 def compile_all(llm):
     """AOT-compile every bucket of ``step_buckets`` and print each compile time."""
-    ec, mc = llm.engine_config, llm.model_config
+    ec = llm.engine_config
     total = 0.0
     for bucket in step_buckets(ec):
         t0 = time.perf_counter()
-        llm._step.lower(mc, ec, llm.speculative_config.drafter, bucket, llm.attention_backend,
+        llm._step.lower(llm.graphdef, ec, llm.speculative_config.drafter, bucket, llm.attention_backend,
                         llm.params, llm.state, llm.cache, llm.mtp_cache,
                         jnp.zeros((ec.max_num_seqs,), jnp.int32)).compile()
         dt = time.perf_counter() - t0

@@ -3,13 +3,13 @@ from jmtp.model.config import ModelConfig, RopeScaling
 from jmtp.model.forward import forward_hidden, forward_logits
 from jmtp.model.llama import KVCache, compute_logits, forward, init_kv_cache, mtp_forward
 from jmtp.model.metadata import AttentionMetadata, ragged_batch
-from jmtp.model.modules import LlamaForCausalLM
+from jmtp.model.modules import DraftHead, LlamaForCausalLM
 from jmtp.model.params import check_params, init_mtp_params, init_params
 
 __all__ = [
     "ModelConfig", "RopeScaling", "forward_hidden", "forward_logits", "KVCache", "compute_logits",
     "forward", "init_kv_cache", "mtp_forward", "AttentionMetadata", "ragged_batch", "check_params",
-    "init_mtp_params", "init_params", "LlamaForCausalLM",
+    "init_mtp_params", "init_params", "LlamaForCausalLM", "DraftHead",
 ]
 
 try:  # loaders land in jmtp/model/loader.py

@@ -188,13 +188,59 @@ class MTPHead(nnx.Module):
         return _values(self.variables())
 
 
+class DraftHead(nnx.Module):
+    """FR-Spec draft LM head (Zhao et al. 2025, "FR-Spec: Accelerating Large-Vocabulary Language
+    Models via Frequency-Ranked Speculative Sampling"): the MTP head scores only the N most frequent
+    tokens.
+
+    Attributes (both :class:`Buffer`, derived at load time, never trained):
+      token_ids: i32[N]  full-vocabulary id of each draft-vocabulary entry (axis ``vocab``).
+      weight: f[N, H]    their LM-head rows (axes ``vocab, embed``).
+
+    Raises:
+      ValueError: ``token_ids`` not 1-D integer, or ``weight`` not ``[len(token_ids), H]``.
+    """
+
+    def __init__(self, token_ids: jax.Array, weight: jax.Array):
+        if token_ids.ndim != 1 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
+            raise ValueError(f"DraftHead.token_ids must be an integer vector, got "
+                             f"{token_ids.dtype}{list(token_ids.shape)}")
+        if weight.ndim != 2 or weight.shape[0] != token_ids.shape[0]:
+            raise ValueError(f"DraftHead.weight must be [N={token_ids.shape[0]}, H], got "
+                             f"{list(weight.shape)}")
+        self.token_ids = _buffer(token_ids, ax.TOP_AXES["draft_ids"])
+        self.weight = _buffer(weight, ax.TOP_AXES["draft_head"])
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        """``f32[T, N]`` draft-vocabulary logits of post-norm hidden rows ``h f[T, H]``."""
+        return jnp.dot(h, self.weight[...].T, preferred_element_type=jnp.float32)
+
+    def to_vocab(self, draft_tokens: jax.Array, probs: jax.Array | None, vocab_size: int):
+        """Map draft-vocabulary picks back to the full vocabulary.
+
+        Args:
+          draft_tokens: i32[A] indices into the draft vocabulary.
+          probs: f32[A, N] their distribution, or None.
+          vocab_size: V.
+
+        Returns:
+          ``(i32[A] full-vocabulary ids, f32[A, V] with q = 0 off the N tokens, or None)``.
+        """
+        ids = self.token_ids[...]
+        tokens = ids[draft_tokens]
+        if probs is not None:
+            probs = jnp.zeros((probs.shape[0], vocab_size), probs.dtype).at[:, ids].set(probs)
+        return tokens, probs
+
+
 class LlamaForCausalLM(nnx.Module):
     """Llama-family target (Llama, Qwen2, Qwen3) with an optional MTP head and FR-Spec buffers.
 
     Attributes: ``embed f[V, H]``, ``lm_head f[H, V]`` (None when tied), ``final_norm f[H]``,
     ``layers`` (:class:`DecoderStack`), ``mtp`` (:class:`MTPHead` or None), and the
-    :class:`Buffer` s ``draft_vocab i32[V]``, ``draft_ids i32[N']``, ``draft_head f[N', H]`` (None
-    unless set). ``cfg`` is static (part of the graph definition).
+    FR-Spec's token ranking ``draft_vocab i32[V]`` (a :class:`Buffer`, from an MTP head file; None
+    unless set) and ``draft_head`` (a :class:`DraftHead` derived from it at load time, or None:
+    drafts are then scored over the full vocabulary). ``cfg`` is static (part of the graph definition).
 
     Args:
       cfg: the model configuration.
@@ -218,9 +264,8 @@ class LlamaForCausalLM(nnx.Module):
         self.layers = DecoderStack(cfg, rngs=rngs, dtype=dtype, stacked=stacked, std=std)
         n = cfg.num_mtp_layers if num_mtp is None else num_mtp
         self.mtp = nnx.data(MTPHead(cfg, n, rngs=rngs, dtype=dtype, std=std) if n else None)
-        self.draft_vocab = nnx.data(None)   # Buffers, set by set_buffer
-        self.draft_ids = nnx.data(None)
-        self.draft_head = nnx.data(None)
+        self.draft_vocab = nnx.data(None)   # Buffer, set by set_buffer
+        self.draft_head = nnx.data(None)    # DraftHead, set by set_draft_head
 
     # -- the parameter dict of jmtp.model.llama ------------------------------------------------
     def variables(self) -> dict:
@@ -232,9 +277,11 @@ class LlamaForCausalLM(nnx.Module):
             out["lm_head"] = self.lm_head
         if self.mtp is not None:
             out["mtp"] = self.mtp.variables()
-        for name in ("draft_vocab", "draft_ids", "draft_head"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
+        if self.draft_vocab is not None:
+            out["draft_vocab"] = self.draft_vocab
+        if self.draft_head is not None:
+            out["draft_ids"] = self.draft_head.token_ids
+            out["draft_head"] = self.draft_head.weight
         return out
 
     def to_params(self) -> dict:
@@ -242,11 +289,16 @@ class LlamaForCausalLM(nnx.Module):
         return _values(self.variables())
 
     def set_buffer(self, name: str, value: jax.Array | None) -> None:
-        """Set (or with None remove) the :class:`Buffer` ``draft_vocab`` / ``draft_ids`` /
-        ``draft_head``. Raises ``ValueError`` for another name."""
-        if name not in ("draft_vocab", "draft_ids", "draft_head"):
-            raise ValueError(f"unknown buffer {name!r}")
-        setattr(self, name, nnx.data(None if value is None else _buffer(value, ax.TOP_AXES[name])))
+        """Set (or with None remove) the :class:`Buffer` ``draft_vocab`` (FR-Spec token ranking
+        ``i32[V]``). Raises ``ValueError`` for another name."""
+        if name != "draft_vocab":
+            raise ValueError(f"unknown buffer {name!r} (draft_ids / draft_head: set_draft_head)")
+        self.draft_vocab = nnx.data(None if value is None else _buffer(value, ax.TOP_AXES[name]))
+
+    def set_draft_head(self, token_ids: jax.Array | None, weight: jax.Array | None = None) -> None:
+        """Set the FR-Spec :class:`DraftHead` (``token_ids i32[N]``, ``weight f[N, H]``), or with
+        ``token_ids=None`` remove it. Raises ``ValueError`` as :class:`DraftHead`."""
+        self.draft_head = nnx.data(None if token_ids is None else DraftHead(token_ids, weight))
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params: dict) -> "LlamaForCausalLM":
@@ -271,9 +323,12 @@ class LlamaForCausalLM(nnx.Module):
                                            stacked=stacked, lm_head="lm_head" in params))
         core = {k: v for k, v in params.items() if k not in ("draft_vocab", "draft_ids", "draft_head")}
         _fill({k: v for k, v in model.variables().items() if k in core}, core, "")
-        for name in ("draft_vocab", "draft_ids", "draft_head"):
-            if name in params:
-                model.set_buffer(name, params[name])
+        if "draft_vocab" in params:
+            model.set_buffer("draft_vocab", params["draft_vocab"])
+        if ("draft_ids" in params) != ("draft_head" in params):
+            raise ValueError("params: draft_ids and draft_head come together (FR-Spec draft head)")
+        if "draft_ids" in params:
+            model.set_draft_head(params["draft_ids"], params["draft_head"])
         return model
 
     # -- forward passes (the pure functions of jmtp.model.llama on this module's arrays) -------
@@ -297,4 +352,4 @@ class LlamaForCausalLM(nnx.Module):
                                  meta, cache, attention_impl)
 
 
-MODULE_CLASSES = (Attention, MLP, DecoderLayer, DecoderStack, MTPHead, LlamaForCausalLM)
+MODULE_CLASSES = (Attention, MLP, DecoderLayer, DecoderStack, MTPHead, DraftHead, LlamaForCausalLM)

@@ -55,6 +55,7 @@ class LLM:
     speculative_config = _engine_attr("speculative_config")
     tokenizer = _engine_attr("tokenizer")
     params = _engine_attr("params")
+    graphdef = _engine_attr("graphdef")
     draft_vocab_size = _engine_attr("draft_vocab_size")
     attention_backend = _engine_attr("attention_backend")
     state = _engine_attr("state")

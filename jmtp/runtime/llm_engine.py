@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import time
 from typing import Iterable
@@ -35,7 +34,7 @@ from jmtp.runtime.sampling import SamplingParams, make_row
 from jmtp.runtime.spec_policy import DynamicSpeculation
 from jmtp.runtime.state import FINISH_REASONS, init_state, insert_request
 from jmtp.pallas.block_allocator import blocks_needed
-from jmtp.runtime.step import model_step, release_slot
+from jmtp.runtime.step import engine_step, release_slot
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +134,7 @@ class LLMEngine:
     ``nnx.Param`` / draft-vocabulary ``Buffer`` with its logical axes; ``params["embed"]``,
     ``params["mtp"]["eh_proj"]``, ``params["draft_ids"]`` … index it like the parameter dict of
     :mod:`jmtp.model.llama` and give Variables that behave as their arrays). The jitted step takes
-    ``params`` and merges it inside (:func:`~jmtp.runtime.step.model_step`).
+    ``graphdef`` (static) and ``params`` and merges them inside (:func:`~jmtp.runtime.step.engine_step`).
 
     Args:
       model: GGUF file or HF directory; ``None`` = the default SmolLM2-135M-Instruct.
@@ -230,8 +229,7 @@ class LLMEngine:
         self.mtp_cache = (init_kv_cache(model_config, max(model_config.num_mtp_layers, 1),
                                         ec.num_blocks, block_size, dtype)
                           if spec.method == "mtp" else None)
-        self._step = jax.jit(functools.partial(model_step, self.graphdef),
-                             static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
+        self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
         self._insert = jax.jit(insert_request, donate_argnums=0)
         self._release = jax.jit(release_slot, donate_argnums=0)
         self._free_count = ec.num_blocks
@@ -260,9 +258,9 @@ class LLMEngine:
     def _compile_ahead(self) -> dict:
         """Compile every step bucket and the request insert/release; ``{label: seconds}``."""
         from jmtp.runtime.compile import compile_ahead
-        ec, mc = self.engine_config, self.model_config
+        ec = self.engine_config
         buckets = step_buckets(ec)
-        static = (mc, ec, self.speculative_config.drafter)
+        static = (self.graphdef, ec, self.speculative_config.drafter)
         # Host arrays go through jnp.asarray as in step() (that stages them with a small jit).
         zeros = jnp.asarray(np.zeros((ec.max_num_seqs,), np.int32))
         times = compile_ahead(self._step, [
@@ -428,8 +426,8 @@ class LLMEngine:
         nothing is unfinished.
         """
         t0 = time.perf_counter()
-        ec, mc = self.engine_config, self.model_config
-        B, W, bs = ec.max_num_seqs, ec.window, ec.block_size
+        ec = self.engine_config
+        B, bs = ec.max_num_seqs, ec.block_size
         slots = self._slots
         if self._hold and not any(s is not None for s in slots):
             self._hold = False
@@ -466,7 +464,8 @@ class LLMEngine:
                   self.spec_policy.draft_limits(np.array([s is not None for s in slots])))
         t_step = time.perf_counter()
         self.state, self.cache, self.mtp_cache, out = self._step(
-            mc, ec, self.speculative_config.drafter, bucket, self.attention_backend, self.params,
+            self.graphdef, ec, self.speculative_config.drafter, bucket, self.attention_backend,
+            self.params,
             self.state, self.cache, self.mtp_cache, jnp.asarray(chunks), jnp.asarray(limits))
         out = jax.device_get(out)
         self._next_drafts = np.asarray(out.num_next_drafts)

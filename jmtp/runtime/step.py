@@ -52,8 +52,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.llama import KVCache, compute_logits, forward, mtp_forward
+from jmtp.model.llama import KVCache
 from jmtp.model.metadata import AttentionMetadata, packed_row_seq, ragged_batch
+from jmtp.model.modules import LlamaForCausalLM
 from jmtp.runtime.buckets import StepBucket, active_slots
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.ngram import extend_with_ngram, ngram_match
@@ -278,15 +279,15 @@ def schedule(ec: EngineConfig, state: EngineState, prefill_chunk: jax.Array) -> 
     Returns:
       :class:`Schedule` (``paused`` all False: see :func:`allocate_blocks`).
     """
-    s = state
-    running = ~s.stop_flags
-    dec = s.seq_lens_decoder
-    prefilling = running & (dec < s.prompt_lens)
+    running = ~state.stop_flags
+    decoded = state.seq_lens_decoder
+    prefilling = running & (decoded < state.prompt_lens)
     decoding = running & ~prefilling
-    chunk = jnp.where(prefilling, jnp.minimum(prefill_chunk, s.prompt_lens - dec), 0)
-    num_drafts = jnp.where(decoding, jnp.sum(s.draft_tokens[:, 1:] >= 0, axis=1), 0)
-    slt = jnp.where(prefilling, chunk, jnp.where(decoding, 1 + num_drafts, 0)).astype(jnp.int32)
-    return Schedule(seq_lens_this_time=slt, seq_lens_encoder=chunk.astype(jnp.int32),
+    chunk = jnp.where(prefilling, jnp.minimum(prefill_chunk, state.prompt_lens - decoded), 0)
+    num_drafts = jnp.where(decoding, jnp.sum(state.draft_tokens[:, 1:] >= 0, axis=1), 0)
+    query_lens = jnp.where(prefilling, chunk, jnp.where(decoding, 1 + num_drafts, 0))
+    query_lens = query_lens.astype(jnp.int32)
+    return Schedule(seq_lens_this_time=query_lens, seq_lens_encoder=chunk.astype(jnp.int32),
                     num_drafts=num_drafts.astype(jnp.int32), prefilling=prefilling,
                     decoding=decoding, paused=jnp.zeros_like(prefilling))
 
@@ -295,8 +296,9 @@ def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedu
                     seq_lens_decoder: jax.Array) -> tuple[BlockAllocatorState, Schedule]:
     """Top every scheduled slot up to the blocks this step's writes need, all or nothing.
 
-    A slot writes target positions ``[dec, dec + slt)`` and, with the MTP head, MTP positions up
-    to ``dec + slt + M - 2``; it needs ``blocks_needed(dec + slt + max(M - 1, 0))`` blocks. A slot
+    With ``d = seq_lens_decoder`` and ``n = seq_lens_this_time``, a slot writes target positions
+    ``[d, d + n)`` and, with the MTP head, MTP positions up to ``d + n + M - 2``; it needs
+    ``blocks_needed(d + n + max(M - 1, 0))`` blocks. A slot
     that cannot get them is paused: its row of the returned schedule is zeroed (it does nothing
     this step) and ``paused`` is set. Block ownership is the allocator's contract
     (:func:`jmtp.pallas.block_allocator.allocate_blocks`).
@@ -310,64 +312,64 @@ def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedu
       ``(new allocator state, schedule with paused slots removed)``.
     """
     B = sched.seq_lens_this_time.shape[0]
-    slt = sched.seq_lens_this_time
+    query_lens = sched.seq_lens_this_time
     overhang = max(ec.m - 1, 0)
-    need = jnp.where(slt > 0, blocks_needed(seq_lens_decoder + slt + overhang, ec.block_size), 0)
+    need = jnp.where(query_lens > 0,
+                     blocks_needed(seq_lens_decoder + query_lens + overhang, ec.block_size), 0)
     blocks, paused = blocks.allocate(jnp.zeros((B,), bool), need.astype(jnp.int32))
-    paused = paused & (slt > 0)
+    paused = paused & (query_lens > 0)
     return blocks, Schedule(
-        seq_lens_this_time=jnp.where(paused, 0, slt),
+        seq_lens_this_time=jnp.where(paused, 0, query_lens),
         seq_lens_encoder=jnp.where(paused, 0, sched.seq_lens_encoder),
         num_drafts=jnp.where(paused, 0, sched.num_drafts),
         prefilling=sched.prefilling & ~paused, decoding=sched.decoding & ~paused, paused=paused)
 
 
-def target_forward(mc: ModelConfig, ec: EngineConfig, bucket: StepBucket,
-                   attention_impl: str | None, params: dict, state: EngineState, sched: Schedule,
+def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | None,
+                   model: LlamaForCausalLM, state: EngineState, sched: Schedule,
                    block_tables: jax.Array, cache: KVCache) -> tuple[TargetOutput, KVCache]:
     """Target forward over the packed ragged batch, then the logits of the window rows only.
 
     Row ``t`` of the packed batch is query ``local`` of slot ``seq``: a prompt token
-    (``input_ids[seq, dec + local]``) for a prefill chunk and for position 0 of a verify window
+    (``input_ids[seq, seq_lens_decoder[seq] + local]``) for a prefill chunk and for position 0 of a verify window
     (the last accepted token, already in ``input_ids``), else draft ``draft_tokens[seq, local]``.
 
     Args:
       bucket: static (T, A) sizes; requires ``sum(seq_lens_this_time) <= T`` and at most A slots
         with work.
+      model: the target (its ``__call__`` and ``logits``).
       block_tables: i32[B, P] after :func:`allocate_blocks`.
 
     Returns:
       ``(TargetOutput, updated target cache)``.
     """
-    B, W, bs = ec.max_num_seqs, ec.window, ec.block_size
+    B, W = ec.max_num_seqs, ec.window
     num_tokens, A = bucket.num_tokens, bucket.num_slots
-    s = state
-    slt, dec, chunk = sched.seq_lens_this_time, s.seq_lens_decoder, sched.seq_lens_encoder
-    prefilling = sched.prefilling
-    tables = block_tables
-    positions, meta = ragged_batch(slt, dec, tables, bs, num_tokens)
-    cu = meta.cu_q_lens
-    seq, local = packed_row_seq(cu, num_tokens)
-    from_prompt = prefilling[seq] | (local == 0)
+    query_lens, prefill_lens = sched.seq_lens_this_time, sched.seq_lens_encoder
+    decoded = state.seq_lens_decoder
+    positions, meta = ragged_batch(query_lens, decoded, block_tables, ec.block_size, num_tokens)
+    cu_q_lens = meta.cu_q_lens
+    seq, local = packed_row_seq(cu_q_lens, num_tokens)
+    from_prompt = sched.prefilling[seq] | (local == 0)
     ids = jnp.where(from_prompt,
-                    s.input_ids[seq, jnp.clip(dec[seq] + local, 0, ec.seq_buffer_len - 1)],
-                    s.draft_tokens[seq, jnp.clip(local, 0, W - 1)])
-    ids = jnp.clip(ids, 0, mc.vocab_size - 1)
-    hidden, cache = forward(mc, params, ids, positions, meta, cache, attention_impl)
+                    state.input_ids[seq, jnp.clip(decoded[seq] + local, 0, ec.seq_buffer_len - 1)],
+                    state.draft_tokens[seq, jnp.clip(local, 0, W - 1)])
+    ids = jnp.clip(ids, 0, model.cfg.vocab_size - 1)
+    hidden, cache = model(ids, positions, meta, cache, attention_impl)
 
     # Compact the slots with work into A rows (slot ids ascending, then padding = B); logits and
     # verification run over those rows only and are scattered back to [B, ...].
-    slots, valid_a = active_slots(slt > 0, A)
-    sl = jnp.minimum(slots, B - 1)                                       # in-range gather index
+    slots, valid = active_slots(query_lens > 0, A)
+    slot_rows = jnp.minimum(slots, B - 1)                                # in-range gather index
 
     # Window rows: all 1+n rows of a verify window; the last row of a prefill chunk.
     w = jnp.arange(W, dtype=jnp.int32)
-    rows = jnp.where(prefilling[sl, None], cu[sl, None] + chunk[sl, None] - 1,
-                     cu[sl, None] + w[None])                             # i32[A, W]
-    h_win = _take_rows(hidden, rows.reshape(-1))
-    logits = compute_logits(params, h_win).reshape(A, W, -1)
-    return TargetOutput(hidden=hidden, cu_q_lens=cu, logits=logits, slots=slots,
-                        valid=valid_a), cache
+    start = cu_q_lens[slot_rows, None]
+    rows = jnp.where(sched.prefilling[slot_rows, None], start + prefill_lens[slot_rows, None] - 1,
+                     start + w[None])                                    # i32[A, W]
+    logits = model.logits(_take_rows(hidden, rows.reshape(-1))).reshape(A, W, -1)
+    return TargetOutput(hidden=hidden, cu_q_lens=cu_q_lens, logits=logits, slots=slots,
+                        valid=valid), cache
 
 
 def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sched: Schedule,
@@ -380,28 +382,30 @@ def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sche
       :class:`Verified` over the B slots (no stop truncation: :func:`speculate_update` does it).
     """
     B = ec.max_num_seqs
-    s = state
-    slots, valid_a = target.slots, target.valid
-    sl = jnp.minimum(slots, B - 1)
-    res = verify(target.logits, s.draft_tokens[sl, 1:],
-                 jnp.where(valid_a, sched.num_drafts[sl], 0),
-                 None if s.draft_probs is None else s.draft_probs[sl],
-                 _gather_slots(s.sampling, sl), s.step_idx[sl],
-                 jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32), strategy=ec.spec.verify_strategy,
-                 max_candidate_len=ec.spec.max_candidate_len, verify_window=ec.spec.verify_window,
-                 num_logprobs=ec.max_logprobs, truncate_at_stop=False)
-    res = jax.tree_util.tree_map(lambda x: _scatter_slots(x, slots, B), res)
-    target_tok = jnp.maximum(res.accept_tokens, 0)
-    n_acc = res.accept_num - 1
+    prev = state   # the state the step started from
+    slots, valid = target.slots, target.valid
+    slot_rows = jnp.minimum(slots, B - 1)
+    result = verify(target.logits, prev.draft_tokens[slot_rows, 1:],
+                    jnp.where(valid, sched.num_drafts[slot_rows], 0),
+                    None if prev.draft_probs is None else prev.draft_probs[slot_rows],
+                    _gather_slots(prev.sampling, slot_rows), prev.step_idx[slot_rows],
+                    jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32),
+                    strategy=ec.spec.verify_strategy, max_candidate_len=ec.spec.max_candidate_len,
+                    verify_window=ec.spec.verify_window, num_logprobs=ec.max_logprobs,
+                    truncate_at_stop=False)
+    result = jax.tree_util.tree_map(lambda x: _scatter_slots(x, slots, B), result)
+    target_tok = jnp.maximum(result.accept_tokens, 0)
+    num_accepted = result.accept_num - 1
     finishing_prefill = sched.prefilling & (
-        s.seq_lens_decoder + sched.seq_lens_encoder == s.prompt_lens)
+        prev.seq_lens_decoder + sched.seq_lens_encoder == prev.prompt_lens)
     # A request resumed after a preemption re-emits its last token (insert_request's resume_token).
-    resume = finishing_prefill & (s.draft_tokens[:, 0] >= 0)
-    target_tok = target_tok.at[:, 0].set(jnp.where(resume, s.draft_tokens[:, 0], target_tok[:, 0]))
-    emit = jnp.where(finishing_prefill, 1, jnp.where(sched.decoding, n_acc + 1, 0))
-    return Verified(accept_tokens=target_tok, accept_num=emit.astype(jnp.int32),
-                    num_accepted=n_acc.astype(jnp.int32), logprobs=res.logprobs,
-                    top_logprob_ids=res.top_logprob_ids, top_logprobs=res.top_logprobs)
+    resume = finishing_prefill & (prev.draft_tokens[:, 0] >= 0)
+    target_tok = target_tok.at[:, 0].set(jnp.where(resume, prev.draft_tokens[:, 0],
+                                                   target_tok[:, 0]))
+    accept_num = jnp.where(finishing_prefill, 1, jnp.where(sched.decoding, num_accepted + 1, 0))
+    return Verified(accept_tokens=target_tok, accept_num=accept_num.astype(jnp.int32),
+                    num_accepted=num_accepted.astype(jnp.int32), logprobs=result.logprobs,
+                    top_logprob_ids=result.top_logprob_ids, top_logprobs=result.top_logprobs)
 
 
 def truncate_at_stop(tokens: jax.Array, num: jax.Array, step_idx: jax.Array,
@@ -455,45 +459,47 @@ def speculate_update(ec: EngineConfig, state: EngineState, sched: Schedule, veri
       (``seq_lens_this_time/encoder``, ``num_drafts``, ``paused``) and ``blocks``.
     """
     B, W, K = ec.max_num_seqs, ec.window, ec.k
-    s = state
-    dec = s.seq_lens_decoder
-    slt, chunk = sched.seq_lens_this_time, sched.seq_lens_encoder
+    prev = state   # the state the step started from
+    decoded = prev.seq_lens_decoder
+    query_lens, prefill_lens = sched.seq_lens_this_time, sched.seq_lens_encoder
     prefilling, decoding = sched.prefilling, sched.decoding
     w = jnp.arange(W, dtype=jnp.int32)
-    target_tok, n_acc = verified.accept_tokens, verified.num_accepted
-    seq_len = s.prompt_lens + s.step_idx                                  # tokens in the sequence
-    emit, finished, reason = truncate_at_stop(
-        target_tok, verified.accept_num, s.step_idx, seq_len, s.sampling.stop_token_ids,
-        s.sampling.min_tokens, s.max_dec_len, ec.max_model_len)
-    valid = w[None] < emit[:, None]
+    target_tok, verified_accepted = verified.accept_tokens, verified.num_accepted
+    seq_len = prev.prompt_lens + prev.step_idx                       # tokens in the sequence
+    num_committed, finished, reason = truncate_at_stop(
+        target_tok, verified.accept_num, prev.step_idx, seq_len, prev.sampling.stop_token_ids,
+        prev.sampling.min_tokens, prev.max_dec_len, ec.max_model_len)
+    valid = w[None] < num_committed[:, None]
     tokens = jnp.where(valid, target_tok, -1)
-    num_accepted = jnp.where(decoding, jnp.minimum(n_acc, emit), 0)
+    num_accepted = jnp.where(decoding, jnp.minimum(verified_accepted, num_committed), 0)
 
     write_at = jnp.where(valid, seq_len[:, None] + w[None], ec.seq_buffer_len)
-    input_ids = s.input_ids.at[jnp.arange(B)[:, None], write_at].set(tokens, mode="drop")
-    step_idx = s.step_idx + emit
-    new_dec = jnp.where(prefilling, dec + chunk, jnp.where(decoding, dec + emit, dec))
-    last_tok = jnp.take_along_axis(tokens, jnp.clip(emit - 1, 0, W - 1)[:, None], 1)[:, 0]
-    stop_flags = s.stop_flags | finished
-    draft0 = jnp.where(emit > 0, last_tok, s.draft_tokens[:, 0])
+    input_ids = prev.input_ids.at[jnp.arange(B)[:, None], write_at].set(tokens, mode="drop")
+    step_idx = prev.step_idx + num_committed
+    new_decoded = jnp.where(prefilling, decoded + prefill_lens,
+                            jnp.where(decoding, decoded + num_committed, decoded))
+    last_tok = jnp.take_along_axis(tokens, jnp.clip(num_committed - 1, 0, W - 1)[:, None], 1)[:, 0]
+    stop_flags = prev.stop_flags | finished
+    draft0 = jnp.where(num_committed > 0, last_tok, prev.draft_tokens[:, 0])
 
     # Drafts allowed next step: never past max_tokens or max_model_len (§12 Q3).
-    new_seq_len = s.prompt_lens + step_idx
-    allowed = jnp.clip(jnp.minimum(s.max_dec_len - step_idx - 1, ec.max_model_len - new_seq_len - 1),
-                       0, K)
-    can_draft = ~stop_flags & (new_dec >= s.prompt_lens) & (emit > 0)
+    new_seq_len = prev.prompt_lens + step_idx
+    allowed = jnp.clip(jnp.minimum(prev.max_dec_len - step_idx - 1,
+                                   ec.max_model_len - new_seq_len - 1), 0, K)
+    can_draft = ~stop_flags & (new_decoded >= prev.prompt_lens) & (num_committed > 0)
     allowed = jnp.where(can_draft, allowed, 0)
 
     new_state = dataclasses.replace(
-        s, input_ids=input_ids, seq_lens_encoder=chunk, seq_lens_decoder=new_dec,
-        seq_lens_this_time=slt, step_idx=step_idx, accept_tokens=tokens, accept_num=emit,
+        prev, input_ids=input_ids, seq_lens_encoder=prefill_lens, seq_lens_decoder=new_decoded,
+        seq_lens_this_time=query_lens, step_idx=step_idx, accept_tokens=tokens,
+        accept_num=num_committed,
         num_drafts=sched.num_drafts, stop_flags=stop_flags,
-        sampling=update_history(s.sampling, tokens, emit),
-        finish_reason=jnp.where(finished, reason, s.finish_reason),
+        sampling=update_history(prev.sampling, tokens, num_committed),
+        finish_reason=jnp.where(finished, reason, prev.finish_reason),
         blocks=blocks, paused=sched.paused,
         draft_tokens=jnp.full((B, W), -1, jnp.int32).at[:, 0].set(draft0))
     return new_state, Committed(
-        tokens=tokens, num_tokens=emit, num_accepted=num_accepted.astype(jnp.int32),
+        tokens=tokens, num_tokens=num_committed, num_accepted=num_accepted.astype(jnp.int32),
         finished=finished, finish_reason=jnp.where(finished, reason, FINISH_NONE),
         draft_budget=allowed.astype(jnp.int32))
 
@@ -520,46 +526,43 @@ def draft_model_preprocess(mc: ModelConfig, ec: EngineConfig, num_tokens: int, s
       ``(DraftContext, MtpBatch)`` for :func:`mtp_substep`.
     """
     B, bs = ec.max_num_seqs, ec.block_size
-    hidden, cu_t, slots, valid_a = target.hidden, target.cu_q_lens, target.slots, target.valid
-    dec = prev_seq_lens_decoder
-    sl = jnp.minimum(slots, B - 1)
+    target_hidden, cu_t, slots, valid = target.hidden, target.cu_q_lens, target.slots, target.valid
+    decoded = prev_seq_lens_decoder
+    slot_rows = jnp.minimum(slots, B - 1)
     ctx = DraftContext(
-        slots=slots, budget=jnp.where(valid_a, draft_budget[sl], 0),
-        start_pos=state.seq_lens_decoder[sl], block_tables=state.block_tables[sl],
-        sampling=_gather_slots(state.sampling, sl), step_idx=state.step_idx[sl])
-    q = jnp.where(state.stop_flags, 0, jnp.where(state.seq_lens_encoder > 0, state.seq_lens_encoder,
-                                                 state.accept_num))
-    positions, meta = ragged_batch(q, dec, state.block_tables, bs, num_tokens)
-    cu = meta.cu_q_lens
-    seq, local = packed_row_seq(cu, num_tokens)
+        slots=slots, budget=jnp.where(valid, draft_budget[slot_rows], 0),
+        start_pos=state.seq_lens_decoder[slot_rows], block_tables=state.block_tables[slot_rows],
+        sampling=_gather_slots(state.sampling, slot_rows), step_idx=state.step_idx[slot_rows])
+    query_lens = jnp.where(state.stop_flags, 0, jnp.where(state.seq_lens_encoder > 0,
+                                                          state.seq_lens_encoder, state.accept_num))
+    positions, meta = ragged_batch(query_lens, decoded, state.block_tables, bs, num_tokens)
+    cu_q_lens = meta.cu_q_lens
+    seq, local = packed_row_seq(cu_q_lens, num_tokens)
     ids = state.input_ids[seq, jnp.clip(positions + 1, 0, ec.seq_buffer_len - 1)]
     ids = jnp.clip(ids, 0, mc.vocab_size - 1)
-    h_in = _take_rows(hidden, cu_t[seq] + local)
-    last = cu[sl] + q[sl] - 1                                           # i32[A]
+    h_in = _take_rows(target_hidden, cu_t[seq] + local)
+    last = cu_q_lens[slot_rows] + query_lens[slot_rows] - 1                  # i32[A]
     return ctx, MtpBatch(ids=ids, hidden=h_in, positions=positions, meta=meta, pick_rows=last,
                          active=ctx.budget > 0)
 
 
-def _pick(mc, ec, params, ctx: DraftContext, h_rows, sub):
-    """Draft ``sub`` (0-based): argmax, or a sample with its exact distribution q."""
-    if "draft_head" in params:    # FR-Spec: score the N-token draft vocabulary only
-        logits = jnp.dot(h_rows, params["draft_head"].T, preferred_element_type=jnp.float32)
-    else:
-        logits = compute_logits(params, h_rows)
-    tok, probs = draft_sample(
+def _pick(ec: EngineConfig, model: LlamaForCausalLM, ctx: DraftContext, h_rows, sub: int):
+    """Draft ``sub`` (0-based) from MTP hidden rows ``h_rows f[A, H]``: argmax, or a sample with
+    its exact distribution q; over the FR-Spec draft vocabulary when the model has a
+    :class:`~jmtp.model.modules.DraftHead` (a static, structural choice), else the full one."""
+    draft_head = model.draft_head
+    logits = draft_head(h_rows) if draft_head is not None else model.logits(h_rows)
+    tokens, probs = draft_sample(
         logits, ctx.sampling, ctx.step_idx + sub,
         draft_sampling=ec.spec.draft_sampling, draft_temperature=ec.spec.draft_temperature,
         draft_top_p=ec.spec.draft_top_p, draft_top_k=ec.spec.draft_top_k)
-    if "draft_head" in params:    # back to full-vocabulary ids (q is zero off the N tokens)
-        tok = params["draft_ids"][tok]
-        if probs is not None:
-            probs = jnp.zeros((probs.shape[0], mc.vocab_size), probs.dtype).at[
-                :, params["draft_ids"]].set(probs)
-    return tok.astype(jnp.int32), (None if probs is None else probs.astype(jnp.float32))
+    if draft_head is not None:    # back to full-vocabulary ids (q is zero off the N tokens)
+        tokens, probs = draft_head.to_vocab(tokens, probs, model.cfg.vocab_size)
+    return tokens.astype(jnp.int32), (None if probs is None else probs.astype(jnp.float32))
 
 
-def mtp_substep(mc: ModelConfig, ec: EngineConfig, attention_impl: str | None, sub: int,
-                params: dict, ctx: DraftContext, batch: MtpBatch, mtp_cache: KVCache
+def mtp_substep(ec: EngineConfig, attention_impl: str | None, sub: int,
+                model: LlamaForCausalLM, ctx: DraftContext, batch: MtpBatch, mtp_cache: KVCache
                 ) -> tuple[DraftPick, MtpBatch, KVCache]:
     """One MTP propose substep ``sub`` (static, 0-based): the MTP layer ``sub % num_mtp_layers``
     over ``batch``, a draft per active slot from its pick row (skipped at run time with
@@ -572,36 +575,39 @@ def mtp_substep(mc: ModelConfig, ec: EngineConfig, attention_impl: str | None, s
       ``(DraftPick, MtpBatch of substep sub + 1 (A rows), updated MTP cache)``.
     """
     A = ctx.slots.shape[0]
-    bs = ec.block_size
-    n_layers = max(mc.num_mtp_layers, 1)
-    ids_s, h_s, pos_s, meta_s = batch.ids, batch.hidden, batch.positions, batch.meta
-    h_log, h_next, mtp_cache = mtp_forward(mc, params, sub % n_layers, ids_s, h_s, pos_s,
-                                           meta_s, mtp_cache, attention_impl)
+    vocab_size = model.cfg.vocab_size
+    num_layers = max(model.cfg.num_mtp_layers, 1)
+    # h_norm: post-final-norm rows (drafts are picked from them); h_out: the hidden input of the
+    # next substep (eagle_get_self_hidden_states; pre- or post-norm by ModelConfig.mtp_layout).
+    h_norm, h_out, mtp_cache = model.mtp_forward(sub % num_layers, batch.ids, batch.hidden,
+                                                 batch.positions, batch.meta, mtp_cache,
+                                                 attention_impl)
 
     def run(h_rows):
-        return _pick(mc, ec, params, ctx, h_rows, sub)
+        return _pick(ec, model, ctx, h_rows, sub)
 
     def skip(h_rows):
-        tok = jnp.zeros((h_rows.shape[0],), jnp.int32)
+        tokens = jnp.zeros((h_rows.shape[0],), jnp.int32)
         if not ec.spec.draft_sampling:
-            return tok, None
-        return tok, jnp.zeros((h_rows.shape[0], mc.vocab_size), jnp.float32)
+            return tokens, None
+        return tokens, jnp.zeros((h_rows.shape[0], vocab_size), jnp.float32)
 
-    d, probs = jax.lax.cond(jnp.any(batch.active), run, skip, _take_rows(h_log, batch.pick_rows))
-    h_prev = _take_rows(h_next, batch.pick_rows)
-    pick = DraftPick(tokens=jnp.where(batch.active, d, -1), probs=probs)
+    draft, probs = jax.lax.cond(jnp.any(batch.active), run, skip,
+                                _take_rows(h_norm, batch.pick_rows))
+    h_prev = _take_rows(h_out, batch.pick_rows)
+    pick = DraftPick(tokens=jnp.where(batch.active, draft, -1), probs=probs)
 
     # Inputs of the next substep: rows packed in compacted-slot order; row i's token is at
     # cu_s[i] when active.
     active = batch.active & (ctx.budget > sub + 1)
-    pos_n, meta_n = ragged_batch(active.astype(jnp.int32), ctx.start_pos + sub, ctx.block_tables,
-                                 bs, A)
-    rows = jnp.clip(meta_n.cu_q_lens[:A], 0, A - 1)
+    positions, meta = ragged_batch(active.astype(jnp.int32), ctx.start_pos + sub,
+                                   ctx.block_tables, ec.block_size, A)
+    rows = jnp.clip(meta.cu_q_lens[:A], 0, A - 1)
     scatter = jnp.where(active, rows, A)
-    ids_n = jnp.zeros((A,), jnp.int32).at[scatter].set(jnp.clip(d, 0, mc.vocab_size - 1),
-                                                         mode="drop")
-    h_n = jnp.zeros_like(h_prev).at[scatter].set(h_prev, mode="drop")
-    return pick, MtpBatch(ids=ids_n, hidden=h_n, positions=pos_n, meta=meta_n, pick_rows=rows,
+    ids = jnp.zeros((A,), jnp.int32).at[scatter].set(jnp.clip(draft, 0, vocab_size - 1),
+                                                       mode="drop")
+    hidden = jnp.zeros_like(h_prev).at[scatter].set(h_prev, mode="drop")
+    return pick, MtpBatch(ids=ids, hidden=hidden, positions=positions, meta=meta, pick_rows=rows,
                           active=active), mtp_cache
 
 
@@ -647,21 +653,23 @@ def release_finished(state: EngineState, finished: jax.Array) -> EngineState:
 
 
 # ------------------------------------------------------------------------------ the step
-def _propose(mc, ec, drafter, num_tokens, attention_impl, params, state, prev_dec, target,
-             budget, mtp_cache):
-    """Drafts ``i32[B, K]`` and their q (or None) for the next windows: the MTP head
-    (:func:`draft_model_preprocess`, then :func:`mtp_substep` M times, with the n-gram extension
-    of ``hybrid_mtp_ngram``), the n-gram matcher, or a custom drafter."""
+def _propose(ec: EngineConfig, drafter, num_tokens: int, attention_impl: str | None,
+             model: LlamaForCausalLM, state: EngineState, prev_seq_lens_decoder: jax.Array,
+             target: TargetOutput, draft_budget: jax.Array, mtp_cache: KVCache | None):
+    """Drafts ``i32[B, K]`` and their distributions q (``f32[B, K, V]`` or None) for the next
+    windows: the MTP head (:func:`draft_model_preprocess`, then :func:`mtp_substep` M times, with
+    the n-gram extension of ``hybrid_mtp_ngram``), the n-gram matcher, or a custom drafter."""
     B, K, M = ec.max_num_seqs, ec.k, ec.m
     drafts = jnp.full((B, K), -1, jnp.int32)
-    q = None
-    ng_min, ng_max = ec.spec.ngram_sizes
+    draft_probs = None
+    ngram_min, ngram_max = ec.spec.ngram_sizes
     new_seq_len = state.prompt_lens + state.step_idx
     if M > 0:
-        ctx, batch = draft_model_preprocess(mc, ec, num_tokens, state, prev_dec, target, budget)
+        ctx, batch = draft_model_preprocess(model.cfg, ec, num_tokens, state,
+                                            prev_seq_lens_decoder, target, draft_budget)
         picks = []
         for sub in range(M):
-            pick, batch, mtp_cache = mtp_substep(mc, ec, attention_impl, sub, params, ctx, batch,
+            pick, batch, mtp_cache = mtp_substep(ec, attention_impl, sub, model, ctx, batch,
                                                  mtp_cache)
             picks.append(pick)
         A = ctx.slots.shape[0]
@@ -670,32 +678,34 @@ def _propose(mc, ec, drafter, num_tokens, attention_impl, params, state, prev_de
             drafts = jnp.concatenate([drafts, jnp.full((A, K - M), -1, jnp.int32)], axis=1)
         drafts = _scatter_slots(drafts, ctx.slots, B, fill=-1)          # back to i32[B, K]
         if ec.spec.draft_sampling:
-            q = jnp.stack([p.probs for p in picks], axis=1)
+            draft_probs = jnp.stack([p.probs for p in picks], axis=1)
             if M < K:
-                q = jnp.concatenate([q, jnp.zeros((A, K - M, q.shape[-1]))], axis=1)
-            q = _scatter_slots(q, ctx.slots, B)
-        if ng_max:      # hybrid_mtp_ngram: n-gram tokens extend the M MTP drafts up to K
-            mtp_drafts = jnp.where(jnp.arange(K)[None] < budget[:, None], drafts, -1)
-            drafts = extend_with_ngram(state.input_ids, new_seq_len, mtp_drafts, budget,
-                                       ng_max, ng_min)
-            if q is not None:   # n-gram drafts are deterministic: one-hot q (exact rejection)
+                draft_probs = jnp.concatenate(
+                    [draft_probs, jnp.zeros((A, K - M, draft_probs.shape[-1]))], axis=1)
+            draft_probs = _scatter_slots(draft_probs, ctx.slots, B)
+        if ngram_max:   # hybrid_mtp_ngram: n-gram tokens extend the M MTP drafts up to K
+            mtp_drafts = jnp.where(jnp.arange(K)[None] < draft_budget[:, None], drafts, -1)
+            drafts = extend_with_ngram(state.input_ids, new_seq_len, mtp_drafts, draft_budget,
+                                       ngram_max, ngram_min)
+            if draft_probs is not None:   # n-gram drafts are deterministic: one-hot q
                 from_ngram = (jnp.arange(K)[None] >= ec.m) & (drafts >= 0)
-                q = jnp.where(from_ngram[..., None],
-                              jax.nn.one_hot(jnp.maximum(drafts, 0), q.shape[-1], dtype=q.dtype), q)
+                one_hot = jax.nn.one_hot(jnp.maximum(drafts, 0), draft_probs.shape[-1],
+                                         dtype=draft_probs.dtype)
+                draft_probs = jnp.where(from_ngram[..., None], one_hot, draft_probs)
     elif ec.spec.method == "ngram" and K > 0:
-        drafts, _ = ngram_match(state.input_ids, new_seq_len, budget, ng_max, ng_min, K)
+        drafts, _ = ngram_match(state.input_ids, new_seq_len, draft_budget, ngram_max, ngram_min, K)
     elif K > 0:
         drafts = drafter(state).astype(jnp.int32)
-    return drafts, q, mtp_cache
+    return drafts, draft_probs, mtp_cache
 
 
 def engine_step(
-    mc: ModelConfig,
+    graphdef: nnx.GraphDef,     # static: the LlamaForCausalLM's graph definition (nnx.split)
     ec: EngineConfig,
     drafter,                    # None (MTP head / no speculation) or callable(state) -> i32[B, K]
     bucket: StepBucket | int,   # static (T, A) bucket; an int T means A = max_num_seqs
     attention_impl: str | None,
-    params: dict,
+    model_state: nnx.State,     # the model's arrays (nnx.split)
     state: EngineState,
     cache: KVCache,             # target cache (L layers)
     mtp_cache: KVCache | None,  # MTP cache (num_mtp_layers), None without MTP
@@ -704,15 +714,21 @@ def engine_step(
 ):
     """One engine step: the stages of the module docstring, in order.
 
+    The model comes as ``nnx.split``'s pure pair: ``graphdef`` (static, hashable; its
+    :class:`~jmtp.model.config.ModelConfig` included) and ``model_state`` (traced arrays), merged
+    back into a :class:`~jmtp.model.modules.LlamaForCausalLM` inside the trace; the stages call
+    its methods. :class:`~jmtp.runtime.llm_engine.LLMEngine` splits the model once at load.
+
     Args:
-      mc, ec, drafter, bucket, attention_impl: static (hashable) arguments. ``bucket`` is the
-        :class:`~jmtp.runtime.buckets.StepBucket` ``(T, A)`` the host picked
+      graphdef, ec, drafter, bucket, attention_impl: static (hashable) arguments. ``bucket`` is
+        the :class:`~jmtp.runtime.buckets.StepBucket` ``(T, A)`` the host picked
         (:func:`~jmtp.runtime.buckets.choose_bucket`): T token rows, at least
         ``sum(seq_lens_this_time)``, and A slot rows, at least the number of slots with work; the
         window logits, verification and MTP substeps run over those A compacted slots only. An int
         is taken as T with ``A = max_num_seqs``.
-      params: model parameter pytree (with ``params["mtp"]`` when drafting with the MTP head).
-      state, cache, mtp_cache: donated by :class:`~jmtp.runtime.engine.LLM`; returned updated.
+      model_state: the model's ``nnx.State`` (with an MTP head when drafting with it).
+      state, cache, mtp_cache: donated by :class:`~jmtp.runtime.llm_engine.LLMEngine`; returned
+        updated.
       prefill_chunk: i32[B] prompt tokens each prefilling slot processes this step (clipped to
         what is left of its prompt; ignored for decoding and idle slots).
       draft_limit: i32[B] or None: at most this many drafts are proposed per slot for the next
@@ -728,45 +744,33 @@ def engine_step(
     B = ec.max_num_seqs
     if not isinstance(bucket, StepBucket):
         bucket = StepBucket(int(bucket), B)
-    A = bucket.num_slots
-    if not 1 <= A <= B:
-        raise ValueError(f"StepBucket.num_slots={A} must lie in [1, max_num_seqs={B}]")
-    s = state
-    sched = schedule(ec, s, prefill_chunk)
-    blocks, sched = allocate_blocks(ec, s.blocks, sched, s.seq_lens_decoder)
-    target, cache = target_forward(mc, ec, bucket, attention_impl, params, s, sched,
+    if not 1 <= bucket.num_slots <= B:
+        raise ValueError(f"StepBucket.num_slots={bucket.num_slots} must lie in "
+                         f"[1, max_num_seqs={B}]")
+    model = nnx.merge(graphdef, model_state)
+    prev = state
+    sched = schedule(ec, prev, prefill_chunk)
+    blocks, sched = allocate_blocks(ec, prev.blocks, sched, prev.seq_lens_decoder)
+    target, cache = target_forward(ec, bucket, attention_impl, model, prev, sched,
                                    blocks.block_tables, cache)
-    verified = speculate_verify(mc, ec, s, sched, target)
-    state, done = speculate_update(ec, s, sched, verified, blocks)
+    verified = speculate_verify(model.cfg, ec, prev, sched, target)
+    state, done = speculate_update(ec, prev, sched, verified, blocks)
     budget = done.draft_budget
     if draft_limit is not None:
         budget = jnp.minimum(budget, jnp.maximum(draft_limit, 0))
-    drafts, q, mtp_cache = _propose(mc, ec, drafter, bucket.num_tokens, attention_impl, params,
-                                    state, s.seq_lens_decoder, target, budget, mtp_cache)
-    state = draft_model_postprocess(ec, state, s, drafts, q, budget)
+    drafts, draft_probs, mtp_cache = _propose(ec, drafter, bucket.num_tokens, attention_impl,
+                                              model, state, prev.seq_lens_decoder, target,
+                                              budget, mtp_cache)
+    state = draft_model_postprocess(ec, state, prev, drafts, draft_probs, budget)
     state = release_finished(state, done.finished)
+    num_next_drafts = jnp.sum(state.draft_tokens[:, 1:] >= 0, axis=1).astype(jnp.int32)
     out = StepOutput(tokens=done.tokens, num_tokens=done.num_tokens, num_drafts=sched.num_drafts,
                      num_accepted=done.num_accepted, finished=done.finished,
                      finish_reason=done.finish_reason, paused=sched.paused,
-                     free_count=state.free_count,
-                     num_next_drafts=jnp.sum(state.draft_tokens[:, 1:] >= 0, axis=1).astype(jnp.int32),
+                     free_count=state.free_count, num_next_drafts=num_next_drafts,
                      logprobs=verified.logprobs,
                      top_logprob_ids=verified.top_logprob_ids, top_logprobs=verified.top_logprobs)
     return state, cache, mtp_cache, out
-
-
-def model_step(graphdef: nnx.GraphDef, mc: ModelConfig, ec: EngineConfig, drafter, bucket,
-               attention_impl: str | None, model_state: nnx.State, *args, **kwargs):
-    """:func:`engine_step` on an NNX model given as ``nnx.split``'s pure ``(graphdef, state)``.
-
-    ``graphdef`` is bound once (``functools.partial``) by :class:`~jmtp.runtime.llm_engine.LLMEngine`;
-    ``model_state`` (the :class:`~jmtp.model.modules.LlamaForCausalLM` state: arrays only) is a
-    traced argument, merged back into the module inside the trace. The module's parameter dict
-    names the same traced arrays, so the step compiles to the same graph as :func:`engine_step`
-    on that dict. Other arguments and the return value are :func:`engine_step`'s.
-    """
-    params = nnx.merge(graphdef, model_state).to_params()
-    return engine_step(mc, ec, drafter, bucket, attention_impl, params, *args, **kwargs)
 
 
 def release_slot(state: EngineState, slot: jax.Array) -> EngineState:

@@ -195,7 +195,7 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny):
     before = llm._step._cache_size()  # the jit cache is shared with other engines of the process
     for bucket in step_buckets(ec):   # idle state: every step is a no-op
         llm.state, llm.cache, llm.mtp_cache, _ = llm._step(
-            cfg, ec, None, bucket, None, params, llm.state, llm.cache, llm.mtp_cache,
+            llm.graphdef, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache,
             jnp.zeros((ec.max_num_seqs,), jnp.int32), jnp.zeros((ec.max_num_seqs,), jnp.int32))
     compiled = llm._step._cache_size()
     # decode (T, A): (1|2|3, 1), (2|4|6, 2), (4|8|12, 4); prefill (3|6|12|16|32, 4)
@@ -211,7 +211,8 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny):
     assert {b.num_slots for b in seen} >= {1, 2, 4}, seen     # the traffic used narrow buckets
     hlo = jax.jit(real.__wrapped__ if hasattr(real, "__wrapped__") else real,
                   static_argnums=(0, 1, 2, 3, 4)).lower(
-        cfg, ec, None, step_buckets(ec)[0], None, params, llm.state, llm.cache, llm.mtp_cache,
+        llm.graphdef, ec, None, step_buckets(ec)[0], None, llm.params, llm.state, llm.cache,
+        llm.mtp_cache,
         jnp.zeros((ec.max_num_seqs,), jnp.int32)).as_text()
     assert "callback" not in hlo.lower()
 

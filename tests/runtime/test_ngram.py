@@ -216,7 +216,7 @@ def test_no_recompiles_when_limits_change():
     zeros = jnp.zeros((ec.max_num_seqs,), jnp.int32)
     for bucket in step_buckets(ec):   # warm every step shape on the idle state (a no-op step)
         llm.state, llm.cache, llm.mtp_cache, _ = llm._step(
-            cfg, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache, zeros,
+            llm.graphdef, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache, zeros,
             zeros)
     compiled = llm._step._cache_size()
     seen = set()

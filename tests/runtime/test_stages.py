@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jmtp.model import forward_logits
 from jmtp.model.llama import compute_logits, init_kv_cache, mtp_forward
 from jmtp.model.metadata import packed_row_seq, ragged_batch
+from jmtp.model.modules import LlamaForCausalLM
 from jmtp.pallas import block_allocator as ba
 from jmtp.pallas.block_allocator import BlockAllocatorState, blocks_needed
 from jmtp.runtime import step as stp
@@ -174,8 +175,9 @@ def test_target_forward_matches_full_forward(tiny):
     prompts = [[5, 6, 7, 8, 9], [3, 4, 11]]
     s, sched, blocks, cache = _prefilled(cfg, params, prompts)
     bucket = StepBucket(16, 2)
-    fwd = jax.jit(chex.assert_max_traces(stp.target_forward, n=1), static_argnums=(0, 1, 2, 3))
-    out, cache = fwd(cfg, EC, bucket, None, params, s, sched, blocks.block_tables, cache)
+    model = LlamaForCausalLM.from_params(cfg, params)
+    fwd = jax.jit(chex.assert_max_traces(stp.target_forward, n=1), static_argnums=(0, 1, 2))
+    out, cache = fwd(EC, bucket, None, model, s, sched, blocks.block_tables, cache)
     chex.assert_shape(out.hidden, (16, cfg.hidden_size))
     chex.assert_shape(out.logits, (2, K + 1, cfg.vocab_size))
     np.testing.assert_array_equal(out.cu_q_lens, [0, 5, 8, 8])
@@ -192,7 +194,7 @@ def test_target_forward_matches_full_forward(tiny):
                              input_ids=s.input_ids.at[1, 3].set(20))
     sched2 = stp.schedule(EC, s2, i32([0] * B))
     blocks2, sched2 = stp.allocate_blocks(EC, blocks, sched2, s2.seq_lens_decoder)
-    out2, _ = fwd(cfg, EC, bucket, None, params, s2, sched2, blocks2.block_tables, cache)
+    out2, _ = fwd(EC, bucket, None, model, s2, sched2, blocks2.block_tables, cache)
     np.testing.assert_array_equal(out2.slots, [1, B])
     np.testing.assert_array_equal(out2.valid, [True, False])
     ref = _ref_logits(cfg, params, [3, 4, 11, 20, 21, 22])[3:]
@@ -382,8 +384,8 @@ def test_mtp_substep_picks_and_next_batch(tiny):
     batch = stp.MtpBatch(ids=i32([7, 8, 9]), hidden=h, positions=pos, meta=meta,
                          pick_rows=i32([0, 1, 2]), active=jnp.asarray([True, True, False]))
     cache = init_kv_cache(cfg, 1, EC.num_blocks, BS)
-    fn = jax.jit(chex.assert_max_traces(stp.mtp_substep, n=1), static_argnums=(0, 1, 2, 3))
-    pick, nxt, _ = fn(cfg, EC, None, 0, params, ctx, batch, cache)
+    fn = jax.jit(chex.assert_max_traces(stp.mtp_substep, n=1), static_argnums=(0, 1, 2))
+    pick, nxt, _ = fn(EC, None, 0, LlamaForCausalLM.from_params(cfg, params), ctx, batch, cache)
     h_log, h_next, _ = mtp_forward(cfg, params, 0, batch.ids, h, pos, meta, cache, None)
     want = np.argmax(np.asarray(compute_logits(params, h_log)), axis=-1)
     np.testing.assert_array_equal(pick.tokens, [want[0], want[1], -1])
@@ -421,7 +423,7 @@ def test_engine_step_traces_once_per_bucket(tiny):
     for _ in range(2):                  # every bucket twice on the idle state
         for bucket in buckets:
             eng.state, eng.cache, eng.mtp_cache, _ = eng._step(
-                cfg, ec, None, bucket, None, params, eng.state, eng.cache, eng.mtp_cache,
+                eng.graphdef, ec, None, bucket, None, eng.params, eng.state, eng.cache, eng.mtp_cache,
                 jnp.zeros((B,), jnp.int32), jnp.full((B,), K, jnp.int32))
     assert eng._step._cache_size() == len(buckets)
     rng = np.random.default_rng(1)      # traffic: any retrace would raise in assert_max_traces
