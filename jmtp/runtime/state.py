@@ -124,7 +124,7 @@ def insert_request(
     prompt: jax.Array,        # i32[Lbuf] prompt tokens, padded
     prompt_len: jax.Array,    # i32[]
     max_dec_len: jax.Array,   # i32[]
-    sampling_row: dict,       # one row of SamplingArrays (jmtp.runtime.sampling.make_row)
+    sampling_row: dict,       # one row of SamplingArrays (jmtp.runtime.sampling.arrays.make_row)
     resume_token: jax.Array | int = -1,   # i32[] see below; -1 = a new request
 ) -> EngineState:
     """Put a new request into ``slot`` (every per-slot field reset; nothing leaks from the last

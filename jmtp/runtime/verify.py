@@ -8,8 +8,8 @@ tokens -- the accepted drafts, then one correction/bonus token -- cut after the 
 The token at index ``w`` of the output always comes from row ``w``.
 
 Every row is processed with the history including the drafts before it (penalties, min_tokens,
-bad words; :func:`jmtp.runtime.sampling.penalize`), so the exact strategies change nothing but
-speed.
+bad words; :func:`jmtp.runtime.sampling.processors.penalize`), so the exact strategies change
+nothing but speed.
 
 Strategies (``strategy=``):
 
@@ -56,7 +56,7 @@ after penalties, min_tokens and bad words, before temperature and top-k/top-p/mi
 
 Randomness: the draw for output position ``n`` of slot ``b`` comes from
 ``fold_in(key(seed[b]), n * NUM_PURPOSES + purpose)`` with
-``n = rng_offset[b] + num_generated[b] + w`` (:func:`jmtp.runtime.sampling.request_keys`; the
+``n = rng_offset[b] + num_generated[b] + w`` (:func:`jmtp.runtime.sampling.rng.request_keys`; the
 offset is non-zero for a request re-admitted after a preemption); one uniform per row for the acceptance coin, one per
 row for sampling. Every draw that influenced the emitted tokens belongs to a position below the
 next step's ``num_generated``, so reusing keys by position across steps keeps the draws
@@ -71,6 +71,7 @@ import jax.numpy as jnp
 
 from jmtp.runtime import sampling as smp
 from jmtp.runtime.sampling import SamplingArrays
+from jmtp.runtime.sampling.processors import safe_softmax
 
 STRATEGIES = ("auto", "greedy", "rejection", "topp", "target_match")
 LOGPROBS_MODES = ("penalized", "raw", "final")
@@ -192,7 +193,7 @@ def _topp(pen, d, valid, nd, sampling, u, greedy_row, C, window, clamp):
     K = W - 1
     temp = jnp.where(greedy_row, 1.0, sampling.temperature)
     top_p = jnp.where(greedy_row, FD_GREEDY_TOP_P, sampling.top_p)
-    probs = smp._softmax(pen / temp[:, None, None])
+    probs = safe_softmax(pen / temp[:, None, None])
     ids, scores, length = topp_candidates(probs, top_p, C, clamp)              # [B,W,C],[B,W]
     c_idx = jnp.arange(C)[None, None, :]
     pos_c = scores > 0
@@ -233,7 +234,7 @@ def verify(logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
       draft_tokens: i32[B, K] drafts d_1..d_K (-1 past ``num_drafts``).
       num_drafts: i32[B] drafts present per slot (0 for prefill / no drafts); clipped to [0, K].
       draft_probs: f32[B, K, V] q, the exact distribution each draft was sampled from
-        (:func:`jmtp.runtime.sampling.draft_sample`), or None for greedy drafts (one-hot q).
+        (:func:`jmtp.runtime.sampling.draft.draft_sample`), or None for greedy drafts (one-hot q).
         A row summing to 0 also means one-hot q (a deterministic draft, e.g. n-gram). Used by
         the rejection strategy only.
       sampling: :class:`SamplingArrays` of the B slots.

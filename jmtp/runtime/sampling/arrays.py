@@ -1,0 +1,294 @@
+"""Per-slot sampling state: the :class:`SamplingArrays` pytree and the host code that fills it.
+
+:class:`SamplingArrays` holds every request's
+:class:`~jmtp.runtime.sampling.params.SamplingParams` as fixed-shape per-slot arrays (leading dim
+``B`` = batch slots), plus per-slot history (prompt-token mask, counts of generated tokens, the
+last few tokens for multi-token bad words). Sampling parameters are *data*: a jitted step never
+recompiles when a value changes. Idle / padding slots hold neutral values (greedy, no penalties,
+nothing banned) and :func:`set_slot` / :func:`clear_slot` rewrite *every* array of a slot, so
+nothing leaks from a previous occupant or from padding into real rows. :func:`make_row` builds one
+slot's values on the host, :func:`pack_sampling` a whole batch, and :func:`update_history` adds
+the tokens a step emitted.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmtp.runtime.sampling.params import SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-slot sampling state (a pytree; every field is data). ``B`` slots, vocabulary ``V``.
+
+    Attributes:
+      temperature: f32[B] (0 = greedy).  top_p: f32[B].  top_k: i32[B] (0 = off).  min_p: f32[B].
+      repetition_penalty, frequency_penalty, presence_penalty: f32[B].
+      min_tokens: i32[B].  ignore_eos: bool[B].
+      stop_token_ids: i32[B, S] stop ids of the slot (-1 padded); includes the per-request EOS ids
+        given to :func:`set_slot` unless ``ignore_eos``.
+      bad_token_mask: bool[B, V] single-token bad words / ``bad_token_ids``.
+      bad_word_seqs: i32[B, NW, LW] multi-token bad words, right-aligned, -1 left padding.
+      recent_tokens: i32[B, LW-1] the last ``LW-1`` tokens of prompt + output (-1 where the history
+        is shorter), for multi-token bad words.
+      seed: u32[B] the request's RNG seed (see :func:`jmtp.runtime.sampling.rng.request_keys`).
+      rng_offset: i32[B] tokens the request generated before its current admission (non-zero
+        after a preemption): added to the per-admission ``step_idx`` to give the output position
+        of every random draw, so a re-admitted request continues its random stream.
+      prompt_mask: bool[B, V] token occurs in the prompt (repetition penalty).
+      output_counts: i32[B, V] occurrences of each token among the generated tokens.
+      logprobs: i32[B] requested number of top logprobs (-1 = none); informational for the engine.
+    """
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    frequency_penalty: jax.Array
+    presence_penalty: jax.Array
+    min_tokens: jax.Array
+    ignore_eos: jax.Array
+    stop_token_ids: jax.Array
+    bad_token_mask: jax.Array
+    bad_word_seqs: jax.Array
+    recent_tokens: jax.Array
+    seed: jax.Array
+    rng_offset: jax.Array
+    prompt_mask: jax.Array
+    output_counts: jax.Array
+    logprobs: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperature.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.bad_token_mask.shape[-1]
+
+    @staticmethod
+    def empty(batch_size: int, vocab_size: int, max_stop: int = 4, max_bad_words: int = 0,
+              max_bad_word_len: int = 1, *, as_numpy: bool = False) -> "SamplingArrays":
+        """All-neutral arrays for ``batch_size`` slots (greedy, no penalties, nothing banned).
+
+        Args:
+          batch_size, vocab_size: B, V >= 1.
+          max_stop: S >= 1, capacity for stop ids (+ per-request EOS ids) per slot.
+          max_bad_words: NW >= 0, capacity for multi-token bad words per slot.
+          max_bad_word_len: LW >= 1, longest multi-token bad word.
+          as_numpy: return numpy arrays (host-side packing) instead of jax arrays.
+        Raises:
+          ValueError naming the argument when a size is out of range.
+        """
+        for name, value, minimum in (("batch_size", batch_size, 1), ("vocab_size", vocab_size, 1),
+                                     ("max_stop", max_stop, 1), ("max_bad_words", max_bad_words, 0),
+                                     ("max_bad_word_len", max_bad_word_len, 1)):
+            if int(value) < minimum:
+                raise ValueError(f"SamplingArrays.empty: {name}={value} must be >= {minimum}")
+        B, V = int(batch_size), int(vocab_size)
+        row = _neutral_row(V, max_stop, max_bad_words, max_bad_word_len)
+        fields = {name: np.repeat(value[None], B, axis=0) for name, value in row.items()}
+        arrays = SamplingArrays(**fields)
+        return arrays if as_numpy else jax.tree.map(jnp.asarray, arrays)
+
+
+def _neutral_row(V: int, S: int, NW: int, LW: int) -> dict[str, np.ndarray]:
+    """One idle slot's values; ``V, S, NW, LW`` as in :class:`SamplingArrays`."""
+    return dict(
+        temperature=np.float32(0.0), top_p=np.float32(1.0), top_k=np.int32(0),
+        min_p=np.float32(0.0), repetition_penalty=np.float32(1.0),
+        frequency_penalty=np.float32(0.0), presence_penalty=np.float32(0.0),
+        min_tokens=np.int32(0), ignore_eos=np.bool_(False),
+        stop_token_ids=np.full((S,), -1, np.int32), bad_token_mask=np.zeros((V,), bool),
+        bad_word_seqs=np.full((NW, LW), -1, np.int32),
+        recent_tokens=np.full((LW - 1,), -1, np.int32),
+        seed=np.uint32(0), rng_offset=np.int32(0), prompt_mask=np.zeros((V,), bool),
+        output_counts=np.zeros((V,), np.int32),
+        logprobs=np.int32(-1))
+
+
+def make_row(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int, *,
+             max_stop: int, max_bad_words: int = 0, max_bad_word_len: int = 1,
+             eos_ids: Sequence[int] = (), request_seed: int | None = None,
+             bad_words_ids: Sequence[Sequence[int]] = ()) -> dict[str, np.ndarray]:
+    """Host-side (numpy) values of one slot for ``params`` (shapes of one row of SamplingArrays).
+
+    Args:
+      params: the request's :class:`SamplingParams`.
+      prompt_ids: the prompt token ids (for the repetition penalty and multi-token bad words).
+      vocab_size: V. max_stop, max_bad_words, max_bad_word_len: S, NW, LW of the target arrays.
+      eos_ids: per-request EOS ids, added to the slot's stop ids unless ``params.ignore_eos``.
+      request_seed: used when ``params.seed`` is None; when both are None a random seed is drawn.
+      bad_words_ids: ``params.bad_words`` tokenized by the engine; length-1 sequences are banned
+        everywhere, longer ones go to ``bad_word_seqs``.
+    Raises:
+      ValueError naming the argument when an id is outside [0, V) or a capacity is exceeded.
+    """
+    V = int(vocab_size)
+    row = _neutral_row(V, max_stop, max_bad_words, max_bad_word_len)
+    prompt = np.asarray(list(prompt_ids), dtype=np.int64).reshape(-1)
+    if prompt.size and (prompt.min() < 0 or prompt.max() >= V):
+        raise ValueError(f"prompt_ids: token ids must be in [0, {V})")
+    stops = list(dict.fromkeys(list(params.stop_token_ids)
+                               + ([] if params.ignore_eos else [int(e) for e in eos_ids])))
+    if any(token_id >= V or token_id < 0 for token_id in stops):
+        raise ValueError(f"stop_token_ids / eos_ids: ids must be in [0, {V}), got {stops}")
+    if len(stops) > max_stop:
+        raise ValueError(f"stop_token_ids: {len(stops)} stop ids (incl. EOS) exceed max_stop="
+                         f"{max_stop}")
+    if any(token_id >= V for token_id in params.bad_token_ids):
+        raise ValueError(f"bad_token_ids: ids must be < vocab_size={V}")
+    multi_token_words = []
+    row["bad_token_mask"][list(params.bad_token_ids)] = True
+    for word in bad_words_ids:
+        word = [int(token_id) for token_id in word]
+        if not word or any(token_id < 0 or token_id >= V for token_id in word):
+            raise ValueError(f"bad_words_ids: each sequence must be non-empty with ids in [0, {V})")
+        if len(word) == 1:
+            row["bad_token_mask"][word[0]] = True
+        else:
+            multi_token_words.append(word)
+    if len(multi_token_words) > max_bad_words:
+        raise ValueError(f"bad_words_ids: {len(multi_token_words)} multi-token bad words exceed "
+                         f"max_bad_words={max_bad_words}")
+    for word_idx, word in enumerate(multi_token_words):
+        if len(word) > max_bad_word_len:
+            raise ValueError(f"bad_words_ids: a bad word of {len(word)} tokens exceeds "
+                             f"max_bad_word_len={max_bad_word_len}")
+        row["bad_word_seqs"][word_idx, max_bad_word_len - len(word):] = word
+    seed = params.seed if params.seed is not None else request_seed
+    if seed is None:
+        seed = int(np.random.default_rng().integers(0, 2**32))
+    if not 0 <= int(seed) < 2**32:
+        raise ValueError(f"request_seed={seed} must be in [0, 2**32)")
+    if max_bad_word_len > 1 and prompt.size:
+        prompt_tail = prompt[-(max_bad_word_len - 1):]
+        row["recent_tokens"][max_bad_word_len - 1 - prompt_tail.size:] = prompt_tail
+    row["stop_token_ids"][: len(stops)] = stops
+    row["prompt_mask"][prompt] = True
+    row.update(
+        temperature=np.float32(params.temperature), top_p=np.float32(params.top_p),
+        top_k=np.int32(min(params.top_k, V)), min_p=np.float32(params.min_p),
+        repetition_penalty=np.float32(params.repetition_penalty),
+        frequency_penalty=np.float32(params.frequency_penalty),
+        presence_penalty=np.float32(params.presence_penalty),
+        min_tokens=np.int32(params.min_tokens), ignore_eos=np.bool_(params.ignore_eos),
+        seed=np.uint32(seed), logprobs=np.int32(-1 if params.logprobs is None else params.logprobs))
+    return row
+
+
+def _capacities(arrays: SamplingArrays) -> tuple[int, int, int, int]:
+    """``(V, S, NW, LW)`` of ``arrays`` (see :class:`SamplingArrays`)."""
+    return (arrays.vocab_size, arrays.stop_token_ids.shape[1], arrays.bad_word_seqs.shape[1],
+            arrays.bad_word_seqs.shape[2])
+
+
+@jax.jit
+def _write_row(arrays: SamplingArrays, slot, row: dict) -> SamplingArrays:
+    return dataclasses.replace(arrays, **{name: getattr(arrays, name).at[slot].set(value)
+                                          for name, value in row.items()})
+
+
+def _put_row(arrays: SamplingArrays, slot: int, row: dict) -> SamplingArrays:
+    B = arrays.batch_size
+    if not 0 <= int(slot) < B:
+        raise ValueError(f"slot={slot} must be in [0, {B})")
+    if isinstance(arrays.temperature, np.ndarray):
+        fields = {}
+        for name, value in row.items():
+            column = getattr(arrays, name).copy()
+            column[int(slot)] = value
+            fields[name] = column
+        return dataclasses.replace(arrays, **fields)
+    return _write_row(arrays, jnp.int32(slot), row)
+
+
+def set_slot(arrays: SamplingArrays, slot: int, params: SamplingParams, prompt_ids: Sequence[int],
+             vocab_size: int | None = None, eos_ids: Sequence[int] = (),
+             request_seed: int | None = None,
+             bad_words_ids: Sequence[Sequence[int]] = ()) -> SamplingArrays:
+    """Return ``arrays`` with every field of ``slot`` rewritten for a new request.
+
+    The output counts are reset, the prompt mask rebuilt: nothing of the previous occupant
+    survives. Works on numpy- or jax-backed arrays (jax: one jitted scatter, no retrace per slot).
+    Arguments as in :func:`make_row`; ``vocab_size`` defaults to (and must equal) ``arrays``'s V.
+    Raises:
+      ValueError naming the argument (slot out of range, ids out of range, capacity exceeded).
+    """
+    V, S, NW, LW = _capacities(arrays)
+    if vocab_size is not None and int(vocab_size) != V:
+        raise ValueError(f"vocab_size={vocab_size} != the arrays' vocabulary size {V}")
+    row = make_row(params, prompt_ids, V, max_stop=S, max_bad_words=NW, max_bad_word_len=LW,
+                   eos_ids=eos_ids, request_seed=request_seed, bad_words_ids=bad_words_ids)
+    return _put_row(arrays, slot, row)
+
+
+def clear_slot(arrays: SamplingArrays, slot: int) -> SamplingArrays:
+    """Return ``arrays`` with ``slot`` reset to neutral values (idle / padding slot)."""
+    V, S, NW, LW = _capacities(arrays)
+    return _put_row(arrays, slot, _neutral_row(V, S, NW, LW))
+
+
+def pack_sampling(params: Sequence[SamplingParams | None], batch_size: int, vocab_size: int, *,
+                  prompts: Sequence[Sequence[int]] | None = None, max_stop: int = 4,
+                  max_bad_words: int = 0, max_bad_word_len: int = 1, eos_ids: Sequence[int] = (),
+                  seeds: Sequence[int | None] | None = None,
+                  bad_words_ids: Sequence[Sequence[Sequence[int]]] | None = None,
+                  as_numpy: bool = False) -> SamplingArrays:
+    """Build :class:`SamplingArrays` for ``batch_size`` slots from a list of params (None = idle).
+
+    ``params[i]`` fills slot ``i`` (``len(params) <= batch_size``; the rest are idle), with
+    ``prompts[i]``, ``seeds[i]`` (request seed) and ``bad_words_ids[i]`` when given.
+    Raises:
+      ValueError naming the argument when there are more params than slots.
+    """
+    if len(params) > batch_size:
+        raise ValueError(f"params: {len(params)} requests exceed batch_size={batch_size}")
+    arrays = SamplingArrays.empty(batch_size, vocab_size, max_stop, max_bad_words,
+                                  max_bad_word_len, as_numpy=True)
+    fields = {f.name: getattr(arrays, f.name).copy() for f in dataclasses.fields(arrays)}
+    for slot, slot_params in enumerate(params):
+        if slot_params is None:
+            continue
+        row = make_row(slot_params, prompts[slot] if prompts is not None else (), vocab_size,
+                       max_stop=max_stop, max_bad_words=max_bad_words,
+                       max_bad_word_len=max_bad_word_len, eos_ids=eos_ids,
+                       request_seed=seeds[slot] if seeds is not None else 0,
+                       bad_words_ids=bad_words_ids[slot] if bad_words_ids is not None else ())
+        for name, value in row.items():
+            fields[name][slot] = value
+    arrays = SamplingArrays(**fields)
+    return arrays if as_numpy else jax.tree.map(jnp.asarray, arrays)
+
+
+def update_history(sampling: SamplingArrays, accept_tokens: jax.Array,
+                   accept_num: jax.Array) -> SamplingArrays:
+    """Add emitted tokens to ``output_counts`` and ``recent_tokens``.
+
+    Args:
+      accept_tokens: i32[B, N] emitted tokens (entries at or past ``accept_num`` or < 0 ignored).
+      accept_num: i32[B] tokens emitted per slot this step (0 = none).
+    Returns:
+      the updated :class:`SamplingArrays` (all other fields unchanged).
+    """
+    B, N = accept_tokens.shape
+    V = sampling.vocab_size
+    tokens = accept_tokens.astype(jnp.int32)
+    num_emitted = jnp.clip(accept_num.astype(jnp.int32), 0, N)
+    valid = (jnp.arange(N)[None, :] < num_emitted[:, None]) & (tokens >= 0) & (tokens < V)
+    counts = sampling.output_counts.at[jnp.arange(B)[:, None], jnp.where(valid, tokens, V)].add(
+        1, mode="drop")
+    num_recent = sampling.recent_tokens.shape[1]                                # LW - 1
+    recent = sampling.recent_tokens
+    if num_recent > 0:
+        history = jnp.concatenate([recent, jnp.where(valid, tokens, -1)], axis=1)  # [B, LW-1+N]
+        keep_idx = num_emitted[:, None] + jnp.arange(num_recent)[None, :]
+        recent = jnp.take_along_axis(history, keep_idx, axis=1)
+    return dataclasses.replace(sampling, output_counts=counts, recent_tokens=recent)

@@ -1,0 +1,155 @@
+"""User-facing sampling parameters of one request and their validation.
+
+:class:`SamplingParams` is the vLLM-like, frozen description of how one request samples; it checks
+every field on construction (raising a ``ValueError`` that names the field and its limit) and
+normalises sequences to tuples and ``top_k=-1`` to 0. :data:`GREEDY_EPS` is the temperature
+below which a request (or a per-slot row of :class:`jmtp.runtime.sampling.arrays.SamplingArrays`)
+decodes greedily.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+#: Rows with ``temperature < GREEDY_EPS`` are greedy (vLLM's ``_SAMPLING_EPS``).
+GREEDY_EPS = 1e-5
+#: Limits for frequency / presence penalties (OpenAI / vLLM).
+PENALTY_LIMIT = 2.0
+
+
+def _field_error(field: str, value, limit: str) -> ValueError:
+    return ValueError(f"SamplingParams.{field}={value!r}: must be {limit}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """User-facing sampling parameters of one request (vLLM-like).
+
+    Fields:
+      max_tokens: int >= 1, maximum number of generated tokens (enforced by the engine).
+      temperature: float >= 0; ``< GREEDY_EPS`` means greedy decoding.
+      top_p: float in (0, 1]. top_k: int >= 0, or -1 (0 and -1 = off, stored as 0; values above
+        the vocabulary are clamped).
+      min_p: float in [0, 1].
+      repetition_penalty: float > 0 (1 = off), HF semantics over prompt ∪ generated tokens.
+      frequency_penalty, presence_penalty: float in [-2, 2], over generated tokens only.
+      min_tokens: int in [0, max_tokens]; stop ids are masked before that many tokens.
+      stop_token_ids: ids that end the request (the emitted stop token is kept in the output).
+      bad_token_ids: ids that are never generated.
+      bad_words: strings the engine tokenizes into id sequences and passes to
+        :func:`jmtp.runtime.sampling.arrays.set_slot` as ``bad_words_ids`` (single-token words
+        are banned everywhere, multi-token words ban their last token after the rest of the
+        sequence, HF semantics).
+      ignore_eos: EOS neither stops the request nor is masked by ``min_tokens``.
+      seed: int in [0, 2**32) or None (the engine then supplies a request seed).
+      logprobs: None or int >= 0: number of top logprobs returned per emitted token.
+      n: int >= 1, independent samples of the prompt (distinct random streams; with ``seed``,
+        sample 0 uses ``seed`` and sample i > 0 a seed derived from ``(seed, i)``).
+      stop: None, a string or a sequence of non-empty strings; the engine ends a sample when its
+        text contains one (checked after every token, also inside a multi-token verify step) and
+        cuts the text before it (``finish_reason="stop"``, ``stop_reason`` = the string).
+      include_stop_str_in_output: keep the matched stop string at the end of the text.
+
+    Raises:
+      ValueError naming the field and its limit for any out-of-range value.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    bad_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    n: int = 1
+    stop: str | Sequence[str] | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, bytes) or not isinstance(stop, Sequence) or not all(
+                isinstance(text, str) and text for text in stop):
+            raise _field_error("stop", self.stop, "None, a string or a list of non-empty strings")
+        if any(not text for text in stop):
+            raise _field_error("stop", self.stop, "None, a string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.include_stop_str_in_output, (bool, np.bool_)):
+            raise _field_error("include_stop_str_in_output", self.include_stop_str_in_output,
+                               "a bool")
+        for name in ("stop_token_ids", "bad_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise _field_error(name, value, "a sequence")
+            object.__setattr__(self, name, tuple(value))
+
+        def is_int(x):
+            return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+        def is_num(x):
+            return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+        for name in ("max_tokens", "top_k", "min_tokens", "n"):
+            if not is_int(getattr(self, name)):
+                raise _field_error(name, getattr(self, name), "an int")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty"):
+            value = getattr(self, name)
+            if not is_num(value) or not math.isfinite(float(value)):
+                raise _field_error(name, value, "a finite number")
+        if self.max_tokens < 1:
+            raise _field_error("max_tokens", self.max_tokens, ">= 1")
+        if self.temperature < 0:
+            raise _field_error("temperature", self.temperature, ">= 0")
+        if not 0 < self.top_p <= 1:
+            raise _field_error("top_p", self.top_p, "in (0, 1]")
+        if self.top_k < -1:
+            raise _field_error("top_k", self.top_k, ">= 1, or 0 / -1 (off)")
+        if self.top_k == -1:            # vLLM / OpenAI clients send -1 for "off": one meaning, 0
+            object.__setattr__(self, "top_k", 0)
+        if self.n < 1:
+            raise _field_error("n", self.n, ">= 1")
+        if not 0 <= self.min_p <= 1:
+            raise _field_error("min_p", self.min_p, "in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise _field_error("repetition_penalty", self.repetition_penalty, "> 0")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if abs(getattr(self, name)) > PENALTY_LIMIT:
+                raise _field_error(name, getattr(self, name),
+                                   f"in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}]")
+        if self.min_tokens < 0:
+            raise _field_error("min_tokens", self.min_tokens, ">= 0")
+        if self.min_tokens > self.max_tokens:
+            raise _field_error("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        for name in ("stop_token_ids", "bad_token_ids"):
+            for token_id in getattr(self, name):
+                if not is_int(token_id) or token_id < 0:
+                    raise _field_error(name, getattr(self, name), "a tuple of token ids >= 0")
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word:
+                raise _field_error("bad_words", self.bad_words, "a tuple of non-empty strings")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise _field_error("ignore_eos", self.ignore_eos, "a bool")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**32):
+            raise _field_error("seed", self.seed, "None or an int in [0, 2**32)")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise _field_error("logprobs", self.logprobs, "None or an int >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request decodes greedily (``temperature < GREEDY_EPS``)."""
+        return self.temperature < GREEDY_EPS

@@ -1,0 +1,233 @@
+"""Logits processors: penalties, stop / bad-word masks and the filters that give the target
+distribution.
+
+This module turns raw target logits into the distribution a slot samples from, one row per output
+position, with the slot's :class:`~jmtp.runtime.sampling.arrays.SamplingArrays` as data. The
+order follows vLLM's V1 sampler (see :func:`penalize` and :func:`target_probs`):
+
+1. **repetition penalty** over prompt ∪ generated tokens (HF ``RepetitionPenaltyLogitsProcessor``:
+   ``logit / α`` if ``logit > 0`` else ``logit * α``);
+2. **frequency / presence penalties** over generated tokens only (OpenAI / vLLM:
+   ``logit -= frequency * count + presence * (count > 0)``);
+3. **min_tokens**: while ``num_generated + w < min_tokens`` the slot's stop ids (``stop_token_ids``
+   ∪ the EOS ids unless ``ignore_eos``) get ``-inf`` (vLLM ``MinTokensLogitsProcessor``);
+4. **bad words**: single-token bad words (``bad_token_mask``) and multi-token ones (the last token
+   of a sequence whose prefix equals the most recent tokens; HF ``NoBadWordsLogitsProcessor``,
+   the history *includes* the prompt) get ``-inf``.
+   The result is the *penalized* logits: greedy rows take their argmax and, by default, logprobs are
+   computed from them.
+5. **temperature** (``temperature < GREEDY_EPS`` = greedy: argmax of the penalized logits, no
+   randomness consumed), then **min-p** (keep ``p >= min_p * max p``), **top-k** (keep logits
+   ``>=`` the k-th largest: ties at the boundary are kept), **top-p** (on the top-k-renormalised
+   distribution, keep the smallest prefix of the descending, index-stable order whose mass reaches
+   ``top_p``), then softmax → the target distribution ``p``.
+
+In speculative verification, row ``w`` of a window sees the history *including the drafts*
+``d_1..d_w`` before it, so the processed distribution equals the one non-speculative decoding would
+use at that position (see :func:`penalize`).
+
+Notation kept from the description above: ``z`` = temperature-scaled logits, ``p`` = a
+probability row, ``k`` = the top-k count, ``w`` = the window row, ``B, W, K, V`` = shapes.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jmtp.runtime.sampling.arrays import SamplingArrays
+from jmtp.runtime.sampling.params import GREEDY_EPS
+
+
+def stop_mask(sampling: SamplingArrays, eos_token_ids: jax.Array) -> jax.Array:
+    """``bool[B, V]``: ids that stop the slot's request: its stop ids, plus ``eos_token_ids``
+    (``i32[E]``, -1 entries ignored) unless ``ignore_eos``."""
+    B, V = sampling.bad_token_mask.shape
+    slots = jnp.arange(B)[:, None]
+    stop_ids = sampling.stop_token_ids
+    mask = jnp.zeros((B, V), bool).at[slots, jnp.where(stop_ids >= 0, stop_ids, V)].set(
+        True, mode="drop")
+    eos_ids = jnp.asarray(eos_token_ids, jnp.int32).reshape(-1)
+    eos_mask = jnp.zeros((V,), bool).at[jnp.where(eos_ids >= 0, eos_ids, V)].set(True, mode="drop")
+    return mask | (eos_mask[None, :] & ~sampling.ignore_eos[:, None])
+
+
+def window_history(sampling: SamplingArrays, draft_tokens: jax.Array, num_drafts: jax.Array):
+    """Generated-token counts seen by each window row: ``i32[B, K+1, V]``.
+
+    Row ``w`` counts ``output_counts`` plus the drafts ``d_1..d_w`` (``draft_tokens[:, :w]``, only
+    those below ``num_drafts``). Written as K elementwise terms (no one-hot / cumsum buffer), so
+    XLA fuses it into the penalty computation.
+    """
+    B, K = draft_tokens.shape
+    V = sampling.vocab_size
+    vocab = jnp.arange(V, dtype=jnp.int32)[None, None, :]
+    window_row = jnp.arange(K + 1, dtype=jnp.int32)[None, :, None]
+    counts = jnp.broadcast_to(sampling.output_counts[:, None, :], (B, K + 1, V))
+    for draft_idx in range(K):
+        counted = ((window_row > draft_idx) & (draft_idx < num_drafts)[:, None, None]
+                   & (vocab == draft_tokens[:, draft_idx, None, None]))
+        counts = counts + counted.astype(jnp.int32)
+    return counts
+
+
+def _bad_word_ban(sampling: SamplingArrays, draft_tokens: jax.Array) -> jax.Array:
+    """``bool[B, K+1, V]``: last tokens of multi-token bad words whose prefix matches the context
+    (the last ``LW-1`` tokens of prompt + output + the drafts before the row)."""
+    B, K = draft_tokens.shape
+    V = sampling.vocab_size
+    NW, LW = sampling.bad_word_seqs.shape[1:]
+    if NW == 0 or LW < 2:
+        return jnp.zeros((B, K + 1, V), bool)
+    prefix_len = LW - 1
+    context = jnp.concatenate([sampling.recent_tokens, draft_tokens], axis=1)  # [B, LW-1+K]
+    window_idx = jnp.arange(K + 1)[:, None] + jnp.arange(prefix_len)[None, :]  # [K+1, LW-1]
+    windows = context[:, window_idx]                                         # [B, K+1, LW-1]
+    prefixes = sampling.bad_word_seqs[:, :, :prefix_len]                     # [B, NW, LW-1]
+    last_tokens = sampling.bad_word_seqs[:, :, prefix_len]                   # [B, NW]
+    prefix_ok = (prefixes[:, None] == -1) | (prefixes[:, None] == windows[:, :, None])
+    matched = jnp.all(prefix_ok, axis=-1) & (last_tokens >= 0)[:, None, :]   # [B, K+1, NW]
+    vocab = jnp.arange(V, dtype=jnp.int32)[None, None, :]
+    ban = jnp.zeros((B, K + 1, V), bool)
+    for word in range(NW):
+        ban = ban | (matched[:, :, word, None] & (vocab == last_tokens[:, word, None, None]))
+    return ban
+
+
+def penalize(logits: jax.Array, sampling: SamplingArrays, draft_tokens: jax.Array,
+             num_drafts: jax.Array, num_generated: jax.Array,
+             eos_token_ids: jax.Array) -> jax.Array:
+    """Penalties, min_tokens and bad words for every row of a verify window.
+
+    Args:
+      logits: f[B, W, V] target logits; row ``w`` = distribution after input ``w`` (W = K+1).
+      sampling: :class:`SamplingArrays` of the B slots.
+      draft_tokens: i32[B, K] drafts d_1..d_K (entries at or past ``num_drafts`` are ignored).
+      num_drafts: i32[B]. num_generated: i32[B] tokens generated before this step.
+      eos_token_ids: i32[E] model EOS ids (-1 entries ignored).
+    Returns:
+      f32[B, W, V] penalized logits (``-inf`` for masked ids). Row ``w`` uses the history
+      prompt ∪ generated ∪ {d_1..d_w} and the min_tokens test ``num_generated + w < min_tokens``.
+    """
+    logits = logits.astype(jnp.float32)
+    B, W, V = logits.shape
+    K = W - 1
+    if draft_tokens.shape != (B, K):
+        raise ValueError(f"draft_tokens: shape {draft_tokens.shape} != (B, K) = {(B, K)}")
+    num_drafts = jnp.clip(num_drafts.astype(jnp.int32), 0, K)
+    counts = window_history(sampling, draft_tokens.astype(jnp.int32), num_drafts)   # [B, W, V]
+    seen = counts > 0
+    rep_penalty = sampling.repetition_penalty[:, None, None]
+    in_history = seen | sampling.prompt_mask[:, None, :]
+    rep_penalized = jnp.where(logits > 0, logits / rep_penalty, logits * rep_penalty)
+    penalized = jnp.where(in_history, rep_penalized, logits)
+    penalized = (penalized
+                 - sampling.frequency_penalty[:, None, None] * counts.astype(jnp.float32)
+                 - sampling.presence_penalty[:, None, None] * seen.astype(jnp.float32))
+    w = jnp.arange(W, dtype=jnp.int32)[None, :]
+    too_early = (num_generated.astype(jnp.int32)[:, None] + w) < sampling.min_tokens[:, None]
+    ban = (too_early[:, :, None] & stop_mask(sampling, eos_token_ids)[:, None, :])
+    ban = ban | sampling.bad_token_mask[:, None, :] | _bad_word_ban(sampling, draft_tokens)
+    return jnp.where(ban, -jnp.inf, penalized)
+
+
+def safe_softmax(z: jax.Array) -> jax.Array:
+    """Softmax over the last axis that gives an all-zero row (not NaN) when every entry is
+    ``-inf``; callers test ``sum > 0`` to detect such a row."""
+    row_max = jnp.max(z, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    exp = jnp.exp(z - row_max)
+    total = jnp.sum(exp, axis=-1, keepdims=True)
+    return exp / jnp.where(total > 0, total, 1.0)
+
+
+#: Up to this vocabulary size :func:`filter_logits` ranks by pairwise comparison instead of sorting.
+PAIRWISE_MAX_V = 16
+
+
+def _rank_filter(z, k, top_p):
+    """top-k / top-p keep-mask from stable descending ranks computed pairwise (O(V^2), unrolled
+    over V: only for tiny vocabularies, where it is much faster than a sort on CPU)."""
+    V = z.shape[-1]
+    token_ids = jnp.arange(V)[None, :]
+
+    def ranks_before(j):                # does id j rank before each id i?
+        z_j = z[:, j:j + 1]
+        return (z_j > z) | ((z_j == z) & (j < token_ids))
+
+    rank = sum(ranks_before(j).astype(jnp.int32) for j in range(V))                  # [N, V]
+    kth_value = jnp.max(jnp.where(rank == (k - 1)[:, None], z, -jnp.inf), axis=-1, keepdims=True)
+    keep_top_k = z >= kth_value
+    p = safe_softmax(jnp.where(keep_top_k, z, -jnp.inf))
+    mass_before = sum(jnp.where(ranks_before(j), p[:, j:j + 1], 0.0) for j in range(V))
+    return keep_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+
+
+def _sort_filter(z, k, top_p):
+    """Same keep-mask as :func:`_rank_filter` through one stable sort (large V)."""
+    N, V = z.shape
+    order = jnp.argsort(-z, axis=-1, stable=True)
+    z_sorted = jnp.take_along_axis(z, order, axis=-1)
+    kth_value = jnp.take_along_axis(z_sorted, (k - 1)[:, None], axis=-1)
+    keep_top_k = z_sorted >= kth_value
+    p_sorted = safe_softmax(jnp.where(keep_top_k, z_sorted, -jnp.inf))
+    mass_before = jnp.concatenate(
+        [jnp.zeros((N, 1), p_sorted.dtype), jnp.cumsum(p_sorted, axis=-1)[:, :-1]], -1)
+    keep_sorted = keep_top_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    # the kept ids are a prefix of the sorted order: map back through its last element
+    num_kept = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)[:, None]
+    last_kept_value = jnp.take_along_axis(z_sorted, num_kept - 1, axis=-1)
+    last_kept_id = jnp.take_along_axis(order, num_kept - 1, axis=-1)
+    return (z > last_kept_value) | ((z == last_kept_value)
+                                    & (jnp.arange(V)[None, :] <= last_kept_id))
+
+
+def filter_logits(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                  method: str = "auto") -> jax.Array:
+    """min-p, then top-k, then top-p on temperature-scaled logits ``z f32[N, V]`` (params ``[N]``).
+
+    Returns ``z`` with removed ids set to ``-inf``. min-p removes ids with ``p < min_p * max p``.
+    top-k keeps every id ``>=`` the k-th largest value (0 = off; ties at the k-th value are kept).
+    top-p keeps, in the descending order with ties broken by lower id, each id whose preceding
+    mass (after top-k renormalisation) is ``< top_p`` (``top_p >= 1`` = off): the smallest prefix
+    reaching ``top_p``. All of it is skipped (``lax.cond``) when no row uses min-p, top-k or top-p.
+
+    ``method`` (static): ``"sort"`` (one stable sort), ``"pairwise"`` (O(V^2) ranks, faster for
+    tiny vocabularies) or ``"auto"`` (pairwise when ``V <= PAIRWISE_MAX_V``); same result.
+    """
+    N, V = z.shape
+    if method not in ("auto", "sort", "pairwise"):
+        raise ValueError(f"method={method!r}: must be 'auto', 'sort' or 'pairwise'")
+    pairwise = method == "pairwise" or (method == "auto" and V <= PAIRWISE_MAX_V)
+    k = jnp.where((top_k > 0) & (top_k < V), top_k, V).astype(jnp.int32)     # V = top-k off
+    any_row_filters = jnp.any((k < V) | (top_p < 1.0) | (min_p > 0.0))
+
+    def apply_filters(z):
+        z = jnp.where(z == 0, 0.0, z)      # -0.0 == +0.0 must also tie in the sort order
+        p = safe_softmax(z)
+        z = jnp.where(p < min_p[:, None] * jnp.max(p, axis=-1, keepdims=True), -jnp.inf, z)
+        keep = (_rank_filter if pairwise else _sort_filter)(z, k, top_p)
+        return jnp.where(keep, z, -jnp.inf)
+
+    return jax.lax.cond(any_row_filters, apply_filters, lambda z: z, z)
+
+
+def target_probs(penalized: jax.Array, sampling: SamplingArrays) -> jax.Array:
+    """The target distribution ``p f32[B, W, V]`` from penalized logits ``f32[B, W, V]``.
+
+    Sampled rows: softmax of the temperature-scaled logits after min-p, top-k and top-p. Greedy rows
+    (``temperature < GREEDY_EPS``): one-hot of the argmax of the penalized logits.
+    """
+    B, W, V = penalized.shape
+    greedy = sampling.temperature < GREEDY_EPS
+    temperature = jnp.where(greedy, 1.0, sampling.temperature)
+    z = penalized / temperature[:, None, None]
+    repeat_per_window_row = lambda a: jnp.repeat(a, W)  # noqa: E731  params for the [B*W] rows
+    z_filtered = filter_logits(
+        z.reshape(B * W, V), repeat_per_window_row(sampling.top_k),
+        repeat_per_window_row(sampling.top_p),
+        repeat_per_window_row(sampling.min_p)).reshape(B, W, V)
+    p = safe_softmax(z_filtered)
+    argmax_one_hot = jax.nn.one_hot(jnp.argmax(penalized, axis=-1), V, dtype=jnp.float32)
+    has_mass = jnp.sum(p, axis=-1, keepdims=True) > 0
+    p = jnp.where(has_mass, p, argmax_one_hot)
+    return jnp.where(greedy[:, None, None], argmax_one_hot, p)
