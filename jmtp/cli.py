@@ -27,7 +27,8 @@ def build_llm(args):
     max_num_seqs = DEFAULT_MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs
     return LLM(args.model, speculative_config=spec, max_num_seqs=max_num_seqs,
                max_model_len=args.max_model_len, num_blocks=args.num_blocks,
-               attention_backend=args.attention_backend, max_logprobs=args.max_logprobs,
+               attention_backend=args.attention_backend, block_allocator=args.block_allocator,
+               max_logprobs=args.max_logprobs,
                seed=args.seed, mtp_head=None if args.mtp_head == "none" else args.mtp_head,
                compile=args.compile, compilation_cache_dir=None if cache == "none" else cache)
 
@@ -61,6 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds requests that send no seed")
     p.add_argument("--attention-backend", default=None,
                    choices=[None, "reference", "xla", "pallas_tpu", "pallas_gpu"])
+    p.add_argument("--block-allocator", default="auto",
+                   choices=["auto", "reference", "pallas_tpu", "pallas_gpu"],
+                   help="on-device KV-block allocator (auto: the Pallas TPU kernel on TPU, the jnp "
+                        "reference elsewhere; a state too large for TPU SMEM runs the reference)")
     p.add_argument("--compile", choices=["eager", "lazy"], default=None,
                    help="eager: compile every step bucket at start-up (default, or "
                         "$JMTP_COMPILE); lazy: compile each bucket on first use")

@@ -48,6 +48,12 @@ Implementations (``implementation=``):
 * ``"pallas_tpu"``: Mosaic TPU kernel (:mod:`jmtp.pallas.block_allocator_kernel`), scalar loop over
   slots in SMEM, state updated in place (``input_output_aliases``). Default on TPU. On other
   backends it runs in TPU interpret mode with race detection and out-of-bounds reads raising.
+  The whole state lives in SMEM while the kernel runs; a state that needs more than the SMEM
+  budget (:func:`jmtp.pallas.block_allocator_kernel.tpu_smem_bytes` above
+  :func:`~jmtp.pallas.block_allocator_kernel.tpu_smem_budget_bytes`, e.g. ``max_num_seqs=128`` at
+  ``max_model_len=8192, block_size=16`` with the default ``num_blocks``) runs the ``"reference"``
+  instead, with a one-time warning (:func:`resolve_implementation`). The choice is static (shapes
+  are), so it is made at trace time and never fails there.
 * ``"pallas_gpu"``: the same kernel body lowered through the Pallas Triton backend (one program,
   one warp). Not the GPU default yet: it is checked in interpret mode and by lowering to Triton IR
   on CPU, but has not been run on a GPU (see the kernel module for the reasons and the residual
@@ -57,12 +63,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 IMPLEMENTATIONS = ("reference", "pallas_tpu", "pallas_gpu")
+#: Values of ``EngineConfig.block_allocator`` / ``implementation=``: ``"auto"`` is
+#: :func:`default_implementation`.
+CHOICES = ("auto",) + IMPLEMENTATIONS
+
+log = logging.getLogger(__name__)
+_warned_fallbacks: set[tuple[int, int, int, int]] = set()  # (N, B, P, budget) already warned
 
 
 @jax.tree_util.register_dataclass
@@ -177,6 +190,48 @@ def default_implementation() -> str:
     return "pallas_tpu" if jax.default_backend() == "tpu" else "reference"
 
 
+def resolve_implementation(implementation: str | None, num_blocks: int, num_slots: int,
+                           pages_per_slot: int) -> str:
+    """The implementation :func:`allocate_blocks` runs for a state of these (static) sizes.
+
+    ``None`` and ``"auto"`` mean :func:`default_implementation`. ``"pallas_tpu"`` becomes
+    ``"reference"`` when the kernel's SMEM footprint
+    (:func:`~jmtp.pallas.block_allocator_kernel.tpu_smem_bytes` of ``(num_blocks, num_slots,
+    pages_per_slot)``) exceeds :func:`~jmtp.pallas.block_allocator_kernel.tpu_smem_budget_bytes`;
+    a ``logging`` warning with both figures is emitted the first time each size is seen. Both
+    implementations give the same result bit for bit, so the fallback only changes speed.
+    ``"pallas_gpu"`` keeps its state in GMEM and has no such limit.
+
+    Args:
+      implementation: one of :data:`CHOICES` or ``None``.
+      num_blocks / num_slots / pages_per_slot: N, B, P of the state (Python ints, >= 1).
+
+    Returns:
+      One of :data:`IMPLEMENTATIONS`.
+
+    Raises:
+      ValueError: ``implementation`` not in :data:`CHOICES` and not ``None``.
+    """
+    if implementation is not None and implementation not in CHOICES:
+        raise ValueError(f"implementation must be one of {CHOICES} or None, got {implementation!r}")
+    impl = default_implementation() if implementation in (None, "auto") else implementation
+    if impl == "pallas_tpu":
+        from jmtp.pallas import block_allocator_kernel as kernel
+        need = kernel.tpu_smem_bytes(num_blocks, num_slots, pages_per_slot)
+        budget = kernel.tpu_smem_budget_bytes()
+        if need > budget:
+            key = (int(num_blocks), int(num_slots), int(pages_per_slot), int(budget))
+            if key not in _warned_fallbacks:
+                _warned_fallbacks.add(key)
+                log.warning(
+                    "pallas_tpu block allocator: the state needs %d bytes of SMEM (num_blocks=%d, "
+                    "max_num_seqs=%d, pages_per_seq=%d), over the %d-byte SMEM budget; running the "
+                    "'reference' allocator instead (same results)", need, num_blocks, num_slots,
+                    pages_per_slot, budget)
+            impl = "reference"
+    return impl
+
+
 def allocate_blocks(
     free_stack: jax.Array,    # i32[N]    free block ids; [0, free_count) valid, top free_count-1
     free_count: jax.Array,    # i32[]     number of free blocks
@@ -194,8 +249,10 @@ def allocate_blocks(
     the engine's jitted step; with the state donated, the Pallas kernels update it in place.
 
     Args:
-      implementation: ``"reference" | "pallas_tpu" | "pallas_gpu"``, or ``None`` for
-        :func:`default_implementation`.
+      implementation: ``"reference" | "pallas_tpu" | "pallas_gpu"``, or ``"auto"``/``None`` for
+        :func:`default_implementation`; resolved by :func:`resolve_implementation`, so
+        ``"pallas_tpu"`` on a state too large for its SMEM budget runs the reference (with a
+        one-time warning) instead of failing.
       interpret: Pallas kernels only. ``None`` interprets when the default backend is not the
         kernel's platform (TPU interpret mode runs with ``detect_races=True`` and
         ``out_of_bounds_reads="raise"``); ``True``/``False`` forces it; for ``pallas_tpu`` a
@@ -208,12 +265,10 @@ def allocate_blocks(
 
     Raises:
       ValueError: at trace time, on an inconsistent shape or dtype (the message names the
-        argument), an unknown ``implementation``, or (``pallas_tpu``) a state too large for SMEM.
+        argument) or an unknown ``implementation``.
     """
     n, b, p = validate_inputs(free_stack, free_count, block_tables, num_owned, release, num_needed)
-    impl = implementation or default_implementation()
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
+    impl = resolve_implementation(implementation, n, b, p)
     if impl == "reference":
         return allocate_blocks_reference(free_stack, free_count, block_tables, num_owned, release,
                                          num_needed)
@@ -334,6 +389,8 @@ class BlockAllocatorState:
                  ) -> tuple["BlockAllocatorState", jax.Array]:
         """:func:`allocate_blocks` on this state: release ``bool[B]`` slots, then top every slot
         up to ``num_needed i32[B]`` blocks, all or nothing. Returns ``(new state, paused bool[B])``.
+        ``implementation``: one of :data:`CHOICES` or ``None`` (the engine passes
+        ``EngineConfig.block_allocator``).
 
         Raises:
           ValueError: at trace time, as :func:`allocate_blocks`.

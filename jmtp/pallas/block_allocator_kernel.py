@@ -13,9 +13,13 @@ TPU (Mosaic), :func:`allocate_blocks_tpu`:
   input to output; the kernel DMAs each whole into an SMEM scratch buffer, works there with scalar
   loads and stores, and DMAs it back. ``free_count``, ``num_owned``, ``release``, ``num_needed``
   and ``paused`` are small SMEM blocks (``free_count`` and ``num_owned`` aliased too).
-* SMEM footprint: ``4·(N + B·P + 5·B + 2)`` bytes; :data:`TPU_SMEM_BUDGET_BYTES` bounds it (SMEM
-  is 1 MiB per TensorCore from TPU v4 on, 16 KiB on v2/v3). A bigger state needs a windowed variant
-  that DMAs only the touched stack range and table rows (not written: not needed at jmtp's sizes).
+* SMEM footprint: ``4·(N + B·P + 5·B + 2)`` bytes (:func:`tpu_smem_bytes`), bounded by
+  :func:`tpu_smem_budget_bytes` (half the core's SMEM: 512 KiB from TPU v4 on). Already
+  ``max_num_seqs=128`` at ``max_model_len=8192, block_size=16`` (P=512) with the default
+  N = B·P = 65536 blocks needs 526,856 bytes, just over. ``allocate_blocks`` then runs the jnp
+  reference instead (:func:`jmtp.pallas.block_allocator.resolve_implementation`);
+  :func:`allocate_blocks_tpu` itself refuses such a state. A windowed variant that DMAs only the
+  touched stack range and table rows would lift the limit (not written).
 * Bools are passed as int32: SMEM holds 32-bit words.
 
 GPU, :func:`allocate_blocks_gpu`, Pallas **Triton** backend, ``grid=(1,)``, ``num_warps=1``:
@@ -46,12 +50,48 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-TPU_SMEM_BUDGET_BYTES = 512 * 1024  # half of v4+'s 1 MiB per-core SMEM; the rest for Mosaic itself
+#: SMEM the TPU kernel may use, in bytes, when the chip's own size is unknown (interpret mode):
+#: half of the 1 MiB per-TensorCore SMEM of TPU v4, v5e, v5p, v6e and v7x (``smem_capacity_bytes``
+#: of ``jax.experimental.pallas.tpu.get_tpu_info()``, jax 0.10; 16 KiB on v2/v3). The other half
+#: is headroom for what Mosaic and XLA place in SMEM themselves and for alignment padding.
+TPU_SMEM_BUDGET_BYTES = 512 * 1024
 
 
 def tpu_smem_bytes(num_blocks: int, num_slots: int, pages_per_slot: int) -> int:
-    """SMEM the TPU kernel uses, in bytes: ``4·(N + B·P + 5·B + 2)``."""
+    """SMEM bytes the TPU kernel (:func:`allocate_blocks_tpu`) needs: ``4·(N + B·P + 5·B + 2)``.
+
+    Every SMEM buffer of the kernel holds int32 words (4 bytes); with N = ``num_blocks``,
+    B = ``num_slots``, P = ``pages_per_slot``:
+
+    * scratch: the free stack ``N`` and the flattened block tables ``B·P`` (DMA'd in from HBM);
+    * inputs: ``free_count`` 1, ``num_owned`` B, ``release`` B (bool as int32), ``num_needed`` B;
+    * outputs: ``free_count`` 1, ``num_owned`` B, ``paused`` B.
+
+    ``free_count`` and ``num_owned`` are aliased input to output but counted twice (an upper
+    bound: whether Mosaic shares the two buffers is not relied on). Alignment padding of each
+    buffer is not counted (it is covered by the budget's headroom).
+
+    Args:
+      num_blocks, num_slots, pages_per_slot: N, B, P (Python ints).
+
+    Returns:
+      bytes (int).
+    """
     return 4 * (num_blocks + num_slots * pages_per_slot + 5 * num_slots + 2)
+
+
+def tpu_smem_budget_bytes() -> int:
+    """SMEM bytes the TPU kernel may use: :data:`TPU_SMEM_BUDGET_BYTES` (read at call time), and on
+    a TPU backend at most half the core's ``smem_capacity_bytes`` (``pltpu.get_tpu_info()``; the
+    constant alone if that query fails)."""
+    budget = TPU_SMEM_BUDGET_BYTES
+    if jax.default_backend() == "tpu":
+        try:
+            from jax.experimental.pallas import tpu as pltpu
+            budget = min(budget, int(pltpu.get_tpu_info().smem_capacity_bytes) // 2)
+        except Exception:  # pragma: no cover - unknown chip / jax API change: keep the constant
+            pass
+    return budget
 
 
 def _allocator_body(stack, count, tables, owned, release, needed, paused, *,
@@ -157,17 +197,18 @@ def allocate_blocks_tpu(free_stack, free_count, block_tables, num_owned, release
       paused bool[B])``.
 
     Raises:
-      ValueError: if the state needs more than :data:`TPU_SMEM_BUDGET_BYTES` of SMEM.
+      ValueError: if the state needs more than :func:`tpu_smem_budget_bytes` of SMEM
+        (``allocate_blocks`` never calls it with such a state: it runs the reference instead).
     """
     from jax.experimental.pallas import tpu as pltpu
 
     n, b, p, args, out_shape = _split(free_stack, free_count, block_tables, num_owned, release,
                                       num_needed)
-    smem = tpu_smem_bytes(n, b, p)
-    if smem > TPU_SMEM_BUDGET_BYTES:
+    smem, budget = tpu_smem_bytes(n, b, p), tpu_smem_budget_bytes()
+    if smem > budget:
         raise ValueError(
             f"pallas_tpu allocator state needs {smem} bytes of SMEM (free_stack N={n}, "
-            f"block_tables B*P={b}*{p}), over the {TPU_SMEM_BUDGET_BYTES}-byte budget; use "
+            f"block_tables B*P={b}*{p}), over the {budget}-byte budget; use "
             "implementation='reference'")
 
     def kernel(stack_in, count_in, tables_in, owned_in, release_ref, needed_ref,

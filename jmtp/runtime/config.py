@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from jmtp.pallas.block_allocator import CHOICES as BLOCK_ALLOCATORS
 from jmtp.pallas.block_allocator import blocks_needed
 
 METHODS = (None, "mtp", "ngram", "custom")
@@ -165,6 +166,15 @@ class EngineConfig:
       spec: the :class:`SpeculativeConfig`: the window drafts K and MTP substeps M (properties
         ``k``/``m``) and the verify and draft settings the step reads (``verify_strategy``,
         ``max_candidate_len``, ``verify_window``, ``draft_*``).
+      block_allocator: the on-device KV-block allocator every allocator call of the step runs
+        (:func:`jmtp.pallas.block_allocator.allocate_blocks`): ``"auto"`` (``"pallas_tpu"`` on
+        TPU, ``"reference"`` elsewhere), ``"reference"`` (jnp), ``"pallas_tpu"`` (Mosaic kernel;
+        TPU interpret mode off TPU; a state over its SMEM budget runs the reference instead, with
+        a one-time warning) or ``"pallas_gpu"`` (Triton kernel; interpret mode off GPU).
+
+    Raises:
+      ValueError: a size < 1, ``max_num_batched_tokens`` below ``max_num_seqs * (K+1)``, or
+        ``block_allocator`` not one of :data:`BLOCK_ALLOCATORS`.
     """
 
     max_num_seqs: int = 8
@@ -177,12 +187,16 @@ class EngineConfig:
     max_bad_word_len: int = 4
     max_logprobs: int = 0
     spec: SpeculativeConfig = SpeculativeConfig(method=None)
+    block_allocator: str = "auto"
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks",
                      "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.block_allocator not in BLOCK_ALLOCATORS:
+            raise ValueError(f"EngineConfig.block_allocator must be one of {BLOCK_ALLOCATORS}, "
+                             f"got {self.block_allocator!r}")
         if self.max_num_batched_tokens < self.max_num_seqs * (self.k + 1):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs * "

@@ -35,8 +35,9 @@ class LLM:
       model: GGUF file or HF directory; ``None`` = the default SmolLM2-135M-Instruct.
       **engine_args: every keyword of :class:`LLMEngine` (``speculative_config``, ``max_num_seqs``,
         ``max_model_len``, ``block_size``, ``num_blocks``, ``max_num_batched_tokens``, ``dtype``,
-        ``attention_backend``, ``max_logprobs``, ``seed``, ``model_config``/``params``/
-        ``tokenizer``, ``mtp_head``, ``compile``, ``compilation_cache_dir``), documented there.
+        ``attention_backend``, ``block_allocator``, ``max_logprobs``, ``seed``,
+        ``model_config``/``params``/``tokenizer``, ``mtp_head``, ``compile``,
+        ``compilation_cache_dir``), documented there.
 
     Raises:
       TypeError: an unknown keyword.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import time
 from typing import Iterable
@@ -146,6 +147,8 @@ class LLMEngine:
       max_num_batched_tokens: token budget per step (largest bucket).
       dtype: parameter/cache dtype (default fp32 on CPU, bf16 on accelerators).
       attention_backend: ``"reference" | "xla" | "pallas_tpu" | "pallas_gpu" | None``.
+      block_allocator: ``EngineConfig.block_allocator``: ``"auto"`` (default), ``"reference"``,
+        ``"pallas_tpu"`` or ``"pallas_gpu"``.
       max_logprobs: largest ``SamplingParams.logprobs`` served (0 = logprobs off).
       seed: seeds the per-request seeds of requests whose ``SamplingParams.seed`` is None.
       model_config / params / tokenizer: pass an already-built model instead of ``model``.
@@ -172,7 +175,7 @@ class LLMEngine:
                  dtype=None, attention_backend: str | None = None, max_logprobs: int = 0,
                  seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
                  tokenizer=None, mtp_head: str | None = "auto", compile: str | None = None,
-                 compilation_cache_dir: str | bool | None = "auto"):
+                 compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto"):
         from jmtp.runtime import compile as jc
         compile = jc.resolve_compile_mode(compile)
         self.compilation_cache_dir = jc.setup_compilation_cache(compilation_cache_dir)
@@ -218,7 +221,7 @@ class LLMEngine:
         ec = EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             num_blocks=num_blocks or 1, max_num_batched_tokens=max_num_batched_tokens,
-            max_stop_ids=8, max_logprobs=max_logprobs, spec=spec)
+            max_stop_ids=8, max_logprobs=max_logprobs, spec=spec, block_allocator=block_allocator)
         if not num_blocks:      # default: every slot can hold a full-length sequence
             ec = dataclasses.replace(ec, num_blocks=max_num_seqs * ec.pages_per_seq)
         self.engine_config = ec
@@ -231,7 +234,7 @@ class LLMEngine:
                           if spec.method == "mtp" else None)
         self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
         self._insert = jax.jit(insert_request, donate_argnums=0)
-        self._release = jax.jit(release_slot, donate_argnums=0)
+        self._release = jax.jit(functools.partial(release_slot, ec=ec), donate_argnums=0)
         self._free_count = ec.num_blocks
         # host-side scheduler state
         self._groups: dict[str, _Group] = {}

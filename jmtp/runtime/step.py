@@ -301,7 +301,8 @@ def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedu
     ``blocks_needed(d + n + max(M - 1, 0))`` blocks. A slot
     that cannot get them is paused: its row of the returned schedule is zeroed (it does nothing
     this step) and ``paused`` is set. Block ownership is the allocator's contract
-    (:func:`jmtp.pallas.block_allocator.allocate_blocks`).
+    (:func:`jmtp.pallas.block_allocator.allocate_blocks`, the implementation
+    ``ec.block_allocator``).
 
     Args:
       blocks: allocator state.
@@ -316,7 +317,8 @@ def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedu
     overhang = max(ec.m - 1, 0)
     need = jnp.where(query_lens > 0,
                      blocks_needed(seq_lens_decoder + query_lens + overhang, ec.block_size), 0)
-    blocks, paused = blocks.allocate(jnp.zeros((B,), bool), need.astype(jnp.int32))
+    blocks, paused = blocks.allocate(jnp.zeros((B,), bool), need.astype(jnp.int32),
+                                     implementation=ec.block_allocator)
     paused = paused & (query_lens > 0)
     return blocks, Schedule(
         seq_lens_this_time=jnp.where(paused, 0, query_lens),
@@ -645,10 +647,13 @@ def draft_model_postprocess(ec: EngineConfig, state: EngineState, prev_state: En
     return state
 
 
-def release_finished(state: EngineState, finished: jax.Array) -> EngineState:
-    """Return the KV blocks of the slots in ``finished bool[B]`` to the free stack."""
+def release_finished(state: EngineState, finished: jax.Array, *,
+                     ec: EngineConfig | None = None) -> EngineState:
+    """Return the KV blocks of the slots in ``finished bool[B]`` to the free stack, with the
+    allocator ``ec.block_allocator`` (``ec=None``: ``"auto"``)."""
     B = finished.shape[0]
-    blocks, _ = state.blocks.allocate(finished, jnp.zeros((B,), jnp.int32))
+    blocks, _ = state.blocks.allocate(finished, jnp.zeros((B,), jnp.int32),
+                                      implementation="auto" if ec is None else ec.block_allocator)
     return dataclasses.replace(state, blocks=blocks)
 
 
@@ -762,7 +767,7 @@ def engine_step(
                                               model, state, prev.seq_lens_decoder, target,
                                               budget, mtp_cache)
     state = draft_model_postprocess(ec, state, prev, drafts, draft_probs, budget)
-    state = release_finished(state, done.finished)
+    state = release_finished(state, done.finished, ec=ec)
     num_next_drafts = jnp.sum(state.draft_tokens[:, 1:] >= 0, axis=1).astype(jnp.int32)
     out = StepOutput(tokens=done.tokens, num_tokens=done.num_tokens, num_drafts=sched.num_drafts,
                      num_accepted=done.num_accepted, finished=done.finished,
@@ -773,8 +778,10 @@ def engine_step(
     return state, cache, mtp_cache, out
 
 
-def release_slot(state: EngineState, slot: jax.Array) -> EngineState:
-    """Preempt ``slot``: return its KV blocks and mark it idle (the host re-queues the request)."""
+def release_slot(state: EngineState, slot: jax.Array, *,
+                 ec: EngineConfig | None = None) -> EngineState:
+    """Preempt ``slot``: return its KV blocks and mark it idle (the host re-queues the request).
+    ``ec``: as :func:`release_finished` (static; bind it with ``functools.partial`` under jit)."""
     B = state.stop_flags.shape[0]
-    state = release_finished(state, jnp.arange(B) == slot)
+    state = release_finished(state, jnp.arange(B) == slot, ec=ec)
     return dataclasses.replace(state, stop_flags=state.stop_flags.at[slot].set(True))

@@ -399,14 +399,86 @@ def test_validation_names_the_argument(name, bad, impl):
         ba.allocate_blocks(**args, implementation=impl)
 
 
-def test_unknown_implementation_and_tpu_smem_budget():
+def test_unknown_implementation():
     with pytest.raises(ValueError, match="implementation"):
         ba.allocate_blocks(**_good_args(), implementation="cuda")
+    with pytest.raises(ValueError, match="implementation"):
+        ba.resolve_implementation("tpu", 8, 2, 3)
+
+
+def test_tpu_smem_bytes_hand_computed():
+    # N=10, B=3, P=4, int32 words: stack scratch 10 + tables scratch 3*4 = 12; SMEM inputs
+    # free_count 1 + num_owned 3 + release 3 + num_needed 3; SMEM outputs free_count 1 + num_owned 3
+    # + paused 3.  10 + 12 + 10 + 7 = 39 words = 156 bytes.
+    assert bak.tpu_smem_bytes(10, 3, 4) == 156
+    # The issue's large configuration: B=128 slots, P=8192/16=512 pages, the engine's default
+    # N = B*P = 65536 blocks: 4 * (65536 + 65536 + 640 + 2) = 526,856 bytes > 512 KiB.
+    assert bak.tpu_smem_bytes(65536, 128, 512) == 526_856
+    assert bak.TPU_SMEM_BUDGET_BYTES == 512 * 1024
+    if jax.default_backend() != "tpu":
+        assert bak.tpu_smem_budget_bytes() == bak.TPU_SMEM_BUDGET_BYTES
+    assert bak.tpu_smem_bytes(65536, 128, 512) > bak.tpu_smem_budget_bytes()
+    assert bak.tpu_smem_bytes(65536, 64, 512) <= bak.tpu_smem_budget_bytes()
+
+
+def test_resolve_implementation(monkeypatch):
+    monkeypatch.setattr(ba, "_warned_fallbacks", set())   # warn here, not only once per process
+    default = ba.default_implementation()
+    assert ba.resolve_implementation(None, 8, 2, 3) == default
+    assert ba.resolve_implementation("auto", 8, 2, 3) == default
+    for impl in IMPLS:
+        assert ba.resolve_implementation(impl, 8, 2, 3) == impl
+    # Over the TPU SMEM budget: pallas_tpu runs the reference; pallas_gpu (GMEM) has no such limit.
+    assert ba.resolve_implementation("pallas_tpu", 65536, 128, 512) == "reference"
+    assert ba.resolve_implementation("pallas_gpu", 65536, 128, 512) == "pallas_gpu"
+
+
+def test_tpu_kernel_itself_refuses_a_state_over_the_smem_budget():
     n = bak.TPU_SMEM_BUDGET_BYTES // 4
     assert bak.tpu_smem_bytes(n, 2, 3) > bak.TPU_SMEM_BUDGET_BYTES
     assert bak.tpu_smem_bytes(n // 2, 2, 3) <= bak.TPU_SMEM_BUDGET_BYTES
     with pytest.raises(ValueError, match="SMEM"):
-        ba.allocate_blocks(**_good_args(n=n, b=2, p=3), implementation="pallas_tpu")
+        bak.allocate_blocks_tpu(*_good_args(n=n, b=2, p=3).values(), interpret=True)
+
+
+def test_pallas_tpu_over_smem_budget_falls_back_to_reference(monkeypatch, caplog):
+    """A state over the (lowered) SMEM budget runs the reference, bit for bit, at trace time, with
+    one warning naming the figures; under the budget the kernel is traced as before."""
+    n, b, p = SHAPES[1]
+    need = bak.tpu_smem_bytes(n, b, p)
+    monkeypatch.setattr(ba, "_warned_fallbacks", set())
+    rng = np.random.default_rng(7)
+    fs, fc, bt, no, rel, needed = _random_valid_state(rng, n, b, p)
+    args = (jnp.asarray(fs, jnp.int32), jnp.asarray(fc, jnp.int32), jnp.asarray(bt, jnp.int32),
+            jnp.asarray(no, jnp.int32), jnp.asarray(rel, bool), jnp.asarray(needed, jnp.int32))
+
+    def tpu():  # a fresh function per trace: jax caches traces per function, not per budget
+        return functools.partial(ba.allocate_blocks, implementation="pallas_tpu")
+
+    monkeypatch.setattr(bak, "TPU_SMEM_BUDGET_BYTES", need)           # fits exactly: the kernel
+    assert "pallas_call" in str(jax.make_jaxpr(tpu())(*args))
+
+    monkeypatch.setattr(bak, "TPU_SMEM_BUDGET_BYTES", need - 4)       # one word over: reference
+    with caplog.at_level("WARNING", logger=ba.__name__):
+        assert "pallas_call" not in str(jax.make_jaxpr(tpu())(*args))
+
+        def no_kernel(*a, **k):
+            raise AssertionError("the TPU kernel ran on a state over its SMEM budget")
+
+        monkeypatch.setattr(bak, "allocate_blocks_tpu", no_kernel)
+        got = jax.tree.map(np.asarray, tpu()(*args))
+        got_jit = jax.tree.map(np.asarray, jax.jit(tpu())(*args))
+    warnings = [r for r in caplog.records if r.name == ba.__name__ and r.levelname == "WARNING"]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]          # once per size
+    msg = warnings[0].getMessage()
+    for figure in (str(need), str(need - 4), f"num_blocks={n}", f"max_num_seqs={b}",
+                   f"pages_per_seq={p}", "reference"):
+        assert figure in msg, msg
+    want = jax.tree.map(np.asarray, ba.allocate_blocks_reference(*args))
+    for out in (got, got_jit):
+        for name in ("free_stack", "free_count", "block_tables", "num_owned", "paused"):
+            np.testing.assert_array_equal(getattr(out, name), getattr(want, name), err_msg=name)
+    _assert_equal(got, _oracle(fs, fc, bt, no, rel, needed))
 
 
 def test_check_state_detects_violations():
