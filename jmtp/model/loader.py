@@ -1,4 +1,5 @@
-"""Public entry points: :func:`load_checkpoint` and :func:`load_tokenizer`.
+"""Public entry points: :func:`load_model` (the model as an NNX module), :func:`load_checkpoint`
+(the same weights as the parameter dict of :mod:`jmtp.model.llama`) and :func:`load_tokenizer`.
 
 A checkpoint ``path`` is one of
 
@@ -138,6 +139,33 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
         cfg, params = attach_mtp_head(cfg, params, str(head))
         log.info("MTP head from %s (draft vocabulary %s)", head, cfg.draft_vocab_size or "full")
     return cfg, params
+
+
+def load_model(path: str | os.PathLike | None = None, dtype=None,
+               mtp_head: str | os.PathLike | None = "auto"):
+    """Load a checkpoint into ``(ModelConfig, LlamaForCausalLM)``: :func:`load_checkpoint`'s
+    weights filled into the Flax NNX module (:meth:`LlamaForCausalLM.from_params
+    <jmtp.model.modules.LlamaForCausalLM.from_params>`, no random initialisation, no copy).
+
+    Args: as :func:`load_checkpoint` (``path``, ``dtype``, ``mtp_head``).
+
+    Returns:
+      ``(cfg, model)``: every parameter an ``nnx.Param`` of ``dtype`` with its logical axis names
+      (:mod:`jmtp.model.axes`): ``model.embed f[V, H]``, ``model.lm_head f[H, V]`` (None when
+      tied), ``model.final_norm f[H]``, ``model.layers`` stacked ``f[L, ...]``, ``model.mtp`` an
+      :class:`~jmtp.model.modules.MTPHead` (``f[N, ...]``; loaded, shipped or fresh as for
+      :func:`load_checkpoint`); a head file's token ranking becomes the ``draft_vocab i32[V]``
+      Buffer. ``model.to_params()`` is :func:`load_checkpoint`'s dict. ``nnx.split(model)`` gives
+      the graph definition and the pure ``nnx.State`` a jitted step takes.
+
+    Raises:
+      ValueError: as :func:`load_checkpoint`.
+      FileNotFoundError: ``mtp_head`` names a file that does not exist.
+    """
+    from jmtp.model.modules import LlamaForCausalLM
+
+    cfg, params = load_checkpoint(path, dtype=dtype, mtp_head=mtp_head)
+    return cfg, LlamaForCausalLM.from_params(cfg, params)
 
 
 def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:

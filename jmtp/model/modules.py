@@ -185,7 +185,34 @@ class MTPHead(nnx.Module):
                 "final_norm": self.final_norm, "layer": self.layer.variables()}
 
     def to_params(self) -> dict:
+        """``params["mtp"]`` of :mod:`jmtp.model.llama` (same arrays): ``enorm, hnorm,
+        final_norm f[N, H]``, ``eh_proj f[N, 2H, H]``, ``layer`` the stacked layer dict."""
         return _values(self.variables())
+
+    @classmethod
+    def from_params(cls, cfg: ModelConfig, mtp: dict) -> "MTPHead":
+        """A head holding the arrays of ``mtp`` (``params["mtp"]``, as :meth:`to_params` returns
+        it, e.g. from :func:`jmtp.model.mtp_head.load_mtp_head`), without random initialisation.
+
+        N comes from ``mtp["enorm"].shape[0]``, the dtype from ``mtp["eh_proj"]`` (arrays keep
+        their own dtype); ``cfg`` decides which layer tensors exist (biases, q/k norms).
+
+        Raises:
+          ValueError: a tensor missing, of the wrong shape, or one the head of ``cfg`` has no
+            place for (e.g. ``layer.bq`` without ``cfg.attention_bias``).
+        """
+        for need in ("enorm", "eh_proj", "layer"):
+            if need not in mtp:
+                raise ValueError(f"missing tensor mtp.{need}")
+        n = int(mtp["enorm"].shape[0])
+        head = nnx.eval_shape(lambda: cls(cfg, n, rngs=nnx.Rngs(0), dtype=mtp["eh_proj"].dtype))
+        variables = head.variables()
+        extra = sorted(set(mtp) - set(variables)) + sorted(
+            f"layer.{k}" for k in set(mtp["layer"]) - set(variables["layer"]))
+        if extra:
+            raise ValueError(f"mtp: unexpected tensors {extra} for this model configuration")
+        _fill(variables, mtp, "mtp")
+        return head
 
 
 class DraftHead(nnx.Module):

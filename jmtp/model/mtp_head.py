@@ -5,7 +5,8 @@ A head file (``jmtp-mtp-head-v1``) holds the MTP module's tensors under flat nam
 descending frequency in the head's training data), and string metadata: format, hidden/vocab size,
 MTP layout, the draft vocabulary size the head was trained for, training facts. Written by
 :mod:`jmtp.train` (``scripts/train_mtp.py``); read by :func:`jmtp.model.loader.load_checkpoint`, which
-attaches the head shipped in ``jmtp/data`` to the default model.
+attaches the head shipped in ``jmtp/data`` to the default model, as a dict by :func:`load_mtp_head`
+and as an :class:`~jmtp.model.modules.MTPHead` module by :func:`load_mtp_head_module`.
 """
 from __future__ import annotations
 
@@ -31,10 +32,14 @@ def _flatten(tree: dict, prefix: str) -> dict:
     return out
 
 
-def export_mtp_head(path: str, mtp: dict, cfg: ModelConfig, dtype=jnp.bfloat16,
+def export_mtp_head(path: str, mtp, cfg: ModelConfig, dtype=jnp.bfloat16,
                     metadata: dict | None = None, draft_vocab: np.ndarray | None = None,
                     draft_vocab_size: int = 0) -> None:
     """Write ``params["mtp"]`` as safetensors with flat names (``mtp.enorm``, ``mtp.layer.wq``, ...).
+
+    ``mtp`` is the dict (``enorm, hnorm, final_norm f[N, H]``, ``eh_proj f[N, 2H, H]``, ``layer``
+    the stacked layer dict) or an :class:`~jmtp.model.modules.MTPHead` (its :meth:`to_params`;
+    the file is the same either way).
 
     Stored in ``dtype`` (bf16 by default: a SmolLM2-135M head is ~8.5 MB). The safetensors metadata
     records the format, hidden size, vocabulary size and MTP layout so that :func:`load_mtp_head`
@@ -53,6 +58,8 @@ def export_mtp_head(path: str, mtp: dict, cfg: ModelConfig, dtype=jnp.bfloat16,
     if draft_vocab_size and (draft_vocab is None or len(draft_vocab) < draft_vocab_size):
         raise ValueError(f"draft_vocab_size={draft_vocab_size} needs a draft_vocab ranking at least "
                          "that long")
+    if hasattr(mtp, "to_params"):          # an MTPHead module
+        mtp = mtp.to_params()
     tensors = {k: jnp.asarray(v).astype(dtype) for k, v in _flatten(mtp, "mtp").items()}
     if draft_vocab is not None:
         tensors[DRAFT_VOCAB_TENSOR] = jnp.asarray(np.asarray(draft_vocab, np.int32))
@@ -137,10 +144,9 @@ def load_draft_ranking(path: str) -> np.ndarray | None:
         return np.asarray(f.get_tensor(DRAFT_VOCAB_TENSOR), np.int32)
 
 
-def attach_mtp_head(cfg: ModelConfig, params: dict, path: str) -> tuple[ModelConfig, dict]:
-    """``(cfg, params)`` with the head file at ``path`` as ``params["mtp"]`` (in the dtype of
-    ``params["embed"]``), its token ranking as ``params["draft_vocab"]`` and
-    ``cfg.num_mtp_layers`` / ``cfg.draft_vocab_size`` from the file.
+def check_head_fits(cfg: ModelConfig, path: str) -> dict:
+    """The head file's metadata (:func:`head_metadata`) after checking it was written for a model
+    like ``cfg``.
 
     Raises:
       FileNotFoundError: no file at ``path``.
@@ -153,6 +159,43 @@ def attach_mtp_head(cfg: ModelConfig, params: dict, path: str) -> tuple[ModelCon
                       ("mtp_layout", cfg.mtp_layout)):
         if meta.get(key, want) != want:
             raise ValueError(f"{path}: MTP head has {key}={meta.get(key)}, the model {want}")
+    return meta
+
+
+def load_mtp_head_module(path: str, cfg: ModelConfig, dtype=None):
+    """Load a head written by :func:`export_mtp_head` into an
+    :class:`~jmtp.model.modules.MTPHead` of ``cfg`` (the module form of :func:`load_mtp_head`).
+
+    The module's Params carry their logical axes (:mod:`jmtp.model.axes`): ``enorm, hnorm,
+    final_norm f[N, H]``, ``eh_proj f[N, 2H, H]``, ``layer.*`` stacked ``f[N, ...]``, with N the
+    file's number of MTP modules. ``head.to_params()`` equals ``load_mtp_head(path, dtype)``.
+    The file's token ranking (if any) is not part of the module: see :func:`load_draft_ranking`.
+
+    Args:
+      dtype: cast every tensor to this dtype (default: as stored, bf16 for exported heads).
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: the head was written for another hidden size, vocabulary size or MTP layout;
+        a tensor outside ``mtp.*``, missing, of the wrong shape for ``cfg``, or one ``cfg`` has no
+        place for (e.g. attention biases the model lacks).
+    """
+    from jmtp.model.modules import MTPHead
+
+    check_head_fits(cfg, path)
+    return MTPHead.from_params(cfg, load_mtp_head(path, dtype))
+
+
+def attach_mtp_head(cfg: ModelConfig, params: dict, path: str) -> tuple[ModelConfig, dict]:
+    """``(cfg, params)`` with the head file at ``path`` as ``params["mtp"]`` (in the dtype of
+    ``params["embed"]``), its token ranking as ``params["draft_vocab"]`` and
+    ``cfg.num_mtp_layers`` / ``cfg.draft_vocab_size`` from the file.
+
+    Raises:
+      FileNotFoundError: no file at ``path``.
+      ValueError: the head's hidden size, vocabulary size or MTP layout differ from ``cfg``.
+    """
+    meta = check_head_fits(cfg, path)
     mtp = load_mtp_head(path, dtype=params["embed"].dtype)
     ranking = load_draft_ranking(path)
     params = dict(params, mtp=mtp)

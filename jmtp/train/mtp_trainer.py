@@ -14,6 +14,12 @@ the target's frozen LM head:
 Only ``params["mtp"]`` is trained (kept in fp32); embedding, final norm, LM head and the target
 layers are frozen (the target layers are not even needed: their hidden states are cached).
 
+The head is an :class:`~jmtp.model.modules.MTPHead` (Flax NNX) optimised by an
+``nnx.Optimizer(head, tx, wrt=nnx.Param)`` with the optax chain of :func:`make_optimizer`; both
+sit in an :class:`MTPTrainModel`, split once (``nnx.split``) into a static graph definition and
+the pure ``nnx.State`` that :func:`train_step` takes and returns (merged inside ``jax.jit``, as
+the engine's step does). The loss runs the pure functions on ``head.to_params()``.
+
 Optional FR-Spec draft vocabulary (Zhao et al. 2025, arXiv 2502.14856): with
 ``draft_vocab_size = N`` the loss and the draft's predictions use only the N most frequent tokens
 of the training responses, which cuts the dominant LM-head cost of a small model's training step.
@@ -40,8 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from jmtp.model.config import ModelConfig
+from jmtp.model.modules import MTPHead
 from jmtp.model.mtp_head import (HEAD_FORMAT, export_mtp_head, head_metadata, load_draft_vocab,
                                  load_mtp_head, save_token_freq)
 from jmtp.model.params import init_mtp_params
@@ -247,11 +255,26 @@ def summarize_eval(parts: list[dict], passes: int) -> dict:
     return out
 
 
+def decay_mask(tree):
+    """AdamW weight-decay mask of :func:`make_optimizer`: True for the matrices (``eh_proj``,
+    ``layer.wq/wk/wv/wo/w_gate/w_up/w_down``: ``ndim >= 3`` with the leading ``layers`` axis),
+    False for norms and biases.
+
+    ``tree`` is the head's parameters as optax sees them: a dict, or the ``nnx.State`` of an
+    :class:`MTPHead` (``nnx.Param`` leaves at ``init``, arrays at ``update``; ``tree_map`` reaches
+    the array inside each Param, so the mask has the tree's own structure)."""
+    return jax.tree_util.tree_map(lambda a: a.ndim >= 3, tree)
+
+
+@functools.lru_cache(maxsize=None)
 def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping + AdamW (decay on matrices only) with linear warm-up and cosine decay."""
+    """Global-norm clipping + AdamW (decay on matrices only, :func:`decay_mask`) with linear
+    warm-up and cosine decay.
+
+    One object per ``tcfg`` (cached): the transformation is static data of the optimizer's graph
+    definition, so trainers with equal configs share :func:`train_step`'s compiled programs."""
     sched = optax.warmup_cosine_decay_schedule(
         0.0, tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.lr * tcfg.min_lr_ratio)
-    decay_mask = lambda tree: jax.tree_util.tree_map(lambda a: a.ndim >= 3, tree)
     return optax.chain(
         optax.clip_by_global_norm(tcfg.grad_clip),
         optax.adamw(sched, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, mask=decay_mask))
@@ -263,23 +286,65 @@ def learning_rate(tcfg: TrainConfig, step):
         0.0, tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.lr * tcfg.min_lr_ratio)(step)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "tcfg"))
-def train_step(state, batch, frozen, head_w, label_map, *, cfg: ModelConfig, tcfg: TrainConfig):
-    """One optimiser step on ``state = {"mtp", "opt", "step", "rng"}``; returns ``(state, metrics)``.
+class TrainRng(nnx.Variable):
+    """The training run's random key data (``u32[2]``, feature noise); not an ``nnx.Param``, so
+    the optimizer leaves it alone."""
 
-    Compiled once per ``(cfg, tcfg)`` and shapes (shared by every trainer instance).
+
+class MTPTrainModel(nnx.Module):
+    """Everything one training run updates, as one NNX graph.
+
+    Attributes:
+      mtp: the :class:`MTPHead` being trained (fp32 Params with their logical axes).
+      opt: ``nnx.Optimizer(mtp, tx, wrt=nnx.Param)``: ``opt.step u32[]`` (optimiser steps taken)
+        and ``opt.opt_state`` (optax's state of ``tx``, moments shaped like the head's Params).
+      rng: :class:`TrainRng` key data ``u32[2]`` of the feature-noise stream.
+
+    ``nnx.split`` gives the graph definition (static: also holds ``tx``) and the pure state with
+    entries ``"mtp"``, ``"opt"``, ``"rng"`` that :func:`train_step` takes and returns.
     """
-    key = jax.random.wrap_key_data(state["rng"])
+
+    def __init__(self, head: MTPHead, tx: optax.GradientTransformation, seed: int):
+        self.mtp = head
+        self.opt = nnx.Optimizer(head, tx, wrt=nnx.Param)
+        self.rng = TrainRng(jax.random.key_data(jax.random.key(seed)))
+
+
+def state_step(state: nnx.State) -> int:
+    """Optimiser steps taken by the train state ``state`` (its ``opt.step``)."""
+    return int(state["opt"]["step"][...])
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("cfg", "tcfg"))
+def train_step(graphdef: nnx.GraphDef, state: nnx.State, batch, frozen, head_w, label_map, *,
+               cfg: ModelConfig, tcfg: TrainConfig):
+    """One optimiser step on the pure train state (``graphdef, state = nnx.split(model)`` of an
+    :class:`MTPTrainModel`); returns ``(new state, metrics)``.
+
+    Inside the jitted function the state is merged with ``graphdef``, the loss (:func:`loss_fn` on
+    ``head.to_params()``) differentiated with respect to the head's Params, and
+    ``opt.update(head, grads)`` applies :func:`make_optimizer`'s chain; ``opt.step`` and ``rng``
+    advance. ``metrics``: the loss terms of :func:`loss_fn` plus ``grad_norm`` (before clipping)
+    and ``lr`` (the schedule at this step), f32 scalars.
+
+    Compiled once per ``(graphdef, cfg, tcfg)`` and shapes (shared by every trainer instance with
+    an equal config: :func:`make_optimizer` is cached).
+    """
+    model = nnx.merge(graphdef, state)
+    key = jax.random.wrap_key_data(model.rng[...])
     key, sub = jax.random.split(key)
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state["mtp"], frozen, head_w, label_map, batch,
-        sub if tcfg.feature_noise > 0 else None, cfg=cfg, tcfg=tcfg)
-    updates, opt = make_optimizer(tcfg).update(grads, state["opt"], state["mtp"])
-    mtp = optax.apply_updates(state["mtp"], updates)
+    noise_key = sub if tcfg.feature_noise > 0 else None
+
+    def objective(head: MTPHead):
+        return loss_fn(head.to_params(), frozen, head_w, label_map, batch, noise_key,
+                       cfg=cfg, tcfg=tcfg)
+
+    (_, metrics), grads = nnx.value_and_grad(objective, has_aux=True)(model.mtp)
     metrics["grad_norm"] = optax.tree.norm(grads)
-    metrics["lr"] = learning_rate(tcfg, state["step"])
-    return {"mtp": mtp, "opt": opt, "step": state["step"] + 1,
-            "rng": jax.random.key_data(key)}, metrics
+    metrics["lr"] = learning_rate(tcfg, model.opt.step[...].astype(jnp.int32))
+    model.opt.update(model.mtp, grads)
+    model.rng[...] = jax.random.key_data(key)
+    return nnx.state(model), metrics
 
 
 _eval_batch_jit = jax.jit(eval_batch, static_argnames=("cfg", "tcfg"))
@@ -299,6 +364,13 @@ def _data_fingerprint(data: MTPData) -> str:
 
 class MTPTrainer:
     """Train ``params["mtp"]`` of a frozen target on cached self-distillation data.
+
+    The head is trained as an :class:`MTPHead` module inside an :class:`MTPTrainModel` (head +
+    ``nnx.Optimizer``); the train state that :meth:`train`, :meth:`restore` and
+    :meth:`initial_state` return is that model's pure ``nnx.State`` (``state["mtp"]`` the head's
+    Params, ``state["opt"]`` the optimizer's step and optax state, ``state["rng"]``), with
+    :attr:`graphdef` its static graph definition. :meth:`head` / :meth:`mtp_params` turn a state
+    back into a module / the ``params["mtp"]`` dict.
 
     Args:
       cfg: the target's :class:`ModelConfig`.
@@ -344,6 +416,7 @@ class MTPTrainer:
         mtp = params.get("mtp")
         if mtp is None:
             mtp = init_mtp_params(cfg, params, jax.random.PRNGKey(tcfg.seed))
+        # The starting head as the params["mtp"] dict (fp32): what evaluate() / export() take.
         self.init_mtp = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), mtp)
 
         if tcfg.labels == "target" and train_data.top1 is None:
@@ -354,6 +427,9 @@ class MTPTrainer:
         self.eval_rows = pack_rows(eval_data, tcfg.seq_len) if eval_data is not None else []
 
         self.opt = make_optimizer(tcfg)
+        # Static graph definitions of the train model and of its head (Params only).
+        self.graphdef = nnx.graphdef(self._build_model())
+        self.head_graphdef = nnx.graphdef(MTPHead.from_params(cfg, self.init_mtp))
         self.config_record = {
             "train": tcfg.to_dict(),
             "model": {k: (list(v) if isinstance(v, tuple) else v)
@@ -372,11 +448,33 @@ class MTPTrainer:
         self.last_eval: dict = {}
 
     # -------------------------------------------------------------- state
-    def initial_state(self) -> dict:
-        """Fresh train state: ``{"mtp", "opt", "step" i32, "rng" u32[2]}``."""
-        return {"mtp": self.init_mtp, "opt": self.opt.init(self.init_mtp),
-                "step": jnp.zeros((), jnp.int32),
-                "rng": jax.random.key_data(jax.random.key(self.tcfg.seed))}
+    def _build_model(self) -> MTPTrainModel:
+        return MTPTrainModel(MTPHead.from_params(self.cfg, self.init_mtp), self.opt, self.tcfg.seed)
+
+    def initial_state(self) -> nnx.State:
+        """Fresh train state: the ``nnx.State`` of an :class:`MTPTrainModel` holding the starting
+        head (fp32), a fresh optimizer state (``opt.step = 0``) and the seed's key data."""
+        return nnx.state(self._build_model())
+
+    def head(self, state: nnx.State) -> MTPHead:
+        """The :class:`MTPHead` module of a train state (sharing its arrays)."""
+        return nnx.merge(self.graphdef, state).mtp
+
+    def mtp_params(self, mtp) -> dict:
+        """``params["mtp"]`` (the dict of :mod:`jmtp.model.llama`, keys sorted) of ``mtp``: a
+        train state, its ``state["mtp"]``, an :class:`MTPHead`, or already such a dict.
+
+        Raises:
+          TypeError: anything else."""
+        if isinstance(mtp, nnx.State):
+            if "opt" in mtp:                        # the whole train state
+                mtp = mtp["mtp"]
+            mtp = nnx.merge(self.head_graphdef, mtp)
+        if isinstance(mtp, MTPHead):
+            mtp = mtp.to_params()
+        if not isinstance(mtp, dict):
+            raise TypeError(f"expected a train state, an MTPHead or a dict, got {type(mtp).__name__}")
+        return jax.tree_util.tree_map(lambda a: a, mtp)    # sorted keys, as optax/orbax had them
 
     def batch_rows(self, step: int) -> list:
         """Packed rows of ``step``: epoch-wise permutations seeded by ``(seed, epoch)``."""
@@ -405,19 +503,25 @@ class MTPTrainer:
                                                      create=True))
         return self._mgr
 
-    def save(self, state: dict) -> None:
-        """Write an orbax checkpoint of ``state`` at its step (blocking)."""
+    def save(self, state: nnx.State) -> None:
+        """Write an orbax checkpoint of the train state at its step (blocking): the state as a
+        pure nested dict of arrays (``nnx.to_pure_dict``: head, optimizer step and optax state,
+        rng)."""
         import orbax.checkpoint as ocp
         mgr = self.checkpoint_manager
-        mgr.save(int(state["step"]), args=ocp.args.StandardSave(state), force=True)
+        mgr.save(state_step(state), args=ocp.args.StandardSave(nnx.to_pure_dict(state)),
+                 force=True)
         mgr.wait_until_finished()
 
-    def restore(self) -> dict:
-        """Latest checkpoint of ``workdir`` or a fresh state; checks the saved config matches.
+    def restore(self) -> nnx.State:
+        """Latest checkpoint of ``workdir`` (as a train state, see :meth:`initial_state`) or a
+        fresh state; checks the saved config matches.
 
         Raises:
           ValueError: the saved ``config.json`` differs from this run in a field that changes the
-            training trajectory (named in the message), or the training data differ.
+            training trajectory (named in the message), or the training data differ, or the
+            checkpoint does not hold this trainer's state (e.g. one written before the trainer
+            kept its head as an NNX module).
         """
         import orbax.checkpoint as ocp
         cfg_path = os.path.join(self.workdir, CONFIG_FILE)
@@ -435,8 +539,17 @@ class MTPTrainer:
                         f"now {mine['train'].get(k)!r}")
             if old.get("data", {}).get("train_fingerprint") != mine["data"]["train_fingerprint"]:
                 raise ValueError(f"cannot resume from {self.workdir}: the training data differ")
-        template = self.initial_state()
-        state = self.checkpoint_manager.restore(latest, args=ocp.args.StandardRestore(template))
+        state = self.initial_state()
+        try:
+            pure = self.checkpoint_manager.restore(
+                latest, args=ocp.args.StandardRestore(nnx.to_pure_dict(state)))
+            nnx.replace_by_pure_dict(state, pure)
+        except (ValueError, KeyError, TypeError) as e:
+            first = (str(e).splitlines() or [""])[0]
+            raise ValueError(
+                f"cannot resume from {self.workdir}: checkpoint {latest} does not hold this "
+                f"trainer's state ({type(e).__name__}: {first}); checkpoints written before the "
+                "trainer held an NNX head cannot be resumed") from e
         log.info("resumed from %s at step %d", self.workdir, latest)
         return state
 
@@ -448,11 +561,14 @@ class MTPTrainer:
             json.dump(rec, f, indent=2, default=str)
 
     # -------------------------------------------------------------- eval / train
-    def evaluate(self, mtp: dict, rows: list | None = None) -> dict:
-        """Acceptance statistics of ``mtp`` on the eval rows (see :func:`summarize_eval`)."""
+    def evaluate(self, mtp, rows: list | None = None) -> dict:
+        """Acceptance statistics of ``mtp`` on the eval rows (see :func:`summarize_eval`); ``mtp``
+        as for :meth:`mtp_params` (a train state, ``state["mtp"]``, an :class:`MTPHead` or the
+        dict)."""
         rows = self.eval_rows if rows is None else rows
         if not rows:
             return {}
+        mtp = self.mtp_params(mtp)
         b = self.tcfg.batch_size
         parts = []
         for i in range(0, len(rows), b):
@@ -468,8 +584,9 @@ class MTPTrainer:
                           for k, v in res.items()})
         return summarize_eval(parts, self.tcfg.eval_passes)
 
-    def train(self, callback: Callable[[int, dict], None] | None = None) -> dict:
-        """Run (or resume) training up to ``tcfg.steps``; returns the final train state.
+    def train(self, callback: Callable[[int, dict], None] | None = None) -> nnx.State:
+        """Run (or resume) training up to ``tcfg.steps``; returns the final train state (also
+        ``self.state``; :meth:`head` gives its module).
 
         Writes ``config.json`` first, appends one JSON line per step to ``metrics.jsonl`` (step, loss,
         lr, grad norm, wall and process-CPU seconds, eval figures when evaluated; on resume the lines
@@ -479,7 +596,7 @@ class MTPTrainer:
         ``self.history`` maps step -> loss.
         """
         state = self.restore()
-        start = int(state["step"])
+        start = state_step(state)
         self._write_config()
         tc = self.tcfg
         bar = None
@@ -496,8 +613,8 @@ class MTPTrainer:
                 f.writelines(keep)
         t_last, cpu_last = time.perf_counter(), time.process_time()
         for step in it:
-            state, m = train_step(state, self.batch(step), self.frozen, self.head_w,
-                                  self.label_map, cfg=self.cfg, tcfg=self.tcfg)
+            state, m = train_step(self.graphdef, state, self.batch(step), self.frozen,
+                                  self.head_w, self.label_map, cfg=self.cfg, tcfg=self.tcfg)
             rec = {"step": step, **{k: float(v) for k, v in m.items()}}
             now, cpu_now = time.perf_counter(), time.process_time()
             rec["sec"], rec["cpu_sec"] = now - t_last, cpu_now - cpu_last
@@ -505,7 +622,7 @@ class MTPTrainer:
             self.history[step] = rec["loss"]
             done = step + 1
             if self.eval_rows and (done % tc.eval_every == 0 or done == tc.steps):
-                self.last_eval = self.evaluate(state["mtp"])
+                self.last_eval = self.evaluate(state)
                 rec.update({f"eval_{k}": v for k, v in self.last_eval.items()})
                 t_last, cpu_last = time.perf_counter(), time.process_time()
             with open(metrics_path, "a") as f:
@@ -526,17 +643,18 @@ class MTPTrainer:
         self.state = state
         return state
 
-    def export(self, state: dict, dtype=jnp.bfloat16, token_freq: tuple | None = None,
+    def export(self, state: nnx.State, dtype=jnp.bfloat16, token_freq: tuple | None = None,
                extra: dict | None = None, metadata: dict | None = None) -> str:
         """Write ``mtp_head.safetensors`` (and ``token_freq.safetensors``) into ``workdir`` and the
         final ``config.json`` (with ``extra`` results). Returns the head's path.
 
         With ``token_freq = (ids i32[V], counts)`` the ranking is also stored in the head file
         (``draft_vocab``) with ``draft_vocab_size = tcfg.draft_vocab_size`` as its default;
-        ``metadata`` is added to the head file's string metadata."""
+        ``metadata`` is added to the head file's string metadata. The file has the tensor names,
+        shapes and dtype :func:`export_mtp_head` gives the ``params["mtp"]`` dict."""
         path = os.path.join(self.workdir, HEAD_FILE)
-        export_mtp_head(path, state["mtp"], self.cfg, dtype,
-                        metadata={"steps": int(state["step"]), "num_passes": self.tcfg.num_passes,
+        export_mtp_head(path, self.mtp_params(state), self.cfg, dtype,
+                        metadata={"steps": state_step(state), "num_passes": self.tcfg.num_passes,
                                   "labels": self.tcfg.labels, **(metadata or {})},
                         draft_vocab=None if token_freq is None else token_freq[0],
                         draft_vocab_size=self.tcfg.draft_vocab_size if token_freq is not None else 0)

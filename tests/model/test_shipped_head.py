@@ -44,3 +44,26 @@ def test_mtp_head_none_gives_a_fresh_head(smollm2, smollm2_gguf):
     assert not np.array_equal(np.asarray(params["mtp"]["eh_proj"]), np.asarray(shipped))
     with pytest.raises(FileNotFoundError):
         load_checkpoint(smollm2_gguf, dtype=jnp.float32, mtp_head="/nonexistent/head.safetensors")
+
+
+def test_shipped_head_loads_as_an_nnx_module(smollm2, smollm2_gguf):
+    """The shipped file fills an MTPHead module (load_mtp_head_module) with the arrays the default
+    model's dict carries, every parameter with its logical axes."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jmtp.model import MTPHead, load_mtp_head_module
+    from jmtp.model import axes as ax
+
+    cfg, params = smollm2
+    head = load_mtp_head_module(str(shipped_head_path(smollm2_gguf)), cfg, dtype=jnp.float32)
+    assert isinstance(head, MTPHead) and head.eh_proj.shape == (1, 2 * 576, 576)
+    got, want = head.to_params(), params["mtp"]
+    assert sorted(got) == sorted(want) and sorted(got["layer"]) == sorted(want["layer"])
+    for name in ("enorm", "hnorm", "eh_proj", "final_norm"):
+        np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]))
+    for name in want["layer"]:
+        np.testing.assert_array_equal(np.asarray(got["layer"][name]), np.asarray(want["layer"][name]))
+    for path, var in nnx.to_flat_state(nnx.state(head, nnx.Param)):
+        names = var.get_metadata()["out_sharding"]
+        assert len(names) == var.ndim and names[0] == ax.LAYERS, (path, names)

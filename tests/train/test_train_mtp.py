@@ -7,18 +7,22 @@ from __future__ import annotations
 import functools
 import json
 import os
+import struct
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
-from jmtp.model import ModelConfig, forward_hidden, forward_logits, init_kv_cache, init_params, mtp_forward, ragged_batch
+from jmtp.model import MTPHead, ModelConfig, forward_hidden, forward_logits, init_kv_cache, init_params, mtp_forward, ragged_batch
 from jmtp.train import data as D
 from jmtp.train.dense import dense_mtp_forward
-from jmtp.train.mtp_trainer import (MTPTrainer, TrainConfig, eval_batch, export_mtp_head,
-                                    head_metadata, load_draft_vocab, load_mtp_head, loss_fn,
-                                    save_token_freq, summarize_eval)
+from jmtp.train.mtp_trainer import (MTPTrainer, TrainConfig, decay_mask, eval_batch,
+                                    export_mtp_head, head_metadata, load_draft_vocab, load_mtp_head,
+                                    loss_fn, save_token_freq, state_step, summarize_eval, train_step)
 
 TINY = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                    num_kv_heads=2, head_dim=8)
@@ -420,6 +424,96 @@ def test_train_config_rejects_bad_values():
 
 
 # ------------------------------------------------------------------------------------------------
+# The trainer's NNX head and optimizer against the pure optax chain on the parameter dict.
+
+
+def _tiny_trainer(tmp_path, **tc):
+    rng = np.random.default_rng(11)
+    cfg, params = TINY, _params()
+    data = _toy_data([list(rng.integers(0, cfg.vocab_size, 9)), list(rng.integers(0, cfg.vocab_size, 11))],
+                     [2, 3], h=cfg.hidden_size)
+    data.hidden[:] = rng.normal(size=data.hidden.shape)
+    tcfg = TrainConfig(**{**dict(steps=4, warmup_steps=1, batch_size=2, seq_len=8, progress=False), **tc})
+    return MTPTrainer(cfg, params, data, None, tcfg, str(tmp_path))
+
+
+def test_train_steps_equal_the_pure_optax_chain_on_the_dict(tmp_path):
+    """Three steps of the trainer's jitted (graphdef, state) step (MTPHead + nnx.Optimizer) equal
+    three steps of the same optax chain written out here on the params["mtp"] dict: warm-up from
+    lr 0, clipping active, weight decay on the matrices only."""
+    tr = _tiny_trainer(tmp_path, lr=2e-2, warmup_steps=1, min_lr_ratio=0.3, weight_decay=0.5,
+                       grad_clip=0.05, b1=0.8, b2=0.9, kl_weight=0.2)
+    tc, cfg = tr.tcfg, tr.cfg
+    state = tr.initial_state()
+    assert isinstance(state, nnx.State) and isinstance(tr.head(state), MTPHead)
+    # The reference: optax init/update/apply_updates on the dict, gradients of the pure loss.
+    # (Decaying the norms too would move enorm by lr * wd = 1e-2 a step: far above tolerance.)
+    sched = optax.warmup_cosine_decay_schedule(0.0, 2e-2, 1, 4, 2e-2 * 0.3)
+    tx = optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(
+        sched, b1=0.8, b2=0.9, weight_decay=0.5,
+        mask=lambda t: jax.tree_util.tree_map(lambda a: a.ndim >= 3, t)))
+
+    @jax.jit
+    def ref_step(mtp, opt, batch):
+        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            mtp, tr.frozen, tr.head_w, tr.label_map, batch, None, cfg=cfg, tcfg=tc)
+        updates, opt = tx.update(grads, opt, mtp)
+        return optax.apply_updates(mtp, updates), opt, loss, optax.tree.norm(grads)
+
+    mtp = tr.init_mtp
+    opt = tx.init(mtp)
+    for step in range(3):
+        batch = tr.batch(step)
+        state, m = train_step(tr.graphdef, state, batch, tr.frozen, tr.head_w, tr.label_map,
+                              cfg=cfg, tcfg=tc)
+        mtp, opt, loss, grad_norm = ref_step(mtp, opt, batch)
+        np.testing.assert_allclose(float(m["loss"]), float(loss), rtol=1e-6)
+        np.testing.assert_allclose(float(m["grad_norm"]), float(grad_norm), rtol=1e-5)
+        assert float(m["grad_norm"]) > 0.05                      # clipping is active
+        np.testing.assert_allclose(float(m["lr"]), float(sched(step)), rtol=1e-6)
+        assert state_step(state) == step + 1
+        chex.assert_trees_all_close(tr.mtp_params(state), mtp, atol=1e-6, rtol=1e-5)
+    assert float(jnp.abs(mtp["eh_proj"] - tr.init_mtp["eh_proj"]).max()) > 1e-3   # it moved
+
+
+def test_decay_mask_picks_the_same_leaves_on_the_nnx_state_and_the_dict():
+    cfg = TINY.replace(attention_bias=True, qk_norm=True)
+    mtp = _params(cfg)["mtp"]
+
+    def by_name(mask):     # last dict key of each leaf's path (a Param's own ".value" skipped)
+        return {next(str(k.key) for k in reversed(p) if hasattr(k, "key")): bool(v)
+                for p, v in jax.tree_util.tree_leaves_with_path(mask)}
+
+    on_dict = by_name(decay_mask(mtp))
+    # What optax's mask sees with nnx.Optimizer: the State of Params (init), of arrays (update).
+    head_state = nnx.state(MTPHead.from_params(cfg, mtp), nnx.Param)
+    on_state = by_name(decay_mask(head_state))
+    assert by_name(decay_mask(nnx.as_pure(head_state))) == on_state
+    assert on_state == on_dict and len(on_dict) == 4 + 14
+    assert {k for k, v in on_dict.items() if v} == {"eh_proj", "wq", "wk", "wv", "wo", "w_gate",
+                                                     "w_up", "w_down"}
+
+
+def test_export_from_the_train_state_is_the_dict_export(tmp_path):
+    """trainer.export(state) writes the file export_mtp_head writes for the params["mtp"] dict:
+    same tensor names, shapes, dtypes and bytes, same metadata."""
+    tr = _tiny_trainer(tmp_path / "run")
+    path = tr.export(tr.initial_state(), dtype=jnp.bfloat16)
+    ref = str(tmp_path / "ref.safetensors")
+    export_mtp_head(ref, tr.init_mtp, tr.cfg, jnp.bfloat16,
+                    metadata={"steps": 0, "num_passes": 1, "labels": "data"})
+
+    def parts(p):
+        raw = open(p, "rb").read()
+        n = struct.unpack("<Q", raw[:8])[0]
+        return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+    (h1, d1), (h2, d2) = parts(path), parts(ref)
+    assert h1 == h2 and d1 == d2       # header compared parsed: safetensors orders metadata at random
+    assert "mtp.layer.wq" in h1 and h1["mtp.eh_proj"]["shape"] == [1, 64, 32]
+
+
+# ------------------------------------------------------------------------------------------------
 # Training: resume and learning.
 
 
@@ -484,6 +578,15 @@ def test_resume_after_interruption_reproduces_the_loss_curve(synthetic, tmp_path
     with pytest.raises(ValueError, match="TrainConfig.lr"):
         MTPTrainer(SYN, params, train, evald, TrainConfig(**{**tc.to_dict(), "lr": 1e-3}),
                    str(tmp_path / "b")).train()
+    # A checkpoint that is not this trainer's state (e.g. the dict state of older versions).
+    import orbax.checkpoint as ocp
+    mgr = ocp.CheckpointManager(str(tmp_path / "c" / "checkpoints"),
+                                options=ocp.CheckpointManagerOptions(create=True))
+    mgr.save(2, args=ocp.args.StandardSave({"mtp": {"enorm": np.zeros((1, 4), np.float32)},
+                                            "step": np.int32(2)}))
+    mgr.wait_until_finished()
+    with pytest.raises(ValueError, match="checkpoint 2 does not hold this trainer's state"):
+        MTPTrainer(SYN, params, train, evald, tc, str(tmp_path / "c")).restore()
 
 
 def test_training_learns_a_synthetic_pattern(synthetic, tmp_path):
