@@ -30,7 +30,9 @@ def build_llm(args):
                attention_backend=args.attention_backend, block_allocator=args.block_allocator,
                max_logprobs=args.max_logprobs,
                seed=args.seed, mtp_head=None if args.mtp_head == "none" else args.mtp_head,
-               compile=args.compile, compilation_cache_dir=None if cache == "none" else cache)
+               compile=args.compile, compilation_cache_dir=None if cache == "none" else cache,
+               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+               data_parallel_size=getattr(args, "data_parallel_size", 1))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +68,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "reference", "pallas_tpu", "pallas_gpu"],
                    help="on-device KV-block allocator (auto: the Pallas TPU kernel on TPU, the jnp "
                         "reference elsewhere; a state too large for TPU SMEM runs the reference)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices of the tensor-parallel ('model') mesh axis; must divide the "
+                        "query and kv heads (on CPU: XLA_FLAGS=--xla_force_host_platform_"
+                        "device_count=N gives N devices)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="devices of the data-parallel ('data') mesh axis (only 1 for now)")
     p.add_argument("--compile", choices=["eager", "lazy"], default=None,
                    help="eager: compile every step bucket at start-up (default, or "
                         "$JMTP_COMPILE); lazy: compile each bucket on first use")

@@ -34,6 +34,7 @@ from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetr
 from jmtp.runtime.sampling import SamplingParams, make_row
 from jmtp.runtime.spec_policy import DynamicSpeculation
 from jmtp.runtime.state import FINISH_REASONS, init_state, insert_request
+from jmtp.runtime import sharding as shd
 from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.runtime.step import engine_step, release_slot
 
@@ -162,6 +163,12 @@ class LLMEngine:
         setting if the user made one, else ``$JMTP_CACHE_DIR``, ``$XDG_CACHE_HOME/jmtp/xla`` or
         ``~/.cache/jmtp/xla`` (``JMTP_CACHE_DIR=off`` disables it); a path; ``None``/``False``:
         leave JAX's configuration alone. See :func:`jmtp.runtime.compile.setup_compilation_cache`.
+      tensor_parallel_size: devices of the ``model`` mesh axis (vLLM name): attention heads, MLP
+        and vocabulary split over them (GSPMD; attention under ``shard_map``), see
+        :mod:`jmtp.runtime.sharding`. Must divide ``num_heads`` and ``num_kv_heads``.
+      data_parallel_size: devices of the ``data`` mesh axis; only 1 is implemented.
+      mesh: a ``jax.sharding.Mesh`` with axes ``("data", "model")`` to use instead of one built
+        from the two sizes (:func:`jmtp.runtime.sharding.make_mesh`).
 
     Raises:
       TypeError: an unknown keyword.
@@ -175,7 +182,8 @@ class LLMEngine:
                  dtype=None, attention_backend: str | None = None, max_logprobs: int = 0,
                  seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
                  tokenizer=None, mtp_head: str | None = "auto", compile: str | None = None,
-                 compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto"):
+                 compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto",
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
         from jmtp.runtime import compile as jc
         compile = jc.resolve_compile_mode(compile)
         self.compilation_cache_dir = jc.setup_compilation_cache(compilation_cache_dir)
@@ -206,6 +214,7 @@ class LLMEngine:
         spec = speculative_config or SpeculativeConfig(method=None)
         if spec.method == "mtp" and "mtp" not in params:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
+        self.mesh = self._make_mesh(model_config, tensor_parallel_size, data_parallel_size, mesh)
         self.model_config = model_config
         self.draft_vocab_size = 0
         if spec.method == "mtp":
@@ -228,13 +237,18 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(seed)
         self.attention_backend = attention_backend
         self.state = init_state(ec, model_config.vocab_size)
-        self.cache = init_kv_cache(model_config, model_config.num_layers, ec.num_blocks, block_size, dtype)
-        self.mtp_cache = (init_kv_cache(model_config, max(model_config.num_mtp_layers, 1),
-                                        ec.num_blocks, block_size, dtype)
-                          if spec.method == "mtp" else None)
-        self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
-        self._insert = jax.jit(insert_request, donate_argnums=0)
-        self._release = jax.jit(functools.partial(release_slot, ec=ec), donate_argnums=0)
+        num_mtp_cache_layers = max(model_config.num_mtp_layers, 1) if spec.method == "mtp" else 0
+        if self.mesh is None:
+            self.cache = init_kv_cache(model_config, model_config.num_layers, ec.num_blocks,
+                                       block_size, dtype)
+            self.mtp_cache = (init_kv_cache(model_config, num_mtp_cache_layers, ec.num_blocks,
+                                            block_size, dtype) if num_mtp_cache_layers else None)
+            self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4),
+                                 donate_argnums=(6, 7, 8))
+            self._insert = jax.jit(insert_request, donate_argnums=0)
+            self._release = jax.jit(functools.partial(release_slot, ec=ec), donate_argnums=0)
+        else:
+            self._place_on_mesh(num_mtp_cache_layers, dtype)
         self._free_count = ec.num_blocks
         # host-side scheduler state
         self._groups: dict[str, _Group] = {}
@@ -256,7 +270,60 @@ class LLMEngine:
             self.spec_policy = DynamicSpeculation(
                 ec.max_num_seqs, spec.k, lambda rows, n: choose_bucket(
                     ec, min(rows, ec.max_num_batched_tokens), n, has_prefill=False))
-        self.compile_seconds = self._compile_ahead() if compile == "eager" else {}
+        if self.mesh is not None:
+            log.info("mesh %s: %s", dict(self.mesh.shape), self.memory_per_device())
+        if compile == "eager":
+            with shd.mesh_context(self.mesh):
+                self.compile_seconds = self._compile_ahead()
+        else:
+            self.compile_seconds = {}
+
+    # ------------------------------------------------------------------ sharding
+    @staticmethod
+    def _make_mesh(cfg: ModelConfig, tp: int, dp: int, mesh):
+        """The engine's mesh, or None for a single device (checks sizes against the model)."""
+        if mesh is None:
+            if (tp, dp) == (1, 1):
+                return None
+            mesh = shd.make_mesh(tp, dp)
+        else:
+            shd.check_mesh(mesh)
+            sizes = shd.mesh_sizes(mesh)
+            if (dp, tp) not in ((1, 1), sizes):
+                raise ValueError(f"mesh has (data, model) = {sizes} but data_parallel_size={dp}, "
+                                 f"tensor_parallel_size={tp} were given")
+        dp, tp = shd.mesh_sizes(mesh)
+        if dp != 1:
+            raise ValueError(f"data_parallel_size={dp}: data parallelism is not implemented yet "
+                             "(only tensor_parallel_size > 1)")
+        shd.check_tensor_parallel(cfg, tp)
+        return mesh if mesh.size > 1 else None
+
+    def _place_on_mesh(self, num_mtp_cache_layers: int, dtype) -> None:
+        """Shard the parameters and caches over ``self.mesh``, replicate the engine state, and
+        jit the step with output shardings equal to the input ones (donation in place, no
+        recompiles): see :mod:`jmtp.runtime.sharding`."""
+        mesh, mc, ec = self.mesh, self.model_config, self.engine_config
+        rep = shd.replicated(mesh)
+        kv = shd.kv_cache_sharding(mesh, mc.num_kv_heads)
+        self.params = jax.device_put(self.params, shd.param_shardings(self.params, mesh))
+        self.state = jax.device_put(self.state, rep)
+        make = lambda n: jax.jit(lambda: init_kv_cache(mc, n, ec.num_blocks, ec.block_size, dtype),
+                                 out_shardings=kv)()
+        self.cache = make(mc.num_layers)
+        self.mtp_cache = make(num_mtp_cache_layers) if num_mtp_cache_layers else None
+        self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8),
+                             out_shardings=(rep, kv, kv, rep))
+        self._insert = jax.jit(insert_request, donate_argnums=0, out_shardings=rep)
+        self._release = jax.jit(functools.partial(release_slot, ec=ec), donate_argnums=0,
+                                out_shardings=rep)
+
+    def memory_per_device(self) -> dict:
+        """Bytes on one device (the first of the mesh) and in total: ``{"params": (per device,
+        total), "kv_cache": (per device, total)}`` (the MTP cache counted with the KV cache)."""
+        p_total, p_local = shd.per_device_bytes(self.params)
+        c_total, c_local = shd.per_device_bytes((self.cache, self.mtp_cache))
+        return {"params": (p_local, p_total), "kv_cache": (c_local, c_total)}
 
     def _compile_ahead(self) -> dict:
         """Compile every step bucket and the request insert/release; ``{label: seconds}``."""
@@ -466,10 +533,11 @@ class LLMEngine:
         limits = (np.full((B,), ec.k, np.int32) if self.spec_policy is None else
                   self.spec_policy.draft_limits(np.array([s is not None for s in slots])))
         t_step = time.perf_counter()
-        self.state, self.cache, self.mtp_cache, out = self._step(
-            self.graphdef, ec, self.speculative_config.drafter, bucket, self.attention_backend,
-            self.params,
-            self.state, self.cache, self.mtp_cache, jnp.asarray(chunks), jnp.asarray(limits))
+        with shd.mesh_context(self.mesh):
+            self.state, self.cache, self.mtp_cache, out = self._step(
+                self.graphdef, ec, self.speculative_config.drafter, bucket, self.attention_backend,
+                self.params,
+                self.state, self.cache, self.mtp_cache, jnp.asarray(chunks), jnp.asarray(limits))
         out = jax.device_get(out)
         self._next_drafts = np.asarray(out.num_next_drafts)
         if self.spec_policy is not None:
@@ -585,10 +653,11 @@ class LLMEngine:
             self.spec_policy.reset_slot(b)
         if not seq.metrics.accepted_per_position:
             seq.metrics.accepted_per_position = [0] * ec.k
-        self.state = self._insert(self.state, jnp.int32(b), jnp.asarray(ids),
-                                  jnp.int32(len(seq.context_ids)), jnp.int32(remaining),
-                                  {k: jnp.asarray(v) for k, v in row.items()},
-                                  jnp.int32(seq.output_ids[-1] if resume else -1))
+        with shd.mesh_context(self.mesh):
+            self.state = self._insert(self.state, jnp.int32(b), jnp.asarray(ids),
+                                      jnp.int32(len(seq.context_ids)), jnp.int32(remaining),
+                                      {k: jnp.asarray(v) for k, v in row.items()},
+                                      jnp.int32(seq.output_ids[-1] if resume else -1))
         self._slots[b] = seq
         self._paused[b] = False
         self._order.append(b)
@@ -603,7 +672,8 @@ class LLMEngine:
         seq.slot = None
         self._hold = False
         if release:
-            self.state = self._release(self.state, jnp.int32(b))
+            with shd.mesh_context(self.mesh):
+                self.state = self._release(self.state, jnp.int32(b))
             self._free_count = int(self.state.free_count)
 
     def _preempt(self):

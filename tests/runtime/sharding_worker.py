@@ -1,0 +1,127 @@
+"""Multi-device half of ``tests/runtime/test_sharding.py``: run in a subprocess whose
+``XLA_FLAGS`` give 8 CPU devices (the flag must be set before JAX starts its backend, so the
+pytest process, whose JAX already runs on one device, cannot do it).
+
+``python -m tests.runtime.sharding_worker CASE...`` prints one JSON line ``{CASE: result}``.
+A case is ``tp=N,k=K[,hlo=1]`` (greedy tokens of :data:`PROMPTS` on a ``tensor_parallel_size=N``
+engine, MTP with ``K`` drafts or none for 0, per-parameter bytes on the first device, and with
+``hlo=1`` the collectives of its compiled decode step) or ``errors`` (the ValueErrors of engines
+whose mesh does not fit the model or the devices).
+A case that raises reports ``{"error": traceback}`` and the others still run.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import traceback
+
+import jax
+import numpy as np
+
+from jmtp.runtime.config import SpeculativeConfig
+from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime import sharding as shd
+from tests.runtime.conftest import tiny_model
+
+# 8 kv heads and 8 query heads (head_dim 8): every TP in {2, 4, 8} splits whole heads, the
+# vocabulary (64) and the MLP (64).
+MODEL = dict(num_heads=8, num_kv_heads=8)
+PROMPTS = [[5, 6, 7], list(range(2, 13))]
+MAX_TOKENS = 8
+# One slot and a 4-token budget: 2 step buckets without speculation, 3 with K=3 (compile time
+# dominates; the 11-token prompt still runs as three prefill chunks).
+ENGINE = dict(max_num_seqs=1, max_model_len=32, block_size=4, max_num_batched_tokens=4,
+              compile="lazy")
+
+
+def model():
+    return tiny_model(0, **MODEL)
+
+
+def make_llm(tp: int, k: int) -> LLM:
+    cfg, params = model()
+    spec = SpeculativeConfig("mtp", k) if k else None
+    return LLM(model_config=cfg, params=params, speculative_config=spec,
+               tensor_parallel_size=tp, **ENGINE)
+
+
+def param_bytes(llm) -> list:
+    """``[path, bytes on device 0, total bytes, sharded]`` per parameter."""
+    out = []
+    for path, a in jax.tree_util.tree_leaves_with_path(llm.params):
+        spec = a.sharding.spec if hasattr(a.sharding, "spec") else ()
+        out.append([jax.tree_util.keystr(path), int(a.addressable_shards[0].data.nbytes),
+                    int(a.nbytes), any(s is not None for s in spec)])
+    return out
+
+
+_OP = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (all-gather|all-reduce|all-to-all|"
+                 r"collective-permute|reduce-scatter)(?:-start)?\(")
+
+
+def collectives(llm) -> dict:
+    """Compile the engine's decode step (bucket T=1, A=1) and list its collectives
+    ``[op, dtype, result shape]``, with every weight shape (stacked, and one layer's slice)."""
+    from jmtp.runtime.buckets import StepBucket
+    eng = llm.llm_engine
+    zeros = jax.numpy.zeros((eng.engine_config.max_num_seqs,), np.int32)
+    with shd.mesh_context(eng.mesh):
+        text = eng._step.lower(
+            eng.graphdef, eng.engine_config, eng.speculative_config.drafter, StepBucket(1, 1),
+            eng.attention_backend, eng.params, eng.state, eng.cache, eng.mtp_cache, zeros,
+            zeros).compile().as_text()
+    ops = [[m.group(3), m.group(1), [int(x) for x in m.group(2).split(",") if x]]
+           for m in _OP.finditer(text)]
+    weights = set()
+    for path, a in jax.tree_util.tree_leaves_with_path(eng.params):
+        weights.add(tuple(a.shape))
+        if "layers" in jax.tree_util.keystr(path) or "mtp" in jax.tree_util.keystr(path):
+            weights.add(tuple(a.shape[1:]))   # one layer's slice inside the scan
+    return {"collectives": ops, "weight_shapes": sorted(w for w in weights if len(w) >= 2)}
+
+
+def run_case(tp: int, k: int, hlo: bool = False) -> dict:
+    llm = make_llm(tp, k)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
+    eng = llm.llm_engine
+    out = {"tokens": [o.outputs[0].token_ids for o in outs],
+           "params": param_bytes(llm), "memory": eng.memory_per_device(),
+           "cache_spec": str(eng.cache.k.sharding.spec),
+           "free_blocks": eng.get_stats()["num_free_blocks"],
+           "num_blocks": eng.engine_config.num_blocks}
+    if hlo:
+        out["hlo"] = collectives(llm)
+    return out
+
+
+def errors_case() -> dict:
+    """The messages of engines the mesh sizes do not fit (no compile)."""
+    cfg, params = model()
+    out = {}
+    for name, kw in {"tp3": dict(tensor_parallel_size=3), "dp2": dict(data_parallel_size=2),
+                     "tp16": dict(tensor_parallel_size=16)}.items():
+        try:
+            LLM(model_config=cfg, params=params, **ENGINE, **kw)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def main(cases: list[str]) -> None:
+    results = {}
+    for case in cases:
+        try:
+            if case == "errors":
+                results[case] = errors_case()
+            else:
+                kv = dict(part.split("=") for part in case.split(","))
+                results[case] = run_case(int(kv["tp"]), int(kv["k"]), bool(int(kv.get("hlo", 0))))
+        except Exception:
+            results[case] = {"error": traceback.format_exc()}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

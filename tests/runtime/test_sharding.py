@@ -1,0 +1,149 @@
+"""Tensor parallel serving over a device mesh (:mod:`jmtp.runtime.sharding`).
+
+The multi-device checks run once, in a subprocess with 8 CPU devices
+(``tests/runtime/sharding_worker.py``; ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must
+be set before JAX starts, and this pytest process already runs JAX on one device). The tests here
+read its results: greedy tokens identical to the one-device reference for TP in {2, 4, 8}, with and
+without MTP (K=3); sharded weights holding 1/TP of their bytes per device; no all-gather of a
+full weight matrix in the compiled TP=2 decode step. The rest (mesh, rules, errors) runs here on
+one device.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jmtp.model import axes as ax
+from jmtp.runtime import sharding as shd
+from tests.runtime import sharding_worker as worker
+from tests.runtime.conftest import reference_greedy
+
+TPS = (2, 4, 8)
+KS = (0, 3)
+CASES = [f"tp={tp},k={k}" + (",hlo=1" if (tp, k) == (2, 0) else "") for tp in TPS for k in KS]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def results():
+    """``{case: result}`` of one worker run over every case (see sharding_worker)."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=8").strip()
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", "errors", *CASES],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _case(results, tp, k):
+    key = next(c for c in CASES if c.startswith(f"tp={tp},k={k}"))
+    res = results[key]
+    assert "error" not in res, res.get("error")
+    return res
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cfg, params = worker.model()
+    return [reference_greedy(cfg, params, p, worker.MAX_TOKENS) for p in worker.PROMPTS]
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("tp", TPS)
+def test_tensor_parallel_greedy_equals_one_device(results, reference, tp, k):
+    res = _case(results, tp, k)
+    assert res["tokens"] == reference
+    assert res["cache_spec"] == str(P(None, None, None, shd.MODEL, None))
+    assert res["free_blocks"] == res["num_blocks"]          # every block returned
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_sharded_weights_hold_one_tp_th_per_device(results, tp):
+    res = _case(results, tp, 3)
+    sharded = [(path, local, total) for path, local, total, is_sharded in res["params"]
+               if is_sharded]
+    # every q/kv-head, MLP and vocabulary tensor of the target and the MTP head is sharded
+    assert len(sharded) == sum(
+        any(n in path for n in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "embed'"))
+        for path, *_ in res["params"])
+    for path, local, total in sharded:
+        assert abs(local - total / tp) <= 0.1 * total / tp, path
+    local = sum(x[1] for x in sharded)
+    total = sum(x[2] for x in sharded)
+    assert abs(local - total / tp) <= 0.1 * total / tp
+    kv_local, kv_total = res["memory"]["kv_cache"]
+    assert kv_local * tp == kv_total
+
+
+def test_tp2_step_has_no_all_gather_of_a_weight(results):
+    hlo = _case(results, 2, 0)["hlo"]
+    weights = {tuple(s) for s in hlo["weight_shapes"]}
+    gathers = [tuple(shape) for op, _, shape in hlo["collectives"] if op == "all-gather"]
+    assert not [s for s in gathers if s in weights], (gathers, weights)
+    # the row-parallel matmuls are reduced across ranks
+    assert any(op == "all-reduce" for op, _, _ in hlo["collectives"])
+
+
+def test_mesh_mismatch_errors(results):
+    errs = results["errors"]
+    assert "tensor_parallel_size=3 must divide num_heads=8" in errs["tp3"]
+    assert "data parallelism is not implemented" in errs["dp2"]
+    assert "needs 16 devices, but only 8" in errs["tp16"]
+
+
+# -- one device ------------------------------------------------------------------------------
+
+def test_make_mesh_axes_and_errors():
+    mesh = shd.make_mesh(1, 1)
+    assert mesh.axis_names == shd.MESH_AXES and shd.mesh_sizes(mesh) == (1, 1)
+    with pytest.raises(ValueError, match=f"needs {2 * len(jax.devices())} devices"):
+        shd.make_mesh(2 * len(jax.devices()))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        shd.make_mesh(0)
+    with pytest.raises(ValueError, match="must have axes"):
+        shd.check_mesh(jax.make_mesh((1,), ("x",)))
+
+
+def test_check_tensor_parallel_names_the_sizes():
+    from tests.runtime.conftest import TINY       # 4 query heads, 2 kv heads
+    shd.check_tensor_parallel(TINY, 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 must divide num_kv_heads=2"):
+        shd.check_tensor_parallel(TINY, 4)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide num_heads=4"):
+        shd.check_tensor_parallel(TINY, 3)
+
+
+def test_rules_table_and_logical_spec():
+    assert {k for k, v in shd.LOGICAL_TO_MESH.items() if v == shd.MODEL} == {
+        ax.Q_HEADS, ax.KV_HEADS, ax.MLP, ax.VOCAB}
+    assert shd.LOGICAL_TO_MESH[shd.SLOTS] == shd.DATA
+    assert set(ax.ALL) <= set(shd.LOGICAL_TO_MESH)
+
+    class FakeMesh:                   # logical_spec only reads the axis sizes
+        shape = {shd.DATA: 1, shd.MODEL: 4}
+    m = FakeMesh()
+    assert shd.logical_spec((ax.LAYERS, ax.EMBED, ax.Q_HEADS), (2, 32, 64), m) == P(
+        None, None, shd.MODEL)
+    assert shd.logical_spec((ax.VOCAB, ax.EMBED), (62, 32), m) == P(None, None)  # 4 ∤ 62
+    with pytest.raises(ValueError, match="unknown logical axis"):
+        shd.logical_spec(("nope",), (4,), m)
+
+
+def test_one_device_engine_is_unchanged(tiny):
+    from jmtp.runtime.llm_engine import LLMEngine
+    cfg, params = tiny
+    eng = LLMEngine(model_config=cfg, params=params, max_num_seqs=1, max_model_len=16,
+                    block_size=4, max_num_batched_tokens=4, compile="lazy",
+                    tensor_parallel_size=1, mesh=None)
+    assert eng.mesh is None
+    mem = eng.memory_per_device()
+    assert mem["params"][0] == mem["params"][1]
