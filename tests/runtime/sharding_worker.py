@@ -3,8 +3,9 @@
 pytest process, whose JAX already runs on one device, cannot do it).
 
 ``python -m tests.runtime.sharding_worker CASE...`` prints one JSON line ``{CASE: result}``.
-A case is ``tp=N,k=K[,hlo=1]`` (greedy tokens of :data:`PROMPTS` on a ``tensor_parallel_size=N``
-engine, MTP with ``K`` drafts or none for 0, per-parameter bytes on the first device, and with
+A case is ``tp=N,k=K[,hlo=1]`` (greedy and seeded sampled tokens of :data:`PROMPTS` on a
+``tensor_parallel_size=N`` engine, MTP with ``K`` drafts or none for 0, the number of compiled step
+executables, whether the donated cache was given up, per-parameter bytes on the first device, and with
 ``hlo=1`` the collectives of its compiled decode step) or ``errors`` (the ValueErrors of engines
 whose mesh does not fit the model or the devices).
 A case that raises reports ``{"error": traceback}`` and the others still run.
@@ -82,12 +83,25 @@ def collectives(llm) -> dict:
 
 
 def run_case(tp: int, k: int, hlo: bool = False) -> dict:
+    from jmtp.runtime.buckets import step_buckets
     llm = make_llm(tp, k)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
     eng = llm.llm_engine
+    first_cache = eng.cache.k
+    # jit objects of equal function and options share their executables: count this engine's
+    compiled_before = eng._step._cache_size()
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
+    sampled = llm.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8,
+                                                    seed=100 + i) for i in range(len(PROMPTS))],
+                           use_tqdm=False)
     out = {"tokens": [o.outputs[0].token_ids for o in outs],
+           "sampled": [o.outputs[0].token_ids for o in sampled],
+           # one executable per bucket used (stable shardings: no recompiles), the donated cache
+           # updated in place (its first buffer given up)
+           "step_executables": eng._step._cache_size() - compiled_before,
+           "num_buckets": len(step_buckets(eng.engine_config)),
+           "cache_donated": first_cache.is_deleted(),
            "params": param_bytes(llm), "memory": eng.memory_per_device(),
-           "cache_spec": str(eng.cache.k.sharding.spec),
+           "cache_spec": str(getattr(eng.cache.k.sharding, "spec", None)),
            "free_blocks": eng.get_stats()["num_free_blocks"],
            "num_blocks": eng.engine_config.num_blocks}
     if hlo:

@@ -3,8 +3,9 @@
 The multi-device checks run once, in a subprocess with 8 CPU devices
 (``tests/runtime/sharding_worker.py``; ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must
 be set before JAX starts, and this pytest process already runs JAX on one device). The tests here
-read its results: greedy tokens identical to the one-device reference for TP in {2, 4, 8}, with and
-without MTP (K=3); sharded weights holding 1/TP of their bytes per device; no all-gather of a
+read its results: greedy tokens identical to the one-device reference and seeded sampled tokens
+(temperature 0.8) identical to a one-device engine's for TP in {2, 4, 8}, with and without MTP
+(K=3), one executable per step bucket and the donated caches updated in place; sharded weights holding 1/TP of their bytes per device; no all-gather of a
 full weight matrix in the compiled TP=2 decode step. The rest (mesh, rules, errors) runs here on
 one device.
 """
@@ -27,7 +28,8 @@ from tests.runtime.conftest import reference_greedy
 
 TPS = (2, 4, 8)
 KS = (0, 3)
-CASES = [f"tp={tp},k={k}" + (",hlo=1" if (tp, k) == (2, 0) else "") for tp in TPS for k in KS]
+CASES = [f"tp={tp},k={k}" + (",hlo=1" if (tp, k) == (2, 0) else "") for tp in (1,) + TPS
+         for k in KS]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -64,6 +66,17 @@ def test_tensor_parallel_greedy_equals_one_device(results, reference, tp, k):
     assert res["tokens"] == reference
     assert res["cache_spec"] == str(P(None, None, None, shd.MODEL, None))
     assert res["free_blocks"] == res["num_blocks"]          # every block returned
+    assert res["cache_donated"]                             # the step updated it in place
+    assert res["step_executables"] <= res["num_buckets"]    # no recompiles
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("tp", TPS)
+def test_tensor_parallel_seeded_sampling_equals_one_device(results, tp, k):
+    """temperature 0.8, fixed seeds: the same tokens as the one-device engine."""
+    one = _case(results, 1, k)
+    assert _case(results, tp, k)["sampled"] == one["sampled"]
+    assert one["sampled"] != one["tokens"]      # really sampled (not the greedy tokens)
 
 
 @pytest.mark.parametrize("tp", TPS)
