@@ -6,8 +6,9 @@ pytest process, whose JAX already runs on one device, cannot do it).
 A case is ``tp=N,k=K[,hlo=1]`` (greedy and seeded sampled tokens of :data:`PROMPTS` on a
 ``tensor_parallel_size=N`` engine, MTP with ``K`` drafts or none for 0, the number of compiled step
 executables, whether the donated cache was given up, per-parameter bytes on the first device, and with
-``hlo=1`` the collectives of its compiled decode step) or ``errors`` (the ValueErrors of engines
-whose mesh does not fit the model or the devices).
+``hlo=1`` the collectives of its compiled decode step), ``errors`` (the ValueErrors of engines
+whose mesh does not fit the model or the devices) or ``tie`` (greedy verification of
+vocabulary-sharded logits with tied maxima on different shards).
 A case that raises reports ``{"error": traceback}`` and the others still run.
 """
 from __future__ import annotations
@@ -123,12 +124,51 @@ def errors_case() -> dict:
     return out
 
 
+def tie_case() -> dict:
+    """Greedy verification of vocabulary-sharded logits whose two maxima (exactly equal, or
+    1 ulp apart) lie on different shards: per TP, ``accept_num`` / ``accept_tokens`` as every
+    device holds them (all must agree, and equal the one-device result)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jmtp.runtime.sampling import SamplingParams as SP
+    from jmtp.runtime.sampling.arrays import pack_sampling
+    from jmtp.runtime.verify import verify
+
+    V, K = 64, 3
+    lo, hi = 5, 40            # shard 0, and shard 1 of 2 (shard 5 of 8)
+    logits = np.zeros((3, K + 1, V), np.float32)
+    logits[:, :, lo] = logits[:, :, hi] = 1.0
+    logits[2, :, hi] = np.nextafter(np.float32(1.0), np.float32(2.0))   # near tie: hi wins
+    drafts = np.array([[lo] * K, [hi] * K, [hi] * K], np.int32)
+    args = (drafts, np.full((3,), K, np.int32), None,
+            pack_sampling([SP(), SP(), SP()], 3, V), np.zeros((3,), np.int32),
+            np.array([1], np.int32))
+    fn = jax.jit(lambda lg, *a: verify(lg, *a))
+    out = {}
+    for tp in (1, 2, 8):
+        lg = jnp.asarray(logits)
+        mesh = None
+        if tp > 1:
+            mesh = shd.make_mesh(tp)
+            lg = jax.device_put(lg, NamedSharding(mesh, P(None, None, shd.MODEL)))
+        with shd.mesh_context(mesh):
+            res = fn(lg, *args)
+        out[tp] = {"accept_num": [np.asarray(s.data).tolist()
+                                  for s in res.accept_num.addressable_shards],
+                   "accept_tokens": [np.asarray(s.data).tolist()
+                                     for s in res.accept_tokens.addressable_shards]}
+    return out
+
+
 def main(cases: list[str]) -> None:
     results = {}
     for case in cases:
         try:
             if case == "errors":
                 results[case] = errors_case()
+            elif case == "tie":
+                results[case] = tie_case()
             else:
                 kv = dict(part.split("=") for part in case.split(","))
                 results[case] = run_case(int(kv["tp"]), int(kv["k"]), bool(int(kv.get("hlo", 0))))

@@ -5,7 +5,8 @@ The multi-device checks run once, in a subprocess with 8 CPU devices
 be set before JAX starts, and this pytest process already runs JAX on one device). The tests here
 read its results: greedy tokens identical to the one-device reference and seeded sampled tokens
 (temperature 0.8) identical to a one-device engine's for TP in {2, 4, 8}, with and without MTP
-(K=3), one executable per step bucket and the donated caches updated in place; sharded weights holding 1/TP of their bytes per device; no all-gather of a
+(K=3), one executable per step bucket and the donated caches updated in place; tied maxima on
+different vocabulary shards verified alike on every device; sharded weights holding 1/TP of their bytes per device; no all-gather of a
 full weight matrix in the compiled TP=2 decode step. The rest (mesh, rules, errors) runs here on
 one device.
 """
@@ -40,7 +41,7 @@ def results():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=8").strip()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", "errors", *CASES],
+    proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", "errors", "tie", *CASES],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -104,6 +105,20 @@ def test_tp2_step_has_no_all_gather_of_a_weight(results):
     assert not [s for s in gathers if s in weights], (gathers, weights)
     # the row-parallel matmuls are reduced across ranks
     assert any(op == "all-reduce" for op, _, _ in hlo["collectives"])
+
+
+def test_tied_maxima_on_different_vocab_shards_give_one_decision(results):
+    """Greedy verification of logits sharded over the vocabulary, with two equal maxima on
+    different shards (and a 1-ulp near tie): every device holds the same accepted counts and
+    tokens, equal to the one-device result (lower id wins an exact tie)."""
+    tie = results["tie"]
+    one = tie["1"]
+    assert one["accept_num"] == [[4, 1, 4]]
+    assert one["accept_tokens"][0][:2] == [[5, 5, 5, 5], [5, -1, -1, -1]]
+    for tp in ("2", "8"):
+        assert len(tie[tp]["accept_num"]) == int(tp)
+        assert all(x == one["accept_num"][0] for x in tie[tp]["accept_num"])
+        assert all(x == one["accept_tokens"][0] for x in tie[tp]["accept_tokens"])
 
 
 def test_mesh_mismatch_errors(results):
