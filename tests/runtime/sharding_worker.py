@@ -3,7 +3,7 @@
 pytest process, whose JAX already runs on one device, cannot do it).
 
 ``python -m tests.runtime.sharding_worker CASE...`` prints one JSON line ``{CASE: result}``.
-A case is ``tp=N,k=K[,hlo=1]`` (greedy and seeded sampled tokens of :data:`PROMPTS` on a
+A case is ``tp=N,k=K[,hlo=1][,heads=Nq/Nkv]`` (greedy and seeded sampled tokens of :data:`PROMPTS` on a
 ``tensor_parallel_size=N`` engine, MTP with ``K`` drafts or none for 0, the number of compiled step
 executables, whether the donated cache was given up, per-parameter bytes on the first device, and with
 ``hlo=1`` the collectives of its compiled decode step), ``errors`` (the ValueErrors of engines
@@ -37,12 +37,15 @@ ENGINE = dict(max_num_seqs=1, max_model_len=32, block_size=4, max_num_batched_to
               compile="lazy")
 
 
-def model():
-    return tiny_model(0, **MODEL)
+def model(heads: str = "8/8"):
+    """The tiny model with ``"Nq/Nkv"`` heads (``"9/3"``: SmolLM2's head counts; its vocabulary
+    and MLP (64) then split into no whole thirds and stay replicated)."""
+    nq, nkv = (int(x) for x in heads.split("/"))
+    return tiny_model(0, **dict(MODEL, num_heads=nq, num_kv_heads=nkv))
 
 
-def make_llm(tp: int, k: int) -> LLM:
-    cfg, params = model()
+def make_llm(tp: int, k: int, heads: str = "8/8") -> LLM:
+    cfg, params = model(heads)
     spec = SpeculativeConfig("mtp", k) if k else None
     return LLM(model_config=cfg, params=params, speculative_config=spec,
                tensor_parallel_size=tp, **ENGINE)
@@ -83,9 +86,9 @@ def collectives(llm) -> dict:
     return {"collectives": ops, "weight_shapes": sorted(w for w in weights if len(w) >= 2)}
 
 
-def run_case(tp: int, k: int, hlo: bool = False) -> dict:
+def run_case(tp: int, k: int, hlo: bool = False, heads: str = "8/8") -> dict:
     from jmtp.runtime.buckets import step_buckets
-    llm = make_llm(tp, k)
+    llm = make_llm(tp, k, heads)
     eng = llm.llm_engine
     first_cache = eng.cache.k
     # jit objects of equal function and options share their executables: count this engine's
@@ -171,7 +174,8 @@ def main(cases: list[str]) -> None:
                 results[case] = tie_case()
             else:
                 kv = dict(part.split("=") for part in case.split(","))
-                results[case] = run_case(int(kv["tp"]), int(kv["k"]), bool(int(kv.get("hlo", 0))))
+                results[case] = run_case(int(kv["tp"]), int(kv["k"]), bool(int(kv.get("hlo", 0))),
+                                         kv.get("heads", "8/8"))
         except Exception:
             results[case] = {"error": traceback.format_exc()}
     print(json.dumps(results))

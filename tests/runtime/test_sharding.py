@@ -29,8 +29,8 @@ from tests.runtime.conftest import reference_greedy
 
 TPS = (2, 4, 8)
 KS = (0, 3)
-CASES = [f"tp={tp},k={k}" + (",hlo=1" if (tp, k) == (2, 0) else "") for tp in (1,) + TPS
-         for k in KS]
+CASES = [f"tp={tp},k={k}" + (",hlo=1" if tp == 2 else "") for tp in (1,) + TPS
+         for k in KS] + ["tp=3,k=3,heads=9/3"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -80,6 +80,19 @@ def test_tensor_parallel_seeded_sampling_equals_one_device(results, tp, k):
     assert one["sampled"] != one["tokens"]      # really sampled (not the greedy tokens)
 
 
+def test_smollm2_head_counts_tp3_replicates_what_does_not_split(results):
+    """9 query / 3 kv heads (SmolLM2's) on 3 devices: heads split, the vocabulary and MLP (64,
+    not a multiple of 3) stay replicated; greedy MTP output equals the one-device reference."""
+    cfg, params = worker.model("9/3")
+    res = results["tp=3,k=3,heads=9/3"]
+    assert "error" not in res, res.get("error")
+    assert res["tokens"] == [reference_greedy(cfg, params, p, worker.MAX_TOKENS)
+                             for p in worker.PROMPTS]
+    sharded = {path for path, _, _, is_sharded in res["params"] if is_sharded}
+    assert sharded and all(any(n in p for n in ("wq", "wk", "wv", "wo")) for p in sharded)
+    assert res["memory"]["kv_cache"][0] * 3 == res["memory"]["kv_cache"][1]
+
+
 @pytest.mark.parametrize("tp", TPS)
 def test_sharded_weights_hold_one_tp_th_per_device(results, tp):
     res = _case(results, tp, 3)
@@ -98,8 +111,9 @@ def test_sharded_weights_hold_one_tp_th_per_device(results, tp):
     assert kv_local * tp == kv_total
 
 
-def test_tp2_step_has_no_all_gather_of_a_weight(results):
-    hlo = _case(results, 2, 0)["hlo"]
+@pytest.mark.parametrize("k", KS)
+def test_tp2_step_has_no_all_gather_of_a_weight(results, k):
+    hlo = _case(results, 2, k)["hlo"]
     weights = {tuple(s) for s in hlo["weight_shapes"]}
     gathers = [tuple(shape) for op, _, shape in hlo["collectives"] if op == "all-gather"]
     assert not [s for s in gathers if s in weights], (gathers, weights)
