@@ -127,6 +127,11 @@ def _generate(args) -> int:
     print(f"=== start-up: load {load_s:.1f}s, compile {compile_s:.1f}s "
           f"({len(llm.compile_seconds)} executables, cache {llm.compilation_cache_dir or 'off'}); "
           f"generate {st['seconds']:.1f}s; total {time.perf_counter() - t0:.1f}s")
+    if llm.mesh is not None:
+        mem = llm.llm_engine.memory_per_device()
+        print(f"=== mesh {dict(llm.mesh.shape)}: per device params "
+              f"{mem['params'][0] / 2**20:.1f} of {mem['params'][1] / 2**20:.1f} MiB, KV caches "
+              f"{mem['kv_cache'][0] / 2**20:.1f} of {mem['kv_cache'][1] / 2**20:.1f} MiB")
     return 0
 
 
