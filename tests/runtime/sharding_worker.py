@@ -7,8 +7,9 @@ A case is ``tp=N,k=K[,hlo=1][,heads=Nq/Nkv]`` (greedy and seeded sampled tokens 
 ``tensor_parallel_size=N`` engine, MTP with ``K`` drafts or none for 0, the number of compiled step
 executables, whether the donated cache was given up, per-parameter bytes on the first device, and with
 ``hlo=1`` the collectives of its compiled decode step), ``errors`` (the ValueErrors of engines
-whose mesh does not fit the model or the devices) or ``tie`` (greedy verification of
-vocabulary-sharded logits with tied maxima on different shards).
+whose mesh does not fit the model or the devices) ``tie`` (greedy verification of
+vocabulary-sharded logits with tied maxima on different shards) or ``attention`` (every attention
+implementation under ``shard_map``).
 A case that raises reports ``{"error": traceback}`` and the others still run.
 """
 from __future__ import annotations
@@ -164,6 +165,38 @@ def tie_case() -> dict:
     return out
 
 
+def attention_case() -> dict:
+    """Every ragged paged attention implementation (the Pallas kernels in interpret mode) under
+    ``shard_map`` over the kv heads, TP 2 and 4 on 4 kv heads: ``{"tp/impl": [max |error|
+    against the one-device reference, shard_map in the lowered graph, output spec]}``."""
+    from jax.sharding import NamedSharding
+
+    from jmtp.pallas import ragged_paged_attention as rpa
+    from tests.pallas.attention_test_base import Config, build_case, reference_output
+
+    case = build_case(Config(8, 4, 2, 64, num_tokens=16, num_seqs=2, max_kv=20), [3, 9], [20, 9],
+                      stale_tables=True, seed=5)
+    want = np.asarray(reference_output(case))
+    args = case.jax_args()
+    out = {}
+    for tp in (2, 4):
+        mesh = shd.make_mesh(tp)
+        heads, cache = shd.attention_specs()
+        q, k, v = (jax.device_put(a, NamedSharding(mesh, spec))
+                   for a, spec in zip(args[:3], (heads, cache, cache)))
+        for impl in rpa.IMPLEMENTATIONS:
+            f = jax.jit(lambda *a, impl=impl: rpa.ragged_paged_attention(
+                *a, **case.kwargs(), implementation=impl, interpret=True))
+            with shd.mesh_context(mesh):
+                got = f(q, k, v, *args[3:])
+                text = f.lower(q, k, v, *args[3:]).as_text()
+            n = int(case.cu_q_lens[-1])                # real rows (padding rows: zeros)
+            err = float(np.max(np.abs(np.asarray(got)[:n] - want[:n])))
+            out[f"{tp}/{impl}"] = [err, "manual_computation" in text or "shard_map" in text,
+                                   str(got.sharding.spec)]
+    return out
+
+
 def main(cases: list[str]) -> None:
     results = {}
     for case in cases:
@@ -172,6 +205,8 @@ def main(cases: list[str]) -> None:
                 results[case] = errors_case()
             elif case == "tie":
                 results[case] = tie_case()
+            elif case == "attention":
+                results[case] = attention_case()
             else:
                 kv = dict(part.split("=") for part in case.split(","))
                 results[case] = run_case(int(kv["tp"]), int(kv["k"]), bool(int(kv.get("hlo", 0))),

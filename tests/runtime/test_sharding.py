@@ -6,7 +6,8 @@ be set before JAX starts, and this pytest process already runs JAX on one device
 read its results: greedy tokens identical to the one-device reference and seeded sampled tokens
 (temperature 0.8) identical to a one-device engine's for TP in {2, 4, 8}, with and without MTP
 (K=3), one executable per step bucket and the donated caches updated in place; tied maxima on
-different vocabulary shards verified alike on every device; sharded weights holding 1/TP of their bytes per device; no all-gather of a
+different vocabulary shards verified alike on every device; every attention implementation (Pallas
+in interpret mode) under shard_map; sharded weights holding 1/TP of their bytes per device; no all-gather of a
 full weight matrix in the compiled TP=2 decode step. The rest (mesh, rules, errors) runs here on
 one device.
 """
@@ -41,7 +42,8 @@ def results():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=8").strip()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", "errors", "tie", *CASES],
+    proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", "errors", "tie", "attention",
+                           *CASES],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -133,6 +135,19 @@ def test_tied_maxima_on_different_vocab_shards_give_one_decision(results):
         assert len(tie[tp]["accept_num"]) == int(tp)
         assert all(x == one["accept_num"][0] for x in tie[tp]["accept_num"])
         assert all(x == one["accept_tokens"][0] for x in tie[tp]["accept_tokens"])
+
+
+def test_every_attention_implementation_under_shard_map(results):
+    """reference, xla and both Pallas kernels (interpret mode) run per kv-head shard (TP 2 and 4)
+    and give the one-device reference output, sharded over the heads."""
+    from jmtp.pallas.ragged_paged_attention import IMPLEMENTATIONS
+    res = results["attention"]
+    assert "error" not in res, res.get("error")
+    for tp in (2, 4):
+        for impl in IMPLEMENTATIONS:
+            err, manual, spec = res[f"{tp}/{impl}"]
+            assert err < 1e-4 and manual, (tp, impl, err, manual)
+            assert spec == str(P(None, shd.MODEL, None))
 
 
 def test_mesh_mismatch_errors(results):
