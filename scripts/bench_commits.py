@@ -22,24 +22,17 @@ import subprocess
 import sys
 import tempfile
 
+from bench_generate import QUESTIONS   # the same prompts as bench_generate.py
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs inside the checkout under test (PYTHONPATH = that checkout). argv: batch k max_tokens
-# num_prompts. Prints one JSON line.
+# num_prompts questions-json. Prints one JSON line.
 CHILD = r"""
 import json, sys, time
 from jmtp import LLM, SamplingParams, SpeculativeConfig
 batch, k, max_tokens, num_prompts = map(int, sys.argv[1:5])
-QUESTIONS = [
-    "Write a Python function that checks whether a string is a palindrome.",
-    "Explain what a hash map is in three sentences.",
-    "What is the capital of Japan and what is it famous for?",
-    "Give me a recipe for a simple tomato pasta.",
-    "Write a short poem about the ocean.",
-    "How do I reverse a list in Python?",
-    "What are the three states of matter?",
-    "Summarize the plot of Romeo and Juliet in two sentences.",
-]
+questions = json.loads(sys.argv[5])
 spec = SpeculativeConfig("mtp", k) if k else None
 t0 = time.perf_counter()
 llm = LLM(None, speculative_config=spec, max_num_seqs=batch, max_model_len=512,
@@ -47,7 +40,7 @@ llm = LLM(None, speculative_config=spec, max_num_seqs=batch, max_model_len=512,
 build_s = time.perf_counter() - t0
 tok = llm.llm_engine.tokenizer
 prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]))
-           for q in (QUESTIONS * 4)[:num_prompts]]
+           for q in (questions * 4)[:num_prompts]]
 sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 llm.generate(prompts, sp, use_tqdm=False)                    # warm-up
 t0 = time.perf_counter()
@@ -65,8 +58,8 @@ print("RESULT " + json.dumps(dict(ms_per_step=dt / steps * 1e3, tok_s=n / dt, st
 def measure(checkout: str, batch: int, k: int, max_tokens: int, num_prompts: int) -> dict:
     env = dict(os.environ, PYTHONPATH=checkout, JMTP_CACHE_DIR="off")
     out = subprocess.run([sys.executable, "-c", CHILD, str(batch), str(k), str(max_tokens),
-                          str(num_prompts)], cwd=checkout, env=env, capture_output=True,
-                         text=True)
+                          str(num_prompts), json.dumps(QUESTIONS)], cwd=checkout, env=env,
+                         capture_output=True, text=True)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])

@@ -133,10 +133,10 @@ class LLMEngine:
 
     The model is a :class:`~jmtp.model.modules.LlamaForCausalLM` (filled from the loaded parameter
     dict), split once here: ``graphdef`` (static) and ``params``, its ``nnx.State`` (every
-    ``nnx.Param`` / draft-vocabulary ``Buffer`` with its logical axes; ``params["embed"]``,
-    ``params["mtp"]["eh_proj"]``, ``params["draft_ids"]`` … index it like the parameter dict of
-    :mod:`jmtp.model.llama` and give Variables that behave as their arrays). The jitted step takes
-    ``graphdef`` (static) and ``params`` and merges them inside (:func:`~jmtp.runtime.step.engine_step`).
+    ``nnx.Param`` / FR-Spec ``Buffer`` with its logical axes, indexed by module path:
+    ``params["embed"]``, ``params["mtp"]["eh_proj"]``, ``params["draft_head"]["token_ids"]`` …,
+    Variables that behave as their arrays). The jitted step takes ``graphdef`` (static) and
+    ``params`` and merges them inside (:func:`~jmtp.runtime.step.engine_step`).
 
     Args:
       model: GGUF file or HF directory; ``None`` = the default SmolLM2-135M-Instruct.

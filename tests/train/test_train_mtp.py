@@ -394,8 +394,8 @@ def test_head_file_with_ranking_attaches_to_a_model(tmp_path):
     llm = LLM(model_config=cfg2, params=p2, speculative_config=SpeculativeConfig("mtp", 2),
               max_num_seqs=1, max_model_len=32)
     assert llm.draft_vocab_size == 16
-    assert llm.params["draft_ids"].tolist() == ranking[:16].tolist()
-    np.testing.assert_array_equal(np.asarray(llm.params["draft_head"]),
+    assert llm.params["draft_head"]["token_ids"][...].tolist() == ranking[:16].tolist()
+    np.testing.assert_array_equal(np.asarray(llm.params["draft_head"]["weight"][...]),
                                   np.asarray(params["embed"])[ranking[:16]])
     full = LLM(model_config=cfg2, params=p2, max_num_seqs=1, max_model_len=32,
                speculative_config=SpeculativeConfig("mtp", 2, draft_vocab_size=0))
