@@ -234,7 +234,7 @@ class LLMEngine:
                           if spec.method == "mtp" else None)
         self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
         self._insert = jax.jit(insert_request, donate_argnums=0)
-        self._release = jax.jit(functools.partial(release_slot, ec=ec), donate_argnums=0)
+        self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
         self._free_count = ec.num_blocks
         # host-side scheduler state
         self._groups: dict[str, _Group] = {}
