@@ -246,7 +246,7 @@ class LLMEngine:
             self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4),
                                  donate_argnums=(6, 7, 8))
             self._insert = jax.jit(insert_request, donate_argnums=0)
-            self._release = jax.jit(functools.partial(release_slot, ec=ec), donate_argnums=0)
+            self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
         else:
             self._place_on_mesh(num_mtp_cache_layers, dtype)
         self._free_count = ec.num_blocks
@@ -315,7 +315,7 @@ class LLMEngine:
         self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8),
                              out_shardings=(rep, kv, kv, rep))
         self._insert = jax.jit(insert_request, donate_argnums=0, out_shardings=rep)
-        self._release = jax.jit(functools.partial(release_slot, ec=ec), donate_argnums=0,
+        self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0,
                                 out_shardings=rep)
 
     def memory_per_device(self) -> dict:

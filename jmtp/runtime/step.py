@@ -647,13 +647,12 @@ def draft_model_postprocess(ec: EngineConfig, state: EngineState, prev_state: En
     return state
 
 
-def release_finished(state: EngineState, finished: jax.Array, *,
-                     ec: EngineConfig | None = None) -> EngineState:
+def release_finished(ec: EngineConfig, state: EngineState, finished: jax.Array) -> EngineState:
     """Return the KV blocks of the slots in ``finished bool[B]`` to the free stack, with the
-    allocator ``ec.block_allocator`` (``ec=None``: ``"auto"``)."""
+    allocator ``ec.block_allocator``."""
     B = finished.shape[0]
     blocks, _ = state.blocks.allocate(finished, jnp.zeros((B,), jnp.int32),
-                                      implementation="auto" if ec is None else ec.block_allocator)
+                                      implementation=ec.block_allocator)
     return dataclasses.replace(state, blocks=blocks)
 
 
@@ -767,7 +766,7 @@ def engine_step(
                                               model, state, prev.seq_lens_decoder, target,
                                               budget, mtp_cache)
     state = draft_model_postprocess(ec, state, prev, drafts, draft_probs, budget)
-    state = release_finished(state, done.finished, ec=ec)
+    state = release_finished(ec, state, done.finished)
     num_next_drafts = jnp.sum(state.draft_tokens[:, 1:] >= 0, axis=1).astype(jnp.int32)
     out = StepOutput(tokens=done.tokens, num_tokens=done.num_tokens, num_drafts=sched.num_drafts,
                      num_accepted=done.num_accepted, finished=done.finished,
@@ -778,10 +777,9 @@ def engine_step(
     return state, cache, mtp_cache, out
 
 
-def release_slot(state: EngineState, slot: jax.Array, *,
-                 ec: EngineConfig | None = None) -> EngineState:
-    """Preempt ``slot``: return its KV blocks and mark it idle (the host re-queues the request).
-    ``ec``: as :func:`release_finished` (static; bind it with ``functools.partial`` under jit)."""
+def release_slot(ec: EngineConfig, state: EngineState, slot: jax.Array) -> EngineState:
+    """Preempt ``slot`` (i32[]): return its KV blocks (allocator ``ec.block_allocator``) and mark
+    it idle (the host re-queues the request)."""
     B = state.stop_flags.shape[0]
-    state = release_finished(state, jnp.arange(B) == slot, ec=ec)
+    state = release_finished(ec, state, jnp.arange(B) == slot)
     return dataclasses.replace(state, stop_flags=state.stop_flags.at[slot].set(True))

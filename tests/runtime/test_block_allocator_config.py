@@ -45,7 +45,7 @@ def test_step_allocator_calls_follow_engine_config(value, kernel):
     sched = stp.schedule(ec, state, jnp.zeros((2,), jnp.int32))
     top_up = jax.make_jaxpr(lambda b, s, d: stp.allocate_blocks(ec, b, s, d))(
         state.blocks, sched, state.seq_lens_decoder)
-    release = jax.make_jaxpr(lambda s, f: stp.release_finished(s, f, ec=ec))(
+    release = jax.make_jaxpr(lambda s, f: stp.release_finished(ec, s, f))(
         state, jnp.zeros((2,), bool))
     for jaxpr in (top_up, release):
         assert ("pallas_call" in str(jaxpr)) == kernel

@@ -105,6 +105,29 @@ def test_allocate_blocks_hand_case():
     np.testing.assert_array_equal(out2.seq_lens_this_time, [3, 0, 0])
 
 
+
+def test_release_finished_and_release_slot_hand_case():
+    # Slot 0 owns [5, 4], slot 1 owns [3, 2, 1, 0], stack empty (the state the hand case above
+    # reaches). Slot 1 finishes: its blocks go back in table order, so its last block (0) is on
+    # top; its row becomes -1. Then slot 0 is preempted: [5, 4] pushed after, 4 on top, and the
+    # slot is marked idle.
+    tables = i32([[5, 4, -1, -1, -1], [3, 2, 1, 0, -1], [-1] * 5])
+    blocks = BlockAllocatorState(free_stack=i32([-1] * 6), free_count=jnp.int32(0),
+                                 block_tables=tables, num_owned=i32([2, 4, 0]))
+    state = dataclasses.replace(make_state(stop_flags=[False, False, True]), blocks=blocks)
+    fn = jax.jit(chex.assert_max_traces(stp.release_finished, n=1), static_argnums=0)
+    out = fn(EC, state, jnp.asarray([False, True, False]))
+    assert int(out.free_count) == 4
+    np.testing.assert_array_equal(out.free_stack[:4], [3, 2, 1, 0])
+    np.testing.assert_array_equal(out.block_tables, [[5, 4, -1, -1, -1], [-1] * 5, [-1] * 5])
+    np.testing.assert_array_equal(out.num_owned, [2, 0, 0])
+    np.testing.assert_array_equal(out.stop_flags, [False, False, True])   # only blocks change
+    out2 = stp.release_slot(EC, out, jnp.int32(0))
+    assert int(out2.free_count) == 6
+    np.testing.assert_array_equal(out2.free_stack, [3, 2, 1, 0, 5, 4])
+    np.testing.assert_array_equal(out2.num_owned, [0, 0, 0])
+    np.testing.assert_array_equal(out2.stop_flags, [True, False, True])
+
 def test_blocks_needed_is_ceil():
     assert [blocks_needed(n, 4) for n in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
     np.testing.assert_array_equal(blocks_needed(i32([0, 4, 5]), 4), [0, 1, 2])
