@@ -73,7 +73,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "query and kv heads (on CPU: XLA_FLAGS=--xla_force_host_platform_"
                         "device_count=N gives N devices)")
     p.add_argument("--data-parallel-size", type=int, default=1,
-                   help="devices of the data-parallel ('data') mesh axis (only 1 for now)")
+                   help="devices of the data-parallel ('data') mesh axis: slots, KV blocks and "
+                        "the step's token budget split into that many shards (must divide "
+                        "--max-num-seqs, --num-blocks and --max-num-batched-tokens)")
     p.add_argument("--compile", choices=["eager", "lazy"], default=None,
                    help="eager: compile every step bucket at start-up (default, or "
                         "$JMTP_COMPILE); lazy: compile each bucket on first use")
@@ -97,8 +99,10 @@ def _generate(args) -> int:
     if not prompts:
         prompts = ["Write a Python function that checks whether a number is prime."]
     if args.max_num_seqs is None:
-        # No more slots than prompts: every slot count adds step shapes to compile.
-        args.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, len(prompts))
+        # No more slots than prompts: every slot count adds step shapes to compile (at least
+        # one slot per data shard).
+        dp = max(getattr(args, "data_parallel_size", 1), 1)
+        args.max_num_seqs = -(-min(DEFAULT_MAX_NUM_SEQS, len(prompts)) // dp) * dp
     t0 = time.perf_counter()
     llm = build_llm(args)
     compile_s = sum(llm.compile_seconds.values())

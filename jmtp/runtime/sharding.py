@@ -13,6 +13,8 @@ logical axis        mesh axis what it shards
 ``mlp``             model     w_gate / w_up columns, w_down rows (column / row parallel MLP)
 ``vocab``           model     embedding rows, LM head columns, the FR-Spec draft head rows
 ``slots``           data      every per-slot array of the engine state (rows of B)
+``data_shard``      data      the leading axis of the stacked state and KV caches (one entry
+                              per data shard, :mod:`jmtp.runtime.data_parallel`)
 everything else     (none)    replicated
 ==================  ========  =============================================================
 
@@ -29,8 +31,9 @@ A dimension mapped to ``model`` must split into whole pieces: ``tensor_parallel_
 when TP exceeds them, as tpu-inference does, is not implemented yet). A ``vocab`` or ``mlp``
 dimension that TP does not divide leaves that one tensor replicated.
 
-Data parallelism (``data_parallel_size > 1``) is not implemented yet: :func:`make_mesh` builds the
-mesh, the engine refuses it.
+Data parallelism splits the request slots and the KV-block pool into ``data_parallel_size``
+shards, each a small engine of its own inside the same jitted step
+(:mod:`jmtp.runtime.data_parallel`): the state and caches carry a leading ``data_shard`` axis.
 """
 from __future__ import annotations
 
@@ -53,13 +56,15 @@ MESH_AXES = (DATA, MODEL)
 
 # Logical axis of the engine state's per-slot arrays (not a parameter axis).
 SLOTS = "slots"
+# Leading axis of the stacked (per data shard) engine state and KV caches.
+DATA_SHARD = "data_shard"
 
 # The one table: logical axis name -> mesh axis (None = replicated).
 LOGICAL_TO_MESH: dict[str, str | None] = {
     ax.Q_HEADS: MODEL, ax.KV_HEADS: MODEL, ax.MLP: MODEL, ax.VOCAB: MODEL,
     ax.LAYERS: None, ax.EMBED: None, ax.EMBED2: None, ax.HEAD_DIM: None,
     ax.BLOCKS: None, ax.BLOCK_SIZE: None,
-    SLOTS: DATA,
+    SLOTS: DATA, DATA_SHARD: DATA,
 }
 
 
@@ -161,11 +166,20 @@ def param_shardings(model_state: nnx.State, mesh: Mesh) -> nnx.State:
     return jax.tree_util.tree_map_with_path(one, model_state, is_leaf=_is_var)
 
 
-def kv_cache_sharding(mesh: Mesh, num_kv_heads: int) -> NamedSharding:
+def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, stacked: bool = False) -> NamedSharding:
     """Sharding of a KV cache array ``f[L, num_blocks, block_size, Nkv, D]``
-    (:data:`jmtp.model.axes.KV_CACHE_AXES`): kv heads over ``model``."""
-    shape = (1, 1, 1, num_kv_heads, 1)
-    return NamedSharding(mesh, logical_spec(ax.KV_CACHE_AXES, shape, mesh, "kv_cache"))
+    (:data:`jmtp.model.axes.KV_CACHE_AXES`): kv heads over ``model``; with ``stacked``, the
+    per-data-shard ``f[D, L, num_blocks/D, block_size, Nkv, D]`` (leading axis over ``data``)."""
+    names, shape = ax.KV_CACHE_AXES, (1, 1, 1, num_kv_heads, 1)
+    if stacked:
+        names, shape = (DATA_SHARD,) + tuple(names), (int(mesh.shape[DATA]),) + shape
+    return NamedSharding(mesh, logical_spec(names, shape, mesh, "kv_cache"))
+
+
+def state_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of every leaf of the stacked engine state (leading ``data_shard`` axis over
+    ``data``, the rest replicated over ``model``); a prefix for the whole pytree."""
+    return NamedSharding(mesh, P(LOGICAL_TO_MESH[DATA_SHARD]))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -210,7 +224,7 @@ def model_axis_size() -> int:
     return int(mesh.shape[MODEL])
 
 
-__all__ = ["DATA", "MODEL", "MESH_AXES", "SLOTS", "LOGICAL_TO_MESH", "make_mesh", "check_mesh",
+__all__ = ["DATA", "MODEL", "MESH_AXES", "SLOTS", "DATA_SHARD", "state_sharding", "LOGICAL_TO_MESH", "make_mesh", "check_mesh",
            "mesh_sizes", "check_tensor_parallel", "logical_spec", "param_shardings",
            "kv_cache_sharding", "replicated", "attention_specs", "mesh_context",
            "per_device_bytes", "model_axis_size"]

@@ -3,11 +3,12 @@
 pytest process, whose JAX already runs on one device, cannot do it).
 
 ``python -m tests.runtime.sharding_worker CASE...`` prints one JSON line ``{CASE: result}``.
-A case is ``tp=N,k=K[,hlo=1][,heads=Nq/Nkv]`` (greedy and seeded sampled tokens of :data:`PROMPTS` on a
-``tensor_parallel_size=N`` engine, MTP with ``K`` drafts or none for 0, the number of compiled step
-executables, whether the donated cache was given up, per-parameter bytes on the first device, and with
-``hlo=1`` the collectives of its compiled decode step), ``errors`` (the ValueErrors of engines
-whose mesh does not fit the model or the devices) ``tie`` (greedy verification of
+A case is ``dp=D,tp=N,k=K[,hlo=1][,heads=Nq/Nkv]`` (greedy and seeded sampled tokens of
+:data:`PROMPTS` on a ``data_parallel_size=D, tensor_parallel_size=N`` engine, MTP with ``K`` drafts or
+none for 0, the number of compiled step executables, whether the donated cache was given up,
+per-parameter bytes on the first device, and with ``hlo=1`` the collectives of its compiled decode
+step), ``errors`` (the ValueErrors of engines whose mesh does not fit the model or the devices),
+``dp_host`` (the host side of data parallelism: balanced admission, per-shard preemption), ``tie`` (greedy verification of
 vocabulary-sharded logits with tied maxima on different shards) or ``attention`` (every attention
 implementation under ``shard_map``).
 A case that raises reports ``{"error": traceback}`` and the others still run.
@@ -30,12 +31,16 @@ from tests.runtime.conftest import tiny_model
 # 8 kv heads and 8 query heads (head_dim 8): every TP in {2, 4, 8} splits whole heads, the
 # vocabulary (64) and the MLP (64).
 MODEL = dict(num_heads=8, num_kv_heads=8)
-PROMPTS = [[5, 6, 7], list(range(2, 13))]
+PROMPTS = [[5, 6, 7], list(range(2, 13)), [9, 3]]
 MAX_TOKENS = 8
-# One slot and a 4-token budget: 2 step buckets without speculation, 3 with K=3 (compile time
-# dominates; the 11-token prompt still runs as three prefill chunks).
-ENGINE = dict(max_num_seqs=1, max_model_len=32, block_size=4, max_num_batched_tokens=4,
-              compile="lazy")
+# One slot and a 4-token budget per data shard: 2 step buckets without speculation, 3 with K=3
+# (compile time dominates; the 11-token prompt still runs as three prefill chunks). With 3
+# prompts, some slots are padding at some steps for every data_parallel_size.
+ENGINE = dict(max_model_len=32, block_size=4, compile="lazy")
+
+
+def engine_sizes(dp: int = 1) -> dict:
+    return dict(ENGINE, max_num_seqs=dp, max_num_batched_tokens=4 * dp)
 
 
 def model(heads: str = "8/8"):
@@ -45,11 +50,11 @@ def model(heads: str = "8/8"):
     return tiny_model(0, **dict(MODEL, num_heads=nq, num_kv_heads=nkv))
 
 
-def make_llm(tp: int, k: int, heads: str = "8/8") -> LLM:
+def make_llm(dp: int, tp: int, k: int, heads: str = "8/8") -> LLM:
     cfg, params = model(heads)
     spec = SpeculativeConfig("mtp", k) if k else None
     return LLM(model_config=cfg, params=params, speculative_config=spec,
-               tensor_parallel_size=tp, **ENGINE)
+               data_parallel_size=dp, tensor_parallel_size=tp, **engine_sizes(dp))
 
 
 def param_bytes(llm) -> list:
@@ -71,10 +76,10 @@ def collectives(llm) -> dict:
     ``[op, dtype, result shape]``, with every weight shape (stacked, and one layer's slice)."""
     from jmtp.runtime.buckets import StepBucket
     eng = llm.llm_engine
-    zeros = jax.numpy.zeros((eng.engine_config.max_num_seqs,), np.int32)
+    zeros = np.zeros((eng._dp, eng._shard_ec.max_num_seqs), np.int32)
     with shd.mesh_context(eng.mesh):
         text = eng._step.lower(
-            eng.graphdef, eng.engine_config, eng.speculative_config.drafter, StepBucket(1, 1),
+            eng.graphdef, eng._shard_ec, eng.speculative_config.drafter, StepBucket(1, 1),
             eng.attention_backend, eng.params, eng.state, eng.cache, eng.mtp_cache, zeros,
             zeros).compile().as_text()
     ops = [[m.group(3), m.group(1), [int(x) for x in m.group(2).split(",") if x]]
@@ -87,9 +92,9 @@ def collectives(llm) -> dict:
     return {"collectives": ops, "weight_shapes": sorted(w for w in weights if len(w) >= 2)}
 
 
-def run_case(tp: int, k: int, hlo: bool = False, heads: str = "8/8") -> dict:
+def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8") -> dict:
     from jmtp.runtime.buckets import step_buckets
-    llm = make_llm(tp, k, heads)
+    llm = make_llm(dp, tp, k, heads)
     eng = llm.llm_engine
     first_cache = eng.cache.k
     # jit objects of equal function and options share their executables: count this engine's
@@ -103,7 +108,7 @@ def run_case(tp: int, k: int, hlo: bool = False, heads: str = "8/8") -> dict:
            # one executable per bucket used (stable shardings: no recompiles), the donated cache
            # updated in place (its first buffer given up)
            "step_executables": eng._step._cache_size() - compiled_before,
-           "num_buckets": len(step_buckets(eng.engine_config)),
+           "num_buckets": len(step_buckets(eng._shard_ec)),
            "cache_donated": first_cache.is_deleted(),
            "params": param_bytes(llm), "memory": eng.memory_per_device(),
            "cache_spec": str(getattr(eng.cache.k.sharding, "spec", None)),
@@ -118,14 +123,42 @@ def errors_case() -> dict:
     """The messages of engines the mesh sizes do not fit (no compile)."""
     cfg, params = model()
     out = {}
-    for name, kw in {"tp3": dict(tensor_parallel_size=3), "dp2": dict(data_parallel_size=2),
+    for name, kw in {"tp3": dict(tensor_parallel_size=3),
+                     "dp2_seqs3": dict(data_parallel_size=2, max_num_seqs=3),
+                     "dp4_blocks": dict(data_parallel_size=4, max_num_seqs=4, num_blocks=16),
                      "tp16": dict(tensor_parallel_size=16)}.items():
         try:
-            LLM(model_config=cfg, params=params, **ENGINE, **kw)
+            LLM(model_config=cfg, params=params, **dict(engine_sizes(), **kw))
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
     return out
+
+
+def dp_host_case() -> dict:
+    """Data parallel 2 × 2 slots with 8 KV blocks per shard (block 4): 4 requests whose
+    sequences outgrow their shard's pool, greedy MTP K=3. Reports the (shard, row) each request
+    was admitted to first, the preemptions, the greedy tokens and the free blocks at the end."""
+    cfg, params = model()
+    llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 3),
+              data_parallel_size=2, max_num_seqs=4, num_blocks=16, max_model_len=24,
+              block_size=4, max_num_batched_tokens=16, compile="lazy")
+    eng = llm.llm_engine
+    prompts = [[5, 6, 7], [9, 3, 1, 4], [2, 8], [7, 7, 7, 7, 7]]
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, SamplingParams(max_tokens=14))
+    eng.step()
+    first_slots = {seq.group.request_id: seq.slot for seq in eng._slots if seq is not None}
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+    stats = eng.get_stats()
+    return {"first_slots": first_slots, "tokens": [done[str(i)] for i in range(len(prompts))],
+            "prompts": prompts, "max_tokens": 14, "num_preemptions": stats["num_preemptions"],
+            "free_blocks": stats["num_free_blocks"], "num_blocks": stats["num_blocks"],
+            "free_per_shard": list(eng._free_counts)}
 
 
 def tie_case() -> dict:
@@ -207,10 +240,12 @@ def main(cases: list[str]) -> None:
                 results[case] = tie_case()
             elif case == "attention":
                 results[case] = attention_case()
+            elif case == "dp_host":
+                results[case] = dp_host_case()
             else:
                 kv = dict(part.split("=") for part in case.split(","))
-                results[case] = run_case(int(kv["tp"]), int(kv["k"]), bool(int(kv.get("hlo", 0))),
-                                         kv.get("heads", "8/8"))
+                results[case] = run_case(int(kv["dp"]), int(kv["tp"]), int(kv["k"]),
+                                         bool(int(kv.get("hlo", 0))), kv.get("heads", "8/8"))
         except Exception:
             results[case] = {"error": traceback.format_exc()}
     print(json.dumps(results))

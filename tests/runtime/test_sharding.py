@@ -28,10 +28,16 @@ from jmtp.runtime import sharding as shd
 from tests.runtime import sharding_worker as worker
 from tests.runtime.conftest import reference_greedy
 
+# (data, model) mesh shapes of issue 13. Every shape runs with MTP K=3; without speculation
+# only a few (the plain path is the MTP path minus the proposer), unless JMTP_FULL_MESH=1.
+MESHES = [(1, 2), (1, 4), (1, 8), (2, 1), (4, 1), (2, 2), (2, 4)]
 TPS = (2, 4, 8)
 KS = (0, 3)
-CASES = [f"tp={tp},k={k}" + (",hlo=1" if tp == 2 else "") for tp in (1,) + TPS
-         for k in KS] + ["tp=3,k=3,heads=9/3"]
+FULL = os.environ.get("JMTP_FULL_MESH") == "1"
+RUNS = [(dp, tp, k) for dp, tp in [(1, 1)] + MESHES for k in KS
+        if k == 3 or FULL or (dp, tp) in ((1, 1), (1, 2), (2, 1), (2, 2))]
+CASES = [f"dp={dp},tp={tp},k={k}" + (",hlo=1" if (dp, tp) == (1, 2) else "")
+         for dp, tp, k in RUNS] + ["dp=1,tp=3,k=3,heads=9/3", "dp=2,tp=3,k=3,heads=9/3"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -42,15 +48,15 @@ def results():
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                         " --xla_force_host_platform_device_count=8").strip()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", "errors", "tie", "attention",
-                           *CASES],
+    proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", "errors", "tie",
+                           "attention", "dp_host", *CASES],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _case(results, tp, k):
-    key = next(c for c in CASES if c.startswith(f"tp={tp},k={k}"))
+def _case(results, tp, k, dp=1):
+    key = next(c for c in CASES if c.startswith(f"dp={dp},tp={tp},k={k}"))
     res = results[key]
     assert "error" not in res, res.get("error")
     return res
@@ -62,37 +68,58 @@ def reference():
     return [reference_greedy(cfg, params, p, worker.MAX_TOKENS) for p in worker.PROMPTS]
 
 
-@pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("tp", TPS)
-def test_tensor_parallel_greedy_equals_one_device(results, reference, tp, k):
-    res = _case(results, tp, k)
+SHARDED = [r for r in RUNS if r[:2] != (1, 1)]
+
+
+@pytest.mark.parametrize("dp,tp,k", SHARDED)
+def test_sharded_greedy_equals_one_device(results, reference, dp, tp, k):
+    res = _case(results, tp, k, dp)
     assert res["tokens"] == reference
-    assert res["cache_spec"] == str(P(None, None, None, shd.MODEL, None))
+    # stacked per data shard: the leading axis over data (when dp > 1), kv heads over model
+    assert res["cache_spec"] == str(P(shd.DATA if dp > 1 else None, None, None, None,
+                                      shd.MODEL if tp > 1 else None, None))
     assert res["free_blocks"] == res["num_blocks"]          # every block returned
     assert res["cache_donated"]                             # the step updated it in place
     assert res["step_executables"] <= res["num_buckets"]    # no recompiles
+    kv_local, kv_total = res["memory"]["kv_cache"]
+    assert kv_local * dp * tp == kv_total
 
 
-@pytest.mark.parametrize("k", KS)
-@pytest.mark.parametrize("tp", TPS)
-def test_tensor_parallel_seeded_sampling_equals_one_device(results, tp, k):
-    """temperature 0.8, fixed seeds: the same tokens as the one-device engine."""
+@pytest.mark.parametrize("dp,tp,k", SHARDED)
+def test_sharded_seeded_sampling_equals_one_device(results, dp, tp, k):
+    """temperature 0.8, fixed seeds, some slots padding: the same tokens as one device (each
+    request's sampling parameters and random stream stay with its row on its shard)."""
     one = _case(results, 1, k)
-    assert _case(results, tp, k)["sampled"] == one["sampled"]
+    assert _case(results, tp, k, dp)["sampled"] == one["sampled"]
     assert one["sampled"] != one["tokens"]      # really sampled (not the greedy tokens)
+
+
+def test_data_parallel_host_admission_and_preemption(results):
+    """2 data shards of 2 slots and 8 blocks: requests go to the least-loaded shard (0, 1, 0, 1:
+    global slots 0, 2, 1, 3), each shard preempts its own newest request when its pool runs dry,
+    the greedy tokens equal the one-device reference and every block comes back to its shard."""
+    res = results["dp_host"]
+    assert "error" not in res, res.get("error")
+    assert res["first_slots"] == {"0": 0, "1": 2, "2": 1, "3": 3}
+    assert res["num_preemptions"] > 0
+    cfg, params = worker.model()
+    assert res["tokens"] == [reference_greedy(cfg, params, p, res["max_tokens"])
+                             for p in res["prompts"]]
+    assert res["free_per_shard"] == [8, 8] and res["free_blocks"] == res["num_blocks"] == 16
 
 
 def test_smollm2_head_counts_tp3_replicates_what_does_not_split(results):
     """9 query / 3 kv heads (SmolLM2's) on 3 devices: heads split, the vocabulary and MLP (64,
     not a multiple of 3) stay replicated; greedy MTP output equals the one-device reference."""
     cfg, params = worker.model("9/3")
-    res = results["tp=3,k=3,heads=9/3"]
-    assert "error" not in res, res.get("error")
-    assert res["tokens"] == [reference_greedy(cfg, params, p, worker.MAX_TOKENS)
-                             for p in worker.PROMPTS]
-    sharded = {path for path, _, _, is_sharded in res["params"] if is_sharded}
-    assert sharded and all(any(n in p for n in ("wq", "wk", "wv", "wo")) for p in sharded)
-    assert res["memory"]["kv_cache"][0] * 3 == res["memory"]["kv_cache"][1]
+    want = [reference_greedy(cfg, params, p, worker.MAX_TOKENS) for p in worker.PROMPTS]
+    for dp in (1, 2):
+        res = results[f"dp={dp},tp=3,k=3,heads=9/3"]
+        assert "error" not in res, res.get("error")
+        assert res["tokens"] == want
+        sharded = {path for path, _, _, is_sharded in res["params"] if is_sharded}
+        assert sharded and all(any(n in p for n in ("wq", "wk", "wv", "wo")) for p in sharded)
+        assert res["memory"]["kv_cache"][0] * 3 * dp == res["memory"]["kv_cache"][1]
 
 
 @pytest.mark.parametrize("tp", TPS)
@@ -153,7 +180,8 @@ def test_every_attention_implementation_under_shard_map(results):
 def test_mesh_mismatch_errors(results):
     errs = results["errors"]
     assert "tensor_parallel_size=3 must divide num_heads=8" in errs["tp3"]
-    assert "data parallelism is not implemented" in errs["dp2"]
+    assert "data_parallel_size=2 must divide max_num_seqs=3" in errs["dp2_seqs3"]
+    assert "leaves 4 blocks per shard, fewer than one max_model_len=32" in errs["dp4_blocks"]
     assert "needs 16 devices, but only 8" in errs["tp16"]
 
 
