@@ -263,7 +263,7 @@ def ragged_paged_attention(
         heads, cache = sharding.attention_specs()
         rep = jax.sharding.PartitionSpec()
         run = jax.shard_map(run, in_specs=(heads, cache, cache, rep, rep, rep), out_specs=heads,
-                            axis_names={sharding.MODEL}, check_vma=False)
+                            axis_names=sharding.auto_axes(), check_vma=False)
     return run(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
 
 

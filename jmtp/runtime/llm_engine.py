@@ -381,6 +381,11 @@ class LLMEngine:
             self.state, free = self._release(self.state, jnp.int32(b // Bl), jnp.int32(b % Bl))
         self._free_counts = [int(x) for x in jax.device_get(free)]
 
+    @property
+    def _free_count(self) -> int:
+        """Free KV blocks over every data shard (as the last step / release left them)."""
+        return sum(self._free_counts)
+
     def memory_per_device(self) -> dict:
         """Bytes on one device (the first of the mesh) and in total: ``{"params": (per device,
         total), "kv_cache": (per device, total)}`` (the MTP cache counted with the KV cache)."""

@@ -216,6 +216,16 @@ def per_device_bytes(tree) -> tuple[int, int]:
     return total, local
 
 
+def auto_axes() -> set[str]:
+    """The axes of the mesh set by :func:`mesh_context` that are not manual yet (inside the data
+    parallel ``shard_map``, ``data`` is manual): what a nested ``shard_map`` makes manual. (All
+    axes manual: the Pallas kernels' interpret mode runs host callbacks, which a partly automatic
+    ``shard_map`` does not support.)"""
+    mesh = jax.sharding.get_abstract_mesh()
+    return {n for n, t in zip(mesh.axis_names, mesh.axis_types)
+            if t != jax.sharding.AxisType.Manual}
+
+
 def model_axis_size() -> int:
     """Size of the ``model`` axis of the mesh set by :func:`mesh_context` (1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -227,4 +237,4 @@ def model_axis_size() -> int:
 __all__ = ["DATA", "MODEL", "MESH_AXES", "SLOTS", "DATA_SHARD", "state_sharding", "LOGICAL_TO_MESH", "make_mesh", "check_mesh",
            "mesh_sizes", "check_tensor_parallel", "logical_spec", "param_shardings",
            "kv_cache_sharding", "replicated", "attention_specs", "mesh_context",
-           "per_device_bytes", "model_axis_size"]
+           "per_device_bytes", "model_axis_size", "auto_axes"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 import traceback
 
 import jax
@@ -233,6 +234,7 @@ def attention_case() -> dict:
 def main(cases: list[str]) -> None:
     results = {}
     for case in cases:
+        t0 = time.perf_counter()
         try:
             if case == "errors":
                 results[case] = errors_case()
@@ -248,6 +250,7 @@ def main(cases: list[str]) -> None:
                                          bool(int(kv.get("hlo", 0))), kv.get("heads", "8/8"))
         except Exception:
             results[case] = {"error": traceback.format_exc()}
+        print(f"{case}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     print(json.dumps(results))
 
 

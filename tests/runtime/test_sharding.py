@@ -28,16 +28,18 @@ from jmtp.runtime import sharding as shd
 from tests.runtime import sharding_worker as worker
 from tests.runtime.conftest import reference_greedy
 
-# (data, model) mesh shapes of issue 13. Every shape runs with MTP K=3; without speculation
-# only a few (the plain path is the MTP path minus the proposer), unless JMTP_FULL_MESH=1.
+# (data, model) mesh shapes of issue 13. Each engine costs 5-25 s of compiling on 2 cores, so
+# the suite runs a subset: every kind of mesh (model only, data only, both, TP 2 and 4) with MTP
+# K=3, one without speculation, SmolLM2's head counts with data parallel. JMTP_FULL_MESH=1 runs
+# every shape with and without MTP (the issue's list; about 5 minutes).
 MESHES = [(1, 2), (1, 4), (1, 8), (2, 1), (4, 1), (2, 2), (2, 4)]
-TPS = (2, 4, 8)
 KS = (0, 3)
 FULL = os.environ.get("JMTP_FULL_MESH") == "1"
-RUNS = [(dp, tp, k) for dp, tp in [(1, 1)] + MESHES for k in KS
-        if k == 3 or FULL or (dp, tp) in ((1, 1), (1, 2), (2, 1), (2, 2))]
-CASES = [f"dp={dp},tp={tp},k={k}" + (",hlo=1" if (dp, tp) == (1, 2) else "")
-         for dp, tp, k in RUNS] + ["dp=1,tp=3,k=3,heads=9/3", "dp=2,tp=3,k=3,heads=9/3"]
+DEFAULT_RUNS = [(1, 1, 0), (1, 1, 3), (2, 2, 0), (1, 2, 3), (2, 1, 3), (2, 2, 3), (2, 4, 3)]
+RUNS = ([(dp, tp, k) for dp, tp in [(1, 1)] + MESHES for k in KS] if FULL else DEFAULT_RUNS)
+HEADS = ["dp=1,tp=3,k=3,heads=9/3"] if FULL else []
+CASES = ([f"dp={dp},tp={tp},k={k}" + (",hlo=1" if (dp, tp, k) == (1, 2, 3) else "")
+          for dp, tp, k in RUNS] + HEADS + ["dp=2,tp=3,k=3,heads=9/3"])
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -113,7 +115,7 @@ def test_smollm2_head_counts_tp3_replicates_what_does_not_split(results):
     not a multiple of 3) stay replicated; greedy MTP output equals the one-device reference."""
     cfg, params = worker.model("9/3")
     want = [reference_greedy(cfg, params, p, worker.MAX_TOKENS) for p in worker.PROMPTS]
-    for dp in (1, 2):
+    for dp in (1, 2) if FULL else (2,):
         res = results[f"dp={dp},tp=3,k=3,heads=9/3"]
         assert "error" not in res, res.get("error")
         assert res["tokens"] == want
@@ -122,9 +124,9 @@ def test_smollm2_head_counts_tp3_replicates_what_does_not_split(results):
         assert res["memory"]["kv_cache"][0] * 3 * dp == res["memory"]["kv_cache"][1]
 
 
-@pytest.mark.parametrize("tp", TPS)
-def test_sharded_weights_hold_one_tp_th_per_device(results, tp):
-    res = _case(results, tp, 3)
+@pytest.mark.parametrize("dp,tp", [(dp, tp) for dp, tp, k in RUNS if k == 3 and tp > 1])
+def test_sharded_weights_hold_one_tp_th_per_device(results, dp, tp):
+    res = _case(results, tp, 3, dp)
     sharded = [(path, local, total) for path, local, total, is_sharded in res["params"]
                if is_sharded]
     # every q/kv-head, MLP and vocabulary tensor of the target and the MTP head is sharded
@@ -137,12 +139,11 @@ def test_sharded_weights_hold_one_tp_th_per_device(results, tp):
     total = sum(x[2] for x in sharded)
     assert abs(local - total / tp) <= 0.1 * total / tp
     kv_local, kv_total = res["memory"]["kv_cache"]
-    assert kv_local * tp == kv_total
+    assert kv_local * tp * dp == kv_total
 
 
-@pytest.mark.parametrize("k", KS)
-def test_tp2_step_has_no_all_gather_of_a_weight(results, k):
-    hlo = _case(results, 2, k)["hlo"]
+def test_tp2_step_has_no_all_gather_of_a_weight(results):
+    hlo = _case(results, 2, 3)["hlo"]
     weights = {tuple(s) for s in hlo["weight_shapes"]}
     gathers = [tuple(shape) for op, _, shape in hlo["collectives"] if op == "all-gather"]
     assert not [s for s in gathers if s in weights], (gathers, weights)
