@@ -30,7 +30,9 @@ def build_llm(args):
                attention_backend=args.attention_backend, block_allocator=args.block_allocator,
                max_logprobs=args.max_logprobs,
                seed=args.seed, mtp_head=None if args.mtp_head == "none" else args.mtp_head,
-               compile=args.compile, compilation_cache_dir=None if cache == "none" else cache)
+               compile=args.compile, compilation_cache_dir=None if cache == "none" else cache,
+               tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+               data_parallel_size=getattr(args, "data_parallel_size", 1))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +68,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "reference", "pallas_tpu", "pallas_gpu"],
                    help="on-device KV-block allocator (auto: the Pallas TPU kernel on TPU, the jnp "
                         "reference elsewhere; a state too large for TPU SMEM runs the reference)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices of the tensor-parallel ('model') mesh axis; must divide the "
+                        "query and kv heads (on CPU: XLA_FLAGS=--xla_force_host_platform_"
+                        "device_count=N gives N devices)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="devices of the data-parallel ('data') mesh axis: slots, KV blocks and "
+                        "the step's token budget split into that many shards (must divide "
+                        "--max-num-seqs, --num-blocks and --max-num-batched-tokens)")
     p.add_argument("--compile", choices=["eager", "lazy"], default=None,
                    help="eager: compile every step bucket at start-up (default, or "
                         "$JMTP_COMPILE); lazy: compile each bucket on first use")
@@ -89,8 +99,10 @@ def _generate(args) -> int:
     if not prompts:
         prompts = ["Write a Python function that checks whether a number is prime."]
     if args.max_num_seqs is None:
-        # No more slots than prompts: every slot count adds step shapes to compile.
-        args.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, len(prompts))
+        # No more slots than prompts: every slot count adds step shapes to compile (at least
+        # one slot per data shard).
+        dp = max(getattr(args, "data_parallel_size", 1), 1)
+        args.max_num_seqs = -(-min(DEFAULT_MAX_NUM_SEQS, len(prompts)) // dp) * dp
     t0 = time.perf_counter()
     llm = build_llm(args)
     compile_s = sum(llm.compile_seconds.values())
@@ -119,6 +131,11 @@ def _generate(args) -> int:
     print(f"=== start-up: load {load_s:.1f}s, compile {compile_s:.1f}s "
           f"({len(llm.compile_seconds)} executables, cache {llm.compilation_cache_dir or 'off'}); "
           f"generate {st['seconds']:.1f}s; total {time.perf_counter() - t0:.1f}s")
+    if llm.mesh is not None:
+        mem = llm.llm_engine.memory_per_device()
+        print(f"=== mesh {dict(llm.mesh.shape)}: per device params "
+              f"{mem['params'][0] / 2**20:.1f} of {mem['params'][1] / 2**20:.1f} MiB, KV caches "
+              f"{mem['kv_cache'][0] / 2**20:.1f} of {mem['kv_cache'][1] / 2**20:.1f} MiB")
     return 0
 
 

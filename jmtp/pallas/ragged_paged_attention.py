@@ -253,6 +253,23 @@ def ragged_paged_attention(
     impl = implementation or default_implementation()
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
+    run = functools.partial(_dispatch, impl, sm_scale=sm_scale, sliding_window=sliding_window,
+                            soft_cap=soft_cap, interpret=interpret)
+    from jmtp.runtime import sharding
+    tp = sharding.model_axis_size()
+    if tp > 1 and k_cache.shape[2] % tp == 0:
+        # Tensor parallel (a mesh set by jmtp.runtime.sharding.mesh_context): every rank attends
+        # with its own kv heads and their query heads; the metadata is replicated.
+        heads, cache = sharding.attention_specs()
+        rep = jax.sharding.PartitionSpec()
+        run = jax.shard_map(run, in_specs=(heads, cache, cache, rep, rep, rep), out_specs=heads,
+                            axis_names=sharding.auto_axes(), check_vma=False)
+    return run(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
+
+
+def _dispatch(impl, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, *, sm_scale,
+              sliding_window, soft_cap, interpret):
+    """Call implementation ``impl`` (arguments as :func:`ragged_paged_attention`)."""
     if impl == "reference":
         return ragged_paged_attention_reference(
             q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,

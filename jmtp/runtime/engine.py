@@ -37,7 +37,8 @@ class LLM:
         ``max_model_len``, ``block_size``, ``num_blocks``, ``max_num_batched_tokens``, ``dtype``,
         ``attention_backend``, ``block_allocator``, ``max_logprobs``, ``seed``,
         ``model_config``/``params``/``tokenizer``, ``mtp_head``, ``compile``,
-        ``compilation_cache_dir``), documented there.
+        ``compilation_cache_dir``, ``tensor_parallel_size``, ``data_parallel_size``, ``mesh``),
+        documented there.
 
     Raises:
       TypeError: an unknown keyword.
@@ -67,6 +68,7 @@ class LLM:
     compile_seconds = _engine_attr("compile_seconds")
     compilation_cache_dir = _engine_attr("compilation_cache_dir")
     spec_policy = _engine_attr("spec_policy")
+    mesh = _engine_attr("mesh")
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -34,6 +34,8 @@ from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetr
 from jmtp.runtime.sampling import SamplingParams, make_row
 from jmtp.runtime.spec_policy import DynamicSpeculation
 from jmtp.runtime.state import FINISH_REASONS, init_state, insert_request
+from jmtp.runtime import data_parallel as dpar
+from jmtp.runtime import sharding as shd
 from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.runtime.step import engine_step, release_slot
 
@@ -162,6 +164,16 @@ class LLMEngine:
         setting if the user made one, else ``$JMTP_CACHE_DIR``, ``$XDG_CACHE_HOME/jmtp/xla`` or
         ``~/.cache/jmtp/xla`` (``JMTP_CACHE_DIR=off`` disables it); a path; ``None``/``False``:
         leave JAX's configuration alone. See :func:`jmtp.runtime.compile.setup_compilation_cache`.
+      tensor_parallel_size: devices of the ``model`` mesh axis (vLLM name): attention heads, MLP
+        and vocabulary split over them (GSPMD; attention under ``shard_map``), see
+        :mod:`jmtp.runtime.sharding`. Must divide ``num_heads`` and ``num_kv_heads``.
+      data_parallel_size: devices of the ``data`` mesh axis (vLLM name): the ``max_num_seqs``
+        slots, ``num_blocks`` KV blocks and ``max_num_batched_tokens`` step budget (all totals)
+        split into that many shards, each with its own block pool and allocator; a request runs
+        on one shard (the least loaded when it is admitted), see
+        :mod:`jmtp.runtime.data_parallel`. Must divide the three sizes.
+      mesh: a ``jax.sharding.Mesh`` with axes ``("data", "model")`` to use instead of one built
+        from the two sizes (:func:`jmtp.runtime.sharding.make_mesh`).
 
     Raises:
       TypeError: an unknown keyword.
@@ -175,7 +187,8 @@ class LLMEngine:
                  dtype=None, attention_backend: str | None = None, max_logprobs: int = 0,
                  seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
                  tokenizer=None, mtp_head: str | None = "auto", compile: str | None = None,
-                 compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto"):
+                 compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto",
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
         from jmtp.runtime import compile as jc
         compile = jc.resolve_compile_mode(compile)
         self.compilation_cache_dir = jc.setup_compilation_cache(compilation_cache_dir)
@@ -206,6 +219,7 @@ class LLMEngine:
         spec = speculative_config or SpeculativeConfig(method=None)
         if spec.method == "mtp" and "mtp" not in params:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
+        self.mesh = self._make_mesh(model_config, tensor_parallel_size, data_parallel_size, mesh)
         self.model_config = model_config
         self.draft_vocab_size = 0
         if spec.method == "mtp":
@@ -216,8 +230,9 @@ class LLMEngine:
         self.graphdef, self.params = nnx.split(model)
         self.tokenizer = tokenizer
         self.speculative_config = spec
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(256, max_num_seqs * (spec.k + 1))
+        if max_num_batched_tokens is None:   # (a multiple of data_parallel_size: split per shard)
+            dp = shd.mesh_sizes(self.mesh)[0] if self.mesh is not None else 1
+            max_num_batched_tokens = -(-max(256, max_num_seqs * (spec.k + 1)) // dp) * dp
         ec = EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             num_blocks=num_blocks or 1, max_num_batched_tokens=max_num_batched_tokens,
@@ -225,24 +240,32 @@ class LLMEngine:
         if not num_blocks:      # default: every slot can hold a full-length sequence
             ec = dataclasses.replace(ec, num_blocks=max_num_seqs * ec.pages_per_seq)
         self.engine_config = ec
+        self._dp = shd.mesh_sizes(self.mesh)[0] if self.mesh is not None else 1
+        self._shard_ec = dpar.shard_config(ec, self._dp)   # one data shard's config (== ec for 1)
         self._seed_rng = np.random.default_rng(seed)
         self.attention_backend = attention_backend
-        self.state = init_state(ec, model_config.vocab_size)
-        self.cache = init_kv_cache(model_config, model_config.num_layers, ec.num_blocks, block_size, dtype)
-        self.mtp_cache = (init_kv_cache(model_config, max(model_config.num_mtp_layers, 1),
-                                        ec.num_blocks, block_size, dtype)
-                          if spec.method == "mtp" else None)
-        self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
-        self._insert = jax.jit(insert_request, donate_argnums=0)
-        self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
-        self._free_count = ec.num_blocks
+        num_mtp_cache_layers = max(model_config.num_mtp_layers, 1) if spec.method == "mtp" else 0
+        if self.mesh is None:
+            self.state = init_state(ec, model_config.vocab_size)
+            self.cache = init_kv_cache(model_config, model_config.num_layers, ec.num_blocks,
+                                       block_size, dtype)
+            self.mtp_cache = (init_kv_cache(model_config, num_mtp_cache_layers, ec.num_blocks,
+                                            block_size, dtype) if num_mtp_cache_layers else None)
+            self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4),
+                                 donate_argnums=(6, 7, 8))
+            self._insert = jax.jit(insert_request, donate_argnums=0)
+            self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
+        else:
+            self._place_on_mesh(num_mtp_cache_layers, dtype)
+        self._free_counts = [self._shard_ec.num_blocks] * self._dp   # free KV blocks per shard
         # host-side scheduler state
         self._groups: dict[str, _Group] = {}
         self._waiting: collections.deque[_Seq] = collections.deque()
         self._slots: list[_Seq | None] = [None] * ec.max_num_seqs
         self._paused = [False] * ec.max_num_seqs
         self._order: list[int] = []     # admission order of occupied slots (LIFO preemption)
-        self._hold = False              # after a preemption, admit nothing until a request ends
+        # per data shard: after a preemption, admit nothing into it until one of its requests ends
+        self._hold = [False] * self._dp
         # cumulative counters (get_stats)
         self._totals = SpecDecodeMetrics(accepted_per_position=[0] * ec.k)
         self._num_steps = 0
@@ -253,30 +276,145 @@ class LLMEngine:
         self._next_drafts = np.zeros((ec.max_num_seqs,), np.int32)
         self.spec_policy = None
         if spec.enabled and spec.speculation_policy == "dynamic":
+            sec, dp = self._shard_ec, self._dp   # rows spread over the data shards
             self.spec_policy = DynamicSpeculation(
                 ec.max_num_seqs, spec.k, lambda rows, n: choose_bucket(
-                    ec, min(rows, ec.max_num_batched_tokens), n, has_prefill=False))
-        self.compile_seconds = self._compile_ahead() if compile == "eager" else {}
+                    sec, min(-(-rows // dp), sec.max_num_batched_tokens),
+                    min(-(-n // dp), sec.max_num_seqs), has_prefill=False))
+        if self.mesh is not None:
+            log.info("mesh %s: %s", dict(self.mesh.shape), self.memory_per_device())
+        if compile == "eager":
+            with shd.mesh_context(self.mesh):
+                self.compile_seconds = self._compile_ahead()
+        else:
+            self.compile_seconds = {}
+
+    # ------------------------------------------------------------------ sharding
+    @staticmethod
+    def _make_mesh(cfg: ModelConfig, tp: int, dp: int, mesh):
+        """The engine's mesh, or None for a single device (checks sizes against the model)."""
+        if mesh is None:
+            if (tp, dp) == (1, 1):
+                return None
+            mesh = shd.make_mesh(tp, dp)
+        else:
+            shd.check_mesh(mesh)
+            sizes = shd.mesh_sizes(mesh)
+            if (dp, tp) not in ((1, 1), sizes):
+                raise ValueError(f"mesh has (data, model) = {sizes} but data_parallel_size={dp}, "
+                                 f"tensor_parallel_size={tp} were given")
+        shd.check_tensor_parallel(cfg, shd.mesh_sizes(mesh)[1])
+        return mesh if mesh.size > 1 else None
+
+    def _place_on_mesh(self, num_mtp_cache_layers: int, dtype) -> None:
+        """Build the engine state and caches on ``self.mesh`` and jit the step, insert and release.
+
+        The state and caches are stacked per data shard (:mod:`jmtp.runtime.data_parallel`):
+        leading axis over ``data``, kv heads over ``model``; the parameters are sharded by their
+        logical axes and replicated over ``data`` (:mod:`jmtp.runtime.sharding`). Every jitted
+        function's output shardings equal its input ones (donation in place, no recompiles);
+        what the host reads (``StepOutput``, free block counts) comes back replicated."""
+        mesh, mc, ec, sec, dp = (self.mesh, self.model_config, self.engine_config,
+                                 self._shard_ec, self._dp)
+        rep = shd.replicated(mesh)
+        st = shd.state_sharding(mesh)
+        kv = shd.kv_cache_sharding(mesh, mc.num_kv_heads, stacked=True)
+        self.params = jax.device_put(self.params, shd.param_shardings(self.params, mesh))
+        self.state = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
+                             out_shardings=st)()
+        make = lambda n: jax.jit(lambda: dpar.stack_shards(
+            init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype), dp), out_shardings=kv)()
+        self.cache = make(mc.num_layers)
+        self.mtp_cache = make(num_mtp_cache_layers) if num_mtp_cache_layers else None
+        self._step = jax.jit(functools.partial(dpar.data_parallel_step, mesh),
+                             static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8),
+                             out_shardings=(st, kv, kv, rep))
+        self._insert = jax.jit(functools.partial(dpar.data_parallel_insert, mesh),
+                               donate_argnums=0, out_shardings=st)
+        self._release = jax.jit(functools.partial(dpar.data_parallel_release, mesh, sec),
+                                donate_argnums=0, out_shardings=(st, rep))
+
+    # The three device calls of the host loop, for one device or a mesh (global slot b is row
+    # b % Bl of data shard b // Bl; host arrays are [B] here, [D, Bl] on the mesh).
+    def _run_step(self, bucket, chunks: np.ndarray, limits: np.ndarray):
+        """Run the jitted step; returns its ``StepOutput`` on the host with ``[B, ...]`` fields
+        and ``free_count`` per data shard."""
+        if self.mesh is None:
+            self.state, self.cache, self.mtp_cache, out = self._step(
+                self.graphdef, self.engine_config, self.speculative_config.drafter, bucket,
+                self.attention_backend, self.params, self.state, self.cache, self.mtp_cache,
+                jnp.asarray(chunks), jnp.asarray(limits))
+            out = jax.device_get(out)
+            return dataclasses.replace(out, free_count=np.reshape(out.free_count, (1,)))
+        D, Bl = self._dp, self._shard_ec.max_num_seqs
+        with shd.mesh_context(self.mesh):
+            self.state, self.cache, self.mtp_cache, out = self._step(
+                self.graphdef, self._shard_ec, self.speculative_config.drafter, bucket,
+                self.attention_backend, self.params, self.state, self.cache, self.mtp_cache,
+                chunks.reshape(D, Bl), limits.reshape(D, Bl))
+        out = jax.device_get(out)
+        flat = {f.name: (None if (v := getattr(out, f.name)) is None or f.name == "free_count"
+                         else np.reshape(v, (D * Bl,) + v.shape[2:]))
+                for f in dataclasses.fields(out)}
+        return dataclasses.replace(out, **{k: v for k, v in flat.items() if v is not None})
+
+    def _insert_call(self, b: int, ids, prompt_len: int, remaining: int, row: dict,
+                     resume_token: int) -> None:
+        args = (jnp.asarray(ids), jnp.int32(prompt_len), jnp.int32(remaining),
+                {k: jnp.asarray(v) for k, v in row.items()}, jnp.int32(resume_token))
+        if self.mesh is None:
+            self.state = self._insert(self.state, jnp.int32(b), *args)
+            return
+        Bl = self._shard_ec.max_num_seqs
+        with shd.mesh_context(self.mesh):
+            self.state = self._insert(self.state, jnp.int32(b // Bl), jnp.int32(b % Bl), *args)
+
+    def _release_call(self, b: int) -> None:
+        """Return slot ``b``'s KV blocks and mark it idle on the device; refresh the free
+        counts."""
+        if self.mesh is None:
+            self.state = self._release(self.state, jnp.int32(b))
+            self._free_counts = [int(self.state.free_count)]
+            return
+        Bl = self._shard_ec.max_num_seqs
+        with shd.mesh_context(self.mesh):
+            self.state, free = self._release(self.state, jnp.int32(b // Bl), jnp.int32(b % Bl))
+        self._free_counts = [int(x) for x in jax.device_get(free)]
+
+    @property
+    def _free_count(self) -> int:
+        """Free KV blocks over every data shard (as the last step / release left them)."""
+        return sum(self._free_counts)
+
+    def memory_per_device(self) -> dict:
+        """Bytes on one device (the first of the mesh) and in total: ``{"params": (per device,
+        total), "kv_cache": (per device, total)}`` (the MTP cache counted with the KV cache)."""
+        p_total, p_local = shd.per_device_bytes(self.params)
+        c_total, c_local = shd.per_device_bytes((self.cache, self.mtp_cache))
+        return {"params": (p_local, p_total), "kv_cache": (c_local, c_total)}
 
     def _compile_ahead(self) -> dict:
         """Compile every step bucket and the request insert/release; ``{label: seconds}``."""
         from jmtp.runtime.compile import compile_ahead
-        ec = self.engine_config
-        buckets = step_buckets(ec)
-        static = (self.graphdef, ec, self.speculative_config.drafter)
-        # Host arrays go through jnp.asarray as in step() (that stages them with a small jit).
-        zeros = jnp.asarray(np.zeros((ec.max_num_seqs,), np.int32))
+        sec, D = self._shard_ec, self._dp
+        buckets = step_buckets(sec)
+        static = (self.graphdef, sec, self.speculative_config.drafter)
+        # Host arrays as step() passes them: through jnp.asarray on one device (that stages them
+        # with a small jit), numpy [D, Bl] on a mesh.
+        zeros = (jnp.asarray(np.zeros((sec.max_num_seqs,), np.int32)) if self.mesh is None else
+                 np.zeros((D, sec.max_num_seqs), np.int32))
         times = compile_ahead(self._step, [
             static + (bk, self.attention_backend, self.params, self.state, self.cache,
                       self.mtp_cache, zeros, zeros) for bk in buckets],
             labels=[f"T={bk.num_tokens},A={bk.num_slots}" for bk in buckets],
             desc="compile step buckets")
         row = self._sampling_row(SamplingParams(), [0], [], 0)
+        slot = (jnp.int32(0),) if self.mesh is None else (jnp.int32(0), jnp.int32(0))
         times.update(compile_ahead(self._insert, [(
-            self.state, jnp.int32(0), jnp.asarray(np.zeros((ec.seq_buffer_len,), np.int32)),
+            self.state, *slot, jnp.asarray(np.zeros((sec.seq_buffer_len,), np.int32)),
             jnp.int32(1), jnp.int32(1), {k: jnp.asarray(v) for k, v in row.items()},
             jnp.int32(-1))], labels=["insert"], progress=False))
-        times.update(compile_ahead(self._release, [(self.state, jnp.int32(0))], labels=["release"],
+        times.update(compile_ahead(self._release, [(self.state, *slot)], labels=["release"],
                                    progress=False))
         return times
 
@@ -371,7 +509,7 @@ class LLMEngine:
         return dict(
             num_unfinished_requests=len(self._groups), num_waiting=len(self._waiting),
             num_running=sum(s is not None for s in self._slots),
-            num_free_blocks=int(self._free_count), num_blocks=self.engine_config.num_blocks,
+            num_free_blocks=sum(self._free_counts), num_blocks=self.engine_config.num_blocks,
             num_steps=self._num_steps, last_step_seconds=self._last_step_seconds,
             num_preemptions=self._num_preemptions, num_generated_tokens=self._num_generated,
             num_draft_tokens=t.num_draft_tokens, num_accepted_tokens=t.num_accepted_tokens,
@@ -429,61 +567,51 @@ class LLMEngine:
         nothing is unfinished.
         """
         t0 = time.perf_counter()
-        ec = self.engine_config
-        B, bs = ec.max_num_seqs, ec.block_size
+        ec, sec, D = self.engine_config, self._shard_ec, self._dp
+        B, Bl, bs = ec.max_num_seqs, sec.max_num_seqs, ec.block_size
         slots = self._slots
-        if self._hold and not any(s is not None for s in slots):
-            self._hold = False
-        # Admit while a slot is idle and the free blocks cover the first prefill chunk.
-        free = self._free_count
-        any_paused = any(s is not None and self._paused[b] for b, s in enumerate(slots))
-        for b in range(B):
-            if self._hold or any_paused or not self._waiting or slots[b] is not None:
-                continue
-            seq = self._waiting[0]
-            first_chunk = min(len(seq.context_ids), ec.max_num_batched_tokens)
-            need = blocks_needed(first_chunk + ec.m, bs)
-            if need > free and any(x is not None for x in slots):
-                break  # wait for running requests to free blocks
-            self._waiting.popleft()
-            self._admit(b, seq)
-            free -= need
+        shard_slots = [range(d * Bl, (d + 1) * Bl) for d in range(D)]
+        occupied = [any(slots[b] is not None for b in r) for r in shard_slots]
+        for d in range(D):
+            if self._hold[d] and not occupied[d]:
+                self._hold[d] = False
+        self._admit_waiting(shard_slots)
         if not any(s is not None for s in slots):
             return []
-        # Token budget: decode windows first, then prefill chunks in slot order.
-        budget = ec.max_num_batched_tokens
-        decoding = [b for b, s in enumerate(slots)
-                    if s is not None and s.prefilled >= len(s.context_ids)]
-        dec_rows = sum(1 + int(self._next_drafts[b]) for b in decoding)   # windows actually drafted
-        budget -= dec_rows
+        # Token budget per data shard: decode windows first, then prefill chunks in slot order.
         chunks = np.zeros((B,), np.int32)
-        for b, s in enumerate(slots):
-            if s is not None and s.prefilled < len(s.context_ids):
-                c = min(len(s.context_ids) - s.prefilled, budget)
-                chunks[b], budget = c, budget - c
-        bucket = choose_bucket(ec, dec_rows + int(chunks.sum()),
-                               len(decoding) + int(np.count_nonzero(chunks)), bool(chunks.any()))
+        rows, active = [0] * D, [0] * D
+        for d, r in enumerate(shard_slots):
+            decoding = [b for b in r if slots[b] is not None
+                        and slots[b].prefilled >= len(slots[b].context_ids)]
+            dec_rows = sum(1 + int(self._next_drafts[b]) for b in decoding)   # windows drafted
+            budget = sec.max_num_batched_tokens - dec_rows
+            for b in r:
+                s = slots[b]
+                if s is not None and s.prefilled < len(s.context_ids):
+                    c = min(len(s.context_ids) - s.prefilled, budget)
+                    chunks[b], budget = c, budget - c
+            rows[d] = dec_rows + int(chunks[r.start:r.stop].sum())
+            active[d] = len(decoding) + int(np.count_nonzero(chunks[r.start:r.stop]))
+        # One (T, A) bucket for every shard: the busiest one's.
+        bucket = choose_bucket(sec, max(rows), max(active), bool(chunks.any()))
         limits = (np.full((B,), ec.k, np.int32) if self.spec_policy is None else
                   self.spec_policy.draft_limits(np.array([s is not None for s in slots])))
         t_step = time.perf_counter()
-        self.state, self.cache, self.mtp_cache, out = self._step(
-            self.graphdef, ec, self.speculative_config.drafter, bucket, self.attention_backend,
-            self.params,
-            self.state, self.cache, self.mtp_cache, jnp.asarray(chunks), jnp.asarray(limits))
-        out = jax.device_get(out)
+        out = self._run_step(bucket, chunks, limits)
         self._next_drafts = np.asarray(out.num_next_drafts)
         if self.spec_policy is not None:
             self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket,
                                      time.perf_counter() - t_step)
         self._num_steps += 1
-        self._free_count = int(out.free_count)
+        self._free_counts = [int(x) for x in out.free_count]
         touched: dict[str, _Group] = {}
-        progressed = False
+        progressed = [False] * D
         for b, seq in enumerate(slots):
             self._paused[b] = bool(seq is not None and out.paused[b])
             if seq is None or out.paused[b]:
                 continue
-            progressed = progressed or chunks[b] > 0 or out.num_tokens[b] > 0
+            progressed[b // Bl] |= bool(chunks[b] > 0 or out.num_tokens[b] > 0)
             was_decode = seq.prefilled >= len(seq.context_ids)
             seq.prefilled += int(chunks[b])
             n = int(out.num_tokens[b])
@@ -508,12 +636,43 @@ class LLMEngine:
                 self._free_slot(b, release=False)
             if kept or seq.finish_reason is not None:
                 touched[seq.group.request_id] = seq.group
-        if not progressed and any(s is not None and self._paused[b] for b, s in enumerate(slots)):
-            self._preempt()
-            self._hold = True
+        for d, r in enumerate(shard_slots):
+            # a shard whose every occupied slot waits for KV blocks frees its newest request
+            if not progressed[d] and any(slots[b] is not None and self._paused[b] for b in r):
+                self._preempt(d)
+                self._hold[d] = True
         outputs = [self._make_output(g) for g in touched.values()]
         self._last_step_seconds = time.perf_counter() - t0
         return outputs
+
+    def _admit_waiting(self, shard_slots: list[range]) -> None:
+        """Admit waiting samples in FIFO order into idle slots. Each goes to the data shard with
+        the fewest occupied slots (ties: most free KV blocks, then the lowest index) among those
+        with an idle slot, no paused slot and no hold after a preemption, whose free blocks
+        cover its first prefill chunk (or that run nothing else); it takes that shard's lowest
+        idle slot. Admission stops at the first sample no shard can take (FIFO)."""
+        ec, slots = self.engine_config, self._slots
+        free = list(self._free_counts)
+        while self._waiting:
+            seq = self._waiting[0]
+            first_chunk = min(len(seq.context_ids), self._shard_ec.max_num_batched_tokens)
+            need = blocks_needed(first_chunk + ec.m, ec.block_size)
+            best = None
+            for d, r in enumerate(shard_slots):
+                idle = [b for b in r if slots[b] is None]
+                busy = len(r) - len(idle)
+                if (not idle or self._hold[d] or need > free[d] and busy
+                        or any(slots[b] is not None and self._paused[b] for b in r)):
+                    continue
+                key = (busy, -free[d], d)
+                if best is None or key < best[0]:
+                    best = (key, d, idle[0])
+            if best is None:
+                return
+            _, d, b = best
+            self._waiting.popleft()
+            self._admit(b, seq)
+            free[d] -= need
 
     def _append(self, seq: _Seq, tokens: list[int]) -> tuple[int, str | None]:
         """Add ``tokens`` to ``seq``, detokenizing one token at a time so a stop string that
@@ -585,10 +744,8 @@ class LLMEngine:
             self.spec_policy.reset_slot(b)
         if not seq.metrics.accepted_per_position:
             seq.metrics.accepted_per_position = [0] * ec.k
-        self.state = self._insert(self.state, jnp.int32(b), jnp.asarray(ids),
-                                  jnp.int32(len(seq.context_ids)), jnp.int32(remaining),
-                                  {k: jnp.asarray(v) for k, v in row.items()},
-                                  jnp.int32(seq.output_ids[-1] if resume else -1))
+        self._insert_call(b, ids, len(seq.context_ids), remaining, row,
+                          seq.output_ids[-1] if resume else -1)
         self._slots[b] = seq
         self._paused[b] = False
         self._order.append(b)
@@ -601,16 +758,17 @@ class LLMEngine:
         self._paused[b] = False
         self._order.remove(b)
         seq.slot = None
-        self._hold = False
+        self._hold[b // self._shard_ec.max_num_seqs] = False
         if release:
-            self.state = self._release(self.state, jnp.int32(b))
-            self._free_count = int(self.state.free_count)
+            self._release_call(b)
 
-    def _preempt(self):
-        """Every occupied slot is paused for KV blocks: preempt the newest (LIFO) and re-queue it;
-        on re-admission its prompt and generated tokens are recomputed and it resumes exactly
-        where it stopped (same window start, same random stream; see :func:`insert_request`)."""
-        b = self._order[-1]
+    def _preempt(self, shard: int = 0):
+        """Every occupied slot of data shard ``shard`` is paused for KV blocks: preempt its newest
+        request (LIFO) and re-queue it first; on re-admission its prompt and generated tokens are
+        recomputed and it resumes exactly where it stopped (same window start, same random
+        stream; see :func:`insert_request`), possibly on another shard."""
+        Bl = self._shard_ec.max_num_seqs
+        b = next(b for b in reversed(self._order) if b // Bl == shard)
         seq = self._slots[b]
         log.info("preempting request %r sample %d (slot %d): out of KV blocks",
                  seq.group.request_id, seq.index, b)

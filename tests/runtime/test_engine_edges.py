@@ -176,7 +176,7 @@ def test_preemption_when_blocks_run_out(tiny):
     preempted = []
     eng = llm.llm_engine
     real = eng._preempt
-    eng._preempt = lambda: (preempted.append(eng._order[-1]), real())
+    eng._preempt = lambda shard=0: (preempted.append(eng._order[-1]), real(shard))
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert preempted, "the block budget was meant to force a preemption"
     assert [o.token_ids for o in outs] == refs

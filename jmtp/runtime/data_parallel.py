@@ -1,0 +1,159 @@
+"""Data parallelism over request slots: each data shard is a small engine of its own.
+
+With ``data_parallel_size = D`` the engine's ``max_num_seqs = B`` slots, ``num_blocks = N`` KV
+blocks and per-step token budget are split into D shards of ``B/D`` slots, ``N/D`` blocks and
+``max_num_batched_tokens/D`` tokens (:func:`shard_config`). Every
+array of the engine state and of both KV caches is held *stacked*: a leading axis of size D (the
+logical axis :data:`jmtp.runtime.sharding.DATA_SHARD`, mapped to the mesh's ``data`` axis) in
+front of the single-shard layout, so shard ``d`` lives on the devices of data row ``d`` only:
+
+=======================  ==============================================================
+state field              stacked shape (``Bl = B/D``, ``Nl = N/D``)
+=======================  ==============================================================
+per-slot arrays          ``[D, Bl, ...]`` (global slot ``b`` is shard ``b // Bl``, row ``b % Bl``)
+``blocks.free_stack``    ``[D, Nl]``: shard-local block ids ``0..Nl-1``
+``blocks.free_count``    ``[D]``
+KV caches                ``f[D, L, Nl, block_size, Nkv, head_dim]``
+=======================  ==============================================================
+
+The engine step, the request insert and the slot release run under one ``jax.shard_map`` that
+is manual over ``data`` only (``axis_names={"data"}``): inside it each shard runs the ordinary
+single-shard functions (:func:`jmtp.runtime.step.engine_step`,
+:func:`jmtp.runtime.state.insert_request`, :func:`jmtp.runtime.step.release_slot`) on its own
+slots, blocks and caches with ``EngineConfig`` :func:`shard_config`, while the ``model`` axis stays
+automatic (GSPMD tensor parallelism, attention under its own ``shard_map`` over kv heads). No
+array crosses data shards except the small per-step results the host reads
+(:class:`~jmtp.runtime.step.StepOutput`, gathered to every device so every process of a
+multi-process run can read them). A request never spans shards: its slot, block table and blocks
+belong to one shard, and its per-slot sampling parameters, seeds and random stream move with its
+row, so a padding row can never lend a real row its temperature.
+
+Every shard runs the same static ``(T, A)`` bucket in a step (one graph): the host picks it for
+the busiest shard (:meth:`jmtp.runtime.llm_engine.LLMEngine.step`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jmtp.runtime.config import EngineConfig
+from jmtp.runtime.sharding import DATA
+from jmtp.runtime.state import insert_request
+from jmtp.runtime.step import engine_step, release_slot
+
+
+def shard_config(ec: EngineConfig, data_parallel_size: int) -> EngineConfig:
+    """The :class:`EngineConfig` of one data shard: ``max_num_seqs``, ``num_blocks`` and the
+    per-step token budget ``max_num_batched_tokens`` divided by D; everything else (K, block
+    size, max_model_len, allocator) unchanged. (The engine's sizes are totals over the shards, as
+    the ``slots`` axis is one axis sharded over ``data``.)
+
+    Raises:
+      ValueError: ``data_parallel_size`` < 1, or it does not divide ``max_num_seqs``,
+        ``num_blocks`` or ``max_num_batched_tokens`` (the names and values are in the message), or
+        a shard would get fewer blocks than one ``max_model_len`` sequence needs.
+    """
+    d = int(data_parallel_size)
+    if d < 1:
+        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+    if d == 1:
+        return ec
+    for name in ("max_num_seqs", "num_blocks", "max_num_batched_tokens"):
+        v = getattr(ec, name)
+        if v % d:
+            raise ValueError(f"data_parallel_size={d} must divide {name}={v} (each data shard "
+                             f"owns {name}/data_parallel_size of them)")
+    local = dataclasses.replace(ec, max_num_seqs=ec.max_num_seqs // d,
+                                num_blocks=ec.num_blocks // d,
+                                max_num_batched_tokens=ec.max_num_batched_tokens // d)
+    if local.num_blocks < local.pages_per_seq:
+        raise ValueError(
+            f"num_blocks={ec.num_blocks} over data_parallel_size={d} leaves {local.num_blocks} "
+            f"blocks per shard, fewer than one max_model_len={ec.max_model_len} sequence needs "
+            f"({local.pages_per_seq}); raise num_blocks or lower data_parallel_size")
+    return local
+
+
+def stack_shards(tree, data_parallel_size: int):
+    """``tree`` (single-shard arrays) repeated along a new leading axis of size D."""
+    return jax.tree_util.tree_map(
+        lambda x: jnp.broadcast_to(x[None], (data_parallel_size,) + x.shape), tree)
+
+
+def _squeeze(tree):
+    return jax.tree_util.tree_map(lambda x: x[0], tree)
+
+
+def _expand(tree):
+    return jax.tree_util.tree_map(lambda x: x[None], tree)
+
+
+def _on_shard(mesh: Mesh, body, in_specs, out_specs):
+    """``shard_map`` manual over ``data`` only (``model`` stays automatic)."""
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         axis_names={DATA}, check_vma=False)
+
+
+def data_parallel_step(mesh: Mesh, graphdef, ec: EngineConfig, drafter, bucket, attention_impl,
+                       model_state, state, cache, mtp_cache, prefill_chunk, draft_limit):
+    """:func:`~jmtp.runtime.step.engine_step` on every data shard at once.
+
+    Args:
+      mesh: the engine's mesh (static).
+      graphdef, drafter, bucket, attention_impl, model_state: as for ``engine_step``
+        (``model_state`` replicated over ``data``).
+      ec: the *shard's* config (:func:`shard_config`), static.
+      state, cache, mtp_cache: stacked (module docstring).
+      prefill_chunk, draft_limit: i32[D, B/D].
+
+    Returns:
+      ``(state, cache, mtp_cache, StepOutput)``, all stacked: ``StepOutput`` fields are
+      ``[D, B/D, ...]`` and ``free_count`` is ``i32[D]``.
+    """
+    def body(model_state, state, cache, mtp_cache, chunk, limit):
+        out = engine_step(graphdef, ec, drafter, bucket, attention_impl, model_state,
+                          _squeeze(state), _squeeze(cache), _squeeze(mtp_cache), chunk[0],
+                          limit[0])
+        return _expand(out)
+
+    d = P(DATA)
+    return _on_shard(mesh, body, (P(), d, d, d, d, d), d)(
+        model_state, state, cache, mtp_cache, prefill_chunk, draft_limit)
+
+
+def data_parallel_insert(mesh: Mesh, state, shard, slot, prompt, prompt_len, max_dec_len,
+                         sampling_row, resume_token):
+    """:func:`~jmtp.runtime.state.insert_request` into row ``slot`` (i32[]) of data shard
+    ``shard`` (i32[]); the other shards keep their state unchanged. Other arguments as for
+    ``insert_request`` (replicated)."""
+    def body(state, shard, slot, prompt, prompt_len, max_dec_len, sampling_row, resume_token):
+        local = _squeeze(state)
+        new = insert_request(local, slot, prompt, prompt_len, max_dec_len, sampling_row,
+                             resume_token)
+        mine = jax.lax.axis_index(DATA) == shard
+        return _expand(jax.tree_util.tree_map(lambda n, o: jnp.where(mine, n, o), new, local))
+
+    r = P()
+    return _on_shard(mesh, body, (P(DATA), r, r, r, r, r, r, r), P(DATA))(
+        state, shard, slot, prompt, prompt_len, max_dec_len, sampling_row, resume_token)
+
+
+def data_parallel_release(mesh: Mesh, ec: EngineConfig, state, shard, slot):
+    """:func:`~jmtp.runtime.step.release_slot` of row ``slot`` of data shard ``shard`` (preemption
+    or a stop string found on the host). Returns ``(state, free_count i32[D])``."""
+    def body(state, shard, slot):
+        local = _squeeze(state)
+        new = release_slot(ec, local, slot)
+        mine = jax.lax.axis_index(DATA) == shard
+        new = jax.tree_util.tree_map(lambda n, o: jnp.where(mine, n, o), new, local)
+        return _expand(new), new.free_count[None]
+
+    return _on_shard(mesh, body, (P(DATA), P(), P()), (P(DATA), P(DATA)))(state, shard, slot)
+
+
+__all__ = ["shard_config", "stack_shards", "data_parallel_step", "data_parallel_insert",
+           "data_parallel_release"]

@@ -1,0 +1,240 @@
+"""Device mesh and sharding rules of jmtp, in one place.
+
+The mesh has two axes, :data:`DATA` (request slots, data parallel) and :data:`MODEL` (tensor
+parallel). Model code names only *logical* axes (:mod:`jmtp.model.axes`, carried by every
+``nnx.Param`` as its ``out_sharding`` metadata); :data:`LOGICAL_TO_MESH` is the one table that maps
+them to mesh axes, for the parameters, the KV caches and the engine state:
+
+==================  ========  =============================================================
+logical axis        mesh axis what it shards
+==================  ========  =============================================================
+``q_heads``         model     wq / bq columns, wo rows (column / row parallel attention)
+``kv_heads``        model     wk, wv / bk, bv columns; the KV caches' heads axis
+``mlp``             model     w_gate / w_up columns, w_down rows (column / row parallel MLP)
+``vocab``           model     embedding rows, LM head columns, the FR-Spec draft head rows
+``slots``           data      every per-slot array of the engine state (rows of B)
+``data_shard``      data      the leading axis of the stacked state and KV caches (one entry
+                              per data shard, :mod:`jmtp.runtime.data_parallel`)
+everything else     (none)    replicated
+==================  ========  =============================================================
+
+Tensor parallelism is plain GSPMD: the parameters and caches are placed with these shardings,
+the engine step is jitted with output shardings equal to the input ones (so the donated state and
+caches are updated in place and nothing recompiles) and XLA inserts the collectives (one
+all-reduce after each row-parallel matmul, a cross-shard max/argmax over the vocabulary). Ragged
+paged attention runs under ``jax.shard_map`` over the kv heads
+(:func:`jmtp.pallas.ragged_paged_attention.ragged_paged_attention` reads the mesh set by
+:func:`mesh_context`).
+
+A dimension mapped to ``model`` must split into whole pieces: ``tensor_parallel_size`` must divide
+``num_heads`` and ``num_kv_heads`` (else :func:`check_tensor_parallel` raises; replicating kv heads
+when TP exceeds them, as tpu-inference does, is not implemented yet). A ``vocab`` or ``mlp``
+dimension that TP does not divide leaves that one tensor replicated.
+
+Data parallelism splits the request slots and the KV-block pool into ``data_parallel_size``
+shards, each a small engine of its own inside the same jitted step
+(:mod:`jmtp.runtime.data_parallel`): the state and caches carry a leading ``data_shard`` axis.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jmtp.model import axes as ax
+
+log = logging.getLogger(__name__)
+
+DATA = "data"
+MODEL = "model"
+MESH_AXES = (DATA, MODEL)
+
+# Logical axis of the engine state's per-slot arrays (not a parameter axis).
+SLOTS = "slots"
+# Leading axis of the stacked (per data shard) engine state and KV caches.
+DATA_SHARD = "data_shard"
+
+# The one table: logical axis name -> mesh axis (None = replicated).
+LOGICAL_TO_MESH: dict[str, str | None] = {
+    ax.Q_HEADS: MODEL, ax.KV_HEADS: MODEL, ax.MLP: MODEL, ax.VOCAB: MODEL,
+    ax.LAYERS: None, ax.EMBED: None, ax.EMBED2: None, ax.HEAD_DIM: None,
+    ax.BLOCKS: None, ax.BLOCK_SIZE: None,
+    SLOTS: DATA, DATA_SHARD: DATA,
+}
+
+
+def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ``(data, model)`` mesh of ``data_parallel_size × tensor_parallel_size`` devices.
+
+    Args:
+      tensor_parallel_size: size of the ``model`` axis.
+      data_parallel_size: size of the ``data`` axis.
+      devices: the devices to use (default ``jax.devices()``); the first ``DP·TP`` are taken,
+        row-major (a model-axis group is ``DP`` consecutive devices apart from no other group).
+
+    Raises:
+      ValueError: a size below 1, or more devices asked for than given.
+    """
+    for name, n in (("tensor_parallel_size", tensor_parallel_size),
+                    ("data_parallel_size", data_parallel_size)):
+        if not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    need = tensor_parallel_size * data_parallel_size
+    if need > len(devices):
+        raise ValueError(
+            f"data_parallel_size={data_parallel_size} x tensor_parallel_size="
+            f"{tensor_parallel_size} needs {need} devices, but only {len(devices)} are available"
+            + (" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N gives N devices)"
+               if devices and devices[0].platform == "cpu" else ""))
+    grid = np.asarray(devices[:need], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
+    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def check_mesh(mesh: Mesh) -> Mesh:
+    """Return ``mesh`` if its axis names are :data:`MESH_AXES`, else raise ``ValueError``."""
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise ValueError(f"the mesh must have axes {MESH_AXES}, got {tuple(mesh.axis_names)}")
+    return mesh
+
+
+def mesh_sizes(mesh: Mesh) -> tuple[int, int]:
+    """``(data_parallel_size, tensor_parallel_size)`` of a jmtp mesh."""
+    return int(mesh.shape[DATA]), int(mesh.shape[MODEL])
+
+
+def check_tensor_parallel(cfg, tensor_parallel_size: int) -> None:
+    """Raise ``ValueError`` unless ``tensor_parallel_size`` divides the query and kv heads of
+    ``cfg`` (a :class:`~jmtp.model.config.ModelConfig`)."""
+    tp = tensor_parallel_size
+    for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)):
+        if n % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} must divide {name}={n} (the model has "
+                f"num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}); replicating kv "
+                "heads across tensor-parallel ranks is not implemented")
+
+
+def logical_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                 where: str = "") -> P:
+    """The ``PartitionSpec`` of an array with logical axes ``names`` and ``shape`` on ``mesh``.
+
+    A dimension whose mesh axis does not divide it is left replicated (logged once per tensor).
+
+    Raises:
+      ValueError: an unknown logical name, or ``len(names) != len(shape)``.
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"{where}: {len(names)} axis names {tuple(names)} for shape {tuple(shape)}")
+    out = []
+    for name, size in zip(names, shape):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in LOGICAL_TO_MESH:
+            raise ValueError(f"{where}: unknown logical axis {name!r} (see LOGICAL_TO_MESH)")
+        axis = LOGICAL_TO_MESH[name]
+        n = int(mesh.shape[axis]) if axis is not None else 1
+        if n > 1 and size % n:
+            log.info("%s: %s axis of size %d not divisible by mesh axis %s=%d; replicated",
+                     where or "array", name, size, axis, n)
+            axis = None
+        out.append(axis if n > 1 else None)
+    return P(*out)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_shardings(model_state: nnx.State, mesh: Mesh) -> nnx.State:
+    """``model_state`` (from ``nnx.split``) with each Variable's value replaced by the
+    ``NamedSharding`` its ``out_sharding`` logical names give on ``mesh`` (same tree structure, so
+    ``jax.device_put(model_state, param_shardings(model_state, mesh))`` places it).
+
+    A Variable without ``out_sharding`` metadata is replicated."""
+    def one(path, v):
+        names = v.get_metadata().get("out_sharding") or (None,) * v[...].ndim
+        where = ".".join(str(getattr(k, "key", k)) for k in path)
+        return v.replace(NamedSharding(mesh, logical_spec(names, v[...].shape, mesh, where)))
+    return jax.tree_util.tree_map_with_path(one, model_state, is_leaf=_is_var)
+
+
+def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, stacked: bool = False) -> NamedSharding:
+    """Sharding of a KV cache array ``f[L, num_blocks, block_size, Nkv, D]``
+    (:data:`jmtp.model.axes.KV_CACHE_AXES`): kv heads over ``model``; with ``stacked``, the
+    per-data-shard ``f[D, L, num_blocks/D, block_size, Nkv, D]`` (leading axis over ``data``)."""
+    names, shape = ax.KV_CACHE_AXES, (1, 1, 1, num_kv_heads, 1)
+    if stacked:
+        names, shape = (DATA_SHARD,) + tuple(names), (int(mesh.shape[DATA]),) + shape
+    return NamedSharding(mesh, logical_spec(names, shape, mesh, "kv_cache"))
+
+
+def state_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of every leaf of the stacked engine state (leading ``data_shard`` axis over
+    ``data``, the rest replicated over ``model``); a prefix for the whole pytree."""
+    return NamedSharding(mesh, P(LOGICAL_TO_MESH[DATA_SHARD]))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device holds the whole array (the engine state with ``data_parallel_size == 1``)."""
+    return NamedSharding(mesh, P())
+
+
+def attention_specs() -> tuple[P, P]:
+    """``(query/output spec f[T, Nq, D], cache spec f[num_blocks, block_size, Nkv, D])`` of ragged
+    paged attention under ``shard_map``: heads over ``model``."""
+    heads = LOGICAL_TO_MESH[ax.KV_HEADS]
+    return P(None, heads, None), P(None, None, heads, None)
+
+
+@contextlib.contextmanager
+def mesh_context(mesh: Mesh | None):
+    """``jax.set_mesh(mesh)`` while tracing / running the engine step (no-op for None)."""
+    if mesh is None:
+        yield
+        return
+    with jax.set_mesh(mesh):
+        yield
+
+
+def per_device_bytes(tree) -> tuple[int, int]:
+    """``(total bytes, bytes on the first device)`` of the arrays of ``tree`` (Variables
+    unwrapped): what each device holds, for the start-up report and the tests."""
+    total = local = 0
+    for a in jax.tree_util.tree_leaves(tree):
+        a = a[...] if isinstance(a, nnx.Variable) else a
+        total += a.nbytes
+        shards = getattr(a, "addressable_shards", None)
+        local += shards[0].data.nbytes if shards else a.nbytes
+    return total, local
+
+
+def auto_axes() -> set[str]:
+    """The axes of the mesh set by :func:`mesh_context` that are not manual yet (inside the data
+    parallel ``shard_map``, ``data`` is manual): what a nested ``shard_map`` makes manual. (All
+    axes manual: the Pallas kernels' interpret mode runs host callbacks, which a partly automatic
+    ``shard_map`` does not support.)"""
+    mesh = jax.sharding.get_abstract_mesh()
+    return {n for n, t in zip(mesh.axis_names, mesh.axis_types)
+            if t != jax.sharding.AxisType.Manual}
+
+
+def model_axis_size() -> int:
+    """Size of the ``model`` axis of the mesh set by :func:`mesh_context` (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or MODEL not in mesh.axis_names:
+        return 1
+    return int(mesh.shape[MODEL])
+
+
+__all__ = ["DATA", "MODEL", "MESH_AXES", "SLOTS", "DATA_SHARD", "state_sharding", "LOGICAL_TO_MESH", "make_mesh", "check_mesh",
+           "mesh_sizes", "check_tensor_parallel", "logical_spec", "param_shardings",
+           "kv_cache_sharding", "replicated", "attention_specs", "mesh_context",
+           "per_device_bytes", "model_axis_size", "auto_axes"]
