@@ -6,7 +6,8 @@ speculation setting in ``--ks`` (0 = plain decoding, 3 = MTP with K=3 drafts) th
 left off, so compile times are real), generates the same greedy batch twice (warm-up, then timed)
 and prints one table:
 
-* warm tok/s and ms/step of the timed greedy run, and the mean acceptance length;
+* warm tok/s and ms/step of the greedy batch (median of ``--repeats`` timed runs after the
+  warm-up), and the mean acceptance length;
 * compile seconds, apart from the timing: with ``--compile lazy`` (default) the buckets the
   workload uses are compiled during the warm-up and compile s = warm-up wall - timed wall; with
   ``--compile eager`` every step bucket and insert/release are compiled at construction and
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -125,9 +127,12 @@ def run_one(args, cfg, params, tok, prompts, dp: int, tp: int, k: int) -> dict:
     t0 = time.perf_counter()
     llm.generate(prompts, greedy, use_tqdm=False)     # warm-up (lazy: compiles the buckets used)
     first_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, greedy, use_tqdm=False)
-    dt = time.perf_counter() - t0
+    walls = []
+    for _ in range(args.repeats):      # same prompts, same buckets: nothing compiles any more
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        walls.append(time.perf_counter() - t0)
+    dt = statistics.median(walls)
     steps = llm.last_run_stats["steps"]
     if args.compile == "eager":        # every bucket, timed one by one at construction
         compile_s = sum(eng.compile_seconds.values())
@@ -162,8 +167,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="prompts, and max_num_seqs")
     ap.add_argument("--max-tokens", type=int, default=24)
     ap.add_argument("--max-model-len", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16,
-                    help="token budget per step (fewer step buckets to compile)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="token budget per step; default batch*(max K+1), at least 8 (a small "
+                         "budget means few step buckets to compile)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed runs after the warm-up; ms/step and tok/s are their medians")
     ap.add_argument("--compile", choices=("lazy", "eager"), default="lazy",
                     help="lazy: compile the buckets the workload uses (compile s = first run - "
                          "warm run); eager: every bucket at construction (compile s = their sum)")
@@ -181,11 +189,13 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     for name, v, lo in (("--batch", args.batch, 1), ("--max-tokens", args.max_tokens, 1),
-                        ("--host-devices", args.host_devices, 1)):
+                        ("--host-devices", args.host_devices, 1), ("--repeats", args.repeats, 1)):
         if v < lo:
             ap.error(f"{name} must be >= {lo}, got {v}")
     if any(x < 0 for x in ks):
         ap.error(f"--ks must be >= 0, got {args.ks}")
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = max(8, args.batch * (max(ks) + 1))
 
     force_host_devices(args.host_devices)   # before the first `import jax`
     import jax
