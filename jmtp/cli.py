@@ -28,6 +28,7 @@ def build_llm(args):
     return LLM(args.model, speculative_config=spec, max_num_seqs=max_num_seqs,
                max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                attention_backend=args.attention_backend, block_allocator=args.block_allocator,
+               kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
                max_logprobs=args.max_logprobs,
                seed=args.seed, mtp_head=None if args.mtp_head == "none" else args.mtp_head,
                compile=args.compile, compilation_cache_dir=None if cache == "none" else cache)
@@ -66,6 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "reference", "pallas_tpu", "pallas_gpu"],
                    help="on-device KV-block allocator (auto: the Pallas TPU kernel on TPU, the jnp "
                         "reference elsewhere; a state too large for TPU SMEM runs the reference)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                   help="KV-cache storage (target and MTP caches): auto = the model dtype; int8 / "
+                        "fp8_e4m3 = 8-bit values with one f32 scale per token per KV head")
     p.add_argument("--compile", choices=["eager", "lazy"], default=None,
                    help="eager: compile every step bucket at start-up (default, or "
                         "$JMTP_COMPILE); lazy: compile each bucket on first use")
@@ -119,6 +123,9 @@ def _generate(args) -> int:
     print(f"=== start-up: load {load_s:.1f}s, compile {compile_s:.1f}s "
           f"({len(llm.compile_seconds)} executables, cache {llm.compilation_cache_dir or 'off'}); "
           f"generate {st['seconds']:.1f}s; total {time.perf_counter() - t0:.1f}s")
+    kv = llm.llm_engine.kv_cache_bytes()
+    print(f"=== KV cache ({llm.engine_config.kv_cache_dtype or 'model dtype'}): values "
+          f"{kv['values'] / 2**20:.1f} MiB, scales {kv['scales'] / 2**20:.1f} MiB")
     return 0
 
 

@@ -149,6 +149,9 @@ class LLMEngine:
       attention_backend: ``"reference" | "xla" | "pallas_tpu" | "pallas_gpu" | None``.
       block_allocator: ``EngineConfig.block_allocator``: ``"auto"`` (default), ``"reference"``,
         ``"pallas_tpu"`` or ``"pallas_gpu"``.
+      kv_cache_dtype: ``EngineConfig.kv_cache_dtype``: ``None`` (default: ``dtype``), ``"int8"``
+        or ``"fp8_e4m3"`` for the target and the MTP cache (:mod:`jmtp.pallas.kv_quant`; bytes:
+        :meth:`kv_cache_bytes`).
       max_logprobs: largest ``SamplingParams.logprobs`` served (0 = logprobs off).
       seed: seeds the per-request seeds of requests whose ``SamplingParams.seed`` is None.
       model_config / params / tokenizer: pass an already-built model instead of ``model``.
@@ -175,8 +178,11 @@ class LLMEngine:
                  dtype=None, attention_backend: str | None = None, max_logprobs: int = 0,
                  seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
                  tokenizer=None, mtp_head: str | None = "auto", compile: str | None = None,
-                 compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto"):
+                 compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto",
+                 kv_cache_dtype: str | None = None):
+        from jmtp.pallas.kv_quant import check_kv_cache_dtype
         from jmtp.runtime import compile as jc
+        check_kv_cache_dtype(kv_cache_dtype)   # before anything is loaded
         compile = jc.resolve_compile_mode(compile)
         self.compilation_cache_dir = jc.setup_compilation_cache(compilation_cache_dir)
         dtype = jnp.dtype(dtype or default_dtype())
@@ -221,16 +227,18 @@ class LLMEngine:
         ec = EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             num_blocks=num_blocks or 1, max_num_batched_tokens=max_num_batched_tokens,
-            max_stop_ids=8, max_logprobs=max_logprobs, spec=spec, block_allocator=block_allocator)
+            max_stop_ids=8, max_logprobs=max_logprobs, spec=spec, block_allocator=block_allocator,
+            kv_cache_dtype=kv_cache_dtype)
         if not num_blocks:      # default: every slot can hold a full-length sequence
             ec = dataclasses.replace(ec, num_blocks=max_num_seqs * ec.pages_per_seq)
         self.engine_config = ec
         self._seed_rng = np.random.default_rng(seed)
         self.attention_backend = attention_backend
         self.state = init_state(ec, model_config.vocab_size)
-        self.cache = init_kv_cache(model_config, model_config.num_layers, ec.num_blocks, block_size, dtype)
+        self.cache = init_kv_cache(model_config, model_config.num_layers, ec.num_blocks,
+                                   block_size, dtype, ec.kv_cache_dtype)
         self.mtp_cache = (init_kv_cache(model_config, max(model_config.num_mtp_layers, 1),
-                                        ec.num_blocks, block_size, dtype)
+                                        ec.num_blocks, block_size, dtype, ec.kv_cache_dtype)
                           if spec.method == "mtp" else None)
         self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
         self._insert = jax.jit(insert_request, donate_argnums=0)
@@ -356,6 +364,20 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
+
+    def kv_cache_bytes(self) -> dict[str, int]:
+        """Device bytes of the KV caches, values and quantisation scales apart.
+
+        Keys: ``target_values``, ``target_scales``, ``mtp_values``, ``mtp_scales`` (0 without an
+        MTP cache), ``values``, ``scales`` (sums) and ``total``. Values take
+        ``2 · layers · num_blocks · block_size · Nkv · D · itemsize`` bytes (itemsize 1 for
+        ``kv_cache_dtype`` ``"int8"`` / ``"fp8_e4m3"``, so ¼ of f32 and ½ of bf16); scales
+        ``2 · layers · num_blocks · block_size · Nkv · 4`` (0 unquantised).
+        """
+        tv, ts = self.cache.nbytes()
+        mv, ms = self.mtp_cache.nbytes() if self.mtp_cache is not None else (0, 0)
+        return dict(target_values=tv, target_scales=ts, mtp_values=mv, mtp_scales=ms,
+                    values=tv + mv, scales=ts + ms, total=tv + mv + ts + ms)
 
     def get_stats(self) -> dict:
         """Counters for monitoring (plain Python values).
