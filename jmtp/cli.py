@@ -28,6 +28,7 @@ def build_llm(args):
     return LLM(args.model, speculative_config=spec, max_num_seqs=max_num_seqs,
                max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                attention_backend=args.attention_backend, block_allocator=args.block_allocator,
+               kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
                max_logprobs=args.max_logprobs,
                seed=args.seed, mtp_head=None if args.mtp_head == "none" else args.mtp_head,
                compile=args.compile, compilation_cache_dir=None if cache == "none" else cache,
@@ -76,6 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="devices of the data-parallel ('data') mesh axis: slots, KV blocks and "
                         "the step's token budget split into that many shards (must divide "
                         "--max-num-seqs, --num-blocks and --max-num-batched-tokens)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                   help="KV-cache storage (target and MTP caches): auto = the model dtype; int8 / "
+                        "fp8_e4m3 = 8-bit values with one f32 scale per token per KV head")
     p.add_argument("--compile", choices=["eager", "lazy"], default=None,
                    help="eager: compile every step bucket at start-up (default, or "
                         "$JMTP_COMPILE); lazy: compile each bucket on first use")
@@ -136,6 +140,9 @@ def _generate(args) -> int:
         print(f"=== mesh {dict(llm.mesh.shape)}: per device params "
               f"{mem['params'][0] / 2**20:.1f} of {mem['params'][1] / 2**20:.1f} MiB, KV caches "
               f"{mem['kv_cache'][0] / 2**20:.1f} of {mem['kv_cache'][1] / 2**20:.1f} MiB")
+    kv = llm.llm_engine.kv_cache_bytes()
+    print(f"=== KV cache ({llm.engine_config.kv_cache_dtype or 'model dtype'}): values "
+          f"{kv['values'] / 2**20:.1f} MiB, scales {kv['scales'] / 2**20:.1f} MiB")
     return 0
 
 

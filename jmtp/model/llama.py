@@ -17,7 +17,9 @@ leading layer axis L so that the layers run under one ``lax.scan``)::
   mtp:         enorm,hnorm f[N,H]  eh_proj f[N,2H,H]  final_norm f[N,H]  layer: {as `layers`, N stacked}
 
 The KV cache of a stack of ``L`` layers is :class:`KVCache` with ``k, v: f[L, num_blocks, block_size,
-Nkv, D]``. The MTP head has its own one-layer-per-MTP-module cache addressed by the same block ids.
+Nkv, D]`` (8-bit values plus ``k_scale, v_scale: f32[L, num_blocks, Nkv, block_size]`` when
+``kv_cache_dtype`` quantises it, :mod:`jmtp.pallas.kv_quant`). The MTP head has its own
+one-layer-per-MTP-module cache addressed by the same block ids.
 """
 from __future__ import annotations
 
@@ -30,21 +32,57 @@ import jax.numpy as jnp
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.metadata import AttentionMetadata
+from jmtp.pallas import kv_quant
 from jmtp.pallas.ragged_paged_attention import ragged_paged_attention, write_kv
 
 
 class KVCache(NamedTuple):
-    """Paged KV cache of a layer stack: ``k, v: f[L, num_blocks, block_size, Nkv, D]``."""
+    """Paged KV cache of a layer stack.
+
+    Attributes:
+      k, v: ``f[L, num_blocks, block_size, Nkv, D]`` (int8 / float8_e4m3fn when quantised).
+      k_scale, v_scale: ``f32[L, num_blocks, Nkv, block_size]``, one scale per slot and KV head
+        (FastDeploy's ``block_wise_fp8`` layout), or ``None`` for an unquantised cache.
+    """
 
     k: jax.Array
     v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def nbytes(self) -> tuple[int, int]:
+        """``(value bytes, scale bytes)`` of the whole cache."""
+        values = self.k.size * self.k.dtype.itemsize + self.v.size * self.v.dtype.itemsize
+        if not self.quantized:
+            return values, 0
+        return values, (self.k_scale.size * self.k_scale.dtype.itemsize
+                        + self.v_scale.size * self.v_scale.dtype.itemsize)
 
 
 def init_kv_cache(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int,
-                  dtype=jnp.float32) -> KVCache:
-    """Zero-filled cache for ``num_layers`` layers (``cfg.num_layers`` for the target, N for MTP)."""
+                  dtype=jnp.float32, kv_cache_dtype: str | None = None) -> KVCache:
+    """Zero-filled cache for ``num_layers`` layers (``cfg.num_layers`` for the target, N for MTP).
+
+    Args:
+      dtype: value dtype of an unquantised cache.
+      kv_cache_dtype: ``None`` (values in ``dtype``), ``"int8"`` or ``"fp8_e4m3"`` (8-bit values
+        and f32 scales, :mod:`jmtp.pallas.kv_quant`).
+
+    Raises:
+      ValueError: ``kv_cache_dtype`` not one of :data:`jmtp.pallas.kv_quant.KV_CACHE_DTYPES`.
+    """
+    kv_quant.check_kv_cache_dtype(kv_cache_dtype)
     shape = (num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    if kv_cache_dtype is None:
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    q8 = kv_quant.storage_dtype(kv_cache_dtype)
+    sshape = (num_layers, num_blocks, cfg.num_kv_heads, block_size)
+    return KVCache(jnp.zeros(shape, q8), jnp.zeros(shape, q8),
+                   jnp.zeros(sshape, kv_quant.SCALE_DTYPE), jnp.zeros(sshape, kv_quant.SCALE_DTYPE))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -106,11 +144,13 @@ def decoder_layer(
     x: jax.Array,              # f[T, H] residual stream
     positions: jax.Array,      # i32[T]
     meta: AttentionMetadata,
-    k_cache: jax.Array,        # f[num_blocks, block_size, Nkv, D] cache pool holding this layer's
-    v_cache: jax.Array,        #   blocks (``meta`` addresses them; see _layer_view)
+    pool: KVCache,             # k, v f[num_blocks, block_size, Nkv, D] (+ scales f32[num_blocks,
+                               #   Nkv, block_size]): the cache pool holding this layer's blocks
+                               #   (``meta`` addresses them; see _layer_view)
     attention_impl: str | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pre-norm Llama block: GQA attention over the paged cache (writing this step's K/V) + SwiGLU."""
+) -> tuple[jax.Array, KVCache]:
+    """Pre-norm Llama block: GQA attention over the paged cache (writing this step's K/V,
+    quantised when the pool is) + SwiGLU. Returns ``(x, pool)``."""
     t = x.shape[0]
     q, k, v = project_qkv(cfg, p, x, positions)
     slots = meta.slot_mapping
@@ -120,14 +160,18 @@ def decoder_layer(
         # A second, dropped row (slot -1) keeps it a scatter, which XLA updates in place.
         k, v = (jnp.concatenate([a, jnp.zeros_like(a)], 0) for a in (k, v))
         slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])
-    k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slots)
+    if pool.quantized:
+        pool = KVCache(*kv_quant.write_kv_quantized(*pool, k, v, slots))
+    else:
+        pool = KVCache(*write_kv(pool.k, pool.v, k, v, slots))
     attn = ragged_paged_attention(
-        q, k_cache, v_cache, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
-        sm_scale=1.0 / math.sqrt(cfg.head_dim), implementation=attention_impl)
+        q, pool.k, pool.v, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
+        sm_scale=1.0 / math.sqrt(cfg.head_dim), implementation=attention_impl,
+        k_scale=pool.k_scale, v_scale=pool.v_scale)
     x = x + attn.reshape(t, cfg.q_size) @ p["wo"]
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-    return x, k_cache, v_cache
+    return x, pool
 
 
 def _layer_view(meta: AttentionMetadata, cache: KVCache, i) -> AttentionMetadata:
@@ -147,8 +191,19 @@ def _layer_view(meta: AttentionMetadata, cache: KVCache, i) -> AttentionMetadata
 
 
 def _flat(c: jax.Array) -> jax.Array:
-    """``f[L, num_blocks, block_size, Nkv, D]`` -> ``f[L·num_blocks, block_size, Nkv, D]`` (a view)."""
+    """``f[L, num_blocks, block_size, Nkv, D]`` -> ``f[L·num_blocks, block_size, Nkv, D]`` (a view;
+    scales ``f32[L, num_blocks, Nkv, bs]`` likewise)."""
     return c.reshape((c.shape[0] * c.shape[1],) + c.shape[2:])
+
+
+def _flat_cache(cache: KVCache) -> KVCache:
+    """Every array of ``cache`` as one pool of ``L·num_blocks`` blocks (:func:`_flat`)."""
+    return KVCache(*(None if a is None else _flat(a) for a in cache))
+
+
+def _unflat_cache(pool: KVCache, like: KVCache) -> KVCache:
+    """Inverse of :func:`_flat_cache`: the pool's arrays back in ``like``'s shapes."""
+    return KVCache(*(None if a is None else a.reshape(b.shape) for a, b in zip(pool, like)))
 
 
 def _run_layers(cfg, layers, x, positions, meta, cache: KVCache, attention_impl):
@@ -158,22 +213,22 @@ def _run_layers(cfg, layers, x, positions, meta, cache: KVCache, attention_impl)
     dicts (:func:`unstack_layers`): a Python loop (unrolled), so that no weight is sliced out of a
     stack inside the step (XLA:CPU copies each sliced weight before its dot), at the price of a
     compile several times as long."""
-    kc, vc = _flat(cache.k), _flat(cache.v)
+    pool = _flat_cache(cache)
 
-    def layer(x, kc, vc, i, p):
-        return decoder_layer(cfg, p, x, positions, _layer_view(meta, cache, i), kc, vc,
+    def layer(x, pool, i, p):
+        return decoder_layer(cfg, p, x, positions, _layer_view(meta, cache, i), pool,
                              attention_impl)
 
     if isinstance(layers, (list, tuple)):
         for i, p in enumerate(layers):
-            x, kc, vc = layer(x, kc, vc, i, p)
+            x, pool = layer(x, pool, i, p)
     else:
         def body(carry, inp):
             return layer(*carry, *inp), None
 
         n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-        (x, kc, vc), _ = jax.lax.scan(body, (x, kc, vc), (jnp.arange(n), layers))
-    return x, KVCache(kc.reshape(cache.k.shape), vc.reshape(cache.v.shape))
+        (x, pool), _ = jax.lax.scan(body, (x, pool), (jnp.arange(n), layers))
+    return x, _unflat_cache(pool, cache)
 
 
 def forward(
@@ -231,9 +286,9 @@ def mtp_forward(
     hn = rms_norm(hidden.astype(e.dtype), pick(m["hnorm"]), cfg.rms_norm_eps)
     x = jnp.concatenate([e, hn], axis=-1) @ pick(m["eh_proj"])
     layer = jax.tree_util.tree_map(pick, m["layer"])
-    x, kc, vc = decoder_layer(cfg, layer, x, positions, _layer_view(meta, cache, layer_idx),
-                              _flat(cache.k), _flat(cache.v), attention_impl)
-    cache = KVCache(kc.reshape(cache.k.shape), vc.reshape(cache.v.shape))
+    x, pool = decoder_layer(cfg, layer, x, positions, _layer_view(meta, cache, layer_idx),
+                            _flat_cache(cache), attention_impl)
+    cache = _unflat_cache(pool, cache)
     h = rms_norm(x, pick(m["final_norm"]), cfg.rms_norm_eps)
     return h, (x if cfg.mtp_layout == "deepseek" else h), cache
 

@@ -25,6 +25,15 @@ reference's O(T · S · pages·block_size); the CPU default), and the Pallas ker
 :mod:`jmtp.pallas.ragged_paged_attention_tpu` (Mosaic TPU) and
 :mod:`jmtp.pallas.ragged_paged_attention_gpu` (Triton); they only read the cache, :func:`write_kv`
 stays the companion op that writes this step's keys and values.
+
+**Quantised caches** (``kv_cache_dtype`` ``"int8"`` / ``"fp8_e4m3"``, :mod:`jmtp.pallas.kv_quant`):
+``k_cache``/``v_cache`` hold 8-bit values and ``k_scale``/``v_scale`` ``f32[num_blocks, Nkv,
+block_size]`` one scale per slot and KV head (FastDeploy's ``block_wise_fp8`` layout); key ``p``
+of head ``h`` is ``k_cache[b, o, h] * k_scale[b, h, o]`` with ``b, o`` its block and offset. Every
+implementation dequantises on read (the reference and the XLA path before the matmuls, the
+kernels by scaling the score / probability columns, which is the same product); the companion
+write is :func:`jmtp.pallas.kv_quant.write_kv_quantized`. Scales of positions no sequence owns
+may be anything (NaN included), like the values.
 """
 from __future__ import annotations
 
@@ -34,10 +43,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jmtp.pallas.kv_quant import gather_scales, is_quantized_dtype
+
 IMPLEMENTATIONS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
 
 
-def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens):
+def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale=None,
+                  v_scale=None):
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim], got shape {q.shape}")
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
@@ -56,6 +68,35 @@ def _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens):
             f"{block_tables.shape}")
     if cu_q_lens.shape != (s + 1,):
         raise ValueError(f"cu_q_lens must be i32[S+1] = i32[{s + 1}], got {cu_q_lens.shape}")
+    _check_scales(k_cache, v_cache, k_scale, v_scale)
+
+
+def _check_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
+    """Whether the cache is quantised; raises ValueError on inconsistent scales."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together")
+    quantized = is_quantized_dtype(k_cache.dtype)
+    if k_scale is None:
+        if quantized:
+            raise ValueError(f"a {k_cache.dtype} cache needs k_scale/v_scale (f32[num_blocks, Nkv, "
+                             "block_size])")
+        return False
+    if not quantized or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_scale/v_scale need an int8 or float8_e4m3fn cache, got "
+                         f"{k_cache.dtype} / {v_cache.dtype}")
+    nb, bs, nkv, _ = k_cache.shape
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc.shape != (nb, nkv, bs) or sc.dtype != jnp.float32:
+            raise ValueError(f"{name} must be f32[num_blocks, Nkv, block_size] = f32{[nb, nkv, bs]}"
+                             f", got {sc.dtype}{list(sc.shape)}")
+    return True
+
+
+def compute_dtype(q_dtype, cache_dtype):
+    """Dtype the kernels multiply in: the wider of q and cache; q's own for 8-bit caches."""
+    if is_quantized_dtype(cache_dtype):
+        return jnp.dtype(q_dtype)
+    return jnp.promote_types(q_dtype, cache_dtype)
 
 
 def token_seq_ids(cu_q_lens: jax.Array, num_tokens: int) -> jax.Array:
@@ -76,10 +117,13 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
+    v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
 ) -> jax.Array:               # f[T, Nq, D]
     """Plain-jnp ragged paged attention: gathers each sequence's pages and runs masked softmax.
 
-    Cost is O(T · S · pages·block_size) — the meaning of the op, not a fast path.
+    Cost is O(T · S · pages·block_size) — the meaning of the op, not a fast path. A quantised
+    cache is dequantised (``value * scale`` in f32) right after the gather.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -96,10 +140,13 @@ def ragged_paged_attention_reference(
     tables = jnp.clip(block_tables, 0, num_blocks - 1)
     kv_pos = jnp.arange(max_kv, dtype=jnp.int32)                         # i32[Lk]
     kv_valid = kv_pos[None, :] < kv_lens[:, None]                        # bool[S, Lk]
-    k = k_cache[tables].reshape(num_seqs, max_kv, num_kv_heads, head_dim)
-    v = v_cache[tables].reshape(num_seqs, max_kv, num_kv_heads, head_dim)
-    k = jnp.where(kv_valid[..., None, None], k, 0).astype(jnp.float32)
-    v = jnp.where(kv_valid[..., None, None], v, 0).astype(jnp.float32)
+    k = k_cache[tables].reshape(num_seqs, max_kv, num_kv_heads, head_dim).astype(jnp.float32)
+    v = v_cache[tables].reshape(num_seqs, max_kv, num_kv_heads, head_dim).astype(jnp.float32)
+    if k_scale is not None:
+        k = k * gather_scales(k_scale, tables).reshape(num_seqs, max_kv, num_kv_heads)[..., None]
+        v = v * gather_scales(v_scale, tables).reshape(num_seqs, max_kv, num_kv_heads)[..., None]
+    k = jnp.where(kv_valid[..., None, None], k, 0)
+    v = jnp.where(kv_valid[..., None, None], v, 0)
 
     qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = jnp.einsum("tkgd,sjkd->tkgsj", qf, k) * sm_scale            # f[T, Nkv, G, S, Lk]
@@ -133,6 +180,8 @@ def ragged_paged_attention_xla(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     q_tile: int = 32,
+    k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
+    v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
 ) -> jax.Array:               # f[T, Nq, D]
     """Plain-XLA ragged paged attention for backends without a kernel (the CPU default).
 
@@ -142,7 +191,8 @@ def ragged_paged_attention_xla(
     sequences) lets each row gather its own sequence's pages. Cost O(T · pages·block_size · Nq · D)
     and O(q_tile · pages·block_size · Nkv · D) scratch memory, independent of the number of
     sequences S. (One gather per tile instead of per row made a 582-token batch-1 prefill on a
-    2-core CPU take 5.9 s instead of 22 s.)
+    2-core CPU take 5.9 s instead of 22 s.) A quantised cache's pages are dequantised right after
+    their gather.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -175,6 +225,15 @@ def ragged_paged_attention_xla(
         den = jnp.sum(p, axis=-1, keepdims=True)
         return p / jnp.where(den > 0, den, 1.0)
 
+    def gather(tables, lead):
+        """K and V (f32, dequantised) of the pages ``tables i32[*lead, pages]``."""
+        k = k_cache[tables].reshape(lead + (max_kv, num_kv_heads, head_dim)).astype(jnp.float32)
+        v = v_cache[tables].reshape(lead + (max_kv, num_kv_heads, head_dim)).astype(jnp.float32)
+        if k_scale is not None:
+            k = k * gather_scales(k_scale, tables).reshape(lead + (max_kv, num_kv_heads, 1))
+            v = v * gather_scales(v_scale, tables).reshape(lead + (max_kv, num_kv_heads, 1))
+        return k, v
+
     def rows_mask(lo_t, hi_t):
         return (kv_pos[None, :] >= lo_t[:, None]) & (kv_pos[None, :] < hi_t[:, None])  # [tile, Lk]
 
@@ -183,10 +242,9 @@ def ragged_paged_attention_xla(
         qt, seq_t, lo_t, hi_t = args                                   # [tile, Nkv, G, D], i32[tile]
         tables = jnp.clip(block_tables[seq_t], 0, num_blocks - 1)      # i32[tile, pages]
         mask = rows_mask(lo_t, hi_t)
-        k = k_cache[tables].reshape(tile, max_kv, num_kv_heads, head_dim)
-        v = v_cache[tables].reshape(tile, max_kv, num_kv_heads, head_dim)
-        k = jnp.where(mask[..., None, None], k, 0).astype(jnp.float32)
-        v = jnp.where(mask[..., None, None], v, 0).astype(jnp.float32)
+        k, v = gather(tables, (tile,))
+        k = jnp.where(mask[..., None, None], k, 0)
+        v = jnp.where(mask[..., None, None], v, 0)
         p = softmax(jnp.einsum("tkgd,tjkd->tkgj", qt, k) * sm_scale, mask)
         return jnp.einsum("tkgj,tjkd->tkgd", p, v)
 
@@ -196,10 +254,9 @@ def ragged_paged_attention_xla(
         table = jnp.clip(block_tables[seq_t[0]], 0, num_blocks - 1)   # i32[pages]
         mask = rows_mask(lo_t, hi_t)
         used = (kv_pos >= jnp.min(lo_t)) & (kv_pos < jnp.max(hi_t))   # keys some row sees
-        k = k_cache[table].reshape(max_kv, num_kv_heads, head_dim)
-        v = v_cache[table].reshape(max_kv, num_kv_heads, head_dim)
-        k = jnp.where(used[:, None, None], k, 0).astype(jnp.float32)
-        v = jnp.where(used[:, None, None], v, 0).astype(jnp.float32)
+        k, v = gather(table, ())
+        k = jnp.where(used[:, None, None], k, 0)
+        v = jnp.where(used[:, None, None], v, 0)
         p = softmax(jnp.einsum("tkgd,jkd->tkgj", qt, k) * sm_scale, mask)
         return jnp.einsum("tkgj,jkd->tkgd", p, v)
 
@@ -238,18 +295,23 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     implementation: str | None = None,
     interpret: Any = None,
+    k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
+    v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
 ) -> jax.Array:               # f[T, Nq, D]
     """Attention of a ragged batch of queries over a paged KV cache (see module docstring).
 
     Args:
       implementation: one of :data:`IMPLEMENTATIONS`, or None for :func:`default_implementation`.
+      k_scale / v_scale: the per-slot, per-head scales of an int8 / float8_e4m3fn cache (required
+        for those dtypes, not allowed for others); see :mod:`jmtp.pallas.kv_quant`.
       interpret: kernels only (ignored by ``"reference"`` and ``"xla"``): None = Pallas interpret mode iff the
         default backend is CPU; a bool; or, for ``"pallas_tpu"``, a ``pltpu.InterpretParams``.
 
     Raises:
-      ValueError: on inconsistent shapes (at trace time) or an unknown ``implementation``.
+      ValueError: on inconsistent shapes or scales (at trace time) or an unknown
+        ``implementation``.
     """
-    _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
+    _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
     impl = implementation or default_implementation()
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
@@ -262,33 +324,30 @@ def ragged_paged_attention(
         # with its own kv heads and their query heads; the metadata is replicated.
         heads, cache = sharding.attention_specs()
         rep = jax.sharding.PartitionSpec()
+        if k_scale is not None:
+            raise ValueError("a quantised KV cache (k_scale/v_scale) under tensor parallelism is "
+                             "not supported yet")
         run = jax.shard_map(run, in_specs=(heads, cache, cache, rep, rep, rep), out_specs=heads,
                             axis_names=sharding.auto_axes(), check_vma=False)
-    return run(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
+        return run(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
+    return run(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
 
 
-def _dispatch(impl, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, *, sm_scale,
-              sliding_window, soft_cap, interpret):
+def _dispatch(impl, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale=None,
+              v_scale=None, *, sm_scale, sliding_window, soft_cap, interpret):
     """Call implementation ``impl`` (arguments as :func:`ragged_paged_attention`)."""
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+              k_scale=k_scale, v_scale=v_scale)
+    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
     if impl == "reference":
-        return ragged_paged_attention_reference(
-            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        return ragged_paged_attention_reference(*args, **kw)
     if impl == "xla":
-        return ragged_paged_attention_xla(
-            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        return ragged_paged_attention_xla(*args, **kw)
     if impl == "pallas_tpu":
         from jmtp.pallas import ragged_paged_attention_tpu as tpu
-        return tpu.ragged_paged_attention_tpu(
-            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-            interpret=interpret)
+        return tpu.ragged_paged_attention_tpu(*args, **kw, interpret=interpret)
     from jmtp.pallas import ragged_paged_attention_gpu as gpu
-    return gpu.ragged_paged_attention_gpu(
-        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-        interpret=interpret)
+    return gpu.ragged_paged_attention_gpu(*args, **kw, interpret=interpret)
 
 
 def write_kv(
@@ -298,7 +357,8 @@ def write_kv(
     v_new: jax.Array,         # f[T, Nkv, D]
     slot_mapping: jax.Array,  # i32[T]  block_id * block_size + offset; -1 = padding row (dropped)
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter this step's keys/values into the paged cache. Rows with slot -1 write nothing."""
+    """Scatter this step's keys/values into the paged cache. Rows with slot -1 write nothing.
+    (A quantised cache is written by :func:`jmtp.pallas.kv_quant.write_kv_quantized`.)"""
     nb, bs, nkv, d = k_cache.shape
     slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)  # out of range -> dropped
     kf = k_cache.reshape(nb * bs, nkv, d).at[slots].set(k_new.astype(k_cache.dtype), mode="drop")

@@ -43,6 +43,12 @@ al. 2023 blog "Flash-Decoding for long-context inference"; written from scratch)
   per-split ``acc`` (unnormalised), running max ``m`` and sum ``l`` in f32 and the wrapper
   combines them: ``m* = max m_i``, ``out = sum exp(m_i - m*) acc_i / sum exp(m_i - m*) l_i``.
 
+Quantised caches (int8 / float8_e4m3fn values, ``f32[num_blocks, Nkv, block_size]`` scales,
+:mod:`jmtp.pallas.kv_quant`): each key step also gathers the ``bkv`` scales of its keys for the
+program's KV head (masked like the values), converts the 8-bit values to the q dtype (exact) and
+applies the scales to the columns of the ``[R, bkv]`` products: ``s = (q . k8) * k_scale *
+sm_scale`` and ``acc += (p * v_scale) @ v8``, which equal attention over the dequantised cache.
+
 Heuristic (:func:`default_block_sizes`): ``tq`` is the next power of two of the mean query length
 ``ceil(T / S)``, so that ``R = tq * Gp`` lies in [16, 64] (16 = smallest ``tl.dot`` M, 64 = one
 warp group's worth for prefill); ``bkv = 64`` keys per step (pages need not divide it); ``splits``
@@ -64,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jmtp.pallas.ragged_paged_attention import _check_shapes
+from jmtp.pallas.ragged_paged_attention import _check_shapes, compute_dtype
 
 _MASK = -1e30
 _TARGET_PROGRAMS = 256
@@ -120,12 +126,17 @@ def _kernel(
     q_ref,            # f[Nkv, (T + tq) * Gp, Dp]  (Dp = head_dim padded to a power of 2)
     k_ref,            # f[num_blocks * block_size, Nkv * D]
     v_ref,            # f[num_blocks * block_size, Nkv * D]
-    *out_refs,        # splits == 1: o f[Nkv, rows, Dp]; else acc f32[splits, Nkv, rows, Dp],
+    *refs,            # quantized: ks, vs f32[num_blocks * Nkv * block_size]; then the outputs:
+                      #   splits == 1: o f[Nkv, rows, Dp]; else acc f32[splits, Nkv, rows, Dp],
                       #   m f32[splits, Nkv, rows], l f32[splits, Nkv, rows]
     tq: int, group: int, gp: int, bkv: int, splits: int, block_size: int, pages_per_seq: int,
-    num_blocks: int, head_dim: int, dp: int, sm_scale: float, sliding_window: int | None,
-    soft_cap: float | None, precision: Any,
+    num_blocks: int, num_kv_heads: int, head_dim: int, dp: int, sm_scale: float,
+    sliding_window: int | None, soft_cap: float | None, precision: Any, quantized: bool,
 ):
+    if quantized:
+        ks_ref, vs_ref, *out_refs = refs
+    else:
+        out_refs = refs
     w, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows = tq * gp
     nq = tile_nq_ref[w]
@@ -167,14 +178,26 @@ def _kernel(
             key_ok = (pos >= k_lo) & (pos < k_hi)
             page = jnp.minimum(lax.div(pos, block_size), pages_per_seq - 1)
             blk = pltr.load(tables_ref.at[s * pages_per_seq + page], mask=key_ok, other=0)
-            slot = jnp.clip(blk, 0, num_blocks - 1) * block_size + lax.rem(pos, block_size)
+            blk = jnp.clip(blk, 0, num_blocks - 1)
+            slot = blk * block_size + lax.rem(pos, block_size)
             kv_idx = (slot[:, None], cols[None, :])
             ld_ok = key_ok[:, None] & d_ok[None, :]
-            k = pltr.load(k_ref.at[kv_idx], mask=ld_ok, other=0)                    # [bkv, Dp]
-            v = pltr.load(v_ref.at[kv_idx], mask=ld_ok, other=0)
-            if k.dtype != q.dtype:         # narrower cache: compute in the wider q dtype
+            if k_ref.dtype == jnp.float8_e4m3fn:
+                # Triton lowers no integer fill value to fp8: load masked, zero after the cast.
+                k = pltr.load(k_ref.at[kv_idx], mask=ld_ok).astype(q.dtype)         # [bkv, Dp]
+                v = pltr.load(v_ref.at[kv_idx], mask=ld_ok).astype(q.dtype)
+                k, v = (jnp.where(ld_ok, x, jnp.zeros_like(x)) for x in (k, v))
+            else:
+                k = pltr.load(k_ref.at[kv_idx], mask=ld_ok, other=0)                # [bkv, Dp]
+                v = pltr.load(v_ref.at[kv_idx], mask=ld_ok, other=0)
+            if k.dtype != q.dtype:         # narrower / 8-bit cache: compute in the q dtype
                 k, v = k.astype(q.dtype), v.astype(q.dtype)
             sc = pltr.dot(q, k, trans_b=True, precision=precision) * sm_scale        # [R, bkv]
+            if quantized:                  # this head's scales of the step's keys
+                s_idx = (blk * num_kv_heads + h) * block_size + lax.rem(pos, block_size)
+                k_sc = pltr.load(ks_ref.at[s_idx], mask=key_ok, other=0)             # f32[bkv]
+                v_sc = pltr.load(vs_ref.at[s_idx], mask=key_ok, other=0)
+                sc = sc * k_sc[None, :]
             if soft_cap is not None:
                 sc = soft_cap * jnp.tanh(sc / soft_cap)
             mask = row_ok[:, None] & key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -185,6 +208,8 @@ def _kernel(
             p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
             alpha = jnp.exp(m - m_new)
             l = alpha * l + jnp.sum(p, axis=1)
+            if quantized:
+                p = p * v_sc[None, :]
             acc = alpha[:, None] * acc + pltr.dot(p.astype(v.dtype), v, precision=precision)
             return acc, m_new, l
 
@@ -206,8 +231,8 @@ def _kernel(
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "block_sizes", "interpret", "num_warps",
     "num_stages"))
-def _rpa_gpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, *, sm_scale, sliding_window,
-             soft_cap, block_sizes: BlockSizes, interpret: bool, num_warps: int,
+def _rpa_gpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale, *, sm_scale,
+             sliding_window, soft_cap, block_sizes: BlockSizes, interpret: bool, num_warps: int,
              num_stages: int):
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
@@ -235,8 +260,9 @@ def _rpa_gpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, *, sm_scale,
 
     qw = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     qw = jnp.pad(qw, ((0, 0), (0, t_rows - num_tokens), (0, gp - group), (0, dp - head_dim)))
-    # Mixed dtypes compute in the wider one (the reference computes everything in f32).
-    qw = qw.reshape(num_kv_heads, rows, dp).astype(jnp.promote_types(q.dtype, k_cache.dtype))
+    # Mixed dtypes compute in the wider one (the reference computes everything in f32); 8-bit
+    # caches in the q dtype.
+    qw = qw.reshape(num_kv_heads, rows, dp).astype(compute_dtype(q.dtype, k_cache.dtype))
     kf = k_cache.reshape(num_blocks * block_size, num_kv_heads * head_dim)
     vf = v_cache.reshape(num_blocks * block_size, num_kv_heads * head_dim)
 
@@ -244,9 +270,10 @@ def _rpa_gpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, *, sm_scale,
                  else lax.Precision.DEFAULT)
     kernel = functools.partial(
         _kernel, tq=tq, group=group, gp=gp, bkv=bkv, splits=splits, block_size=block_size,
-        pages_per_seq=pages, num_blocks=num_blocks, head_dim=head_dim, dp=dp,
-        sm_scale=float(sm_scale),
-        sliding_window=sliding_window, soft_cap=soft_cap, precision=precision)
+        pages_per_seq=pages, num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        dp=dp, sm_scale=float(sm_scale), sliding_window=sliding_window, soft_cap=soft_cap,
+        precision=precision, quantized=k_scale is not None)
+    scales = () if k_scale is None else (k_scale.reshape(-1), v_scale.reshape(-1))
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_kv_heads, rows, dp), q.dtype)]
     else:
@@ -260,7 +287,7 @@ def _rpa_gpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, *, sm_scale,
         compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jmtp_ragged_paged_attention_gpu",
-    )(tile_seq, tile_q0, tile_nq, kv_lens, tables, cu, qw, kf, vf)
+    )(tile_seq, tile_q0, tile_nq, kv_lens, tables, cu, qw, kf, vf, *scales)
 
     if splits == 1:
         out = outs[0]
@@ -296,6 +323,8 @@ def ragged_paged_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool | None = None,
+    k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
+    v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
 ) -> jax.Array:               # f[T, Nq, D]  (q.dtype)
     """Pallas-GPU (Triton) ragged paged attention; contract of ``ragged_paged_attention_reference``.
 
@@ -307,12 +336,13 @@ def ragged_paged_attention_gpu(
         :func:`default_block_sizes` (powers of two; ``tq * next_pow2(G) >= 16``, ``bkv >= 16``).
       num_warps / num_stages: Triton launch parameters.
       interpret: None = interpret iff the default backend is CPU.
+      k_scale / v_scale: scales of an int8 / float8_e4m3fn cache (:mod:`jmtp.pallas.kv_quant`).
 
     Raises:
-      ValueError: inconsistent shapes, ``k_cache.dtype != v_cache.dtype``, bad block sizes,
-        non-positive ``sliding_window``/``soft_cap``.
+      ValueError: inconsistent shapes or scales, ``k_cache.dtype != v_cache.dtype``, bad block
+        sizes, non-positive ``sliding_window``/``soft_cap``.
     """
-    _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
+    _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache.dtype ({k_cache.dtype}) != v_cache.dtype ({v_cache.dtype})")
     num_tokens, num_q_heads, head_dim = q.shape
@@ -336,7 +366,7 @@ def ragged_paged_attention_gpu(
         raise ValueError(f"num_splits must be >= 1, got {splits}")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    return _rpa_gpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
+    return _rpa_gpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale,
                     sm_scale=float(sm_scale),
                     sliding_window=None if sliding_window is None else int(sliding_window),
                     soft_cap=None if soft_cap is None else float(soft_cap),

@@ -36,6 +36,13 @@ attention, written here from scratch):
 * **Online softmax.** Running max ``m``, sum ``l`` and unnormalised accumulator ``acc`` live in
   VMEM scratch per KV head; rows with no key yet keep ``m = -1e30`` and a zero contribution.
   Output ``acc / l``; rows with ``l == 0`` (padding) are written as zeros.
+* **Quantised caches** (int8 / float8_e4m3fn values with ``f32[num_blocks, Nkv, block_size]``
+  scales, :mod:`jmtp.pallas.kv_quant`): each page's scales are DMA'd with its values, into
+  ``f32[Nkv, bkv]`` buffers, so one KV head's scales are a lane row ``[1, bkv]``. The 8-bit
+  values are converted to the q dtype (exact) and the scales applied to the columns of the
+  ``[R, bkv]`` products: ``s = (q . k8) * k_scale * sm_scale`` and ``pv = (p * v_scale) @ v8``,
+  which equal attention over the dequantised cache (the ``D``-wide tiles are never rescaled).
+  Scales of keys outside the fetched range are zeroed like their values.
 
 Block-size heuristic (:func:`default_block_sizes`, overridable per call):
 
@@ -69,7 +76,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jmtp.pallas.ragged_paged_attention import _check_shapes
+from jmtp.pallas.ragged_paged_attention import _check_shapes, compute_dtype
 
 _MASK = -1e30          # finite "minus infinity": exp(_MASK - m) == 0 and _MASK - _MASK == 0
 _TARGET_ROWS = 128     # MXU rows per query tile
@@ -140,20 +147,22 @@ def _kernel(
     q_ref,            # VMEM f[Nkv, R, D]
     k_hbm,            # ANY  f[num_blocks, block_size, Nkv * D]
     v_hbm,            # ANY  f[num_blocks, block_size, Nkv * D]
-    # output
-    o_ref,            # VMEM f[Nkv, R, D]
-    # scratch
-    k_buf,            # VMEM f[2, ppb * block_size, Nkv * D]
-    v_buf,            # VMEM f[2, ppb * block_size, Nkv * D]
-    sems,             # DMA semaphores [2 (k/v), 2 (slot)]
-    acc_ref,          # VMEM f32[Nkv, R, D]
-    m_ref,            # VMEM f32[Nkv, R, 1]
-    l_ref,            # VMEM f32[Nkv, R, 1]
-    *,
+    *refs,            # quantized: ks_hbm, vs_hbm (ANY f32[num_blocks, Nkv, block_size]), then
+                      # output o_ref (VMEM f[Nkv, R, D]), scratch k_buf, v_buf
+                      # (VMEM f[2, ppb * block_size, Nkv * D]), quantized: ks_buf, vs_buf
+                      # (VMEM f32[2, Nkv, ppb * block_size]); sems (DMA [2 or 4 (k/v/ks/vs),
+                      # 2 (slot)]), acc_ref (VMEM f32[Nkv, R, D]), m_ref, l_ref (f32[Nkv, R, 1])
     tq: int, group: int, block_size: int, ppb: int, pages_per_seq: int, num_blocks: int,
     num_kv_heads: int, head_dim: int, sm_scale: float, sliding_window: int | None,
-    soft_cap: float | None, precision: Any,
+    soft_cap: float | None, precision: Any, quantized: bool,
 ):
+    if quantized:
+        ks_hbm, vs_hbm, o_ref, k_buf, v_buf, ks_buf, vs_buf, sems, acc_ref, m_ref, l_ref = refs
+        copies = ((k_hbm, k_buf, False), (v_hbm, v_buf, False), (ks_hbm, ks_buf, True),
+                  (vs_hbm, vs_buf, True))
+    else:
+        o_ref, k_buf, v_buf, sems, acc_ref, m_ref, l_ref = refs
+        copies = ((k_hbm, k_buf, False), (v_hbm, v_buf, False))
     i = pl.program_id(0)
     rows = tq * group
     bkv = ppb * block_size
@@ -194,14 +203,18 @@ def _kernel(
     def page_dst(p):
         return pl.ds(pl.multiple_of(p * block_size, block_size), block_size)
 
+    def dst(buf, slot, p, is_scale):
+        """Where page p of a step lands: rows of a value buffer, columns of a scale buffer."""
+        return buf.at[slot, :, page_dst(p)] if is_scale else buf.at[slot, page_dst(p)]
+
     def start_fetch(s, info, j, slot):
         p0, n = step_pages(info, j)
 
         def body(p, carry):
             col = jnp.minimum(p0 + p, pages_per_seq - 1)
             blk = jnp.clip(tables_ref[s * pages_per_seq + col], 0, num_blocks - 1)
-            for kv, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                pltpu.make_async_copy(src.at[blk], buf.at[slot, page_dst(p)],
+            for kv, (src, buf, is_scale) in enumerate(copies):
+                pltpu.make_async_copy(src.at[blk], dst(buf, slot, p, is_scale),
                                       sems.at[kv, slot]).start()
             return carry
 
@@ -212,8 +225,8 @@ def _kernel(
 
         def body(p, carry):
             # A wait only needs the semaphore and the copy size: any source page will do.
-            for kv, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                pltpu.make_async_copy(src.at[0], buf.at[slot, page_dst(p)],
+            for kv, (src, buf, is_scale) in enumerate(copies):
+                pltpu.make_async_copy(src.at[0], dst(buf, slot, p, is_scale),
                                       sems.at[kv, slot]).wait()
             return carry
 
@@ -225,6 +238,11 @@ def _kernel(
     row_tok = tile_start + ((row_f + 0.5) * (1.0 / group)).astype(jnp.int32)    # i32[R, 1]
     col = lax.broadcasted_iota(jnp.int32, (1, bkv), 1)                           # i32[1, bkv]
     col_v = lax.broadcasted_iota(jnp.int32, (bkv, 1), 0)                         # i32[bkv, 1]
+
+    def fetched_scales(row, fetched_end):
+        """Scales of keys past the fetched range are stale buffer contents (NaN in interpret
+        mode): zero them so that ``0 * NaN`` cannot reach the accumulator."""
+        return jnp.where(col < fetched_end, row, 0.0)
 
     def compute(info, j, slot):
         p0, n = step_pages(info, j)
@@ -245,10 +263,12 @@ def _kernel(
                 q = q_ref[h]                                                     # [R, D]
                 k = k_buf[slot, :, hd]                                           # [bkv, D]
                 v = v_buf[slot, :, hd]
-                if k.dtype != q.dtype:     # narrower cache: compute in the wider q dtype
+                if k.dtype != q.dtype:     # narrower / 8-bit cache: compute in the q dtype
                     k, v = k.astype(q.dtype), v.astype(q.dtype)
                 s_ = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32) * sm_scale
+                if quantized:              # dequantise: scale the key columns
+                    s_ = s_ * ks_buf[slot, pl.ds(h, 1), :]                       # [1, bkv]
                 if soft_cap is not None:
                     s_ = soft_cap * jnp.tanh(s_ / soft_cap)
                 s_ = jnp.where(mask, s_, _MASK)
@@ -259,6 +279,9 @@ def _kernel(
                 l_ref[h] = alpha * l_ref[h] + jnp.sum(p, axis=1, keepdims=True)
                 m_ref[h] = m_new
                 v = jnp.where(v_ok, v, jnp.zeros_like(v))
+                if quantized:              # dequantise: scale the value columns of p
+                    vs = fetched_scales(vs_buf[slot, pl.ds(h, 1), :], fetched_end)
+                    p = p * vs
                 pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                      precision=precision, preferred_element_type=jnp.float32)
                 acc_ref[h] = alpha * acc_ref[h] + pv
@@ -298,8 +321,8 @@ def _kernel(
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "block_sizes", "interpret"))
-def _rpa_tpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, *, sm_scale, sliding_window,
-             soft_cap, block_sizes: BlockSizes, interpret):
+def _rpa_tpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale, *, sm_scale,
+             sliding_window, soft_cap, block_sizes: BlockSizes, interpret):
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, pages = block_tables.shape
@@ -322,9 +345,10 @@ def _rpa_tpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, *, sm_scale,
 
     qw = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
     qw = jnp.pad(qw, ((0, 0), (0, t_pad - num_tokens), (0, 0), (0, 0)))
-    # Mixed dtypes compute in the wider one (the reference computes everything in f32).
+    # Mixed dtypes compute in the wider one (the reference computes everything in f32); 8-bit
+    # caches in the q dtype.
     qw = qw.reshape(num_kv_heads, t_pad * group, head_dim).astype(
-        jnp.promote_types(q.dtype, k_cache.dtype))
+        compute_dtype(q.dtype, k_cache.dtype))
     kf = k_cache.reshape(num_blocks, block_size, num_kv_heads * head_dim)
     vf = v_cache.reshape(num_blocks, block_size, num_kv_heads * head_dim)
 
@@ -334,21 +358,26 @@ def _rpa_tpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, *, sm_scale,
         _kernel, tq=tq, group=group, block_size=block_size, ppb=ppb, pages_per_seq=pages,
         num_blocks=num_blocks, num_kv_heads=num_kv_heads, head_dim=head_dim,
         sm_scale=float(sm_scale), sliding_window=sliding_window,
-        soft_cap=None if soft_cap is None else float(soft_cap), precision=precision)
+        soft_cap=None if soft_cap is None else float(soft_cap), precision=precision,
+        quantized=k_scale is not None)
     qo_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda i, *_: (0, i, 0))
     bkv = ppb * block_size
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    value_bufs = [pltpu.VMEM((2, bkv, num_kv_heads * head_dim), k_cache.dtype),
+                  pltpu.VMEM((2, bkv, num_kv_heads * head_dim), v_cache.dtype)]
+    inputs = [qw, kf, vf]
+    if k_scale is not None:
+        inputs += [k_scale, v_scale]
+        value_bufs += [pltpu.VMEM((2, num_kv_heads, bkv), jnp.float32)] * 2
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(num_tiles,),
-            in_specs=[qo_spec, pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[qo_spec] + [any_spec] * (len(inputs) - 1),
             out_specs=qo_spec,
-            scratch_shapes=[
-                pltpu.VMEM((2, bkv, num_kv_heads * head_dim), k_cache.dtype),
-                pltpu.VMEM((2, bkv, num_kv_heads * head_dim), v_cache.dtype),
-                pltpu.SemaphoreType.DMA((2, 2)),
+            scratch_shapes=value_bufs + [
+                pltpu.SemaphoreType.DMA((len(value_bufs), 2)),
                 pltpu.VMEM((num_kv_heads, rows, head_dim), jnp.float32),
                 pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
                 pltpu.VMEM((num_kv_heads, rows, 1), jnp.float32),
@@ -357,7 +386,7 @@ def _rpa_tpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, *, sm_scale,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret,
         name="jmtp_ragged_paged_attention_tpu",
-    )(kv_lens, tables, cu, seq_lo, seq_hi, qw, kf, vf)
+    )(kv_lens, tables, cu, seq_lo, seq_hi, *inputs)
     out = out.reshape(num_kv_heads, t_pad, group, head_dim)[:, :num_tokens]
     return out.transpose(1, 0, 2, 3).reshape(num_tokens, num_q_heads, head_dim)
 
@@ -376,6 +405,8 @@ def ragged_paged_attention_tpu(
     num_queries_per_block: int | None = None,
     num_kv_pages_per_block: int | None = None,
     interpret: Any = None,
+    k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
+    v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
 ) -> jax.Array:               # f[T, Nq, D]  (q.dtype)
     """Pallas-TPU ragged paged attention; contract of ``ragged_paged_attention_reference``.
 
@@ -386,12 +417,13 @@ def ragged_paged_attention_tpu(
       num_queries_per_block / num_kv_pages_per_block: override :func:`default_block_sizes`.
       interpret: None (interpret iff the default backend is CPU), a bool, or a
         ``pltpu.InterpretParams`` (e.g. ``detect_races=True``) for TPU interpret mode.
+      k_scale / v_scale: scales of an int8 / float8_e4m3fn cache (:mod:`jmtp.pallas.kv_quant`).
 
     Raises:
-      ValueError: inconsistent shapes, ``k_cache.dtype != v_cache.dtype``, a non-positive
-        ``sliding_window``/``soft_cap``/block size, or a bad ``interpret``.
+      ValueError: inconsistent shapes or scales, ``k_cache.dtype != v_cache.dtype``, a
+        non-positive ``sliding_window``/``soft_cap``/block size, or a bad ``interpret``.
     """
-    _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
+    _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache.dtype ({k_cache.dtype}) != v_cache.dtype ({v_cache.dtype})")
     if sliding_window is not None and int(sliding_window) < 1:
@@ -407,7 +439,7 @@ def ragged_paged_attention_tpu(
     if tq < 1 or ppb < 1:
         raise ValueError(
             f"num_queries_per_block ({tq}) and num_kv_pages_per_block ({ppb}) must be >= 1")
-    return _rpa_tpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
+    return _rpa_tpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale,
                     sm_scale=float(sm_scale),
                     sliding_window=None if sliding_window is None else int(sliding_window),
                     soft_cap=None if soft_cap is None else float(soft_cap),

@@ -6,6 +6,7 @@ from typing import Callable
 
 from jmtp.pallas.block_allocator import CHOICES as BLOCK_ALLOCATORS
 from jmtp.pallas.block_allocator import blocks_needed
+from jmtp.pallas.kv_quant import check_kv_cache_dtype
 
 METHODS = (None, "mtp", "ngram", "custom")
 MTP_STRATEGIES = ("default", "with_ngram")
@@ -171,10 +172,14 @@ class EngineConfig:
         TPU, ``"reference"`` elsewhere), ``"reference"`` (jnp), ``"pallas_tpu"`` (Mosaic kernel;
         TPU interpret mode off TPU; a state over its SMEM budget runs the reference instead, with
         a one-time warning) or ``"pallas_gpu"`` (Triton kernel; interpret mode off GPU).
+      kv_cache_dtype: storage of the target and MTP KV caches (vLLM's option name): ``None`` (the
+        model dtype), ``"int8"`` or ``"fp8_e4m3"`` (8-bit values, one f32 scale per token per KV
+        head, quantised in the KV write and dequantised in attention; :mod:`jmtp.pallas.kv_quant`).
 
     Raises:
-      ValueError: a size < 1, ``max_num_batched_tokens`` below ``max_num_seqs * (K+1)``, or
-        ``block_allocator`` not one of :data:`BLOCK_ALLOCATORS`.
+      ValueError: a size < 1, ``max_num_batched_tokens`` below ``max_num_seqs * (K+1)``,
+        ``block_allocator`` not one of :data:`BLOCK_ALLOCATORS`, or ``kv_cache_dtype`` not one of
+        :data:`jmtp.pallas.kv_quant.KV_CACHE_DTYPES`.
     """
 
     max_num_seqs: int = 8
@@ -188,8 +193,10 @@ class EngineConfig:
     max_logprobs: int = 0
     spec: SpeculativeConfig = SpeculativeConfig(method=None)
     block_allocator: str = "auto"
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self):
+        check_kv_cache_dtype(self.kv_cache_dtype, "EngineConfig.kv_cache_dtype")
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks",
                      "max_num_batched_tokens"):
             if getattr(self, name) < 1:

@@ -151,6 +151,9 @@ class LLMEngine:
       attention_backend: ``"reference" | "xla" | "pallas_tpu" | "pallas_gpu" | None``.
       block_allocator: ``EngineConfig.block_allocator``: ``"auto"`` (default), ``"reference"``,
         ``"pallas_tpu"`` or ``"pallas_gpu"``.
+      kv_cache_dtype: ``EngineConfig.kv_cache_dtype``: ``None`` (default: ``dtype``), ``"int8"``
+        or ``"fp8_e4m3"`` for the target and the MTP cache (:mod:`jmtp.pallas.kv_quant`; bytes:
+        :meth:`kv_cache_bytes`).
       max_logprobs: largest ``SamplingParams.logprobs`` served (0 = logprobs off).
       seed: seeds the per-request seeds of requests whose ``SamplingParams.seed`` is None.
       model_config / params / tokenizer: pass an already-built model instead of ``model``.
@@ -188,8 +191,11 @@ class LLMEngine:
                  seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
                  tokenizer=None, mtp_head: str | None = "auto", compile: str | None = None,
                  compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto",
+                 kv_cache_dtype: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
+        from jmtp.pallas.kv_quant import check_kv_cache_dtype
         from jmtp.runtime import compile as jc
+        check_kv_cache_dtype(kv_cache_dtype)   # before anything is loaded
         compile = jc.resolve_compile_mode(compile)
         self.compilation_cache_dir = jc.setup_compilation_cache(compilation_cache_dir)
         dtype = jnp.dtype(dtype or default_dtype())
@@ -236,7 +242,8 @@ class LLMEngine:
         ec = EngineConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             num_blocks=num_blocks or 1, max_num_batched_tokens=max_num_batched_tokens,
-            max_stop_ids=8, max_logprobs=max_logprobs, spec=spec, block_allocator=block_allocator)
+            max_stop_ids=8, max_logprobs=max_logprobs, spec=spec, block_allocator=block_allocator,
+            kv_cache_dtype=kv_cache_dtype)
         if not num_blocks:      # default: every slot can hold a full-length sequence
             ec = dataclasses.replace(ec, num_blocks=max_num_seqs * ec.pages_per_seq)
         self.engine_config = ec
@@ -248,13 +255,17 @@ class LLMEngine:
         if self.mesh is None:
             self.state = init_state(ec, model_config.vocab_size)
             self.cache = init_kv_cache(model_config, model_config.num_layers, ec.num_blocks,
-                                       block_size, dtype)
+                                       block_size, dtype, ec.kv_cache_dtype)
             self.mtp_cache = (init_kv_cache(model_config, num_mtp_cache_layers, ec.num_blocks,
-                                            block_size, dtype) if num_mtp_cache_layers else None)
+                                            block_size, dtype, ec.kv_cache_dtype)
+                              if num_mtp_cache_layers else None)
             self._step = jax.jit(engine_step, static_argnums=(0, 1, 2, 3, 4),
                                  donate_argnums=(6, 7, 8))
             self._insert = jax.jit(insert_request, donate_argnums=0)
             self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
+        elif ec.kv_cache_dtype is not None:
+            raise ValueError(f"kv_cache_dtype={ec.kv_cache_dtype!r} with a device mesh "
+                             "(tensor_parallel_size / data_parallel_size > 1) is not supported yet")
         else:
             self._place_on_mesh(num_mtp_cache_layers, dtype)
         self._free_counts = [self._shard_ec.num_blocks] * self._dp   # free KV blocks per shard
@@ -494,6 +505,20 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
+
+    def kv_cache_bytes(self) -> dict[str, int]:
+        """Device bytes of the KV caches, values and quantisation scales apart.
+
+        Keys: ``target_values``, ``target_scales``, ``mtp_values``, ``mtp_scales`` (0 without an
+        MTP cache), ``values``, ``scales`` (sums) and ``total``. Values take
+        ``2 · layers · num_blocks · block_size · Nkv · D · itemsize`` bytes (itemsize 1 for
+        ``kv_cache_dtype`` ``"int8"`` / ``"fp8_e4m3"``, so ¼ of f32 and ½ of bf16); scales
+        ``2 · layers · num_blocks · block_size · Nkv · 4`` (0 unquantised).
+        """
+        tv, ts = self.cache.nbytes()
+        mv, ms = self.mtp_cache.nbytes() if self.mtp_cache is not None else (0, 0)
+        return dict(target_values=tv, target_scales=ts, mtp_values=mv, mtp_scales=ms,
+                    values=tv + mv, scales=ts + ms, total=tv + mv + ts + ms)
 
     def get_stats(self) -> dict:
         """Counters for monitoring (plain Python values).

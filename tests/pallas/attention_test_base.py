@@ -13,6 +13,11 @@ and in-block positions no sequence owns are filled with NaN, unused table entrie
 stale ids of *other* sequences' blocks, idle sequences (``q_len == 0``, possibly with a context) sit
 between active ones, and padding query rows are NaN (their output must be exactly 0).
 
+Quantised caches (``Config.kv_quant`` ``"int8"`` / ``"fp8_e4m3"``): the float K/V are quantised per
+token and head with :func:`jmtp.pallas.kv_quant.quantize` (NaN slots give NaN scales and garbage
+values, which must never reach the output); kernels are compared with the reference on the same
+quantised cache, and the reference with the float64 oracle on the dequantised cache.
+
 Kernels run in interpret mode on CPU (TPU: ``pltpu.InterpretParams(detect_races=True,
 out_of_bounds_reads="raise")`` and the race flag is asserted clear after every call). Interpret
 mode compiles once per static configuration (seconds each), so the static shapes come from a
@@ -31,6 +36,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from jmtp.pallas import kv_quant
 from jmtp.pallas.ragged_paged_attention import (
     ragged_paged_attention, ragged_paged_attention_reference)
 
@@ -54,6 +60,7 @@ class Config:
     num_seqs: int = 8               # S (idle sequences pad the batch)
     max_kv: int = 300
     cache_dtype: str | None = None
+    kv_quant: str | None = None     # "int8" / "fp8_e4m3": quantised cache with scales
     # Static tiling overrides per implementation (exercise multi-step / multi-split paths).
     tpu_sizes: tuple = ()           # ((name, value), ...) for ragged_paged_attention_tpu
     gpu_sizes: tuple = ()           # ((name, value), ...) for ragged_paged_attention_gpu
@@ -70,6 +77,7 @@ class Config:
         extra = "".join([f"-w{self.sliding_window}" if self.sliding_window else "",
                          f"-cap{self.soft_cap}" if self.soft_cap else ""])
         cache = f"-cache_{self.cache_dtype}" if self.cache_dtype else ""
+        cache += f"-{self.kv_quant}" if self.kv_quant else ""
         return (f"bs{self.block_size}-kv{self.num_kv_heads}-g{self.group}-d{self.head_dim}-"
                 f"{self.dtype}{cache}{extra}")
 
@@ -91,15 +99,20 @@ CONFIGS = (
 
 @dataclasses.dataclass
 class Case:
-    """One ragged batch, numpy arrays (K/V/q already rounded to ``config.dtype``)."""
+    """One ragged batch, numpy arrays (K/V/q already rounded to ``config.dtype``; with
+    ``config.kv_quant`` the caches hold the 8-bit values and ``k_scale``/``v_scale`` their scales)."""
 
     config: Config
     q: np.ndarray             # f[T, Nq, D]
-    k_cache: np.ndarray       # f[num_blocks, block_size, Nkv, D]
+    k_cache: np.ndarray       # f[num_blocks, block_size, Nkv, D] (int8 / float8_e4m3fn if quantised)
     v_cache: np.ndarray
     kv_lens: np.ndarray       # i32[S]
     block_tables: np.ndarray  # i32[S, pages]
     cu_q_lens: np.ndarray     # i32[S+1]
+    k_scale: np.ndarray | None = None   # f32[num_blocks, Nkv, block_size]
+    v_scale: np.ndarray | None = None
+    k_float: np.ndarray | None = None   # the float K/V the quantised cache was made from
+    v_float: np.ndarray | None = None
 
     @property
     def sm_scale(self) -> float:
@@ -107,14 +120,28 @@ class Case:
 
     def jax_args(self):
         dt = jnp.dtype(self.config.dtype)
-        ct = jnp.dtype(self.config.cache_dtype or self.config.dtype)
+        ct = (self.k_cache.dtype if self.config.kv_quant
+              else jnp.dtype(self.config.cache_dtype or self.config.dtype))
         return (jnp.asarray(self.q, dt), jnp.asarray(self.k_cache, ct),
                 jnp.asarray(self.v_cache, ct), jnp.asarray(self.kv_lens),
                 jnp.asarray(self.block_tables), jnp.asarray(self.cu_q_lens))
 
     def kwargs(self):
-        return dict(sm_scale=self.sm_scale, sliding_window=self.config.sliding_window,
-                    soft_cap=self.config.soft_cap)
+        kw = dict(sm_scale=self.sm_scale, sliding_window=self.config.sliding_window,
+                  soft_cap=self.config.soft_cap)
+        if self.k_scale is not None:
+            kw.update(k_scale=jnp.asarray(self.k_scale), v_scale=jnp.asarray(self.v_scale))
+        return kw
+
+    def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
+        """The caches as float64 values (``value * scale`` for a quantised cache), computed in
+        numpy, independently of :mod:`jmtp.pallas.kv_quant`'s dequantize."""
+        if self.k_scale is None:
+            return np.asarray(self.k_cache, np.float64), np.asarray(self.v_cache, np.float64)
+        deq = lambda c, s: (np.asarray(c, np.float64)                              # noqa: E731
+                            * np.swapaxes(np.asarray(s, np.float64), 1, 2)[..., None])
+        with np.errstate(invalid="ignore"):          # NaN scales of slots no sequence owns
+            return deq(self.k_cache, self.k_scale), deq(self.v_cache, self.v_scale)
 
 
 def build_case(config: Config, q_lens, kv_lens, *, stale_tables: bool, seed: int) -> Case:
@@ -148,6 +175,12 @@ def build_case(config: Config, q_lens, kv_lens, *, stale_tables: bool, seed: int
                             np.float32)
     q[cu[-1]:] = np.nan    # padding rows: output must still be exactly 0
     rnd = lambda x, dt: np.asarray(jnp.asarray(x, dt).astype(jnp.float32))  # noqa: E731
+    if cfg.kv_quant:
+        q8 = kv_quant.storage_dtype(cfg.kv_quant)
+        (kq, ks), (vq, vs) = (kv_quant.quantize(jnp.asarray(x), q8) for x in (k, v))
+        sw = lambda a: np.ascontiguousarray(np.swapaxes(np.asarray(a), 1, 2))  # noqa: E731
+        return Case(cfg, rnd(q, cfg.dtype), np.asarray(kq), np.asarray(vq), kv_lens, tables, cu,
+                    sw(ks), sw(vs), k, v)
     ct = cfg.cache_dtype or cfg.dtype
     return Case(cfg, rnd(q, cfg.dtype), rnd(k, ct), rnd(v, ct), kv_lens, tables, cu)
 
@@ -218,7 +251,8 @@ def _jitted_reference(sm_scale, sliding_window, soft_cap):
 
 def reference_output(case: Case) -> np.ndarray:
     fn = _jitted_reference(case.sm_scale, case.config.sliding_window, case.config.soft_cap)
-    return np.asarray(fn(*case.jax_args()).astype(jnp.float32))
+    scales = {k: case.kwargs()[k] for k in ("k_scale", "v_scale") if k in case.kwargs()}
+    return np.asarray(fn(*case.jax_args(), **scales).astype(jnp.float32))
 
 
 def tolerance(dtype: str) -> dict:
@@ -297,6 +331,20 @@ class RaggedPagedAttentionTestBase:
         cfg = Config(16, 2, 3, 64, num_tokens=24, num_seqs=4, max_kv=2048)
         case = build_case(cfg, [1, 4, 0, 16], [1, 37, 5, 16 * 9 + 3], stale_tables=True, seed=12)
         self._check(case)
+
+    @pytest.mark.parametrize("kv_quant", ["int8", "fp8_e4m3"])
+    def test_quantized_cache(self, kv_quant):
+        """A quantised cache (8-bit values + per-slot, per-head f32 scales; NaN scales and
+        garbage values in every slot no sequence owns): verify windows over long contexts, a
+        prefill chunk mid-sequence, an idle slot, GQA 3, sliding window; kernels with multi-step
+        tiling. Equal to the reference on the same quantised cache (f32 tolerance)."""
+        cfg = Config(8, 2, 3, 64, num_tokens=48, num_seqs=5, max_kv=120, sliding_window=50,
+                     kv_quant=kv_quant,
+                     tpu_sizes=(("num_queries_per_block", 8), ("num_kv_pages_per_block", 2)),
+                     gpu_sizes=(("num_keys_per_block", 16), ("num_splits", 2)))
+        case = build_case(cfg, [K_SPEC + 1, 1, 0, 30, 3], [120, 9, 40, 70, 3], stale_tables=True,
+                          seed=21)
+        self._check(case, **self.sizes(cfg))
 
     def test_all_padding(self):
         """No sequence has queries: every row is padding and must be 0."""

@@ -41,9 +41,9 @@ class TestReference(RaggedPagedAttentionTestBase):
     implementation = "reference"
 
     def expected(self, case):
-        return attention_numpy_loop(
-            case.q, case.k_cache, case.v_cache, case.kv_lens, case.block_tables, case.cu_q_lens,
-            **case.kwargs())
+        kw = {k: v for k, v in case.kwargs().items() if k not in ("k_scale", "v_scale")}
+        return attention_numpy_loop(case.q, *case.dequantized(), case.kv_lens, case.block_tables,
+                                    case.cu_q_lens, **kw)
 
     def call(self, case, **sizes):
         return reference_output(case)
@@ -170,6 +170,23 @@ def test_kernel_lowers_for_hardware(kernel, platform, dtype):
     fn = jax.jit(functools.partial(kernel, sm_scale=0.125, sliding_window=32, soft_cap=3.0,
                                    interpret=False))
     text = fn.trace(*_abstract_args(dtype)).lower(lowering_platforms=(platform,)).as_text()
+    assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
+
+
+@pytest.mark.parametrize("kv_quant", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("kernel,platform", [
+    (rpa_tpu.ragged_paged_attention_tpu, "tpu"), (rpa_gpu.ragged_paged_attention_gpu, "cuda")])
+def test_quantized_kernel_lowers_for_hardware(kernel, platform, kv_quant):
+    """bf16 queries over an 8-bit cache with f32 scales lower to Mosaic TPU / Triton IR (Triton
+    has no integer fill value for fp8 loads: the kernel loads fp8 unfilled and zeros after the
+    cast)."""
+    q8 = jnp.dtype(jnp.int8 if kv_quant == "int8" else jnp.float8_e4m3fn)
+    q, k, v, *rest = _abstract_args(jnp.bfloat16)
+    k, v = (jax.ShapeDtypeStruct(x.shape, q8) for x in (k, v))
+    sc = jax.ShapeDtypeStruct((k.shape[0], k.shape[2], k.shape[1]), jnp.float32)
+    fn = jax.jit(lambda *a: kernel(*a[:6], sm_scale=0.125, sliding_window=32, interpret=False,
+                                   k_scale=a[6], v_scale=a[7]))
+    text = fn.trace(q, k, v, *rest, sc, sc).lower(lowering_platforms=(platform,)).as_text()
     assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
 
 

@@ -1,0 +1,68 @@
+"""Engine with a quantised KV cache (``kv_cache_dtype``): greedy MTP speculation stays token-identical
+to greedy plain decoding on the same int8 cache (lossless relative to its own cache), both caches
+are quantised, and their bytes match the hand-computed sizes."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jmtp.runtime.config import SpeculativeConfig
+from jmtp.runtime.engine import LLM, SamplingParams
+from tests.runtime.conftest import tiny_model
+
+K = 3
+BS, MAX_LEN, SEQS = 4, 64, 2
+PROMPTS = [[5, 6, 7], [3], list(range(2, 30)), [9] * 11]
+
+
+def _llm(k):
+    cfg, params = tiny_model(0)
+    return LLM(model_config=cfg, params=params, kv_cache_dtype="int8", max_num_seqs=SEQS,
+               speculative_config=SpeculativeConfig("mtp", k) if k else None,
+               max_model_len=MAX_LEN, block_size=BS, max_num_batched_tokens=16, compile="lazy")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """(plain LLM, its outputs, MTP K=3 LLM, its outputs), both on int8 caches: 4 prompts on 2
+    slots (queueing), one prompt longer than the 16-token step budget (chunked prefill)."""
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain, spec = _llm(None), _llm(K)
+    return (plain, plain.generate(PROMPTS, sp, use_tqdm=False),
+            spec, spec.generate(PROMPTS, sp, use_tqdm=False))
+
+
+def test_mtp_equals_plain_on_int8_cache(runs):
+    plain, plain_outs, spec, spec_outs = runs
+    for a, b in zip(plain_outs, spec_outs):
+        assert b.token_ids == a.token_ids and len(a.token_ids) == 20
+    m = [o.metrics for o in spec_outs]
+    assert sum(x.num_draft_tokens for x in m) > 0          # the MTP head drafted (and was verified)
+    for llm in (plain, spec):
+        assert llm._free_count == llm.engine_config.num_blocks
+    # Both caches hold int8 values with f32 scales, and decoding wrote them.
+    for c in (spec.cache, spec.mtp_cache):
+        assert c.k.dtype == c.v.dtype == jnp.int8 and c.k_scale.dtype == jnp.float32
+        assert float(jnp.max(c.k_scale)) > 0 and float(jnp.max(c.v_scale)) > 0
+
+
+def test_kv_cache_bytes_hand_computed(runs):
+    """TINY: 2 layers (+1 MTP layer), Nkv 2, D 8; num_blocks = SEQS * pages_per_seq. int8 values:
+    1 byte (a quarter of f32's 4), scales 4 bytes per slot per head, for K and V each."""
+    _, _, spec, _ = runs
+    cfg, ec = spec.model_config, spec.engine_config
+    slots = ec.num_blocks * BS
+    assert ec.num_blocks == SEQS * ec.pages_per_seq and ec.kv_cache_dtype == "int8"
+    values = lambda layers: 2 * layers * slots * cfg.num_kv_heads * cfg.head_dim * 1  # noqa: E731
+    scales = lambda layers: 2 * layers * slots * cfg.num_kv_heads * 4                 # noqa: E731
+    got = spec.kv_cache_bytes()
+    assert got == dict(target_values=values(2), target_scales=scales(2), mtp_values=values(1),
+                       mtp_scales=scales(1), values=values(3), scales=scales(3),
+                       total=values(3) + scales(3))
+
+
+def test_unknown_kv_cache_dtype_is_rejected_early():
+    cfg, params = tiny_model(0)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \(None, 'int8', "
+                                         r"'fp8_e4m3'\), got 'fp8'"):
+        LLM(model_config=cfg, params=params, kv_cache_dtype="fp8", compile="lazy")
