@@ -34,6 +34,7 @@ from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetr
 from jmtp.runtime.sampling import SamplingParams, make_row
 from jmtp.runtime.spec_policy import DynamicSpeculation
 from jmtp.runtime.state import FINISH_REASONS, init_state, insert_request
+from jmtp.runtime import multihost as mh
 from jmtp.runtime import sharding as shd
 from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.runtime.step import engine_step, release_slot
@@ -306,8 +307,9 @@ class LLMEngine:
         mesh, mc, ec = self.mesh, self.model_config, self.engine_config
         rep = shd.replicated(mesh)
         kv = shd.kv_cache_sharding(mesh, mc.num_kv_heads)
-        self.params = jax.device_put(self.params, shd.param_shardings(self.params, mesh))
-        self.state = jax.device_put(self.state, rep)
+        self.params = mh.put(self.params, shd.param_shardings(self.params, mesh),
+                             what="parameters")
+        self.state = mh.put(self.state, jax.tree.map(lambda _: rep, self.state), what="engine state")
         make = lambda n: jax.jit(lambda: init_kv_cache(mc, n, ec.num_blocks, ec.block_size, dtype),
                                  out_shardings=kv)()
         self.cache = make(mc.num_layers)
@@ -317,6 +319,15 @@ class LLMEngine:
         self._insert = jax.jit(insert_request, donate_argnums=0, out_shardings=rep)
         self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0,
                                 out_shardings=rep)
+        self._sync_first_calls()
+
+    def _sync_first_calls(self) -> None:
+        """Several processes: the first run of each step bucket (and of insert / release) waits
+        until every process has compiled it (:class:`jmtp.runtime.multihost.SyncFirstCall`)."""
+        if jax.process_count() > 1:
+            self._step = mh.SyncFirstCall(self._step, key=lambda a: a[3], name="step")
+            self._insert = mh.SyncFirstCall(self._insert, name="insert")
+            self._release = mh.SyncFirstCall(self._release, name="release")
 
     def memory_per_device(self) -> dict:
         """Bytes on one device (the first of the mesh) and in total: ``{"params": (per device,
@@ -538,7 +549,7 @@ class LLMEngine:
                 self.graphdef, ec, self.speculative_config.drafter, bucket, self.attention_backend,
                 self.params,
                 self.state, self.cache, self.mtp_cache, jnp.asarray(chunks), jnp.asarray(limits))
-        out = jax.device_get(out)
+        out = mh.fetch(out)      # replicated or gathered: the same on every process
         self._next_drafts = np.asarray(out.num_next_drafts)
         if self.spec_policy is not None:
             self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket,
@@ -674,7 +685,7 @@ class LLMEngine:
         if release:
             with shd.mesh_context(self.mesh):
                 self.state = self._release(self.state, jnp.int32(b))
-            self._free_count = int(self.state.free_count)
+            self._free_count = int(mh.fetch(self.state.free_count))
 
     def _preempt(self):
         """Every occupied slot is paused for KV blocks: preempt the newest (LIFO) and re-queue it;
