@@ -1,4 +1,5 @@
-"""``jmtp`` command line: ``jmtp generate`` and ``jmtp serve`` (also ``python -m jmtp ...``)."""
+"""``jmtp`` command line: ``jmtp generate``, ``jmtp serve`` and ``jmtp launch`` (also
+``python -m jmtp ...``)."""
 from __future__ import annotations
 
 import argparse
@@ -89,8 +90,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _generate(args) -> int:
+    from jmtp.runtime import distributed as dist
     from jmtp.runtime.outputs import SpecDecodeMetrics
     from jmtp.runtime.sampling import SamplingParams
+
+    # One process of a multi-process job (jmtp launch sets the variables): join it before
+    # anything touches a device. Every process generates; only process 0 prints.
+    dist.initialize_from_env()
+    main_process = dist.is_main_process()
+    say = print if main_process else (lambda *a, **k: None)
 
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -116,12 +124,12 @@ def _generate(args) -> int:
                    for p in prompts]
     spec = llm.speculative_config
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    outs = llm.generate(prompts, sp, use_tqdm=len(prompts) > 1)
+    outs = llm.generate(prompts, sp, use_tqdm=len(prompts) > 1 and main_process)
     total = SpecDecodeMetrics(accepted_per_position=[0] * spec.k)
     for o in outs:
-        print(f"--- prompt {o.request_id} ({len(o.prompt_token_ids)} tokens, "
-              f"{len(o.token_ids)} generated, finish={o.finish_reason})")
-        print(o.text)
+        say(f"--- prompt {o.request_id} ({len(o.prompt_token_ids)} tokens, "
+            f"{len(o.token_ids)} generated, finish={o.finish_reason})")
+        say(o.text)
         total.merge(o.metrics)
     st = llm.last_run_stats
     per_pos = ""
@@ -129,20 +137,20 @@ def _generate(args) -> int:
         per_pos = " per-position acceptance=" + ",".join(
             f"{c / total.num_decode_steps:.2f}" for c in total.accepted_per_position)
     lazy = " (incl. lazy compiles)" if not llm.compile_seconds else ""
-    print(f"=== {st['generated_tokens']} tokens in {st['seconds']:.2f}s "
-          f"({st['tokens_per_second']:.1f} tok/s{lazy}) "
-          f"mean acceptance length={total.mean_acceptance_length:.2f}{per_pos}")
-    print(f"=== start-up: load {load_s:.1f}s, compile {compile_s:.1f}s "
-          f"({len(llm.compile_seconds)} executables, cache {llm.compilation_cache_dir or 'off'}); "
-          f"generate {st['seconds']:.1f}s; total {time.perf_counter() - t0:.1f}s")
+    say(f"=== {st['generated_tokens']} tokens in {st['seconds']:.2f}s "
+        f"({st['tokens_per_second']:.1f} tok/s{lazy}) "
+        f"mean acceptance length={total.mean_acceptance_length:.2f}{per_pos}")
+    say(f"=== start-up: load {load_s:.1f}s, compile {compile_s:.1f}s "
+        f"({len(llm.compile_seconds)} executables, cache {llm.compilation_cache_dir or 'off'}); "
+        f"generate {st['seconds']:.1f}s; total {time.perf_counter() - t0:.1f}s")
     if llm.mesh is not None:
         mem = llm.llm_engine.memory_per_device()
-        print(f"=== mesh {dict(llm.mesh.shape)}: per device params "
-              f"{mem['params'][0] / 2**20:.1f} of {mem['params'][1] / 2**20:.1f} MiB, KV caches "
-              f"{mem['kv_cache'][0] / 2**20:.1f} of {mem['kv_cache'][1] / 2**20:.1f} MiB")
+        say(f"=== mesh {dict(llm.mesh.shape)}: per device params "
+            f"{mem['params'][0] / 2**20:.1f} of {mem['params'][1] / 2**20:.1f} MiB, KV caches "
+            f"{mem['kv_cache'][0] / 2**20:.1f} of {mem['kv_cache'][1] / 2**20:.1f} MiB")
     kv = llm.llm_engine.kv_cache_bytes()
-    print(f"=== KV cache ({llm.engine_config.kv_cache_dtype or 'model dtype'}): values "
-          f"{kv['values'] / 2**20:.1f} MiB, scales {kv['scales'] / 2**20:.1f} MiB")
+    say(f"=== KV cache ({llm.engine_config.kv_cache_dtype or 'model dtype'}): values "
+        f"{kv['values'] / 2**20:.1f} MiB, scales {kv['scales'] / 2**20:.1f} MiB")
     return 0
 
 
@@ -165,9 +173,21 @@ def main(argv=None) -> int:
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(s)
+    from jmtp.launch import add_launch_args, run_launch
+    la = sub.add_parser("launch", help="run a jmtp subcommand as N processes of one "
+                        "jax.distributed job on this host (e.g. jmtp launch -n 2 "
+                        "--devices-per-process 2 -- generate --tensor-parallel-size 4)")
+    add_launch_args(la)
     args = p.parse_args(argv)
     try:
+        if args.cmd == "launch":
+            return run_launch(args)
         if args.cmd == "serve":
+            from jmtp.runtime import distributed as dist
+            if dist.env_requested():
+                raise ValueError("jmtp serve runs as one process; multi-process serving (each "
+                                 "request broadcast to every process) is not implemented — "
+                                 f"unset {', '.join(dist.ENV_VARS)}")
             import logging
 
             from jmtp.runtime.server import serve

@@ -35,6 +35,7 @@ from jmtp.runtime.sampling import SamplingParams, make_row
 from jmtp.runtime.spec_policy import DynamicSpeculation
 from jmtp.runtime.state import FINISH_REASONS, init_state, insert_request
 from jmtp.runtime import data_parallel as dpar
+from jmtp.runtime import multihost as mh
 from jmtp.runtime import sharding as shd
 from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.runtime.step import engine_step, release_slot
@@ -330,7 +331,8 @@ class LLMEngine:
         rep = shd.replicated(mesh)
         st = shd.state_sharding(mesh)
         kv = shd.kv_cache_sharding(mesh, mc.num_kv_heads, stacked=True)
-        self.params = jax.device_put(self.params, shd.param_shardings(self.params, mesh))
+        self.params = mh.put(self.params, shd.param_shardings(self.params, mesh),
+                             what="parameters")
         self.state = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
                              out_shardings=st)()
         make = lambda n: jax.jit(lambda: dpar.stack_shards(
@@ -344,6 +346,15 @@ class LLMEngine:
                                donate_argnums=0, out_shardings=st)
         self._release = jax.jit(functools.partial(dpar.data_parallel_release, mesh, sec),
                                 donate_argnums=0, out_shardings=(st, rep))
+        self._sync_first_calls()
+
+    def _sync_first_calls(self) -> None:
+        """Several processes: the first run of each step bucket (and of insert / release) waits
+        until every process has compiled it (:class:`jmtp.runtime.multihost.SyncFirstCall`)."""
+        if jax.process_count() > 1:
+            self._step = mh.SyncFirstCall(self._step, key=lambda a: a[3], name="step")
+            self._insert = mh.SyncFirstCall(self._insert, name="insert")
+            self._release = mh.SyncFirstCall(self._release, name="release")
 
     # The three device calls of the host loop, for one device or a mesh (global slot b is row
     # b % Bl of data shard b // Bl; host arrays are [B] here, [D, Bl] on the mesh).
@@ -363,7 +374,7 @@ class LLMEngine:
                 self.graphdef, self._shard_ec, self.speculative_config.drafter, bucket,
                 self.attention_backend, self.params, self.state, self.cache, self.mtp_cache,
                 chunks.reshape(D, Bl), limits.reshape(D, Bl))
-        out = jax.device_get(out)
+        out = mh.fetch(out)      # replicated: the same on every process
         flat = {f.name: (None if (v := getattr(out, f.name)) is None or f.name == "free_count"
                          else np.reshape(v, (D * Bl,) + v.shape[2:]))
                 for f in dataclasses.fields(out)}
@@ -390,7 +401,7 @@ class LLMEngine:
         Bl = self._shard_ec.max_num_seqs
         with shd.mesh_context(self.mesh):
             self.state, free = self._release(self.state, jnp.int32(b // Bl), jnp.int32(b % Bl))
-        self._free_counts = [int(x) for x in jax.device_get(free)]
+        self._free_counts = [int(x) for x in mh.fetch(free)]
 
     @property
     def _free_count(self) -> int:

@@ -75,18 +75,21 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
     Args:
       tensor_parallel_size: size of the ``model`` axis.
       data_parallel_size: size of the ``data`` axis.
-      devices: the devices to use (default ``jax.devices()``); the first ``DP·TP`` are taken,
-        row-major (a model-axis group is ``DP`` consecutive devices apart from no other group).
+      devices: the devices to use, taken as given: the first ``DP·TP``, row-major (a model-axis
+        group is ``TP`` consecutive devices). Default: :func:`mesh_devices` (``jax.devices()``
+        of every process, each process contributing the same number, process-major, so that a
+        model-axis group stays inside one process when ``TP`` divides the devices per process).
 
     Raises:
-      ValueError: a size below 1, or more devices asked for than given.
+      ValueError: a size below 1, or more devices asked for than given; on several processes,
+        ``DP·TP`` not a multiple of the process count.
     """
     for name, n in (("tensor_parallel_size", tensor_parallel_size),
                     ("data_parallel_size", data_parallel_size)):
         if not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {n!r}")
-    devices = list(jax.devices() if devices is None else devices)
     need = tensor_parallel_size * data_parallel_size
+    devices = mesh_devices(need) if devices is None else list(devices)
     if need > len(devices):
         raise ValueError(
             f"data_parallel_size={data_parallel_size} x tensor_parallel_size="
@@ -95,6 +98,40 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                if devices and devices[0].platform == "cpu" else ""))
     grid = np.asarray(devices[:need], dtype=object).reshape(data_parallel_size, tensor_parallel_size)
     return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def mesh_devices(num_devices: int) -> list[jax.Device]:
+    """The ``num_devices`` global devices a default mesh uses, in mesh order.
+
+    One process: the first ``num_devices`` of ``jax.devices()`` (its order kept). Several
+    processes (multi-controller): every process must own devices of the mesh (each one runs the
+    same program and reads its outputs), so each contributes ``num_devices / P`` of its own, in
+    ``jax.devices()`` order within a process and process-major across them: reshaped to
+    ``(DP, TP)``, a model-axis group is ``TP`` consecutive devices, inside one process when ``TP``
+    divides ``num_devices / P``, else spanning whole processes. Returns every device when
+    ``num_devices`` exceeds them (the caller reports the shortage).
+
+    Raises:
+      ValueError: several processes and ``num_devices`` not a multiple of their count.
+    """
+    devices = jax.devices()
+    nproc = jax.process_count()
+    if nproc == 1 or num_devices > len(devices):
+        return list(devices)
+    if num_devices % nproc:
+        raise ValueError(
+            f"the mesh needs {num_devices} devices, which {nproc} processes cannot contribute "
+            f"equally (data_parallel_size x tensor_parallel_size must be a multiple of the "
+            f"process count {nproc})")
+    per = num_devices // nproc
+    by_proc: dict[int, list] = {}
+    for d in devices:
+        by_proc.setdefault(d.process_index, []).append(d)
+    short = {p: len(ds) for p, ds in by_proc.items() if len(ds) < per}
+    if short or len(by_proc) != nproc:
+        raise ValueError(f"each of the {nproc} processes must contribute {per} devices; device "
+                         f"counts per process: { {p: len(ds) for p, ds in by_proc.items()} }")
+    return [d for p in sorted(by_proc) for d in by_proc[p][:per]]
 
 
 def check_mesh(mesh: Mesh) -> Mesh:
@@ -234,7 +271,8 @@ def model_axis_size() -> int:
     return int(mesh.shape[MODEL])
 
 
-__all__ = ["DATA", "MODEL", "MESH_AXES", "SLOTS", "DATA_SHARD", "state_sharding", "LOGICAL_TO_MESH", "make_mesh", "check_mesh",
+__all__ = ["DATA", "MODEL", "MESH_AXES", "SLOTS", "DATA_SHARD", "state_sharding",
+           "LOGICAL_TO_MESH", "make_mesh", "mesh_devices", "check_mesh",
            "mesh_sizes", "check_tensor_parallel", "logical_spec", "param_shardings",
            "kv_cache_sharding", "replicated", "attention_specs", "mesh_context",
            "per_device_bytes", "model_axis_size", "auto_axes"]
