@@ -30,8 +30,9 @@ from tests.runtime.conftest import reference_greedy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 2
-# (data, model) meshes over the 4 global devices; (2, 2) joins once data parallelism exists.
-MESHES = [(1, 4)]
+# (data, model) meshes over the 4 global devices: tensor parallel across both processes, and
+# data parallel across the processes (each process one data shard) with TP 2 inside each.
+MESHES = [(1, 4), (2, 2)]
 # seconds: far above a quiet 2-core run, bounds a hung job ($JMTP_TEST_LAUNCH_TIMEOUT for a
 # starved machine)
 LAUNCH_TIMEOUT = int(os.environ.get("JMTP_TEST_LAUNCH_TIMEOUT", 300))
@@ -130,7 +131,7 @@ def test_mesh_spans_both_processes_and_model_axis_is_process_major(job):
             assert eng["params_span_processes"] == (dp * tp > DEVICES_PER_PROCESS)
             assert eng["free_blocks"] == eng["num_blocks"]       # every block returned
             kv_local, kv_total = eng["memory"]["kv_cache"]
-            assert kv_local * tp == kv_total                      # kv heads split over model
+            assert kv_local * tp * dp == kv_total    # kv heads over model, blocks over data
 
 
 def test_launcher_stops_the_job_when_a_process_fails(tmp_path):
