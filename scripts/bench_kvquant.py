@@ -291,11 +291,12 @@ Why per token and not one scale per block: a token's stored values then depend o
 K/V. Blocks fill incrementally (prefill chunks, then verify windows whose rejected drafts are
 overwritten later); a per-block scale would have to requantise a block's earlier tokens whenever
 a larger one (or a rejected draft) arrives, so the cache, and the tokens generated from it,
-would depend on chunk sizes, speculation and preemption. With per-token scales greedy
-speculative decoding stays token-identical to plain decoding on the same quantised cache
-(`tests/runtime/test_kvquant_engine.py`, and "MTP = plain" below), and the error is lower too
-(last table). The price is 4 bytes per token per head for K and V (6.25 % of the int8 values at
-D = 64).
+would depend on chunk sizes, speculation and preemption. The per-token error is also lower
+(granularity table). The price is 4 bytes per token per head for K and V (6.25 % of the int8
+values at D = 64). Greedy MTP equals greedy plain on the same int8 cache on the tiny test model
+(`tests/runtime/test_kvquant_engine.py`); on SmolLM2 see "MTP = plain" below: a verify window's
+K/V come from a (K+1)-row matmul whose last bits can differ from plain decoding's 1-row matmul,
+and 8-bit rounding can turn that into a whole quantisation step (likely cause, not verified).
 
 ### KV-cache quantisation: measured {date}
 

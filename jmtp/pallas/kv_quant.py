@@ -20,8 +20,10 @@ and head. We chose this over one scale per block per head because:
    later); with a per-block scale, a larger token (or a rejected draft) would force the block's
    earlier tokens to be requantised with the larger scale, so the cache contents, and the tokens
    generated from them, would depend on how the block happened to be written (chunk sizes,
-   speculation, preemption). With per-token scales, greedy speculative decoding stays exactly
-   as lossless relative to its own cache as it is unquantised;
+   speculation, preemption). With per-token scales the stored value of a token does not depend
+   on the write pattern. (Speculative and plain decoding can still differ when the f32 K/V of
+   one token, computed in a multi-row verify window vs a one-row decode step, differ in their
+   last bits across a rounding boundary: seen on SmolLM2, see ``scripts/bench_kvquant.py``);
 2. per-token scales lose less: ``scripts/bench_kvquant.py`` measures the reconstruction error of
    SmolLM2's real K/V under both granularities (README snippet ``docs/kvquant_readme_snippet.md``);
 3. the cost is 4 bytes per token per head per K/V, ``4 / D`` of the int8 values (6.25 % for
