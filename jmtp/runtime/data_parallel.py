@@ -34,7 +34,6 @@ the busiest shard (:meth:`jmtp.runtime.llm_engine.LLMEngine.step`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
