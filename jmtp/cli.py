@@ -34,7 +34,8 @@ def build_llm(args):
                seed=args.seed, mtp_head=None if args.mtp_head == "none" else args.mtp_head,
                compile=args.compile, compilation_cache_dir=None if cache == "none" else cache,
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-               data_parallel_size=getattr(args, "data_parallel_size", 1))
+               data_parallel_size=getattr(args, "data_parallel_size", 1),
+               enable_prefix_caching=getattr(args, "enable_prefix_caching", False))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -81,6 +82,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
                    help="KV-cache storage (target and MTP caches): auto = the model dtype; int8 / "
                         "fp8_e4m3 = 8-bit values with one f32 scale per token per KV head")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the target and MTP KV of cached full blocks of earlier requests "
+                        "(shared prompt prefixes, multi-turn chats); one device only")
     p.add_argument("--compile", choices=["eager", "lazy"], default=None,
                    help="eager: compile every step bucket at start-up (default, or "
                         "$JMTP_COMPILE); lazy: compile each bucket on first use")

@@ -175,6 +175,10 @@ class EngineConfig:
       kv_cache_dtype: storage of the target and MTP KV caches (vLLM's option name): ``None`` (the
         model dtype), ``"int8"`` or ``"fp8_e4m3"`` (8-bit values, one f32 scale per token per KV
         head, quantised in the KV write and dequantised in attention; :mod:`jmtp.pallas.kv_quant`).
+      enable_prefix_caching: vLLM's option name. The state then carries each slot's read-only
+        shared prefix blocks (``num_shared``, ``shared_tables``), the step reads through them and
+        no longer returns a finished slot's blocks itself: the host retires the slot, keeping
+        the full blocks it caches (:mod:`jmtp.runtime.prefix_cache`).
 
     Raises:
       ValueError: a size < 1, ``max_num_batched_tokens`` below ``max_num_seqs * (K+1)``,
@@ -194,6 +198,7 @@ class EngineConfig:
     spec: SpeculativeConfig = SpeculativeConfig(method=None)
     block_allocator: str = "auto"
     kv_cache_dtype: str | None = None
+    enable_prefix_caching: bool = False
 
     def __post_init__(self):
         check_kv_cache_dtype(self.kv_cache_dtype, "EngineConfig.kv_cache_dtype")

@@ -38,7 +38,8 @@ from jmtp.runtime import data_parallel as dpar
 from jmtp.runtime import multihost as mh
 from jmtp.runtime import sharding as shd
 from jmtp.pallas.block_allocator import blocks_needed
-from jmtp.runtime.step import engine_step, release_slot
+from jmtp.runtime.prefix_cache import PrefixCache
+from jmtp.runtime.step import engine_step, push_free_blocks, release_slot, retire_slot
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,13 @@ class _Seq:
     context_ids: list[int] = dataclasses.field(default_factory=list)
     prefilled: int = 0
     resuming: bool = False         # the finishing prefill re-emits output_ids[-1]
+    # prefix caching (per admission): the cached blocks the slot reads, the tokens the device
+    # holds (context + every emitted token), and how many positions the target / MTP caches
+    # hold correctly
+    prefix_keys: list[bytes] = dataclasses.field(default_factory=list)
+    device_ids: list[int] = dataclasses.field(default_factory=list)
+    dev_decoded: int = 0
+    mtp_valid: int = 0
     # reported so far
     sent_tokens: int = 0
     sent_text: int = 0
@@ -178,6 +186,9 @@ class LLMEngine:
         :mod:`jmtp.runtime.data_parallel`. Must divide the three sizes.
       mesh: a ``jax.sharding.Mesh`` with axes ``("data", "model")`` to use instead of one built
         from the two sizes (:func:`jmtp.runtime.sharding.make_mesh`).
+      enable_prefix_caching: reuse the target and MTP KV of full blocks of earlier requests'
+        prompts and outputs (vLLM's option name; :mod:`jmtp.runtime.prefix_cache`). One device
+        only for now (no mesh).
 
     Raises:
       TypeError: an unknown keyword.
@@ -193,10 +204,16 @@ class LLMEngine:
                  tokenizer=None, mtp_head: str | None = "auto", compile: str | None = None,
                  compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto",
                  kv_cache_dtype: str | None = None,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None):
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
+                 enable_prefix_caching: bool = False):
         from jmtp.pallas.kv_quant import check_kv_cache_dtype
         from jmtp.runtime import compile as jc
         check_kv_cache_dtype(kv_cache_dtype)   # before anything is loaded
+        if enable_prefix_caching and (mesh is not None or (tensor_parallel_size,
+                                                           data_parallel_size) != (1, 1)):
+            raise ValueError("enable_prefix_caching=True with a device mesh (mesh, "
+                             "tensor_parallel_size or data_parallel_size > 1) is not supported "
+                             "yet: use one device")
         compile = jc.resolve_compile_mode(compile)
         self.compilation_cache_dir = jc.setup_compilation_cache(compilation_cache_dir)
         dtype = jnp.dtype(dtype or default_dtype())
@@ -244,7 +261,7 @@ class LLMEngine:
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, block_size=block_size,
             num_blocks=num_blocks or 1, max_num_batched_tokens=max_num_batched_tokens,
             max_stop_ids=8, max_logprobs=max_logprobs, spec=spec, block_allocator=block_allocator,
-            kv_cache_dtype=kv_cache_dtype)
+            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=bool(enable_prefix_caching))
         if not num_blocks:      # default: every slot can hold a full-length sequence
             ec = dataclasses.replace(ec, num_blocks=max_num_seqs * ec.pages_per_seq)
         self.engine_config = ec
@@ -264,12 +281,16 @@ class LLMEngine:
                                  donate_argnums=(6, 7, 8))
             self._insert = jax.jit(insert_request, donate_argnums=0)
             self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
+            self._retire = jax.jit(functools.partial(retire_slot, ec), donate_argnums=0)
+            self._push_free = jax.jit(push_free_blocks, donate_argnums=0)
         elif ec.kv_cache_dtype is not None:
             raise ValueError(f"kv_cache_dtype={ec.kv_cache_dtype!r} with a device mesh "
                              "(tensor_parallel_size / data_parallel_size > 1) is not supported yet")
         else:
             self._place_on_mesh(num_mtp_cache_layers, dtype)
         self._free_counts = [self._shard_ec.num_blocks] * self._dp   # free KV blocks per shard
+        self.prefix_cache = (PrefixCache(block_size, ec.num_blocks, self.mtp_cache is not None)
+                             if ec.enable_prefix_caching else None)
         # host-side scheduler state
         self._groups: dict[str, _Group] = {}
         self._waiting: collections.deque[_Seq] = collections.deque()
@@ -381,9 +402,11 @@ class LLMEngine:
         return dataclasses.replace(out, **{k: v for k, v in flat.items() if v is not None})
 
     def _insert_call(self, b: int, ids, prompt_len: int, remaining: int, row: dict,
-                     resume_token: int) -> None:
+                     resume_token: int, shared_ids: list[int] = ()) -> None:
         args = (jnp.asarray(ids), jnp.int32(prompt_len), jnp.int32(remaining),
                 {k: jnp.asarray(v) for k, v in row.items()}, jnp.int32(resume_token))
+        if self.prefix_cache is not None:
+            args += self._prefix_insert_args(shared_ids)
         if self.mesh is None:
             self.state = self._insert(self.state, jnp.int32(b), *args)
             return
@@ -435,10 +458,77 @@ class LLMEngine:
         times.update(compile_ahead(self._insert, [(
             self.state, *slot, jnp.asarray(np.zeros((sec.seq_buffer_len,), np.int32)),
             jnp.int32(1), jnp.int32(1), {k: jnp.asarray(v) for k, v in row.items()},
-            jnp.int32(-1))], labels=["insert"], progress=False))
+            jnp.int32(-1), *self._prefix_insert_args([]))], labels=["insert"], progress=False))
         times.update(compile_ahead(self._release, [(self.state, *slot)], labels=["release"],
                                    progress=False))
+        if self.prefix_cache is not None:
+            times.update(compile_ahead(self._retire, [(
+                self.state, jnp.int32(0), jnp.zeros((sec.pages_per_seq,), bool))],
+                labels=["retire"], progress=False))
+            times.update(compile_ahead(self._push_free, [(
+                self.state, jnp.full((sec.num_blocks,), -1, jnp.int32))], labels=["push_free"],
+                progress=False))
         return times
+
+    # ------------------------------------------------------------------ prefix caching
+    def _prefix_insert_args(self, block_ids: list[int]) -> tuple:
+        """The insert call's shared-prefix arguments (none without prefix caching)."""
+        if self.prefix_cache is None:
+            return ()
+        ec = self.engine_config
+        row = np.full((ec.pages_per_seq,), -1, np.int32)
+        row[:len(block_ids)] = block_ids
+        n = len(block_ids)
+        return jnp.asarray(row), jnp.int32(n), jnp.int32(n * ec.block_size)
+
+    def _ensure_free(self, need: int) -> None:
+        """Evict unreferenced cached blocks (LRU) until ``need`` blocks are free on the device
+        or nothing is left to evict; evicted blocks go back to the device free stack."""
+        pc = self.prefix_cache
+        short = need - self._free_counts[0]
+        if pc is None or short <= 0 or not pc.num_evictable:
+            return
+        ids = pc.evict(short)
+        buf = np.full((self.engine_config.num_blocks,), -1, np.int32)
+        buf[:len(ids)] = ids
+        self.state = self._push_free(self.state, jnp.asarray(buf))
+        self._free_counts = [self._free_counts[0] + len(ids)]
+
+    def _step_block_bound(self, chunks: np.ndarray) -> int:
+        """An upper bound on the blocks the next step's top-up can take: per occupied slot,
+        ``blocks_needed(rows + M - 1) + 1`` for its rows (prefill chunk or verify window)."""
+        ec, bs = self.engine_config, self.engine_config.block_size
+        total = 0
+        for b, s in enumerate(self._slots):
+            if s is None:
+                continue
+            rows = int(chunks[b]) if s.prefilled < len(s.context_ids) else 1 + int(
+                self._next_drafts[b])
+            if rows:
+                total += blocks_needed(rows + max(ec.m - 1, 0), bs) + 1
+        return total
+
+    def _retire_call(self, seq: _Seq, b: int, cache_blocks: bool) -> None:
+        """Empty slot ``b`` on the device (prefix caching): with ``cache_blocks``, keep its full
+        blocks whose target and MTP entries are valid and whose content is not cached yet, and
+        cache them; return the other owned blocks; drop the slot's references."""
+        pc, bs = self.prefix_cache, self.engine_config.block_size
+        ns = len(seq.prefix_keys)
+        keep = np.zeros((self.engine_config.pages_per_seq,), bool)
+        keys: list[bytes] = []
+        if cache_blocks:
+            valid = min(seq.dev_decoded, seq.mtp_valid)
+            full = valid // bs
+            keys = pc.keys(seq.device_ids, full)[ns:]
+            keep[:len(keys)] = pc.missing(keys)
+        self.state, kept = self._retire(self.state, jnp.int32(b), jnp.asarray(keep))
+        if keep.any():
+            kept = np.asarray(kept)
+            ids = [int(x) for x in kept[:int(keep.sum())]]
+            pc.insert([k for k, m in zip(keys, keep) if m], ids)
+        pc.release(seq.prefix_keys)
+        seq.prefix_keys = []
+        self._free_counts = [int(self.state.free_count)]
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -539,7 +629,11 @@ class LLMEngine:
         ``last_step_seconds`` (wall time of the last :meth:`step`, s), ``num_preemptions``,
         ``num_generated_tokens``; cumulative speculation counters over every sample ever run:
         ``num_draft_tokens``, ``num_accepted_tokens``, ``accepted_per_position`` (K counts),
-        ``num_decode_steps``, ``num_decode_tokens`` (see :class:`SpecDecodeMetrics`).
+        ``num_decode_steps``, ``num_decode_tokens`` (see :class:`SpecDecodeMetrics`). With
+        prefix caching also ``prefix_cache_hit_rate`` (cached prompt tokens / prompt tokens over
+        every admission), ``prefix_cache_queried_tokens``, ``prefix_cache_hit_tokens``,
+        ``num_cached_blocks`` (held by the cache, not free), ``num_evictable_blocks`` (cached,
+        read by no slot) and ``num_evicted_blocks``.
         """
         t = self._totals
         return dict(
@@ -550,7 +644,16 @@ class LLMEngine:
             num_preemptions=self._num_preemptions, num_generated_tokens=self._num_generated,
             num_draft_tokens=t.num_draft_tokens, num_accepted_tokens=t.num_accepted_tokens,
             accepted_per_position=list(t.accepted_per_position),
-            num_decode_steps=t.num_decode_steps, num_decode_tokens=t.num_decode_tokens)
+            num_decode_steps=t.num_decode_steps, num_decode_tokens=t.num_decode_tokens,
+            **self._prefix_stats())
+
+    def _prefix_stats(self) -> dict:
+        pc = self.prefix_cache
+        if pc is None:
+            return {}
+        return dict(prefix_cache_hit_rate=pc.hit_rate, prefix_cache_queried_tokens=pc.num_queried_tokens,
+                    prefix_cache_hit_tokens=pc.num_hit_tokens, num_cached_blocks=len(pc),
+                    num_evictable_blocks=pc.num_evictable, num_evicted_blocks=pc.num_evicted)
 
     # ------------------------------------------------------------------ validation
     def _validate(self, prompt_ids: list[int], sp: SamplingParams, where: str):
@@ -633,6 +736,8 @@ class LLMEngine:
         bucket = choose_bucket(sec, max(rows), max(active), bool(chunks.any()))
         limits = (np.full((B,), ec.k, np.int32) if self.spec_policy is None else
                   self.spec_policy.draft_limits(np.array([s is not None for s in slots])))
+        if self.prefix_cache is not None:
+            self._ensure_free(self._step_block_bound(chunks))
         t_step = time.perf_counter()
         out = self._run_step(bucket, chunks, limits)
         self._next_drafts = np.asarray(out.num_next_drafts)
@@ -651,6 +756,11 @@ class LLMEngine:
             was_decode = seq.prefilled >= len(seq.context_ids)
             seq.prefilled += int(chunks[b])
             n = int(out.num_tokens[b])
+            if self.prefix_cache is not None:
+                seq.device_ids += [int(x) for x in out.tokens[b, :n]]
+                seq.dev_decoded += n if was_decode else int(chunks[b])
+                if not out.finished[b]:     # the MTP does not run in a slot's last step
+                    seq.mtp_valid = seq.dev_decoded
             first = 0
             if seq.resuming and n:      # the re-emitted last token of a resumed request
                 first, seq.resuming = 1, False
@@ -663,13 +773,13 @@ class LLMEngine:
                 self._count_metrics(seq, out, b, kept)
             if stop_str is not None:
                 seq.finish_reason, seq.stop_reason = "stop", stop_str
-                self._free_slot(b, release=not out.finished[b])
+                self._free_slot(b, release=not out.finished[b], cache_blocks=True)
             elif out.finished[b]:
                 seq.finish_reason = FINISH_REASONS[int(out.finish_reason[b])]
                 last = seq.output_ids[-1] if seq.output_ids else None
                 if seq.finish_reason == "stop" and last in seq.params.stop_token_ids:
                     seq.stop_reason = last
-                self._free_slot(b, release=False)
+                self._free_slot(b, release=False, cache_blocks=True)
             if kept or seq.finish_reason is not None:
                 touched[seq.group.request_id] = seq.group
         for d, r in enumerate(shard_slots):
@@ -689,6 +799,8 @@ class LLMEngine:
         idle slot. Admission stops at the first sample no shard can take (FIFO)."""
         ec, slots = self.engine_config, self._slots
         free = list(self._free_counts)
+        if self.prefix_cache is not None:   # unreferenced cached blocks can be evicted for it
+            free[0] += self.prefix_cache.num_evictable
         while self._waiting:
             seq = self._waiting[0]
             first_chunk = min(len(seq.context_ids), self._shard_ec.max_num_batched_tokens)
@@ -774,6 +886,13 @@ class LLMEngine:
         row["rng_offset"] = np.int32(len(hist))
         remaining = seq.params.max_tokens - len(hist)
         seq.prefilled = 0
+        shared_ids: list[int] = []
+        if self.prefix_cache is not None:
+            seq.prefix_keys, shared_ids = self.prefix_cache.match(seq.context_ids)
+            self.prefix_cache.acquire(seq.prefix_keys, len(seq.context_ids))
+            seq.prefilled = len(shared_ids) * ec.block_size
+            seq.device_ids = list(seq.context_ids)
+            seq.dev_decoded = seq.mtp_valid = seq.prefilled
         seq.resuming = resume
         seq.slot = b
         if self.spec_policy is not None:
@@ -781,21 +900,25 @@ class LLMEngine:
         if not seq.metrics.accepted_per_position:
             seq.metrics.accepted_per_position = [0] * ec.k
         self._insert_call(b, ids, len(seq.context_ids), remaining, row,
-                          seq.output_ids[-1] if resume else -1)
+                          seq.output_ids[-1] if resume else -1, shared_ids)
         self._slots[b] = seq
         self._paused[b] = False
         self._order.append(b)
 
-    def _free_slot(self, b: int, release: bool):
+    def _free_slot(self, b: int, release: bool, cache_blocks: bool = False):
         """Empty slot ``b``; ``release`` returns its KV blocks (the step already released those
-        of slots it finished)."""
+        of slots it finished). With prefix caching the host always empties the slot
+        (:meth:`_retire_call`), caching its valid full blocks if ``cache_blocks`` (a request that
+        finished; not a preempted or aborted one)."""
         seq = self._slots[b]
         self._slots[b] = None
         self._paused[b] = False
         self._order.remove(b)
         seq.slot = None
         self._hold[b // self._shard_ec.max_num_seqs] = False
-        if release:
+        if self.prefix_cache is not None:
+            self._retire_call(seq, b, cache_blocks)
+        elif release:
             self._release_call(b)
 
     def _preempt(self, shard: int = 0):

@@ -55,6 +55,14 @@ class EngineState:
                                      block, -1 = absent), ``num_owned i32[B]``; read-only
                                      shortcuts ``state.free_count`` etc. are properties.
       paused: bool[B]                slot could not get its blocks this step (``is_block_step``).
+    Prefix caching (``EngineConfig.enable_prefix_caching``; both None when it is off):
+      num_shared: i32[B] | None      read-only cached blocks at the front of the slot's sequence:
+                                     logical pages ``[0, num_shared)`` live in ``shared_tables``,
+                                     page ``num_shared + j`` in the owned block
+                                     ``block_tables[b, j]`` (:func:`effective_block_tables`).
+      shared_tables: i32[B, P] | None  physical ids of the shared pages, -1 past ``num_shared``.
+                                     The allocator never sees them: they are not owned and no
+                                     step writes positions below ``num_shared * block_size``.
     """
 
     input_ids: jax.Array
@@ -74,6 +82,8 @@ class EngineState:
     finish_reason: jax.Array
     blocks: BlockAllocatorState
     paused: jax.Array
+    num_shared: jax.Array | None = None
+    shared_tables: jax.Array | None = None
 
     @property
     def free_stack(self) -> jax.Array:
@@ -115,7 +125,27 @@ def init_state(ec: EngineConfig, vocab_size: int) -> EngineState:
         finish_reason=zi(b),
         blocks=BlockAllocatorState.create(ec.num_blocks, b, ec.pages_per_seq),
         paused=jnp.zeros((b,), bool),
+        num_shared=zi(b) if ec.enable_prefix_caching else None,
+        shared_tables=(jnp.full((b, ec.pages_per_seq), -1, jnp.int32)
+                       if ec.enable_prefix_caching else None),
     )
+
+
+def effective_block_tables(state: EngineState, block_tables: jax.Array | None = None
+                           ) -> jax.Array:
+    """``i32[B, P]``: the physical block of every logical page of every slot, shared prefix
+    pages first (``shared_tables[b, :num_shared[b]]``), then the owned blocks
+    (``block_tables[b, :num_owned[b]]``), -1 past them. Without prefix caching this is the
+    allocator's table itself. ``block_tables`` overrides the state's owned table (the step passes
+    the one after this step's top-up)."""
+    owned = state.block_tables if block_tables is None else block_tables
+    if state.num_shared is None:
+        return owned
+    p = owned.shape[1]
+    j = jnp.arange(p, dtype=jnp.int32)[None, :]
+    ns = state.num_shared[:, None]
+    from_owned = jnp.take_along_axis(owned, jnp.clip(j - ns, 0, p - 1), axis=1)
+    return jnp.where(j < ns, state.shared_tables, jnp.where(j - ns < p, from_owned, -1))
 
 
 def insert_request(
@@ -126,6 +156,9 @@ def insert_request(
     max_dec_len: jax.Array,   # i32[]
     sampling_row: dict,       # one row of SamplingArrays (jmtp.runtime.sampling.arrays.make_row)
     resume_token: jax.Array | int = -1,   # i32[] see below; -1 = a new request
+    shared_blocks: jax.Array | None = None,  # i32[P] cached prefix blocks, -1 padded
+    num_shared: jax.Array | int = 0,         # i32[] valid entries of shared_blocks
+    cached_len: jax.Array | int = 0,         # i32[] num_shared * block_size
 ) -> EngineState:
     """Put a new request into ``slot`` (every per-slot field reset; nothing leaks from the last
     occupant). Its blocks are allocated by the next engine step.
@@ -133,15 +166,28 @@ def insert_request(
     ``resume_token >= 0`` re-admits a preempted request: ``prompt`` is its prompt plus all but the
     last generated token, and ``resume_token`` is that last token. It waits in
     ``draft_tokens[slot, 0]`` (the window's "last token") and the step that finishes the prefill
-    emits it instead of sampling, so the next verify window starts where the preempted one did."""
+    emits it instead of sampling, so the next verify window starts where the preempted one did.
+
+    With prefix caching, ``shared_blocks[:num_shared]`` are cached blocks holding the target and
+    MTP KV of the prompt's first ``num_shared * block_size`` positions: the slot reads them
+    (read-only) and its prefill starts after them (``seq_lens_decoder = cached_len = num_shared *
+    block_size``, which must stay below ``prompt_len``; the host checks both)."""
     s = state
     upd = lambda a, v: a.at[slot].set(v)
+    extra = {}
+    if s.num_shared is not None:
+        p = s.shared_tables.shape[1]
+        row = (jnp.full((p,), -1, jnp.int32) if shared_blocks is None
+               else jnp.where(jnp.arange(p) < num_shared, shared_blocks, -1))
+        extra = dict(num_shared=upd(s.num_shared, num_shared),
+                     shared_tables=upd(s.shared_tables, row))
+    cached = 0 if s.num_shared is None else cached_len
     return dataclasses.replace(
         s,
         input_ids=upd(s.input_ids, prompt),
         prompt_lens=upd(s.prompt_lens, prompt_len),
         seq_lens_encoder=upd(s.seq_lens_encoder, 0),
-        seq_lens_decoder=upd(s.seq_lens_decoder, 0),
+        seq_lens_decoder=upd(s.seq_lens_decoder, cached),
         seq_lens_this_time=upd(s.seq_lens_this_time, 0),
         step_idx=upd(s.step_idx, 0),
         draft_tokens=upd(s.draft_tokens, jnp.full((s.draft_tokens.shape[1],), -1, jnp.int32)
@@ -155,4 +201,5 @@ def insert_request(
         stop_flags=upd(s.stop_flags, False),
         finish_reason=upd(s.finish_reason, 0),
         paused=upd(s.paused, False),
+        **extra,
     )

@@ -59,7 +59,8 @@ from jmtp.runtime.buckets import StepBucket, active_slots
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.ngram import extend_with_ngram, ngram_match
 from jmtp.runtime.sampling import SamplingArrays, draft_sample, update_history
-from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState
+from jmtp.runtime.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState,
+                                effective_block_tables)
 from jmtp.runtime.verify import verify
 
 from jmtp.pallas.block_allocator import BlockAllocatorState, blocks_needed
@@ -293,7 +294,8 @@ def schedule(ec: EngineConfig, state: EngineState, prefill_chunk: jax.Array) -> 
 
 
 def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedule,
-                    seq_lens_decoder: jax.Array) -> tuple[BlockAllocatorState, Schedule]:
+                    seq_lens_decoder: jax.Array, num_shared: jax.Array | None = None
+                    ) -> tuple[BlockAllocatorState, Schedule]:
     """Top every scheduled slot up to the blocks this step's writes need, all or nothing.
 
     With ``d = seq_lens_decoder`` and ``n = seq_lens_this_time``, a slot writes target positions
@@ -308,6 +310,8 @@ def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedu
       blocks: allocator state.
       sched: this step's :class:`Schedule`.
       seq_lens_decoder: i32[B] tokens already in the cache.
+      num_shared: i32[B] read-only prefix pages of each slot (prefix caching; None = 0): they
+        come before the owned blocks and are not counted in the top-up.
 
     Returns:
       ``(new allocator state, schedule with paused slots removed)``.
@@ -317,6 +321,8 @@ def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedu
     overhang = max(ec.m - 1, 0)
     need = jnp.where(query_lens > 0,
                      blocks_needed(seq_lens_decoder + query_lens + overhang, ec.block_size), 0)
+    if num_shared is not None:
+        need = jnp.where(query_lens > 0, jnp.maximum(need - num_shared, 0), 0)
     blocks, paused = blocks.allocate(jnp.zeros((B,), bool), need.astype(jnp.int32),
                                      implementation=ec.block_allocator)
     paused = paused & (query_lens > 0)
@@ -530,14 +536,15 @@ def draft_model_preprocess(mc: ModelConfig, ec: EngineConfig, num_tokens: int, s
     B, bs = ec.max_num_seqs, ec.block_size
     target_hidden, cu_t, slots, valid = target.hidden, target.cu_q_lens, target.slots, target.valid
     decoded = prev_seq_lens_decoder
+    tables = effective_block_tables(state)        # shared prefix pages, then owned blocks
     slot_rows = jnp.minimum(slots, B - 1)
     ctx = DraftContext(
         slots=slots, budget=jnp.where(valid, draft_budget[slot_rows], 0),
-        start_pos=state.seq_lens_decoder[slot_rows], block_tables=state.block_tables[slot_rows],
+        start_pos=state.seq_lens_decoder[slot_rows], block_tables=tables[slot_rows],
         sampling=_gather_slots(state.sampling, slot_rows), step_idx=state.step_idx[slot_rows])
     query_lens = jnp.where(state.stop_flags, 0, jnp.where(state.seq_lens_encoder > 0,
                                                           state.seq_lens_encoder, state.accept_num))
-    positions, meta = ragged_batch(query_lens, decoded, state.block_tables, bs, num_tokens)
+    positions, meta = ragged_batch(query_lens, decoded, tables, bs, num_tokens)
     cu_q_lens = meta.cu_q_lens
     seq, local = packed_row_seq(cu_q_lens, num_tokens)
     ids = state.input_ids[seq, jnp.clip(positions + 1, 0, ec.seq_buffer_len - 1)]
@@ -754,9 +761,10 @@ def engine_step(
     model = nnx.merge(graphdef, model_state)
     prev = state
     sched = schedule(ec, prev, prefill_chunk)
-    blocks, sched = allocate_blocks(ec, prev.blocks, sched, prev.seq_lens_decoder)
+    blocks, sched = allocate_blocks(ec, prev.blocks, sched, prev.seq_lens_decoder,
+                                    prev.num_shared)
     target, cache = target_forward(ec, bucket, attention_impl, model, prev, sched,
-                                   blocks.block_tables, cache)
+                                   effective_block_tables(prev, blocks.block_tables), cache)
     verified = speculate_verify(model.cfg, ec, prev, sched, target)
     state, done = speculate_update(ec, prev, sched, verified, blocks)
     budget = done.draft_budget
@@ -766,7 +774,8 @@ def engine_step(
                                               model, state, prev.seq_lens_decoder, target,
                                               budget, mtp_cache)
     state = draft_model_postprocess(ec, state, prev, drafts, draft_probs, budget)
-    state = release_finished(ec, state, done.finished)
+    if not ec.enable_prefix_caching:   # with the cache the host retires slots (retire_slot)
+        state = release_finished(ec, state, done.finished)
     num_next_drafts = jnp.sum(state.draft_tokens[:, 1:] >= 0, axis=1).astype(jnp.int32)
     out = StepOutput(tokens=done.tokens, num_tokens=done.num_tokens, num_drafts=sched.num_drafts,
                      num_accepted=done.num_accepted, finished=done.finished,
@@ -779,7 +788,61 @@ def engine_step(
 
 def release_slot(ec: EngineConfig, state: EngineState, slot: jax.Array) -> EngineState:
     """Preempt ``slot`` (i32[]): return its KV blocks (allocator ``ec.block_allocator``) and mark
-    it idle (the host re-queues the request)."""
+    it idle (the host re-queues the request). With prefix caching its shared prefix pages are
+    dropped from the slot too (the host drops its references)."""
     B = state.stop_flags.shape[0]
     state = release_finished(ec, state, jnp.arange(B) == slot)
+    state = _clear_shared(state, slot)
     return dataclasses.replace(state, stop_flags=state.stop_flags.at[slot].set(True))
+
+
+def _clear_shared(state: EngineState, slot: jax.Array) -> EngineState:
+    if state.num_shared is None:
+        return state
+    return dataclasses.replace(state, num_shared=state.num_shared.at[slot].set(0),
+                               shared_tables=state.shared_tables.at[slot].set(-1))
+
+
+def retire_slot(ec: EngineConfig, state: EngineState, slot: jax.Array, keep: jax.Array
+                ) -> tuple[EngineState, jax.Array]:
+    """Empty ``slot`` (i32[]) for prefix caching: its owned blocks ``j`` with ``keep[j]``
+    (``bool[P]``, indices into the slot's owned blocks ``block_tables[slot, :num_owned]``) leave
+    the allocator, pinned for the host's prefix cache; the others go back to the free stack
+    (allocator ``ec.block_allocator``, the same release as :func:`release_slot`). The slot's
+    shared prefix pages are dropped and it is marked idle.
+
+    Returns:
+      ``(state, kept i32[P])``: the kept block ids in table order, -1 padded (entries of ``keep``
+      at or past ``num_owned`` are ignored).
+
+    Afterwards ``free_count + sum(num_owned) + (pinned blocks) == num_blocks``; pinned blocks come
+    back with :func:`push_free_blocks`.
+    """
+    tables, owned = state.blocks.block_tables, state.blocks.num_owned
+    P = tables.shape[1]
+    row = tables[slot]
+    j = jnp.arange(P, dtype=jnp.int32)
+    # 0: owned, released; 1: owned, kept; 2: not owned. Stable sorts keep table order.
+    key = jnp.where(j < owned[slot], keep.astype(jnp.int32), 2)
+    release_row = row[jnp.argsort(key, stable=True)]
+    n_release = jnp.sum(key == 0).astype(jnp.int32)
+    n_kept = jnp.sum(key == 1)
+    kept = jnp.where(j < n_kept, row[jnp.argsort(key != 1, stable=True)], -1)
+    blocks = dataclasses.replace(
+        state.blocks, block_tables=tables.at[slot].set(jnp.where(j < n_release, release_row, -1)),
+        num_owned=owned.at[slot].set(n_release))
+    state = release_slot(ec, dataclasses.replace(state, blocks=blocks), slot)
+    return state, kept.astype(jnp.int32)
+
+
+def push_free_blocks(state: EngineState, ids: jax.Array) -> EngineState:
+    """Give pinned blocks back to the allocator: push the ids ``>= 0`` of ``ids i32[n]`` (in
+    order) onto the free stack. For blocks the host's prefix cache evicts; the caller
+    guarantees they are neither free nor owned (the allocator's invariants then hold again)."""
+    fs, fc = state.blocks.free_stack, state.blocks.free_count
+    valid = ids >= 0
+    dst = jnp.where(valid, fc + jnp.cumsum(valid) - 1, fs.shape[0])
+    fs = fs.at[dst].set(ids, mode="drop")
+    blocks = dataclasses.replace(state.blocks, free_stack=fs,
+                                 free_count=(fc + jnp.sum(valid)).astype(jnp.int32))
+    return dataclasses.replace(state, blocks=blocks)
