@@ -34,6 +34,13 @@ schedule) and the release at the end (a slot's blocks return in the step it fini
 sees them free at once and an idle engine owns no blocks). Folding the release into the next
 step's single call would hold a finished request's blocks for one more step.
 
+With prefix caching (``EngineConfig.enable_prefix_caching``, :mod:`jmtp.runtime.prefix_cache`)
+a slot may start with read-only cached blocks in front of its owned ones: the stages read every
+block table through :func:`~jmtp.runtime.state.effective_block_tables`, the top-up counts only
+the owned pages, and the final release is left to the host (:func:`retire_slot` keeps the full
+blocks it caches; :func:`push_free_blocks` returns evicted ones), the one-graph step otherwise
+unchanged.
+
 Every stage output is a frozen dataclass registered with ``jax.tree_util.register_dataclass``;
 all fields are data (array leaves, or None for an absent optional array), static sizes live in
 :class:`~jmtp.runtime.config.EngineConfig` / :class:`~jmtp.runtime.buckets.StepBucket`.
