@@ -522,10 +522,10 @@ class LLMEngine:
             keys = pc.keys(seq.device_ids, full)[ns:]
             keep[:len(keys)] = pc.missing(keys)
         self.state, kept = self._retire(self.state, jnp.int32(b), jnp.asarray(keep))
-        if keep.any():
-            kept = np.asarray(kept)
-            ids = [int(x) for x in kept[:int(keep.sum())]]
-            pc.insert([k for k, m in zip(keys, keep) if m], ids)
+        if keep.any():     # kept ids in table order; -1 past the blocks the slot owned
+            pairs = [(k, int(i)) for k, i in zip([k for k, m in zip(keys, keep) if m],
+                                                 np.asarray(kept)) if i >= 0]
+            pc.insert([k for k, _ in pairs], [i for _, i in pairs])
         pc.release(seq.prefix_keys)
         seq.prefix_keys = []
         self._free_counts = [int(self.state.free_count)]

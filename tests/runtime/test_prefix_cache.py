@@ -231,6 +231,31 @@ def test_lifecycle_refcounts_no_leak_no_write(lifecycle_engine, data):
         assert int(engine.state.free_count) == engine.engine_config.num_blocks
 
 
+def test_eviction_under_block_pressure(lifecycle_engine):
+    """Long requests with distinct prompts, two at a time, on a pool the cache alone would fill:
+    the cache evicts (LRU) instead of pausing or preempting, and the outputs stay the full-forward
+    reference's."""
+    engine = lifecycle_engine
+    pc = engine.prefix_cache
+    cfg, params = tiny_model(0, vocab_size=VOCAB)
+    rng = np.random.default_rng(7)
+    prompts = [[int(x) for x in rng.integers(2, VOCAB, 60)] for _ in range(4)]
+    evicted, preempted = pc.num_evicted, engine.get_stats()["num_preemptions"]
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"e{i}", p, sp)
+    outs, snapshots = {}, {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+        _check_invariants(engine, snapshots)
+    for i, p in enumerate(prompts):
+        assert outs[f"e{i}"] == reference_greedy(cfg, params, p, 20, stop_ids=())
+    assert pc.num_evicted > evicted
+    assert engine.get_stats()["num_preemptions"] == preempted
+
+
 def test_prefix_caching_refused_on_a_mesh():
     cfg, params = tiny_model(0)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
