@@ -503,13 +503,14 @@ class LLMEngine:
         are freed at once, whether they wait, prefill or decode; no further output is returned."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            group = self._groups.pop(rid, None)
+            group = self._groups.get(rid)
             if group is None:
                 continue
             for seq in group.seqs:
                 if seq.slot is not None:
                     self._free_slot(seq.slot, release=True)
             self._waiting = collections.deque(s for s in self._waiting if s.group is not group)
+            del self._groups[rid]      # last: a failing release leaves the request abortable
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -706,8 +707,8 @@ class LLMEngine:
             if best is None:
                 return
             _, d, b = best
+            self._admit(b, seq)          # may raise: then the sample is still first in line
             self._waiting.popleft()
-            self._admit(b, seq)
             free[d] -= need
 
     def _append(self, seq: _Seq, tokens: list[int]) -> tuple[int, str | None]:
@@ -773,6 +774,10 @@ class LLMEngine:
             row["recent_tokens"][ec.max_bad_word_len - 1 - tail.size:] = tail
         row["rng_offset"] = np.int32(len(hist))
         remaining = seq.params.max_tokens - len(hist)
+        # The device insert first: if it raises, no host bookkeeping has changed (the sample
+        # stays waiting, the slot stays idle) and the error is the caller's to see.
+        self._insert_call(b, ids, len(seq.context_ids), remaining, row,
+                          seq.output_ids[-1] if resume else -1)
         seq.prefilled = 0
         seq.resuming = resume
         seq.slot = b
@@ -780,23 +785,22 @@ class LLMEngine:
             self.spec_policy.reset_slot(b)
         if not seq.metrics.accepted_per_position:
             seq.metrics.accepted_per_position = [0] * ec.k
-        self._insert_call(b, ids, len(seq.context_ids), remaining, row,
-                          seq.output_ids[-1] if resume else -1)
         self._slots[b] = seq
         self._paused[b] = False
         self._order.append(b)
 
     def _free_slot(self, b: int, release: bool):
         """Empty slot ``b``; ``release`` returns its KV blocks (the step already released those
-        of slots it finished)."""
+        of slots it finished). The device release runs first, so that a failing call leaves
+        the host's view of the slot unchanged."""
+        if release:
+            self._release_call(b)
         seq = self._slots[b]
         self._slots[b] = None
         self._paused[b] = False
         self._order.remove(b)
         seq.slot = None
         self._hold[b // self._shard_ec.max_num_seqs] = False
-        if release:
-            self._release_call(b)
 
     def _preempt(self, shard: int = 0):
         """Every occupied slot of data shard ``shard`` is paused for KV blocks: preempt its newest
