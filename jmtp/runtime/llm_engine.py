@@ -264,9 +264,6 @@ class LLMEngine:
                                  donate_argnums=(6, 7, 8))
             self._insert = jax.jit(insert_request, donate_argnums=0)
             self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
-        elif ec.kv_cache_dtype is not None:
-            raise ValueError(f"kv_cache_dtype={ec.kv_cache_dtype!r} with a device mesh "
-                             "(tensor_parallel_size / data_parallel_size > 1) is not supported yet")
         else:
             self._place_on_mesh(num_mtp_cache_layers, dtype)
         self._free_counts = [self._shard_ec.num_blocks] * self._dp   # free KV blocks per shard
@@ -330,18 +327,20 @@ class LLMEngine:
                                  self._shard_ec, self._dp)
         rep = shd.replicated(mesh)
         st = shd.state_sharding(mesh)
-        kv = shd.kv_cache_sharding(mesh, mc.num_kv_heads, stacked=True)
+        kv = shd.kv_cache_shardings(mesh, mc.num_kv_heads, ec.kv_cache_dtype is not None,
+                                    stacked=True)
         self.params = mh.put(self.params, shd.param_shardings(self.params, mesh),
                              what="parameters")
         self.state = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
                              out_shardings=st)()
         make = lambda n: jax.jit(lambda: dpar.stack_shards(
-            init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype), dp), out_shardings=kv)()
+            init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype, ec.kv_cache_dtype), dp),
+            out_shardings=kv)()
         self.cache = make(mc.num_layers)
         self.mtp_cache = make(num_mtp_cache_layers) if num_mtp_cache_layers else None
         self._step = jax.jit(functools.partial(dpar.data_parallel_step, mesh),
                              static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8),
-                             out_shardings=(st, kv, kv, rep))
+                             out_shardings=(st, kv, kv if self.mtp_cache is not None else None, rep))
         self._insert = jax.jit(functools.partial(dpar.data_parallel_insert, mesh),
                                donate_argnums=0, out_shardings=st)
         self._release = jax.jit(functools.partial(dpar.data_parallel_release, mesh, sec),
