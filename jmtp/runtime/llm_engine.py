@@ -283,9 +283,6 @@ class LLMEngine:
             self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
             self._retire = jax.jit(functools.partial(retire_slot, ec), donate_argnums=0)
             self._push_free = jax.jit(push_free_blocks, donate_argnums=0)
-        elif ec.kv_cache_dtype is not None:
-            raise ValueError(f"kv_cache_dtype={ec.kv_cache_dtype!r} with a device mesh "
-                             "(tensor_parallel_size / data_parallel_size > 1) is not supported yet")
         else:
             self._place_on_mesh(num_mtp_cache_layers, dtype)
         self._free_counts = [self._shard_ec.num_blocks] * self._dp   # free KV blocks per shard
@@ -351,18 +348,20 @@ class LLMEngine:
                                  self._shard_ec, self._dp)
         rep = shd.replicated(mesh)
         st = shd.state_sharding(mesh)
-        kv = shd.kv_cache_sharding(mesh, mc.num_kv_heads, stacked=True)
+        kv = shd.kv_cache_shardings(mesh, mc.num_kv_heads, ec.kv_cache_dtype is not None,
+                                    stacked=True)
         self.params = mh.put(self.params, shd.param_shardings(self.params, mesh),
                              what="parameters")
         self.state = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
                              out_shardings=st)()
         make = lambda n: jax.jit(lambda: dpar.stack_shards(
-            init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype), dp), out_shardings=kv)()
+            init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype, ec.kv_cache_dtype), dp),
+            out_shardings=kv)()
         self.cache = make(mc.num_layers)
         self.mtp_cache = make(num_mtp_cache_layers) if num_mtp_cache_layers else None
         self._step = jax.jit(functools.partial(dpar.data_parallel_step, mesh),
                              static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8),
-                             out_shardings=(st, kv, kv, rep))
+                             out_shardings=(st, kv, kv if self.mtp_cache is not None else None, rep))
         self._insert = jax.jit(functools.partial(dpar.data_parallel_insert, mesh),
                                donate_argnums=0, out_shardings=st)
         self._release = jax.jit(functools.partial(dpar.data_parallel_release, mesh, sec),
@@ -593,13 +592,14 @@ class LLMEngine:
         are freed at once, whether they wait, prefill or decode; no further output is returned."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            group = self._groups.pop(rid, None)
+            group = self._groups.get(rid)
             if group is None:
                 continue
             for seq in group.seqs:
                 if seq.slot is not None:
                     self._free_slot(seq.slot, release=True)
             self._waiting = collections.deque(s for s in self._waiting if s.group is not group)
+            del self._groups[rid]      # last: a failing release leaves the request abortable
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -818,8 +818,8 @@ class LLMEngine:
             if best is None:
                 return
             _, d, b = best
+            self._admit(b, seq)          # may raise: then the sample is still first in line
             self._waiting.popleft()
-            self._admit(b, seq)
             free[d] -= need
 
     def _append(self, seq: _Seq, tokens: list[int]) -> tuple[int, str | None]:
@@ -885,11 +885,17 @@ class LLMEngine:
             row["recent_tokens"][ec.max_bad_word_len - 1 - tail.size:] = tail
         row["rng_offset"] = np.int32(len(hist))
         remaining = seq.params.max_tokens - len(hist)
+        keys, shared_ids = ((self.prefix_cache.match(seq.context_ids))
+                            if self.prefix_cache is not None else ([], []))
+        # The device insert first: if it raises, no host bookkeeping has changed (the sample
+        # stays waiting, the slot stays idle, no cached block is referenced) and the error is
+        # the caller's to see.
+        self._insert_call(b, ids, len(seq.context_ids), remaining, row,
+                          seq.output_ids[-1] if resume else -1, shared_ids)
         seq.prefilled = 0
-        shared_ids: list[int] = []
         if self.prefix_cache is not None:
-            seq.prefix_keys, shared_ids = self.prefix_cache.match(seq.context_ids)
-            self.prefix_cache.acquire(seq.prefix_keys, len(seq.context_ids))
+            self.prefix_cache.acquire(keys, len(seq.context_ids))
+            seq.prefix_keys = keys
             seq.prefilled = len(shared_ids) * ec.block_size
             seq.device_ids = list(seq.context_ids)
             seq.dev_decoded = seq.mtp_valid = seq.prefilled
@@ -899,8 +905,6 @@ class LLMEngine:
             self.spec_policy.reset_slot(b)
         if not seq.metrics.accepted_per_position:
             seq.metrics.accepted_per_position = [0] * ec.k
-        self._insert_call(b, ids, len(seq.context_ids), remaining, row,
-                          seq.output_ids[-1] if resume else -1, shared_ids)
         self._slots[b] = seq
         self._paused[b] = False
         self._order.append(b)
@@ -909,17 +913,18 @@ class LLMEngine:
         """Empty slot ``b``; ``release`` returns its KV blocks (the step already released those
         of slots it finished). With prefix caching the host always empties the slot
         (:meth:`_retire_call`), caching its valid full blocks if ``cache_blocks`` (a request that
-        finished; not a preempted or aborted one)."""
+        finished; not a preempted or aborted one). The device call runs first, so that a failing
+        call leaves the host's view of the slot unchanged."""
         seq = self._slots[b]
+        if self.prefix_cache is not None:
+            self._retire_call(seq, b, cache_blocks)
+        elif release:
+            self._release_call(b)
         self._slots[b] = None
         self._paused[b] = False
         self._order.remove(b)
         seq.slot = None
         self._hold[b // self._shard_ec.max_num_seqs] = False
-        if self.prefix_cache is not None:
-            self._retire_call(seq, b, cache_blocks)
-        elif release:
-            self._release_call(b)
 
     def _preempt(self, shard: int = 0):
         """Every occupied slot of data shard ``shard`` is paused for KV blocks: preempt its newest
