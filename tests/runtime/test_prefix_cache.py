@@ -256,6 +256,45 @@ def test_eviction_under_block_pressure(lifecycle_engine):
     assert engine.get_stats()["num_preemptions"] == preempted
 
 
+def test_failing_insert_takes_no_reference(lifecycle_engine):
+    """A request insert that raises while the request matches cached blocks leaves every
+    reference count at zero; the retried admission reads the cache and gives the reference
+    output."""
+    engine = lifecycle_engine
+    pc = engine.prefix_cache
+    cfg, params = tiny_model(0, vocab_size=VOCAB)
+    prompt = [int(x) for x in np.random.default_rng(3).integers(2, VOCAB, 30)]
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    engine.add_request("warm", prompt, sp)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert pc.match(prompt + [2])[1]            # the prompt's blocks are cached
+    real, calls = engine._insert_call, []
+
+    def fail_once(*a):
+        calls.append(a)
+        if len(calls) == 1:
+            raise RuntimeError("injected device failure")
+        return real(*a)
+
+    engine._insert_call = fail_once
+    try:
+        engine.add_request("again", prompt + [2], sp)
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+        assert all(pc.ref_count(b) == 0 for b in pc.cached_ids())
+        hits = pc.num_hit_tokens
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+    finally:
+        engine._insert_call = real
+    assert pc.num_hit_tokens > hits
+    assert outs[0].outputs[0].token_ids == reference_greedy(cfg, params, prompt + [2], 5,
+                                                            stop_ids=())
+    _check_invariants(engine, {})
+
+
 def test_prefix_caching_refused_on_a_mesh():
     cfg, params = tiny_model(0)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
