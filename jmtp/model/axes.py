@@ -31,6 +31,8 @@ Parameters (``[...]`` = only for some architectures; ``L`` = ``layers``)::
   [layers.attn.bq]        f[L, Nq·D]       (layers, q_heads)    Qwen2 biases
   [layers.attn.bk / bv]   f[L, Nkv·D]      (layers, kv_heads)
   [layers.attn.q_norm/k_norm] f[L, D]      (layers, head_dim)   Qwen3
+  [layers.attn.wq_a f[L,H,Rq], q_a_norm f[L,Rq], wq_b f[L,Rq,Nq(dn+dr)], wkv_a f[L,H,C+dr],
+   kv_a_norm f[L,C], wkv_b f[L,C,Nq(dn+dv)]]  (layers, embed|-, -|q_heads)  DeepSeek MLA
   layers.mlp_norm         f[L, H]          (layers, embed)
   layers.mlp.w_gate/w_up  f[L, H, I]       (layers, embed, mlp)
   layers.mlp.w_down       f[L, I, H]       (layers, mlp, embed)
@@ -65,6 +67,10 @@ LAYER_AXES: dict[str, tuple[str, ...]] = {
     "bq": (Q_HEADS,), "bk": (KV_HEADS,), "bv": (KV_HEADS,),
     "q_norm": (HEAD_DIM,), "k_norm": (HEAD_DIM,),
     "w_gate": (EMBED, MLP), "w_up": (EMBED, MLP), "w_down": (MLP, EMBED),
+    # DeepSeek MLA (jmtp.model.mla); the latent ranks (q_lora_rank, kv_lora_rank + rope) are
+    # unnamed (replicated).
+    "wq_a": (EMBED, None), "q_a_norm": (None,), "wq_b": (None, Q_HEADS),
+    "wkv_a": (EMBED, None), "kv_a_norm": (None,), "wkv_b": (None, Q_HEADS),
 }
 
 # Top-level and MTP-head parameters (MTP entries without their leading ``layers`` axis).

@@ -9,22 +9,44 @@ import dataclasses
 from typing import Literal
 
 MTP_LAYOUTS = ("deepseek", "ernie")
+ATTENTION_TYPES = ("gqa", "mla")
+MLA_PATHS = ("absorbed", "expanded")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (``rope_type == "llama3"`` in HF configs).
+    """RoPE frequency scaling: Llama-3 style (``rope_type == "llama3"`` in HF configs) or YaRN
+    (``"yarn"``, Peng et al. 2023, arXiv 2309.00071; DeepSeek-V3's, HF ``_compute_yarn_parameters``).
 
     Attributes:
       factor: wavelength stretch for low frequencies.
-      low_freq_factor / high_freq_factor: band edges, as in HF ``_compute_llama3_parameters``.
+      low_freq_factor / high_freq_factor: band edges, as in HF ``_compute_llama3_parameters``
+        (llama3 only).
       original_max_position_embeddings: context length the base model was trained for.
+      rope_type: ``"llama3"`` or ``"yarn"``.
+      beta_fast / beta_slow: YaRN ramp boundaries (rotations), defaults 32 / 1.
+      mscale / mscale_all_dim: YaRN attention-factor terms (0 = absent); DeepSeek's MLA also
+        multiplies its softmax scale by ``(0.1 * mscale_all_dim * ln(factor) + 1)^2``.
+      attention_factor: YaRN cos/sin multiplier; None = derived from factor and the mscales.
+      truncate: YaRN rounds the correction range to whole dimensions (HF default True).
     """
 
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "yarn"):
+            raise ValueError(f"RopeScaling.rope_type must be 'llama3' or 'yarn', got "
+                             f"{self.rope_type!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +61,8 @@ class ModelConfig:
       num_layers: L, number of decoder layers.
       num_heads: query heads Nq.
       num_kv_heads: key/value heads Nkv (GQA when Nkv < Nq); Nq % Nkv == 0.
-      head_dim: D.
+      head_dim: D (for MLA: the rotary part ``qk_rope_head_dim``, as transformers'
+        ``DeepseekV3Config.head_dim``).
       rms_norm_eps: epsilon of every RMSNorm.
       rope_theta: RoPE base.
       rope_scaling: optional llama3 scaling.
@@ -55,6 +78,18 @@ class ModelConfig:
         al. 2025, arXiv 2502.14856; EAGLE-3's ``draft_vocab_size``): its drafts score only the N most
         frequent tokens, ranked in ``params["draft_vocab"] i32[V]``. 0 = the full vocabulary.
         The default of :class:`~jmtp.runtime.config.SpeculativeConfig` ``draft_vocab_size``.
+      attention_type: ``"gqa"`` (standard multi-/grouped-query attention, the default) or
+        ``"mla"`` (DeepSeek-V2/V3 multi-head latent attention, :mod:`jmtp.model.mla`; the fields
+        below then describe it and ``head_dim`` must equal ``qk_rope_head_dim``).
+      q_lora_rank: MLA query compression rank (``q_a_proj``/``q_b_proj``), None = one ``q_proj``.
+      kv_lora_rank: MLA compressed KV latent width C (the cache holds C + qk_rope_head_dim per
+        token).
+      qk_nope_head_dim / qk_rope_head_dim: MLA per-head query/key widths without / with RoPE.
+      v_head_dim: MLA per-head value width.
+      mla_path: which MLA attention the forward runs: ``"absorbed"`` (W_UK folded into the
+        query, W_UV applied after attention: MQA over the latent cache, the decode path) or
+        ``"expanded"`` (the cached latents up-projected to per-head keys/values, the prefill
+        path). Both compute the same function (tests check them equal).
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -77,6 +112,13 @@ class ModelConfig:
     num_mtp_layers: int = 1
     mtp_layout: Literal["deepseek", "ernie"] = "deepseek"
     draft_vocab_size: int = 0
+    attention_type: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mla_path: Literal["absorbed", "expanded"] = "absorbed"
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -101,6 +143,47 @@ class ModelConfig:
                              f"{self.vocab_size}], got {self.draft_vocab_size}")
         if self.num_mtp_layers < 0:
             raise ValueError(f"ModelConfig.num_mtp_layers must be >= 0, got {self.num_mtp_layers}")
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ValueError(f"ModelConfig.attention_type must be one of {ATTENTION_TYPES}, got "
+                             f"{self.attention_type!r}")
+        if self.attention_type == "mla":
+            self._check_mla()
+
+    def _check_mla(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1 for attention_type='mla', got "
+                                 f"{getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"ModelConfig.q_lora_rank must be None or >= 1, got {self.q_lora_rank}")
+        if self.head_dim != self.qk_rope_head_dim:
+            raise ValueError(f"ModelConfig.head_dim ({self.head_dim}) must equal qk_rope_head_dim "
+                             f"({self.qk_rope_head_dim}) for attention_type='mla' (RoPE width)")
+        if self.attention_bias or self.qk_norm:
+            raise ValueError("ModelConfig.attention_bias / qk_norm are not supported with "
+                             "attention_type='mla'")
+        if self.mla_path not in MLA_PATHS:
+            raise ValueError(f"ModelConfig.mla_path must be one of {MLA_PATHS}, got "
+                             f"{self.mla_path!r}")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention_type == "mla"
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA query/key width per head: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """Heads of the paged cache: ``num_kv_heads``, or 1 for MLA (one shared latent)."""
+        return 1 if self.is_mla else self.num_kv_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        """Width of one cache head: ``head_dim``, or ``kv_lora_rank + qk_rope_head_dim`` for MLA."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
 
     @property
     def q_size(self) -> int:

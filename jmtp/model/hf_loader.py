@@ -13,6 +13,13 @@ Supported architectures (``config.json`` ``architectures[0]``):
   permutation of the head dimension applied to both q and k, so the loader permutes the output
   rows of ``q_proj``/``k_proj`` (and their biases / q-k norms) per head with
   :func:`deinterleave_rows`, after which the standard forward is exact.
+* ``DeepseekV3ForCausalLM`` (multi-head latent attention, :mod:`jmtp.model.mla`; tensors
+  ``self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj, kv_a_proj_with_mqa,kv_a_layernorm,
+  kv_b_proj,o_proj}``). With ``rope_interleave`` (the default) the rotary columns of ``q_b_proj``
+  (per head) and ``kv_a_proj_with_mqa`` are de-interleaved like ERNIE's. YaRN rope scaling
+  (``rope_type: yarn``, DeepSeek-V3's own) is supported for it. DeepSeek-V3's fp8 checkpoints
+  (``F8_E4M3`` weights with ``<name>_scale_inv`` f32 scales per ``weight_block_size`` block
+  (``quantization_config``, 128x128 in DeepSeek-V3)) are dequantised at load (``w * scale``).
 
 Multi-token-prediction (MTP) tensors are picked up in two layouts (see
 ``shared/docs/fastdeploy_mtp_spec.md`` §7):
@@ -58,9 +65,10 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Ernie4_5ForCausalLM",
+    "Ernie4_5ForCausalLM", "DeepseekV3ForCausalLM",
 )
 INTERLEAVED_ROPE_ARCHITECTURES = ("Ernie4_5ForCausalLM",)
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,6 +93,31 @@ _ST_DTYPES = {
     "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 _FLOAT_ST_DTYPES = ("F64", "F32", "F16", "BF16")
+_FP8_ST_DTYPES = ("F8_E4M3",)
+
+
+def dequantize_block_fp8(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] | None,
+                         where: str) -> np.ndarray:
+    """DeepSeek-V3 block-scaled fp8 -> f32: ``w[i, j] * scale_inv[i // bm, j // bn]``.
+
+    ``w f8_e4m3[M, N]``, ``scale_inv f32[ceil(M/bm), ceil(N/bn)]`` with ``(bm, bn)`` the config's
+    ``quantization_config.weight_block_size`` (DeepSeek's ``weight_dequant``: the stored
+    "scale_inv" multiplies).
+
+    Raises:
+      ValueError: no block size configured, or a scale grid that does not fit ``w``.
+    """
+    if block is None:
+        raise ValueError(f"{where} is fp8 with a _scale_inv but config.json has no "
+                         "quantization_config.weight_block_size")
+    bm, bn = block
+    m, n = w.shape
+    grid = (-(-m // bm), -(-n // bn))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(f"{where}: scale_inv has shape {tuple(scale_inv.shape)}, expected {grid} "
+                         f"for a [{m}, {n}] weight in {bm}x{bn} blocks")
+    s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), bm, 0), bn, 1)[:m, :n]
+    return w.astype(np.float32) * s
 
 
 class SafetensorsFile:
@@ -151,7 +184,8 @@ class SafetensorsSource:
         name appears in two files.
     """
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, weight_block_size: tuple[int, int] | None = None):
+        self.weight_block_size = weight_block_size
         d = Path(directory)
         index = d / "model.safetensors.index.json"
         if index.is_file():
@@ -183,6 +217,9 @@ class SafetensorsSource:
 
     def get(self, name: str) -> np.ndarray:
         sf = self._files[name]
+        if sf.dtype_name(name) in _FP8_ST_DTYPES and name + "_scale_inv" in self._files:
+            return dequantize_block_fp8(sf.get(name), self.get(name + "_scale_inv"),
+                                        self.weight_block_size, f"{sf.path}: tensor {name!r}")
         if sf.dtype_name(name) not in _FLOAT_ST_DTYPES:
             raise ValueError(
                 f"{sf.path}: tensor {name!r} has dtype {sf.dtype_name(name)}; only "
@@ -197,7 +234,8 @@ class SafetensorsSource:
 # Config
 # ----------------------------------------------------------------------------------------------
 
-def _rope_params(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
+def _rope_params(hf: dict, where: str,
+                 allow_yarn: bool = False) -> tuple[float, RopeScaling | None]:
     """(rope_theta, RopeScaling|None) from a transformers 4.x (``rope_theta`` + ``rope_scaling``) or
     5.x (``rope_parameters``) config."""
     params = dict(hf.get("rope_parameters") or {})
@@ -207,6 +245,20 @@ def _rope_params(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
     rope_type = spec.get("rope_type", spec.get("type", "default")) if spec else "default"
     if rope_type in (None, "default"):
         return float(theta), None
+    if rope_type == "yarn" and allow_yarn:
+        try:
+            scaling = RopeScaling(
+                factor=float(spec.get("factor") or 1.0), low_freq_factor=0.0, high_freq_factor=0.0,
+                original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
+                rope_type="yarn", beta_fast=float(spec.get("beta_fast") or 32),
+                beta_slow=float(spec.get("beta_slow") or 1), mscale=float(spec.get("mscale") or 0),
+                mscale_all_dim=float(spec.get("mscale_all_dim") or 0),
+                attention_factor=(None if spec.get("attention_factor") is None
+                                  else float(spec["attention_factor"])),
+                truncate=bool(spec.get("truncate", True)))
+        except KeyError as e:
+            raise ValueError(f"{where}: yarn rope scaling lacks field {e.args[0]!r}") from None
+        return float(theta), scaling
     if rope_type != "llama3":
         raise ValueError(
             f"{where}: rope scaling type {rope_type!r} (field rope_parameters/rope_scaling.rope_type) "
@@ -264,7 +316,11 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
         raise ValueError(f"{where}: field 'use_bias' = true (biases on every Linear) is not supported")
     if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError(f"{where}: field 'partial_rotary_factor' != 1 is not supported")
-    theta, scaling = _rope_params(hf, where)
+    mla_fields = {}
+    if arch in MLA_ARCHITECTURES:
+        mla_fields = _mla_config(hf, where, need)
+        head_dim = mla_fields["qk_rope_head_dim"]
+    theta, scaling = _rope_params(hf, where, allow_yarn=arch in MLA_ARCHITECTURES)
     gen = generation_config or {}
     tie = hf.get("tie_word_embeddings")
     if tie is None:
@@ -288,7 +344,26 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
         bos_token_id=next((b for b in (hf.get("bos_token_id"), gen.get("bos_token_id"))
                            if b is not None), None),
         eos_token_ids=_eos_ids(hf.get("eos_token_id"), gen.get("eos_token_id")),
+        **mla_fields,
     )
+
+
+def _mla_config(hf: dict, where: str, need) -> dict:
+    """ModelConfig MLA fields of a DeepSeek-V3 ``config.json`` (ValueError naming the field for
+    what jmtp does not implement)."""
+    n_layers = int(need("num_hidden_layers"))
+    dense = hf.get("first_k_dense_replace")
+    if hf.get("n_routed_experts") and (dense is None or int(dense) < n_layers):
+        raise ValueError(f"{where}: MoE layers (fields 'n_routed_experts' / "
+                         f"'first_k_dense_replace' = {dense} < num_hidden_layers = {n_layers}) are "
+                         "not supported yet; only all-dense DeepSeek-V3 configs load")
+    if hf.get("attention_bias"):
+        raise ValueError(f"{where}: field 'attention_bias' = true is not supported for MLA")
+    q_lora = hf.get("q_lora_rank")
+    return dict(attention_type="mla", q_lora_rank=None if q_lora is None else int(q_lora),
+                kv_lora_rank=int(need("kv_lora_rank")),
+                qk_nope_head_dim=int(need("qk_nope_head_dim")),
+                qk_rope_head_dim=int(need("qk_rope_head_dim")), v_head_dim=int(need("v_head_dim")))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,6 +427,10 @@ def _read_block(rd: _Reader, prefix: str, cfg: ModelConfig, *, paddle: bool,
         "attn_norm": rd.get(p + "input_layernorm.weight", (h,)),
         "mlp_norm": rd.get(p + "post_attention_layernorm.weight", (h,)),
     }
+    if cfg.is_mla:
+        out.update(_read_mla_attention(rd, p, cfg, interleaved=interleaved))
+        out.update(_read_mlp(rd, p, cfg, paddle))
+        return out
     if rd.has(p + "self_attn.qkv_proj.weight"):
         w = rd.linear(p + "self_attn.qkv_proj.weight", h, q + 2 * kv, paddle)
         out["wq"], out["wk"], out["wv"] = w[:, :q], w[:, q:q + kv], w[:, q + kv:]
@@ -378,13 +457,7 @@ def _read_block(rd: _Reader, prefix: str, cfg: ModelConfig, *, paddle: bool,
         if rd.has(p + extra):
             raise ValueError(f"{rd.src.where(p + extra)}: tensor {p + extra!r} is not supported "
                              "(jmtp's block has no output/MLP biases)")
-    if rd.has(p + "mlp.up_gate_proj.weight"):
-        w = rd.linear(p + "mlp.up_gate_proj.weight", h, 2 * i, paddle)
-        out["w_gate"], out["w_up"] = w[:, :i], w[:, i:]
-    else:
-        out["w_gate"] = rd.linear(p + "mlp.gate_proj.weight", h, i, paddle)
-        out["w_up"] = rd.linear(p + "mlp.up_proj.weight", h, i, paddle)
-    out["w_down"] = rd.linear(p + "mlp.down_proj.weight", i, h, paddle)
+    out.update(_read_mlp(rd, p, cfg, paddle))
     if cfg.qk_norm:
         out["q_norm"] = rd.get(p + "self_attn.q_norm.weight", (d,))
         out["k_norm"] = rd.get(p + "self_attn.k_norm.weight", (d,))
@@ -397,6 +470,58 @@ def _read_block(rd: _Reader, prefix: str, cfg: ModelConfig, *, paddle: bool,
         if "q_norm" in out:
             out["q_norm"] = deinterleave_rows(out["q_norm"], 1)
             out["k_norm"] = deinterleave_rows(out["k_norm"], 1)
+    return out
+
+
+def _read_mlp(rd: _Reader, p: str, cfg: ModelConfig, paddle: bool) -> dict[str, np.ndarray]:
+    """SwiGLU weights ``w_gate, w_up f[H, I]``, ``w_down f[I, H]`` of the block under ``p``
+    (split ``gate_proj``/``up_proj`` or fused ``up_gate_proj`` = ``[gate; up]``)."""
+    h, i, out = cfg.hidden_size, cfg.intermediate_size, {}
+    if rd.has(p + "mlp.up_gate_proj.weight"):
+        w = rd.linear(p + "mlp.up_gate_proj.weight", h, 2 * i, paddle)
+        out["w_gate"], out["w_up"] = w[:, :i], w[:, i:]
+    else:
+        out["w_gate"] = rd.linear(p + "mlp.gate_proj.weight", h, i, paddle)
+        out["w_up"] = rd.linear(p + "mlp.up_proj.weight", h, i, paddle)
+    out["w_down"] = rd.linear(p + "mlp.down_proj.weight", i, h, paddle)
+    return out
+
+
+def _deinterleave_tail(w: np.ndarray, groups: int, tail: int) -> np.ndarray:
+    """``w f[groups*(lead+tail), ...]`` (torch rows = outputs) with the last ``tail`` rows of every
+    group de-interleaved (:func:`deinterleave_rows` on them, one head)."""
+    g = w.reshape(groups, -1, *w.shape[1:]).copy()
+    lead = g.shape[1] - tail
+    for j in range(groups):
+        g[j, lead:] = deinterleave_rows(g[j, lead:], 1)
+    return g.reshape(w.shape)
+
+
+def _read_mla_attention(rd: _Reader, p: str, cfg: ModelConfig, *,
+                        interleaved: bool) -> dict[str, np.ndarray]:
+    """DeepSeek-V3 MLA tensors under ``p + "self_attn."`` in jmtp names and ``[in, out]`` layout
+    (:func:`jmtp.model.mla.layer_shapes`). ``interleaved`` (HF ``rope_interleave``): the rotary
+    output rows of the query and ``kv_a_proj_with_mqa`` are de-interleaved per head."""
+    h, nq, c = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    a = p + "self_attn."
+    for extra in ("q_a_proj.bias", "kv_a_proj_with_mqa.bias", "o_proj.bias"):
+        if rd.has(a + extra):
+            raise ValueError(f"{rd.src.where(a + extra)}: tensor {a + extra!r} is not supported "
+                             "(MLA without attention biases only)")
+    fix = (lambda w, groups: _deinterleave_tail(w, groups, dr)) if interleaved else (lambda w, g: w)
+    out = {}
+    if cfg.q_lora_rank is None:
+        out["wq"] = fix(rd.get(a + "q_proj.weight", (nq * (dn + dr), h)), nq).T
+    else:
+        r = cfg.q_lora_rank
+        out["wq_a"] = rd.get(a + "q_a_proj.weight", (r, h)).T
+        out["q_a_norm"] = rd.get(a + "q_a_layernorm.weight", (r,))
+        out["wq_b"] = fix(rd.get(a + "q_b_proj.weight", (nq * (dn + dr), r)), nq).T
+    out["wkv_a"] = fix(rd.get(a + "kv_a_proj_with_mqa.weight", (c + dr, h)), 1).T
+    out["kv_a_norm"] = rd.get(a + "kv_a_layernorm.weight", (c,))
+    out["wkv_b"] = rd.get(a + "kv_b_proj.weight", (nq * (dn + dv), c)).T
+    out["wo"] = rd.get(a + "o_proj.weight", (h, nq * dv)).T
     return out
 
 
@@ -536,7 +661,7 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
 
 
 # Tensors a checkpoint may carry that jmtp derives or aliases instead of loading.
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$|\.(embed_tokens|shared_head\.head)\.weight$"
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$|_scale_inv$|\.(embed_tokens|shared_head\.head)\.weight$"
                       r"|^rope_freqs\.weight$")
 
 
@@ -558,7 +683,9 @@ def load_hf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
     gen_path = d / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
     cfg = hf_config(hf, str(cfg_path), gen)
-    src = SafetensorsSource(d)
-    return build_params(cfg, src, str(d), dtype,
-                        interleaved_rope=cfg.architecture in INTERLEAVED_ROPE_ARCHITECTURES,
+    block = (hf.get("quantization_config") or {}).get("weight_block_size")
+    src = SafetensorsSource(d, weight_block_size=tuple(int(b) for b in block) if block else None)
+    interleaved = cfg.architecture in INTERLEAVED_ROPE_ARCHITECTURES or (
+        cfg.architecture in MLA_ARCHITECTURES and hf.get("rope_interleave", True))
+    return build_params(cfg, src, str(d), dtype, interleaved_rope=bool(interleaved),
                         num_mtp_hint=int(hf.get("num_nextn_predict_layers") or 0))

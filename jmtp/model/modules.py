@@ -75,7 +75,8 @@ def _fill(variables, arrays, where: str) -> None:
 
 
 class Attention(nnx.Module):
-    """GQA attention projections: ``wq f[H, Nq·D]``, ``wk, wv f[H, Nkv·D]``, ``wo f[Nq·D, H]``,
+    """Attention projections (MLA ones, :func:`jmtp.model.mla.layer_shapes`, when
+    ``cfg.attention_type == "mla"``). GQA: ``wq f[H, Nq·D]``, ``wk, wv f[H, Nkv·D]``, ``wo f[Nq·D, H]``,
     Qwen2 biases ``bq, bk, bv`` when ``cfg.attention_bias``, Qwen3 ``q_norm, k_norm f[D]`` when
     ``cfg.qk_norm``; each with a leading ``layers`` axis of size ``num_stacked`` if given."""
 
@@ -83,6 +84,13 @@ class Attention(nnx.Module):
                  num_stacked: int | None = None, std: float = 0.02):
         lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
         h, q, kv, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
+        if cfg.is_mla:  # DeepSeek multi-head latent attention (jmtp.model.mla)
+            from jmtp.model import mla
+            for name, shape in mla.layer_shapes(cfg).items():
+                value = (jnp.ones(lead + shape, dtype) if name.endswith("norm")
+                         else _rand(rngs, lead + shape, dtype, std))
+                setattr(self, name, _param(value, ax.LAYER_AXES[name], st))
+            return
         shapes = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h)}
         if cfg.attention_bias:
             shapes.update(bq=(q,), bk=(kv,), bv=(kv,))

@@ -15,6 +15,10 @@ log = logging.getLogger(__name__)
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shapes of one decoder layer's parameters (without the leading layer axis)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    if cfg.is_mla:
+        from jmtp.model import mla
+        return {"attn_norm": (h,), **mla.layer_shapes(cfg), "mlp_norm": (h,), "w_gate": (h, i),
+                "w_up": (h, i), "w_down": (i, h)}
     shapes = {
         "attn_norm": (h,), "wq": (h, cfg.q_size), "wk": (h, cfg.kv_size), "wv": (h, cfg.kv_size),
         "wo": (cfg.q_size, h), "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h),

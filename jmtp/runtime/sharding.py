@@ -150,6 +150,9 @@ def check_tensor_parallel(cfg, tensor_parallel_size: int) -> None:
     """Raise ``ValueError`` unless ``tensor_parallel_size`` divides the query and kv heads of
     ``cfg`` (a :class:`~jmtp.model.config.ModelConfig`)."""
     tp = tensor_parallel_size
+    if tp > 1 and getattr(cfg, "is_mla", False):
+        raise ValueError(f"tensor_parallel_size={tp}: tensor parallelism is not implemented for "
+                         "multi-head latent attention (attention_type='mla'); use 1")
     for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)):
         if n % tp:
             raise ValueError(

@@ -1,0 +1,221 @@
+"""DeepSeek-V3 (multi-head latent attention) against transformers on tiny random checkpoints.
+
+Every test compares to an independent computation: transformers' ``DeepseekV3ForCausalLM`` (torch,
+CPU, fp32) for the loader and the forward, or the numpy reference of
+:mod:`tests.model.mla_reference` for the MTP layer.
+"""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jmtp.model import forward_logits, init_kv_cache, load_checkpoint, ragged_batch
+from jmtp.model.llama import compute_logits, forward
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+transformers = pytest.importorskip("transformers")
+
+V = 128
+BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2, n_routed_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+            max_position_embeddings=256, tie_word_embeddings=False, num_mtp_layers=0)
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.7,
+        "beta_fast": 32, "beta_slow": 1}
+
+CASES = {
+    # DeepSeek-V3's own shape: q compressed, interleaved RoPE, YaRN with mscale_all_dim
+    "q_lora_interleaved_yarn": dict(q_lora_rank=24, rope_interleave=True, rope_parameters=YARN),
+    # DeepSeek-V2-Lite style: one q_proj, rotate-half RoPE, no scaling
+    "q_proj_plain_rope": dict(q_lora_rank=None, rope_interleave=False),
+}
+
+
+def _randomize(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if "norm" in name else (0.5 if "embed" in name else 0.08) * noise)
+    return model
+
+
+def _save(path, seed=0, **kw):
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV3Config(**{**BASE, **kw})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float().numpy()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    model = _save(path, seed=len(request.param), **CASES[request.param])
+    ids = np.random.default_rng(1).integers(0, V, size=29).tolist()
+    return request.param, path, model, ids, _hf_logits(model, ids)
+
+
+@pytest.mark.parametrize("path_kind", ["absorbed", "expanded"])
+def test_logits_match_transformers(checkpoint, path_kind):
+    case, path, _, ids, ref = checkpoint
+    cfg, params = load_checkpoint(path, dtype=jnp.float32)
+    assert cfg.is_mla and cfg.architecture == "DeepseekV3ForCausalLM"
+    assert cfg.q_lora_rank == CASES[case]["q_lora_rank"] and cfg.kv_lora_rank == 32
+    assert (cfg.rope_scaling is not None) == ("rope_parameters" in CASES[case])
+    ours = np.asarray(forward_logits(cfg.replace(mla_path=path_kind), params, ids, block_size=8))
+    assert np.abs(ref).max() > 0.5
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4)
+
+
+def _chunked_logits(cfg, params, seqs, schedule, block_size=4):
+    """Logits of every position of each sequence in ``seqs``, run through the paged forward in
+    steps: ``schedule[i]`` = new tokens per sequence at step i (prefill chunks, then decode 1s),
+    all sequences packed into one ragged batch per step, sharing one block pool."""
+    s = len(seqs)
+    pages = max(-(-len(q) // block_size) for q in seqs)
+    cache = init_kv_cache(cfg, cfg.num_layers, s * pages + 1, block_size, jnp.float32)
+    tables = (1 + np.arange(s * pages, dtype=np.int32).reshape(pages, s).T)  # interleaved blocks
+    done = [0] * s
+    out = [[] for _ in range(s)]
+    step = jax.jit(lambda ids, pos, meta, cache: forward(cfg, params, ids, pos, meta, cache))
+    for new in schedule:
+        new = [min(n, len(q) - d) for n, q, d in zip(new, seqs, done)]
+        ids = np.concatenate([np.asarray(q[d:d + n], np.int32) for q, d, n in zip(seqs, done, new)])
+        t = max(8, len(ids))
+        pos, meta = ragged_batch(jnp.asarray(new, jnp.int32), jnp.asarray(done, jnp.int32),
+                                 jnp.asarray(tables), block_size, t)
+        h, cache = step(jnp.asarray(np.pad(ids, (0, t - len(ids)))), pos, meta, cache)
+        logits = np.asarray(compute_logits(params, h))
+        row = 0
+        for i, n in enumerate(new):
+            out[i].append(logits[row:row + n])
+            row += n
+            done[i] += n
+    assert done == [len(q) for q in seqs]
+    return [np.concatenate(o) for o in out]
+
+
+def test_chunked_prefill_and_paged_decode(checkpoint):
+    """Two sequences in one ragged batch: prefill in chunks of 5/3, then decode one token per step
+    and a 3-token verify-like window, over a block pool shared by both."""
+    case, path, model, ids, ref = checkpoint
+    cfg, params = load_checkpoint(path, dtype=jnp.float32)
+    other = np.random.default_rng(7).integers(0, V, size=17).tolist()
+    schedule = [[5, 3], [5, 3], [5, 3], [1, 1], [1, 1], [3, 1], [1, 1]] + [[1, 1]] * 20
+    for kind in ("absorbed", "expanded"):
+        got = _chunked_logits(cfg.replace(mla_path=kind), params, [ids, other], schedule)
+        np.testing.assert_allclose(got[0], ref, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got[1], _hf_logits(model, other), rtol=0, atol=1e-4)
+
+
+def test_absorbed_equals_expanded_on_random_params():
+    """The decode (absorbed) and prefill (expanded) paths are one function."""
+    from jmtp.model import ModelConfig, init_params
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=4, head_dim=8, attention_type="mla",
+                      q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                      v_head_dim=20, num_mtp_layers=0)   # v wider than q/k: padding path
+    params = init_params(cfg, jax.random.PRNGKey(0), std=0.2)
+    ids = list(range(3, 40))
+    a = np.asarray(forward_logits(cfg, params, ids, block_size=4))
+    b = np.asarray(forward_logits(cfg.replace(mla_path="expanded"), params, ids, block_size=4))
+    assert np.abs(a).max() > 0.5
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-5)
+
+
+def _quantize_fp8(w: np.ndarray, block: int):
+    """Block-scaled fp8 e4m3 of ``w f32[M, N]`` as DeepSeek-V3 stores it: ``(q, scale_inv)`` with
+    ``w ≈ q * scale_inv[i // block, j // block]`` (absmax / 448 per block)."""
+    m, n = w.shape
+    gm, gn = -(-m // block), -(-n // block)
+    scale = np.zeros((gm, gn), np.float32)
+    q = np.zeros((m, n), ml_dtypes.float8_e4m3fn)
+    for i in range(gm):
+        for j in range(gn):
+            blk = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            s = max(float(np.abs(blk).max()) / 448.0, 1e-12)
+            scale[i, j] = s
+            q[i * block:(i + 1) * block, j * block:(j + 1) * block] = (blk / s).astype(
+                ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def test_fp8_block_scaled_checkpoint(tmp_path):
+    """An fp8 checkpoint (F8_E4M3 weights + weight_scale_inv, sharded) loads dequantised: the
+    weights equal q * scale exactly, and the logits equal transformers' on the dequantised model."""
+    from safetensors.numpy import load_file, save_file
+    block = 16
+    model = _save(tmp_path / "src", seed=3, q_lora_rank=24)
+    tensors = load_file(str(tmp_path / "src" / "model.safetensors"))
+    out = tmp_path / "fp8"
+    out.mkdir()
+    deq = {}
+    for name, w in list(tensors.items()):
+        if name.endswith("proj.weight") and w.ndim == 2:   # DeepSeek quantises the Linear weights
+            q, s = _quantize_fp8(w.astype(np.float32), block)
+            tensors[name], tensors[name + "_scale_inv"] = q, s
+            deq[name] = (q.astype(np.float32) * np.repeat(np.repeat(s, block, 0), block, 1)[
+                :w.shape[0], :w.shape[1]])
+    assert len(deq) >= 10
+    names = sorted(tensors)
+    shards = [names[:len(names) // 2], names[len(names) // 2:]]
+    weight_map = {}
+    for k, part in enumerate(shards):
+        fname = f"model-0000{k + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(out / fname))
+        weight_map.update({n: fname for n in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    hf = json.loads((tmp_path / "src" / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                 "weight_block_size": [block, block]}
+    (out / "config.json").write_text(json.dumps(hf))
+    cfg, params = load_checkpoint(out, dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(params["layers"]["wkv_b"][1]),
+                                  deq["model.layers.1.self_attn.kv_b_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(params["layers"]["w_down"][0]),
+                                  deq["model.layers.0.mlp.down_proj.weight"].T)
+    with torch.no_grad():   # the reference: transformers on the dequantised weights
+        for name, w in deq.items():
+            model.get_parameter(name).copy_(torch.from_numpy(w))
+    ids = list(range(5, 30))
+    np.testing.assert_allclose(np.asarray(forward_logits(cfg, params, ids)), _hf_logits(model, ids),
+                               rtol=0, atol=1e-4)
+    # without the block size the loader refuses, naming the field
+    del hf["quantization_config"]
+    (out / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="weight_block_size"):
+        load_checkpoint(out, dtype=jnp.float32)
+
+
+def test_config_errors(tmp_path):
+    from jmtp.model import ModelConfig
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        ModelConfig(attention_type="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                    v_head_dim=8, head_dim=16)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        ModelConfig(attention_type="mla", head_dim=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                    v_head_dim=8)
+    cfg = ModelConfig(attention_type="mla", head_dim=8, kv_lora_rank=8, qk_nope_head_dim=8,
+                      qk_rope_head_dim=8, v_head_dim=8)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        init_kv_cache(cfg, 1, 4, 4, kv_cache_dtype="int8")
+    # MoE layers are refused until the MoE block is merged
+    _save(tmp_path, first_k_dense_replace=1)
+    with pytest.raises(ValueError, match="first_k_dense_replace"):
+        load_checkpoint(tmp_path, dtype=jnp.float32)
