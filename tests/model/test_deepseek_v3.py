@@ -219,3 +219,138 @@ def test_config_errors(tmp_path):
     _save(tmp_path, first_k_dense_replace=1)
     with pytest.raises(ValueError, match="first_k_dense_replace"):
         load_checkpoint(tmp_path, dtype=jnp.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The DeepSeek-V3 MTP layer (model.layers.{N}: enorm/hnorm/eh_proj/shared_head + an MLA block)
+# against a numpy reference computed from the raw HF-layout tensors.
+# ---------------------------------------------------------------------------------------------
+
+def _mtp_tensors(rng, cfg_hf, n):
+    """Random HF-named tensors of MTP module ``model.layers.{n}`` (torch ``[out, in]`` layout)."""
+    h, nq, c = cfg_hf["hidden_size"], cfg_hf["num_attention_heads"], cfg_hf["kv_lora_rank"]
+    dn, dr, dv = cfg_hf["qk_nope_head_dim"], cfg_hf["qk_rope_head_dim"], cfg_hf["v_head_dim"]
+    i, r = cfg_hf["intermediate_size"], cfg_hf["q_lora_rank"]
+    lin = lambda o, k: (0.08 * rng.standard_normal((o, k))).astype(np.float32)
+    norm = lambda k: (1 + 0.2 * rng.standard_normal(k)).astype(np.float32)
+    p = f"model.layers.{n}."
+    t = {p + "enorm.weight": norm(h), p + "hnorm.weight": norm(h),
+         p + "eh_proj.weight": (0.15 * rng.standard_normal((h, 2 * h))).astype(np.float32),
+         p + "shared_head.norm.weight": norm(h),
+         p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+         p + "self_attn.kv_a_proj_with_mqa.weight": lin(c + dr, h),
+         p + "self_attn.kv_a_layernorm.weight": norm(c),
+         p + "self_attn.kv_b_proj.weight": lin(nq * (dn + dv), c),
+         p + "self_attn.o_proj.weight": lin(h, nq * dv),
+         p + "mlp.gate_proj.weight": lin(i, h), p + "mlp.up_proj.weight": lin(i, h),
+         p + "mlp.down_proj.weight": lin(h, i),
+         # DeepSeek-V3 ships copies of the embedding and LM head in the MTP layer: ignored
+         p + "embed_tokens.weight": np.zeros((V, h), np.float32),
+         p + "shared_head.head.weight": np.zeros((V, h), np.float32)}
+    if r is None:
+        t[p + "self_attn.q_proj.weight"] = lin(nq * (dn + dr), h)
+    else:
+        t.update({p + "self_attn.q_a_proj.weight": lin(r, h),
+                  p + "self_attn.q_a_layernorm.weight": norm(r),
+                  p + "self_attn.q_b_proj.weight": lin(nq * (dn + dr), r)})
+    return t
+
+
+def _np_rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _np_rope(x, pos, inv_freq, factor, interleave):
+    """HF ``apply_rotary_pos_emb`` / ``apply_rotary_pos_emb_interleave`` on ``x [T, heads, dr]``."""
+    ang = pos[:, None, None] * inv_freq[None, None, :]
+    cos, sin = np.cos(ang) * factor, np.sin(ang) * factor
+    half = x.shape[-1] // 2
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :half], x[..., half:])
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
+
+
+def _np_mla_block(t, p, x, pos, hf, rope):
+    """DeepSeek-V3 decoder block (MLA + dense SwiGLU) over T causal tokens, float64."""
+    W = lambda n: t[p + n].astype(np.float64).T
+    T, nq = x.shape[0], hf["num_attention_heads"]
+    c, dn, dr, dv = hf["kv_lora_rank"], hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"]
+    eps = hf["rms_norm_eps"]
+    h = _np_rms(x, t[p + "input_layernorm.weight"], eps)
+    if p + "self_attn.q_proj.weight" in t:
+        q = h @ W("self_attn.q_proj.weight")
+    else:
+        q = _np_rms(h @ W("self_attn.q_a_proj.weight"), t[p + "self_attn.q_a_layernorm.weight"], 1e-6)
+        q = q @ W("self_attn.q_b_proj.weight")
+    q = q.reshape(T, nq, dn + dr)
+    ckv = h @ W("self_attn.kv_a_proj_with_mqa.weight")
+    lat = _np_rms(ckv[:, :c], t[p + "self_attn.kv_a_layernorm.weight"], 1e-6)
+    k_pe = rope(ckv[:, None, c:], pos)
+    q = np.concatenate([q[..., :dn], rope(q[..., dn:], pos)], axis=-1)
+    kv = (lat @ W("self_attn.kv_b_proj.weight")).reshape(T, nq, dn + dv)
+    k = np.concatenate([kv[..., :dn], np.broadcast_to(k_pe, (T, nq, dr))], axis=-1)
+    v = kv[..., dn:]
+    out = np.zeros((T, nq, dv))
+    for hq in range(nq):
+        s = q[:, hq] @ k[:, hq].T * hf["scaling"]
+        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+        pr = np.exp(s - s.max(-1, keepdims=True))
+        out[:, hq] = (pr / pr.sum(-1, keepdims=True)) @ v[:, hq]
+    x = x + out.reshape(T, nq * dv) @ W("self_attn.o_proj.weight")
+    h = _np_rms(x, t[p + "post_attention_layernorm.weight"], eps)
+    gate, up = h @ W("mlp.gate_proj.weight"), h @ W("mlp.up_proj.weight")
+    return x + (gate / (1 + np.exp(-gate)) * up) @ W("mlp.down_proj.weight")
+
+
+def test_deepseek_v3_mtp_layer_matches_numpy(checkpoint, tmp_path):
+    """MTP module 0 of a DeepSeek-V3 checkpoint (MLA block): jmtp's ``mtp_forward`` over a
+    5-row prefill chunk, a 3-row chunk and 1-row decode steps on a paged MTP cache equals the
+    numpy reference ``x = Block(eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)]))``,
+    ``logits = lm_head(shared_head.norm(x))``, with ``x`` (pre-norm) fed to the next sub-step."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    from jmtp.model import mtp_forward
+    case, src, model, ids, _ = checkpoint
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    hf = json.loads((path / "config.json").read_text())
+    hf["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(hf))
+    n = hf["num_hidden_layers"]
+    t = _mtp_tensors(np.random.default_rng(5), hf, n)
+    save_file(t, str(path / "mtp.safetensors"))
+    cfg, params = load_checkpoint(path, dtype=jnp.float32)
+    assert (cfg.mtp_layout, cfg.num_mtp_layers) == ("deepseek", 1)
+
+    base = load_file(str(path / "model.safetensors"))
+    embed, lm_head = base["model.embed_tokens.weight"], base["lm_head.weight"]
+    rot = model.model.rotary_emb
+    inv_freq, factor = rot.inv_freq.double().numpy(), float(rot.attention_scaling)
+    ref = dict(hf, scaling=float(model.model.layers[0].self_attn.scaling))
+    rope = lambda x, pos: _np_rope(x, pos, inv_freq, factor, hf.get("rope_interleave", True))
+    rng = np.random.default_rng(9)
+    T = 14
+    nxt_ids = rng.integers(0, V, size=T).astype(np.int32)
+    hidden = rng.standard_normal((T, hf["hidden_size"])).astype(np.float32)
+    p = f"model.layers.{n}."
+    eps = hf["rms_norm_eps"]
+    z = np.concatenate([_np_rms(embed[nxt_ids].astype(np.float64), t[p + "enorm.weight"], eps),
+                        _np_rms(hidden.astype(np.float64), t[p + "hnorm.weight"], eps)], axis=-1)
+    x_ref = _np_mla_block(t, p, z @ t[p + "eh_proj.weight"].T.astype(np.float64), np.arange(T),
+                          ref, rope)
+    logits_ref = _np_rms(x_ref, t[p + "shared_head.norm.weight"], eps) @ lm_head.T
+
+    bs, pages = 4, -(-T // 4)
+    cache = init_kv_cache(cfg, 1, pages + 2, bs)
+    tables = jnp.asarray(np.arange(pages + 2, dtype=np.int32)[::-1][:pages][None])
+    run = jax.jit(mtp_forward, static_argnums=(0,))
+    got_logits, got_x, done = [], [], 0
+    for chunk in [5, 3] + [1] * (T - 8):
+        pos, meta = ragged_batch(jnp.array([chunk]), jnp.array([done]), tables, bs, max(chunk, 2))
+        pad = lambda a: np.pad(a, [(0, max(chunk, 2) - chunk)] + [(0, 0)] * (a.ndim - 1))
+        h, x, cache = run(cfg, params, 0, jnp.asarray(pad(nxt_ids[done:done + chunk])),
+                          jnp.asarray(pad(hidden[done:done + chunk])), pos, meta, cache)
+        got_logits.append(np.asarray(compute_logits(params, h))[:chunk])
+        got_x.append(np.asarray(x)[:chunk])
+        done += chunk
+    np.testing.assert_allclose(np.concatenate(got_logits), logits_ref, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate(got_x), x_ref, rtol=0, atol=1e-4)
