@@ -11,6 +11,8 @@ from typing import Literal
 MTP_LAYOUTS = ("deepseek", "ernie")
 ATTENTION_TYPES = ("gqa", "mla")
 MLA_PATHS = ("absorbed", "expanded")
+MOE_SCORING = ("softmax", "sigmoid")
+MOE_IMPLEMENTATIONS = ("ragged", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,95 @@ class RopeScaling:
         if self.rope_type not in ("llama3", "yarn"):
             raise ValueError(f"RopeScaling.rope_type must be 'llama3' or 'yarn', got "
                              f"{self.rope_type!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward of some layers (:mod:`jmtp.model.moe`).
+
+    One router covers the gating of the supported families:
+
+    * Qwen3-MoE (``Qwen3MoeSparseMoeBlock``): ``scoring="softmax"``, no bias, ``norm_topk_prob``
+      from the config, ``routed_scaling_factor=1``, no shared experts.
+    * DeepSeek-V3 / GLM-4.5 (``Glm4MoeTopkRouter``): ``scoring="sigmoid"``,
+      ``e_score_correction_bias`` added for the choice only, grouped top-k (``n_group``,
+      ``topk_group``: keep the ``topk_group`` groups with the largest sum of their top-2 scores),
+      ``norm_topk_prob`` (denominator ``sum + 1e-20``), ``routed_scaling_factor``,
+      ``n_shared_experts``.
+    * ERNIE-4.5-MoE (``Ernie4_5_MoeTopKRouter``): ``scoring="softmax"``, ``moe_statics``
+      correction bias for the choice only, renormalised by ``max(sum, norm_min)``
+      (``moe_norm_min``), ``moe_num_shared_experts``.
+
+    Attributes:
+      num_experts: E routed experts.
+      num_experts_per_tok: k experts chosen per token (1 <= k <= E).
+      moe_intermediate_size: I_e, each expert's SwiGLU width.
+      layers: indices of the target layers whose FFN is the MoE block (the others are dense with
+        ``ModelConfig.intermediate_size``): ``first_k_dense_replace`` (DeepSeek/GLM),
+        ``moe_layer_start_index/_end_index/_interval`` (ERNIE), ``decoder_sparse_step`` /
+        ``mlp_only_layers`` (Qwen3-MoE), resolved by the loader.
+      mtp_moe: the MTP modules' FFN is the MoE block (GLM-4.5) or dense (ERNIE-4.5's MTP block).
+      scoring: ``"softmax"`` or ``"sigmoid"`` router scores (computed in fp32).
+      norm_topk_prob: renormalise the k chosen weights to sum 1.
+      norm_min: with ``norm_topk_prob``, the denominator is ``max(sum, norm_min)`` when > 0
+        (ERNIE), else ``sum + 1e-20`` (DeepSeek/GLM; Qwen3's plain sum up to 1e-20).
+      score_bias: a per-expert correction bias ``f32[E]`` is added to the scores for the choice
+        only (DeepSeek-V3 ``e_score_correction_bias``, ERNIE ``moe_statics``).
+      n_group / topk_group: grouped top-k (DeepSeek-V3 node-limited routing); 1/1 = plain top-k.
+      routed_scaling_factor: multiplies the routed experts' weights.
+      shared_intermediate_size: SwiGLU width of the shared experts (``n_shared_experts ·
+        moe_intermediate_size``), 0 = none; their output is added unweighted.
+      implementation: ``"ragged"`` (tokens sorted by expert, ``jax.lax.ragged_dot``; cost ~ k·T)
+        or ``"dense"`` (reference: every expert on every token, weighted; cost ~ E·T).
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    layers: tuple[int, ...] = ()
+    mtp_moe: bool = False
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = False
+    norm_min: float = 0.0
+    score_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0
+    implementation: Literal["ragged", "dense"] = "ragged"
+
+    def __post_init__(self):
+        e, k = self.num_experts, self.num_experts_per_tok
+        if e < 1 or self.moe_intermediate_size < 1:
+            raise ValueError(f"MoEConfig.num_experts ({e}) and moe_intermediate_size "
+                             f"({self.moe_intermediate_size}) must be >= 1")
+        if not 1 <= k <= e:
+            raise ValueError(f"MoEConfig.num_experts_per_tok must lie in [1, num_experts={e}], "
+                             f"got {k}")
+        if self.scoring not in MOE_SCORING:
+            raise ValueError(f"MoEConfig.scoring must be one of {MOE_SCORING}, got {self.scoring!r}")
+        if self.implementation not in MOE_IMPLEMENTATIONS:
+            raise ValueError(f"MoEConfig.implementation must be one of {MOE_IMPLEMENTATIONS}, got "
+                             f"{self.implementation!r}")
+        if self.n_group < 1 or e % self.n_group:
+            raise ValueError(f"MoEConfig.n_group ({self.n_group}) must be >= 1 and divide "
+                             f"num_experts ({e})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"MoEConfig.topk_group must lie in [1, n_group={self.n_group}], got "
+                             f"{self.topk_group}")
+        if self.n_group > 1 and e // self.n_group < 2:
+            raise ValueError(f"MoEConfig: grouped top-k scores a group by its top-2 experts, so "
+                             f"num_experts / n_group must be >= 2 (got {e}/{self.n_group})")
+        if self.n_group > 1 and k > self.topk_group * (e // self.n_group):
+            raise ValueError(f"MoEConfig.num_experts_per_tok ({k}) exceeds the experts of the "
+                             f"topk_group={self.topk_group} kept groups")
+        if self.shared_intermediate_size < 0 or any(i < 0 for i in self.layers):
+            raise ValueError("MoEConfig.shared_intermediate_size and layers must be >= 0")
+        if tuple(sorted(set(self.layers))) != tuple(self.layers):
+            raise ValueError(f"MoEConfig.layers must be sorted and unique, got {self.layers}")
+
+    def replace(self, **kw) -> "MoEConfig":
+        return dataclasses.replace(self, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +181,9 @@ class ModelConfig:
         query, W_UV applied after attention: MQA over the latent cache, the decode path) or
         ``"expanded"`` (the cached latents up-projected to per-head keys/values, the prefill
         path). Both compute the same function (tests check them equal).
+      partial_rotary_factor: RoPE rotates the first ``int(D · factor)`` dims of each head only
+        (GLM-4.5: 0.5, rotate-half layout within them); 1 = all of them.
+      moe: the mixture-of-experts FFN of the layers it lists (:class:`MoEConfig`); None = dense.
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -119,6 +213,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     mla_path: Literal["absorbed", "expanded"] = "absorbed"
+    partial_rotary_factor: float = 1.0
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -143,6 +239,14 @@ class ModelConfig:
                              f"{self.vocab_size}], got {self.draft_vocab_size}")
         if self.num_mtp_layers < 0:
             raise ValueError(f"ModelConfig.num_mtp_layers must be >= 0, got {self.num_mtp_layers}")
+        rd = self.rotary_dim
+        if not 0 < self.partial_rotary_factor <= 1 or rd < 2 or rd % 2:
+            raise ValueError(f"ModelConfig.partial_rotary_factor ({self.partial_rotary_factor}) "
+                             f"must lie in (0, 1] and give an even rotary dim >= 2 of head_dim "
+                             f"{self.head_dim}, got {rd}")
+        if self.moe is not None and any(i >= self.num_layers for i in self.moe.layers):
+            raise ValueError(f"ModelConfig.moe.layers {self.moe.layers} must lie in [0, "
+                             f"num_layers={self.num_layers})")
         if self.attention_type not in ATTENTION_TYPES:
             raise ValueError(f"ModelConfig.attention_type must be one of {ATTENTION_TYPES}, got "
                              f"{self.attention_type!r}")
@@ -184,6 +288,25 @@ class ModelConfig:
     def kv_cache_head_dim(self) -> int:
         """Width of one cache head: ``head_dim``, or ``kv_lora_rank + qk_rope_head_dim`` for MLA."""
         return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates: ``int(head_dim · partial_rotary_factor)``."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether target layer ``i``'s FFN is the MoE block."""
+        return self.moe is not None and i in self.moe.layers
+
+    @property
+    def moe_layer_kinds(self) -> tuple[bool, ...]:
+        """``is_moe_layer(i)`` for every target layer."""
+        return tuple(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def mtp_is_moe(self) -> bool:
+        """Whether the MTP modules' FFN is the MoE block."""
+        return self.moe is not None and self.moe.mtp_moe
 
     @property
     def q_size(self) -> int:
