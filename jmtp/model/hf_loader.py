@@ -20,6 +20,25 @@ Supported architectures (``config.json`` ``architectures[0]``):
   (``rope_type: yarn``, DeepSeek-V3's own) is supported for it. DeepSeek-V3's fp8 checkpoints
   (``F8_E4M3`` weights with ``<name>_scale_inv`` f32 scales per ``weight_block_size`` block
   (``quantization_config``, 128x128 in DeepSeek-V3)) are dequantised at load (``w * scale``).
+* Mixture-of-experts targets (:mod:`jmtp.model.moe`; ``ModelConfig.moe``):
+
+  - ``Qwen3MoeForCausalLM``: softmax router, ``norm_topk_prob``, no shared experts; MoE layers
+    are those not in ``mlp_only_layers`` with ``(i + 1) % decoder_sparse_step == 0``; q/k-norm.
+  - ``Glm4MoeForCausalLM`` (GLM-4.5): sigmoid router with ``e_score_correction_bias``, grouped
+    top-k, ``routed_scaling_factor``, ``n_shared_experts``; the first ``first_k_dense_replace``
+    layers dense; attention with ``partial_rotary_factor`` (default 0.5), ``attention_bias``,
+    ``use_qk_norm`` (transformers ``modeling_glm4_moe.py``).
+  - ``Ernie4_5_MoeForCausalLM``: softmax router, ``moe_statics.e_score_correction_bias`` for the
+    choice, renormalised by ``max(sum, moe_norm_min)``, ``moe_num_shared_experts``; MoE layers
+    ``moe_layer_start_index <= i <= moe_layer_end_index`` with ``(i + 1) % moe_layer_interval ==
+    0``; interleaved RoPE as dense ERNIE-4.5.
+
+  Experts are read from per-expert tensors ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (hub
+  and ``save_pretrained`` layout; ERNIE also a fused ``up_gate_proj``), or from the fused
+  ``mlp.experts.gate_up_proj f[E, 2I, H]`` / ``mlp.experts.down_proj f[E, H, I]``; the router
+  from ``mlp.gate.weight f[E, H]``. An MTP block's FFN kind (MoE for GLM-4.5, dense for ERNIE's
+  ``mtp_block``) is taken from its tensors (``mlp.gate.weight`` present or not) and recorded as
+  ``ModelConfig.moe.mtp_moe``.
 
 Multi-token-prediction (MTP) tensors are picked up in two layouts (see
 ``shared/docs/fastdeploy_mtp_spec.md`` §7):
@@ -58,16 +77,20 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jmtp.model.config import ModelConfig, RopeScaling
-from jmtp.model.params import check_params, init_mtp_params, layer_shapes
+from jmtp.model.config import ModelConfig, MoEConfig, RopeScaling
+from jmtp.model.params import (check_params, init_mtp_params, layer_shapes, layers_stacked,
+                               mtp_moe_of_fresh_head)
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Ernie4_5ForCausalLM", "DeepseekV3ForCausalLM",
+    "Ernie4_5ForCausalLM", "Qwen3MoeForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
-INTERLEAVED_ROPE_ARCHITECTURES = ("Ernie4_5ForCausalLM",)
+INTERLEAVED_ROPE_ARCHITECTURES = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeForCausalLM",
+                     "DeepseekV3ForCausalLM")
 MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 
 
@@ -314,8 +337,16 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
         raise ValueError(f"{where}: field 'mlp_bias' = true is not supported")
     if hf.get("use_bias"):
         raise ValueError(f"{where}: field 'use_bias' = true (biases on every Linear) is not supported")
-    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"{where}: field 'partial_rotary_factor' != 1 is not supported")
+    prf = (hf.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                hf.get("partial_rotary_factor"))
+    if arch == "Glm4MoeForCausalLM":
+        prf = 0.5 if prf is None else float(prf)   # transformers' Glm4MoeConfig default
+    elif prf is not None and float(prf) != 1.0:
+        raise ValueError(f"{where}: field 'partial_rotary_factor' != 1 is not supported for "
+                         f"{arch} (only GLM-4.5's partial rotary is)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: field 'hidden_act' = {hf.get('hidden_act')!r}; only 'silu' "
+                         "(SwiGLU) is supported")
     mla_fields = {}
     if arch in MLA_ARCHITECTURES:
         mla_fields = _mla_config(hf, where, need)
@@ -323,8 +354,8 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
     theta, scaling = _rope_params(hf, where, allow_yarn=arch in MLA_ARCHITECTURES)
     gen = generation_config or {}
     tie = hf.get("tie_word_embeddings")
-    if tie is None:
-        tie = arch == "Ernie4_5ForCausalLM"  # transformers' per-model defaults
+    if tie is None:  # transformers' per-model defaults
+        tie = arch in ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(need("vocab_size")),
@@ -339,7 +370,10 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
         rope_scaling=scaling,
         tie_word_embeddings=bool(tie),
         attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=(arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+                 or (arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm")))),
+        partial_rotary_factor=1.0 if prf is None else float(prf),
+        moe=_moe_config(hf, arch, where),
         max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
         bos_token_id=next((b for b in (hf.get("bos_token_id"), gen.get("bos_token_id"))
                            if b is not None), None),
@@ -351,12 +385,6 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
 def _mla_config(hf: dict, where: str, need) -> dict:
     """ModelConfig MLA fields of a DeepSeek-V3 ``config.json`` (ValueError naming the field for
     what jmtp does not implement)."""
-    n_layers = int(need("num_hidden_layers"))
-    dense = hf.get("first_k_dense_replace")
-    if hf.get("n_routed_experts") and (dense is None or int(dense) < n_layers):
-        raise ValueError(f"{where}: MoE layers (fields 'n_routed_experts' / "
-                         f"'first_k_dense_replace' = {dense} < num_hidden_layers = {n_layers}) are "
-                         "not supported yet; only all-dense DeepSeek-V3 configs load")
     if hf.get("attention_bias"):
         raise ValueError(f"{where}: field 'attention_bias' = true is not supported for MLA")
     q_lora = hf.get("q_lora_rank")
@@ -364,6 +392,55 @@ def _mla_config(hf: dict, where: str, need) -> dict:
                 kv_lora_rank=int(need("kv_lora_rank")),
                 qk_nope_head_dim=int(need("qk_nope_head_dim")),
                 qk_rope_head_dim=int(need("qk_rope_head_dim")), v_head_dim=int(need("v_head_dim")))
+
+
+def _moe_config(hf: dict, arch: str, where: str) -> MoEConfig | None:
+    """:class:`MoEConfig` of a MoE architecture's config.json (None for dense ones); the MTP
+    FFN kind (``mtp_moe``) is set later from the checkpoint's tensors."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+
+    def need(*keys):
+        for k in keys:
+            if hf.get(k) is not None:
+                v = hf[k]
+                if isinstance(v, (list, tuple)):
+                    raise ValueError(f"{where}: field {k!r} is a list (multimodal MoE); only one "
+                                     "expert group is supported")
+                return v
+        raise ValueError(f"{where}: missing required field {keys[0]!r}")
+
+    n = int(need("num_hidden_layers"))
+    ie = int(need("moe_intermediate_size"))
+    if arch == "Qwen3MoeForCausalLM":
+        e, k = int(need("num_experts", "num_local_experts")), int(need("num_experts_per_tok"))
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = set(hf.get("mlp_only_layers") or ())
+        layers = tuple(i for i in range(n) if i not in dense and e > 0 and (i + 1) % step == 0)
+        return MoEConfig(e, k, ie, layers=layers, scoring="softmax",
+                         norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    if arch in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
+        # DeepSeek-V3's router is GLM-4.5's (transformers DeepseekV3TopkRouter / Glm4MoeTopkRouter)
+        if arch == "DeepseekV3ForCausalLM" and not hf.get("n_routed_experts"):
+            return None                                    # an all-dense DeepSeek config
+        e, k = int(need("n_routed_experts", "num_local_experts")), int(need("num_experts_per_tok"))
+        first = int(hf.get("first_k_dense_replace", 1))
+        return MoEConfig(
+            e, k, ie, layers=tuple(range(first, n)), mtp_moe=True, scoring="sigmoid",
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)), score_bias=True,
+            n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            shared_intermediate_size=ie * int(hf.get("n_shared_experts") or 0))
+    # Ernie4_5_MoeForCausalLM
+    e, k = int(need("moe_num_experts", "num_experts")), int(need("moe_k", "num_experts_per_tok"))
+    start = int(hf.get("moe_layer_start_index", 1))
+    end = hf.get("moe_layer_end_index", -1)
+    end = n - 1 if end is None or int(end) == -1 else int(end)
+    interval = int(hf.get("moe_layer_interval") or 1)
+    layers = tuple(i for i in range(n) if (i + 1) % interval == 0 and start <= i <= end)
+    return MoEConfig(e, k, ie, layers=layers, scoring="softmax", norm_topk_prob=True,
+                     norm_min=float(hf.get("moe_norm_min") or 1e-12), score_bias=True,
+                     shared_intermediate_size=ie * int(hf.get("moe_num_shared_experts") or 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -414,12 +491,59 @@ class _Reader:
         return self.get(name, (n_out, n_in)).T
 
 
+def _read_swiglu(rd: _Reader, p: str, h: int, i: int, paddle: bool) -> tuple:
+    """``(gate f[H, I], up f[H, I], down f[I, H])`` of a SwiGLU under ``p`` (``p + "gate_proj"``
+    ... or a fused ``up_gate_proj`` = ``[gate; up]`` along the output axis)."""
+    if rd.has(p + "up_gate_proj.weight"):
+        w = rd.linear(p + "up_gate_proj.weight", h, 2 * i, paddle)
+        gate, up = w[:, :i], w[:, i:]
+    else:
+        gate = rd.linear(p + "gate_proj.weight", h, i, paddle)
+        up = rd.linear(p + "up_proj.weight", h, i, paddle)
+    return gate, up, rd.linear(p + "down_proj.weight", i, h, paddle)
+
+
+def _read_moe(rd: _Reader, p: str, cfg: ModelConfig, paddle: bool) -> dict[str, np.ndarray]:
+    """One MoE FFN (:mod:`jmtp.model.moe` names) from the tensors under ``p`` (``...mlp.``)."""
+    m, h = cfg.moe, cfg.hidden_size
+    e, i = m.num_experts, m.moe_intermediate_size
+    out = {"router": rd.linear(p + "gate.weight", h, e, paddle)}
+    if m.score_bias:
+        for name in ("gate.e_score_correction_bias", "moe_statics.e_score_correction_bias"):
+            if rd.has(p + name):
+                out["router_bias"] = np.asarray(rd.get(p + name), np.float32).reshape(-1)
+                break
+        else:
+            raise ValueError(f"{rd.where}: missing tensor {p}gate.e_score_correction_bias (or "
+                             f"{p}moe_statics.e_score_correction_bias)")
+        if out["router_bias"].shape != (e,):
+            raise ValueError(f"{rd.where}: {p} score-correction bias has {out['router_bias'].size} "
+                             f"entries, expected num_experts = {e}")
+    if rd.has(p + "experts.gate_up_proj"):        # transformers v5 in-memory layout
+        gu = rd.get(p + "experts.gate_up_proj", (e, 2 * i, h))
+        out["experts_gate"] = gu[:, :i].transpose(0, 2, 1)
+        out["experts_up"] = gu[:, i:].transpose(0, 2, 1)
+        out["experts_down"] = rd.get(p + "experts.down_proj", (e, h, i)).transpose(0, 2, 1)
+    else:
+        g, u, d = zip(*(_read_swiglu(rd, f"{p}experts.{j}.", h, i, paddle) for j in range(e)))
+        out["experts_gate"], out["experts_up"], out["experts_down"] = (np.stack(g), np.stack(u),
+                                                                       np.stack(d))
+    if m.shared_intermediate_size:
+        out["shared_gate"], out["shared_up"], out["shared_down"] = _read_swiglu(
+            rd, p + "shared_experts.", h, m.shared_intermediate_size, paddle)
+    elif any(n.startswith(p + "shared_experts.") for n in rd.names):
+        raise ValueError(f"{rd.where}: checkpoint has {p}shared_experts.* but the config has no "
+                         "shared experts")
+    return out
+
+
 def _read_block(rd: _Reader, prefix: str, cfg: ModelConfig, *, paddle: bool,
-                interleaved: bool) -> dict[str, np.ndarray]:
+                interleaved: bool, moe: bool = False) -> dict[str, np.ndarray]:
     """One decoder layer (jmtp names, ``[in, out]`` weights) from HF-named tensors under ``prefix``.
 
     Accepts split (``q_proj/k_proj/v_proj``, ``gate_proj/up_proj``) or fused (``qkv_proj`` =
-    ``[q; k; v]``, ``up_gate_proj`` = ``[gate; up]`` along the output axis) projections.
+    ``[q; k; v]``, ``up_gate_proj`` = ``[gate; up]`` along the output axis) projections. With
+    ``moe`` the FFN is read as ``cfg.moe``'s MoE block (:func:`_read_moe`).
     """
     h, i, q, kv, d = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size, cfg.head_dim
     p = prefix
@@ -429,7 +553,7 @@ def _read_block(rd: _Reader, prefix: str, cfg: ModelConfig, *, paddle: bool,
     }
     if cfg.is_mla:
         out.update(_read_mla_attention(rd, p, cfg, interleaved=interleaved))
-        out.update(_read_mlp(rd, p, cfg, paddle))
+        out.update(_read_ffn(rd, p, cfg, paddle, moe))
         return out
     if rd.has(p + "self_attn.qkv_proj.weight"):
         w = rd.linear(p + "self_attn.qkv_proj.weight", h, q + 2 * kv, paddle)
@@ -457,7 +581,7 @@ def _read_block(rd: _Reader, prefix: str, cfg: ModelConfig, *, paddle: bool,
         if rd.has(p + extra):
             raise ValueError(f"{rd.src.where(p + extra)}: tensor {p + extra!r} is not supported "
                              "(jmtp's block has no output/MLP biases)")
-    out.update(_read_mlp(rd, p, cfg, paddle))
+    out.update(_read_ffn(rd, p, cfg, paddle, moe))
     if cfg.qk_norm:
         out["q_norm"] = rd.get(p + "self_attn.q_norm.weight", (d,))
         out["k_norm"] = rd.get(p + "self_attn.k_norm.weight", (d,))
@@ -473,17 +597,18 @@ def _read_block(rd: _Reader, prefix: str, cfg: ModelConfig, *, paddle: bool,
     return out
 
 
-def _read_mlp(rd: _Reader, p: str, cfg: ModelConfig, paddle: bool) -> dict[str, np.ndarray]:
-    """SwiGLU weights ``w_gate, w_up f[H, I]``, ``w_down f[I, H]`` of the block under ``p``
-    (split ``gate_proj``/``up_proj`` or fused ``up_gate_proj`` = ``[gate; up]``)."""
-    h, i, out = cfg.hidden_size, cfg.intermediate_size, {}
-    if rd.has(p + "mlp.up_gate_proj.weight"):
-        w = rd.linear(p + "mlp.up_gate_proj.weight", h, 2 * i, paddle)
-        out["w_gate"], out["w_up"] = w[:, :i], w[:, i:]
-    else:
-        out["w_gate"] = rd.linear(p + "mlp.gate_proj.weight", h, i, paddle)
-        out["w_up"] = rd.linear(p + "mlp.up_proj.weight", h, i, paddle)
-    out["w_down"] = rd.linear(p + "mlp.down_proj.weight", i, h, paddle)
+def _read_ffn(rd: _Reader, p: str, cfg: ModelConfig, paddle: bool,
+              moe: bool) -> dict[str, np.ndarray]:
+    """The FFN of the block under ``p``: ``cfg.moe``'s MoE block (:func:`_read_moe`) when
+    ``moe``, else the dense SwiGLU ``w_gate, w_up f[H, I]``, ``w_down f[I, H]``."""
+    if moe:
+        return _read_moe(rd, p + "mlp.", cfg, paddle)
+    if rd.has(p + "mlp.gate.weight"):
+        raise ValueError(f"{rd.where}: {p}mlp is a MoE block (mlp.gate.weight) but the "
+                         "config makes this layer dense")
+    out = {}
+    out["w_gate"], out["w_up"], out["w_down"] = _read_swiglu(
+        rd, p + "mlp.", cfg.hidden_size, cfg.intermediate_size, paddle)
     return out
 
 
@@ -525,12 +650,14 @@ def _read_mla_attention(rd: _Reader, p: str, cfg: ModelConfig, *,
     return out
 
 
-def _stack(blocks: list[dict[str, np.ndarray]], cfg: ModelConfig, dtype) -> dict[str, jax.Array]:
-    """Stack per-layer tensors on a new leading axis, converting once to ``dtype``."""
-    shapes = layer_shapes(cfg)
+def _stack(blocks: list[dict[str, np.ndarray]], cfg: ModelConfig, dtype,
+           moe: bool = False) -> dict[str, jax.Array]:
+    """Stack per-layer tensors on a new leading axis, converting once to ``dtype`` (the MoE
+    score-correction bias stays f32)."""
+    shapes = layer_shapes(cfg, moe)
     out = {}
     for name, shape in shapes.items():
-        buf = np.empty((len(blocks),) + shape, dtype)
+        buf = np.empty((len(blocks),) + shape, np.float32 if name == "router_bias" else dtype)
         for j, b in enumerate(blocks):
             buf[j] = b[name]
         out[name] = jnp.asarray(buf)
@@ -609,20 +736,36 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = jnp.asarray(np.asarray(rd.get("lm_head.weight", (v, h)).T, np_dt))
-    blocks = [_read_block(rd, f"model.layers.{i}.", cfg, paddle=False, interleaved=interleaved_rope)
-              for i in range(cfg.num_layers)]
-    params["layers"] = _stack(blocks, cfg, np_dt)
+    kinds = cfg.moe_layer_kinds
+    blocks = [_read_block(rd, f"model.layers.{i}.", cfg, paddle=False, interleaved=interleaved_rope,
+                          moe=kinds[i]) for i in range(cfg.num_layers)]
+    if layers_stacked(cfg):
+        params["layers"] = _stack(blocks, cfg, np_dt, kinds[0])
+    else:   # dense and MoE layers mixed: one dict per layer (jmtp.model.params.layers_stacked)
+        params["layers"] = tuple(
+            {k: jnp.asarray(np.asarray(b[k], np.float32 if k == "router_bias" else np_dt))
+             for k in layer_shapes(cfg, m)} for b, m in zip(blocks, kinds))
     del blocks
 
     layout, prefixes, top = detect_mtp(rd.names, cfg.num_layers, where)
     if layout is None:
-        cfg = cfg.replace(num_mtp_layers=1)
+        cfg = mtp_moe_of_fresh_head(cfg.replace(num_mtp_layers=1))
         params["mtp"] = init_mtp_params(cfg, params, jax.random.PRNGKey(0), jnp.dtype(dtype))
         log.info("no MTP weights in %s: initialised a fresh MTP head%s", where,
                  f" (config announces {num_mtp_hint} MTP layers)" if num_mtp_hint else "")
     else:
         n = len(prefixes)
         cfg = cfg.replace(num_mtp_layers=n, mtp_layout=layout)
+        block_prefix = [p if layout == "deepseek" else f"{top}mtp_block.{p}." for p in prefixes]
+        mtp_kinds = {rd.has(bp + "mlp.gate.weight") for bp in block_prefix}
+        if len(mtp_kinds) > 1:
+            raise ValueError(f"{where}: some MTP blocks are MoE (mlp.gate.weight) and some dense")
+        mtp_moe = mtp_kinds.pop()
+        if mtp_moe and cfg.moe is None:
+            raise ValueError(f"{where}: the MTP block {block_prefix[0]}mlp is a MoE block but the "
+                             "target config is dense")
+        if cfg.moe is not None:
+            cfg = cfg.replace(moe=cfg.moe.replace(mtp_moe=mtp_moe))
         enorm, hnorm, eh, fnorm, mblocks = [], [], [], [], []
         for j, p in enumerate(prefixes):
             if layout == "deepseek":
@@ -630,7 +773,8 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
                 hnorm.append(rd.get(p + "hnorm.weight", (h,)))
                 eh.append(rd.linear(p + "eh_proj.weight", 2 * h, h, paddle=False))
                 fnorm.append(rd.get(p + "shared_head.norm.weight", (h,)))
-                mblocks.append(_read_block(rd, p, cfg, paddle=False, interleaved=interleaved_rope))
+                mblocks.append(_read_block(rd, p, cfg, paddle=False, interleaved=interleaved_rope,
+                                           moe=mtp_moe))
             else:
                 proj = f"{top}mtp_linear_proj.{p}.weight"
                 shape = tuple(src.shape(proj)) if rd.has(proj) else None
@@ -646,10 +790,11 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
                 eh.append(rd.linear(proj, 2 * h, h, paddle))
                 fnorm.append(np.asarray(params["final_norm"], np.float32))
                 mblocks.append(_read_block(rd, f"{top}mtp_block.{p}.", cfg, paddle=paddle,
-                                           interleaved=interleaved_rope))
+                                           interleaved=interleaved_rope, moe=mtp_moe))
         as_stack = lambda xs: jnp.asarray(np.stack([np.asarray(x, np_dt) for x in xs]))
         params["mtp"] = {"enorm": as_stack(enorm), "hnorm": as_stack(hnorm), "eh_proj": as_stack(eh),
-                         "final_norm": as_stack(fnorm), "layer": _stack(mblocks, cfg, np_dt)}
+                         "final_norm": as_stack(fnorm),
+                         "layer": _stack(mblocks, cfg, np_dt, mtp_moe)}
         log.info("loaded %d MTP module(s) (%s layout) from %s", n, layout, where)
     check_params(cfg, params, source=where)
     unused = sorted(name for name in rd.names - rd.used if not _IGNORED.search(name)

@@ -14,6 +14,9 @@ leading layer axis L so that the layers run under one ``lax.scan``)::
                [bq f[L,Nq*D] bk,bv f[L,Nkv*D]]   (attention_bias, Qwen2)
                [q_norm,k_norm f[L,D]]            (qk_norm, Qwen3)
                mlp_norm f[L,H]  w_gate,w_up f[L,H,I]  w_down f[L,I,H]
+               (MoE layers instead: router, [router_bias], experts_*, [shared_*],
+               see jmtp.model.moe; a model mixing dense and MoE layers holds ``layers`` as a
+               tuple of L per-layer dicts, jmtp.model.params.layers_stacked)
   mtp:         enorm,hnorm f[N,H]  eh_proj f[N,2H,H]  final_norm f[N,H]  layer: {as `layers`, N stacked}
 
 The KV cache of a stack of ``L`` layers is :class:`KVCache` with ``k, v: f[L, num_blocks, block_size,
@@ -32,6 +35,7 @@ import jax.numpy as jnp
 
 from jmtp.model import mla
 from jmtp.model.config import ModelConfig
+from jmtp.model import moe
 from jmtp.model.metadata import AttentionMetadata
 from jmtp.pallas import kv_quant
 from jmtp.pallas.ragged_paged_attention import ragged_paged_attention, write_kv
@@ -101,8 +105,9 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """Inverse RoPE frequencies ``f32[D/2]``, with llama3 scaling when configured."""
-    d = cfg.head_dim
+    """Inverse RoPE frequencies ``f32[R/2]`` (``R = cfg.rotary_dim``, the head dim unless
+    ``partial_rotary_factor < 1``), with llama3 scaling when configured."""
+    d = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     rs = cfg.rope_scaling
     if rs is None:
@@ -183,7 +188,13 @@ def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array):
     inv_freq, af = rope_inv_freq(cfg), rope_attention_factor(cfg)
     if af != 1.0:  # YaRN scales cos/sin
         q, k = q * af, k * af
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    r = cfg.rotary_dim
+    if r == cfg.head_dim:
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    # Partial rotary (GLM-4.5, transformers modeling_glm4_moe.apply_rotary_pos_emb): rotate-half
+    # RoPE on the first R dims of each head, the rest passed through.
+    part = lambda a: jnp.concatenate([apply_rope(a[..., :r], positions, inv_freq), a[..., r:]], -1)
+    return part(q), part(k), v
 
 
 def decoder_layer(
@@ -198,7 +209,8 @@ def decoder_layer(
     attention_impl: str | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Pre-norm Llama block: GQA attention over the paged cache (writing this step's K/V,
-    quantised when the pool is) + SwiGLU. Returns ``(x, pool)``.
+    quantised when the pool is) + the FFN (SwiGLU, or the MoE block when ``p`` holds one,
+    :func:`jmtp.model.moe.ffn`). Returns ``(x, pool)``.
 
     With ``cfg.attention_type == "mla"`` the attention is DeepSeek's multi-head latent attention
     (:func:`jmtp.model.mla.mla_attention`, latent pool in ``pool.k``)."""
@@ -232,9 +244,10 @@ def decoder_layer(
 
 
 def _mlp_block(cfg: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
-    """Second half of a pre-norm block: ``x + SwiGLU(rms(x))``."""
+    """Second half of a pre-norm block: ``x + FFN(rms(x))`` (dense SwiGLU or MoE,
+    :func:`jmtp.model.moe.ffn`)."""
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    return x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return x + moe.ffn(cfg, p, h)
 
 
 def _layer_view(meta: AttentionMetadata, cache: KVCache, i) -> AttentionMetadata:

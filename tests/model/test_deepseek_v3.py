@@ -24,8 +24,13 @@ transformers = pytest.importorskip("transformers")
 V = 128
 BASE = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
-            qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2, n_routed_experts=4,
-            num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+            qk_rope_head_dim=8, v_head_dim=12,
+            # MoE as DeepSeek-V3's, scaled down: layer 0 dense, layer 1 (and the MTP layer) MoE with
+            # 8 routed experts in 4 groups (2 kept), top-3, one shared expert, sigmoid router with a
+            # score-correction bias, routed_scaling_factor
+            first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3,
+            moe_intermediate_size=24, n_shared_experts=1, n_group=4, topk_group=2,
+            routed_scaling_factor=2.5, norm_topk_prob=True,
             max_position_embeddings=256, tie_word_embeddings=False, num_mtp_layers=0)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.7,
@@ -45,6 +50,9 @@ def _randomize(model, seed):
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             p.copy_(1 + 0.2 * noise if "norm" in name else (0.5 if "embed" in name else 0.08) * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # zeros at init: make it matter
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
     return model
 
 
@@ -77,6 +85,8 @@ def test_logits_match_transformers(checkpoint, path_kind):
     cfg, params = load_checkpoint(path, dtype=jnp.float32)
     assert cfg.is_mla and cfg.architecture == "DeepseekV3ForCausalLM"
     assert cfg.q_lora_rank == CASES[case]["q_lora_rank"] and cfg.kv_lora_rank == 32
+    assert cfg.moe_layer_kinds == (False, True) and cfg.moe.n_group == 4
+    assert cfg.moe.shared_intermediate_size == 24 and cfg.moe.routed_scaling_factor == 2.5
     assert (cfg.rope_scaling is not None) == ("rope_parameters" in CASES[case])
     ours = np.asarray(forward_logits(cfg.replace(mla_path=path_kind), params, ids, block_size=8))
     assert np.abs(ref).max() > 0.5
@@ -186,13 +196,20 @@ def test_fp8_block_scaled_checkpoint(tmp_path):
                                  "weight_block_size": [block, block]}
     (out / "config.json").write_text(json.dumps(hf))
     cfg, params = load_checkpoint(out, dtype=jnp.float32)
-    np.testing.assert_array_equal(np.asarray(params["layers"]["wkv_b"][1]),
+    layers = params["layers"]          # dense layer 0 + MoE layer 1: a tuple of per-layer dicts
+    np.testing.assert_array_equal(np.asarray(layers[1]["wkv_b"]),
                                   deq["model.layers.1.self_attn.kv_b_proj.weight"].T)
-    np.testing.assert_array_equal(np.asarray(params["layers"]["w_down"][0]),
+    np.testing.assert_array_equal(np.asarray(layers[0]["w_down"]),
                                   deq["model.layers.0.mlp.down_proj.weight"].T)
-    with torch.no_grad():   # the reference: transformers on the dequantised weights
-        for name, w in deq.items():
-            model.get_parameter(name).copy_(torch.from_numpy(w))
+    np.testing.assert_array_equal(np.asarray(layers[1]["experts_up"][5]),
+                                  deq["model.layers.1.mlp.experts.5.up_proj.weight"].T)
+    # the reference: transformers on the dequantised weights (an fp32 checkpoint of them)
+    ref_dir = tmp_path / "deq"
+    ref_dir.mkdir()
+    plain = load_file(str(tmp_path / "src" / "model.safetensors"))
+    save_file({**plain, **deq}, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    (ref_dir / "config.json").write_text((tmp_path / "src" / "config.json").read_text())
+    model = transformers.AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     ids = list(range(5, 30))
     np.testing.assert_allclose(np.asarray(forward_logits(cfg, params, ids)), _hf_logits(model, ids),
                                rtol=0, atol=1e-4)
@@ -203,7 +220,7 @@ def test_fp8_block_scaled_checkpoint(tmp_path):
         load_checkpoint(out, dtype=jnp.float32)
 
 
-def test_config_errors(tmp_path):
+def test_config_errors():
     from jmtp.model import ModelConfig
     with pytest.raises(ValueError, match="qk_rope_head_dim"):
         ModelConfig(attention_type="mla", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
@@ -215,10 +232,8 @@ def test_config_errors(tmp_path):
                       qk_rope_head_dim=8, v_head_dim=8)
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         init_kv_cache(cfg, 1, 4, 4, kv_cache_dtype="int8")
-    # MoE layers are refused until the MoE block is merged
-    _save(tmp_path, first_k_dense_replace=1)
-    with pytest.raises(ValueError, match="first_k_dense_replace"):
-        load_checkpoint(tmp_path, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="mla_path"):
+        cfg.replace(mla_path="naive")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,11 +257,25 @@ def _mtp_tensors(rng, cfg_hf, n):
          p + "self_attn.kv_a_layernorm.weight": norm(c),
          p + "self_attn.kv_b_proj.weight": lin(nq * (dn + dv), c),
          p + "self_attn.o_proj.weight": lin(h, nq * dv),
-         p + "mlp.gate_proj.weight": lin(i, h), p + "mlp.up_proj.weight": lin(i, h),
-         p + "mlp.down_proj.weight": lin(h, i),
+
          # DeepSeek-V3 ships copies of the embedding and LM head in the MTP layer: ignored
          p + "embed_tokens.weight": np.zeros((V, h), np.float32),
          p + "shared_head.head.weight": np.zeros((V, h), np.float32)}
+    e, ie = cfg_hf.get("n_routed_experts"), cfg_hf.get("moe_intermediate_size")
+    if e:    # DeepSeek-V3's MTP layer holds a MoE block
+        t[p + "mlp.gate.weight"] = lin(e, h) * 4
+        t[p + "mlp.gate.e_score_correction_bias"] = (0.1 * rng.standard_normal(e)).astype(np.float32)
+        for j in range(e):
+            q = f"{p}mlp.experts.{j}."
+            t.update({q + "gate_proj.weight": lin(ie, h), q + "up_proj.weight": lin(ie, h),
+                      q + "down_proj.weight": lin(h, ie)})
+        si = ie * cfg_hf["n_shared_experts"]
+        t.update({p + "mlp.shared_experts.gate_proj.weight": lin(si, h),
+                  p + "mlp.shared_experts.up_proj.weight": lin(si, h),
+                  p + "mlp.shared_experts.down_proj.weight": lin(h, si)})
+    else:
+        t.update({p + "mlp.gate_proj.weight": lin(i, h), p + "mlp.up_proj.weight": lin(i, h),
+                  p + "mlp.down_proj.weight": lin(h, i)})
     if r is None:
         t[p + "self_attn.q_proj.weight"] = lin(nq * (dn + dr), h)
     else:
@@ -297,12 +326,40 @@ def _np_mla_block(t, p, x, pos, hf, rope):
         out[:, hq] = (pr / pr.sum(-1, keepdims=True)) @ v[:, hq]
     x = x + out.reshape(T, nq * dv) @ W("self_attn.o_proj.weight")
     h = _np_rms(x, t[p + "post_attention_layernorm.weight"], eps)
-    gate, up = h @ W("mlp.gate_proj.weight"), h @ W("mlp.up_proj.weight")
-    return x + (gate / (1 + np.exp(-gate)) * up) @ W("mlp.down_proj.weight")
+    if p + "mlp.gate.weight" not in t:
+        return x + _np_swiglu(t, p + "mlp.", h)
+    return x + _np_deepseek_moe(t, p + "mlp.", h, hf)
+
+
+def _np_swiglu(t, p, h):
+    W = lambda n: t[p + n].astype(np.float64).T
+    gate, up = h @ W("gate_proj.weight"), h @ W("up_proj.weight")
+    return (gate / (1 + np.exp(-gate)) * up) @ W("down_proj.weight")
+
+
+def _np_deepseek_moe(t, p, h, hf):
+    """DeepSeek-V3 MoE (tech report §2.1.2): sigmoid affinities, choice by affinity + bias
+    restricted to the ``topk_group`` groups with the largest top-2 sums, weights = affinities of
+    the chosen experts normalised to 1 then times ``routed_scaling_factor``; plus shared experts."""
+    e, k = hf["n_routed_experts"], hf["num_experts_per_tok"]
+    g, kg = hf["n_group"], hf["topk_group"]
+    s = 1 / (1 + np.exp(-(h @ t[p + "gate.weight"].astype(np.float64).T)))     # [T, E]
+    out = _np_swiglu(t, p + "shared_experts.", h)
+    for r in range(h.shape[0]):
+        choice = s[r] + t[p + "gate.e_score_correction_bias"]
+        groups = choice.reshape(g, e // g)
+        top2 = np.sort(groups, axis=1)[:, -2:].sum(1)
+        keep = np.argsort(-top2, kind="stable")[:kg]
+        allowed = np.isin(np.arange(e) // (e // g), keep)
+        chosen = np.argsort(-np.where(allowed, choice, -np.inf), kind="stable")[:k]
+        w = s[r, chosen] / s[r, chosen].sum() * hf["routed_scaling_factor"]
+        for j, wj in zip(chosen, w):
+            out[r] += wj * _np_swiglu(t, f"{p}experts.{j}.", h[r:r + 1])[0]
+    return out
 
 
 def test_deepseek_v3_mtp_layer_matches_numpy(checkpoint, tmp_path):
-    """MTP module 0 of a DeepSeek-V3 checkpoint (MLA block): jmtp's ``mtp_forward`` over a
+    """MTP module 0 of a DeepSeek-V3 checkpoint (MLA + MoE block): jmtp's ``mtp_forward`` over a
     5-row prefill chunk, a 3-row chunk and 1-row decode steps on a paged MTP cache equals the
     numpy reference ``x = Block(eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)]))``,
     ``logits = lm_head(shared_head.norm(x))``, with ``x`` (pre-norm) fed to the next sub-step."""
@@ -319,7 +376,7 @@ def test_deepseek_v3_mtp_layer_matches_numpy(checkpoint, tmp_path):
     t = _mtp_tensors(np.random.default_rng(5), hf, n)
     save_file(t, str(path / "mtp.safetensors"))
     cfg, params = load_checkpoint(path, dtype=jnp.float32)
-    assert (cfg.mtp_layout, cfg.num_mtp_layers) == ("deepseek", 1)
+    assert (cfg.mtp_layout, cfg.num_mtp_layers) == ("deepseek", 1) and cfg.mtp_is_moe
 
     base = load_file(str(path / "model.safetensors"))
     embed, lm_head = base["model.embed_tokens.weight"], base["lm_head.weight"]
