@@ -411,3 +411,30 @@ def test_deepseek_v3_mtp_layer_matches_numpy(checkpoint, tmp_path):
         done += chunk
     np.testing.assert_allclose(np.concatenate(got_logits), logits_ref, rtol=0, atol=1e-4)
     np.testing.assert_allclose(np.concatenate(got_x), x_ref, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_absorbed_path_on_every_attention_implementation(impl):
+    """The absorbed path is MQA over the latent (head_dim C + dr): every ragged paged attention
+    implementation (the Pallas kernels in interpret mode on CPU) gives the expanded path's result,
+    over a prefill chunk and then a 3-row decode/verify window."""
+    from jmtp.model import ModelConfig, init_params
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1,
+                      num_heads=4, num_kv_heads=4, head_dim=8, attention_type="mla",
+                      q_lora_rank=16, kv_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                      v_head_dim=8, num_mtp_layers=0)
+    params = init_params(cfg, jax.random.PRNGKey(1), std=0.2)
+    ids = np.arange(3, 26, dtype=np.int32)
+
+    def run(c, impl):
+        cache = init_kv_cache(c, 1, 5, 8)
+        tables = jnp.asarray([[3, 1, 4, 0]], jnp.int32)
+        outs = []
+        for start, n in ((0, 20), (20, 3)):
+            pos, meta = ragged_batch(jnp.array([n]), jnp.array([start]), tables, 8, n)
+            h, cache = forward(c, params, jnp.asarray(ids[start:start + n]), pos, meta, cache, impl)
+            outs.append(np.asarray(h))
+        return np.concatenate(outs)
+
+    ref = run(cfg.replace(mla_path="expanded"), "xla")
+    np.testing.assert_allclose(run(cfg, impl), ref, rtol=0, atol=2e-5)
