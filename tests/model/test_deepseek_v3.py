@@ -438,3 +438,27 @@ def test_absorbed_path_on_every_attention_implementation(impl):
 
     ref = run(cfg.replace(mla_path="expanded"), "xla")
     np.testing.assert_allclose(run(cfg, impl), ref, rtol=0, atol=2e-5)
+
+
+def test_nnx_module_and_params_for_mla_with_moe():
+    """init_params / the NNX module build MLA (+ MoE) layers whose shapes check_params accepts, and
+    from_params round-trips them (same logits)."""
+    from flax import nnx
+    from jmtp.model import LlamaForCausalLM, ModelConfig, check_params, init_params
+    from jmtp.model.config import MoEConfig
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=4, head_dim=8, attention_type="mla",
+                      kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=6,
+                      num_mtp_layers=1,
+                      moe=MoEConfig(8, 2, 16, layers=(1,), mtp_moe=True, scoring="sigmoid",
+                                    score_bias=True, n_group=2, topk_group=1,
+                                    shared_intermediate_size=16))
+    params = init_params(cfg, jax.random.PRNGKey(0), std=0.2)
+    check_params(cfg, params)
+    assert params["layers"][0]["wkv_b"].shape == (12, 4 * (8 + 6))
+    assert "router" in params["layers"][1] and "router" in params["mtp"]["layer"]
+    check_params(cfg, LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), stacked=False).to_params())
+    again = LlamaForCausalLM.from_params(cfg, params).to_params()
+    ids = list(range(10))
+    np.testing.assert_array_equal(np.asarray(forward_logits(cfg, again, ids)),
+                                  np.asarray(forward_logits(cfg, params, ids)))
