@@ -31,6 +31,10 @@ CASES = {
     "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(
         **COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
         mlp_only_layers=[0], tie_word_embeddings=False), (1, 2)),
+    # every layer MoE: the layers stay one stack (one lax.scan)
+    "qwen3_moe_all_sparse": (lambda: transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
+        (0, 1, 2)),
     "glm4_moe": (lambda: transformers.Glm4MoeConfig(
         **COMMON, head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1,
         n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.8,
@@ -88,8 +92,11 @@ def test_config_and_sharded_files(checkpoint):
     case, path, cfg, params, _, _ = checkpoint
     assert len(list(path.glob("*.safetensors"))) > 1 and (path / "model.safetensors.index.json").is_file()
     assert cfg.moe is not None and cfg.moe.layers == CASES[case][1]
-    assert isinstance(params["layers"], tuple) and "w_gate" in params["layers"][0]
-    assert all("router" in params["layers"][i] for i in cfg.moe.layers)
+    if case == "qwen3_moe_all_sparse":
+        assert isinstance(params["layers"], dict) and params["layers"]["router"].shape == (L, H, 4)
+    else:
+        assert isinstance(params["layers"], tuple) and "w_gate" in params["layers"][0]
+        assert all("router" in params["layers"][i] for i in cfg.moe.layers)
     if case == "glm4_moe":
         assert cfg.rotary_dim == 8 and cfg.attention_bias and cfg.qk_norm
         assert cfg.moe.scoring == "sigmoid" and cfg.moe.n_group == 2
