@@ -152,8 +152,8 @@ class LLMEngine:
       attention_backend: ``"reference" | "xla" | "pallas_tpu" | "pallas_gpu" | None``.
       moe_backend: routed-experts implementation of a MoE model (``MoEConfig.implementation``):
         ``"ragged"`` (sort by expert, ``jax.lax.ragged_dot``), ``"dense"`` (reference: every
-        expert on every token) or ``None`` (the model config's, default ``"ragged"``). Ignored
-        for a dense model.
+        expert on every token), ``"auto"`` (ragged on TPU, dense elsewhere) or ``None`` (the
+        model config's, default ``"auto"``). Ignored for a dense model.
       block_allocator: ``EngineConfig.block_allocator``: ``"auto"`` (default), ``"reference"``,
         ``"pallas_tpu"`` or ``"pallas_gpu"``.
       kv_cache_dtype: ``EngineConfig.kv_cache_dtype``: ``None`` (default: ``dtype``), ``"int8"``

@@ -75,14 +75,14 @@ def _moe_run(k: int | None, moe_backend: str | None = None):
     return [o.token_ids for o in outs], bool(preempted), llm._free_count
 
 
-@pytest.mark.parametrize("k,moe_backend", [(1, "dense"), (3, "ragged")])
+@pytest.mark.parametrize("k,moe_backend", [(1, "ragged"), (3, None)])
 def test_moe_target_speculative_equals_plain_with_chunked_prefill_and_preemption(k, moe_backend):
     """A tiny MoE target (conftest.TINY_MOE: dense first layer, MoE layers, MoE MTP layer): greedy
     MTP speculation gives the plain engine's tokens and the non-paged reference's, with prompts
     longer than the 16-token step budget (chunked prefill) and too few KV blocks (20 of 4 tokens)
-    for all requests at once (preemption). The plain engine runs the default ragged_dot experts;
-    the K=1 engine the dense reference experts (``moe_backend``), so the two implementations
-    also agree token for token."""
+    for all requests at once (preemption). The plain engine runs the default experts ("auto":
+    the dense reference on CPU), the K=1 engine the ragged_dot ones (``moe_backend``), so the two
+    implementations also agree token for token."""
     from tests.runtime.conftest import TINY_MOE
     cfg, params = tiny_model(1, **TINY_MOE)
     with pytest.raises(ValueError, match="moe_backend"):
