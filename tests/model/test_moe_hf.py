@@ -189,3 +189,24 @@ def test_glm_mtp_layer_matches_transformers_block(tmp_path):
             cache)
         got.append(np.asarray(h))
     np.testing.assert_allclose(np.concatenate(got), want, rtol=0, atol=1e-4)
+
+
+def test_mtp_head_file_round_trip_sets_the_head_kind(tmp_path):
+    """A MoE MTP head exported to a head file and attached again: same arrays, and
+    ``cfg.moe.mtp_moe`` follows the file (MoE head onto a config that said dense); a MoE head
+    onto a dense model is refused."""
+    from jmtp.model import init_params
+    from jmtp.model.mtp_head import attach_mtp_head, export_mtp_head
+    from tests.runtime.conftest import TINY, TINY_MOE
+    cfg = TINY.replace(**TINY_MOE)
+    params = init_params(cfg, jax.random.key(0), std=0.3)
+    export_mtp_head(str(tmp_path / "head.safetensors"), params["mtp"], cfg, dtype=jnp.float32)
+    dense_head_cfg = cfg.replace(moe=cfg.moe.replace(mtp_moe=False))
+    cfg2, params2 = attach_mtp_head(dense_head_cfg, params, str(tmp_path / "head.safetensors"))
+    assert cfg2.moe.mtp_moe and cfg2 == cfg
+    for k, v in params["mtp"]["layer"].items():
+        np.testing.assert_array_equal(np.asarray(params2["mtp"]["layer"][k]), np.asarray(v))
+    with pytest.raises(ValueError, match="MoE block but the model is dense"):
+        attach_mtp_head(TINY.replace(num_layers=3), init_params(TINY.replace(num_layers=3),
+                                                                 jax.random.key(0)),
+                        str(tmp_path / "head.safetensors"))
