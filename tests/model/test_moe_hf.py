@@ -6,7 +6,6 @@ safetensors files + index json) loads; GLM-4.5's MTP layer (``model.layers.{N}``
 inside) matches transformers' own ``Glm4MoeDecoderLayer`` run as the MTP block."""
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
