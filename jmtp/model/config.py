@@ -12,7 +12,7 @@ MTP_LAYOUTS = ("deepseek", "ernie")
 ATTENTION_TYPES = ("gqa", "mla")
 MLA_PATHS = ("absorbed", "expanded")
 MOE_SCORING = ("softmax", "sigmoid")
-MOE_IMPLEMENTATIONS = ("ragged", "dense")
+MOE_IMPLEMENTATIONS = ("auto", "ragged", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +87,11 @@ class MoEConfig:
       routed_scaling_factor: multiplies the routed experts' weights.
       shared_intermediate_size: SwiGLU width of the shared experts (``n_shared_experts ·
         moe_intermediate_size``), 0 = none; their output is added unweighted.
-      implementation: ``"ragged"`` (tokens sorted by expert, ``jax.lax.ragged_dot``; cost ~ k·T)
-        or ``"dense"`` (reference: every expert on every token, weighted; cost ~ E·T).
+      implementation: ``"ragged"`` (tokens sorted by expert, ``jax.lax.ragged_dot``: grouped
+        matmuls of k·T rows on TPU, whose XLA backend implements the op), ``"dense"`` (reference:
+        every expert on every token, weighted; E·T rows) or ``"auto"`` (default: ``"ragged"`` on
+        TPU, ``"dense"`` elsewhere: XLA:CPU lowers ``ragged_dot`` to a masked dense product over
+        all E groups, k times the dense reference's work; ``scripts/bench_moe.py``).
     """
 
     num_experts: int
@@ -104,7 +107,7 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
-    implementation: Literal["ragged", "dense"] = "ragged"
+    implementation: Literal["auto", "ragged", "dense"] = "auto"
 
     def __post_init__(self):
         e, k = self.num_experts, self.num_experts_per_tok

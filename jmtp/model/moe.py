@@ -20,7 +20,12 @@ same result up to float rounding:
   outputs are summed with the routing weights (zero for experts not chosen); cost ~ E·T.
 * ``"ragged"`` (:func:`experts_ragged`): the T·k (token, expert) pairs are sorted by expert and
   each expert multiplies only its contiguous group (``jax.lax.ragged_dot`` with the group sizes);
-  cost ~ k·T. Shapes are static (T·k rows whatever the routing), so it jits once per T.
+  cost ~ k·T where the backend has a grouped matmul (XLA:TPU). Shapes are static (T·k rows
+  whatever the routing), so it jits once per T. XLA:CPU lowers ``ragged_dot`` to a masked dense
+  product over all E groups, so there it costs k times the dense reference.
+
+``"auto"`` (the default) picks ``"ragged"`` on TPU and ``"dense"`` elsewhere
+(:func:`resolve_implementation`).
 """
 from __future__ import annotations
 
@@ -141,6 +146,19 @@ def experts_ragged(x, w_gate, w_up, w_down, weights, ids) -> jax.Array:
 EXPERT_IMPLEMENTATIONS = {"dense": experts_dense, "ragged": experts_ragged}
 
 
+def resolve_implementation(implementation: str) -> str:
+    """``"auto"`` -> ``"ragged"`` on TPU, ``"dense"`` on other backends; others unchanged.
+
+    Raises:
+      ValueError: not ``"auto"``, ``"ragged"`` or ``"dense"``."""
+    if implementation == "auto":
+        return "ragged" if jax.default_backend() == "tpu" else "dense"
+    if implementation not in EXPERT_IMPLEMENTATIONS:
+        raise ValueError(f"MoE implementation must be one of "
+                         f"{('auto',) + tuple(EXPERT_IMPLEMENTATIONS)}, got {implementation!r}")
+    return implementation
+
+
 def moe_ffn(moe: MoEConfig, p: dict, x: jax.Array, implementation: str | None = None) -> jax.Array:
     """The MoE FFN of one layer: routed experts (weighted) plus shared experts (unweighted).
 
@@ -148,7 +166,7 @@ def moe_ffn(moe: MoEConfig, p: dict, x: jax.Array, implementation: str | None = 
       moe: the configuration (gating, shared experts, default implementation).
       p: the layer dict (keys in the module docstring).
       x: f[T, H] post-norm hidden rows.
-      implementation: ``"ragged"`` or ``"dense"``; default ``moe.implementation``.
+      implementation: ``"auto"``, ``"ragged"`` or ``"dense"``; default ``moe.implementation``.
 
     Returns:
       f[T, H].
@@ -156,10 +174,7 @@ def moe_ffn(moe: MoEConfig, p: dict, x: jax.Array, implementation: str | None = 
     Raises:
       ValueError: unknown ``implementation``.
     """
-    impl = implementation or moe.implementation
-    if impl not in EXPERT_IMPLEMENTATIONS:
-        raise ValueError(f"MoE implementation must be one of {tuple(EXPERT_IMPLEMENTATIONS)}, "
-                         f"got {impl!r}")
+    impl = resolve_implementation(implementation or moe.implementation)
     weights, ids = route(moe, x, p["router"], p.get("router_bias"))
     out = EXPERT_IMPLEMENTATIONS[impl](x, p["experts_gate"], p["experts_up"], p["experts_down"],
                                        weights, ids)

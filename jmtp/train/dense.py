@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.llama import project_qkv, rms_norm, rope_inv_freq
+from jmtp.model.moe import ffn
 
 
 def _qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array, inv_freq=None):
@@ -139,7 +140,7 @@ def dense_mtp_forward(
                        _pass_mask(segment_ids, i))
         x = x + attn @ layer["wo"]
         hm = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(hm @ layer["w_gate"]) * (hm @ layer["w_up"])) @ layer["w_down"]
+        x = x + ffn(cfg, layer, hm.reshape(-1, hm.shape[-1])).reshape(hm.shape)  # dense or MoE
         h = rms_norm(x, pick(m["final_norm"]), cfg.rms_norm_eps)
         outs.append((h, x if cfg.mtp_layout == "deepseek" else h, valid))
     return outs

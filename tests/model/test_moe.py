@@ -171,6 +171,14 @@ def test_dense_and_ragged_agree_random():
     np.testing.assert_allclose(np.asarray(b), ref, rtol=1e-4, atol=1e-5)
 
 
+def test_auto_implementation_resolves_per_backend():
+    from jmtp.model.moe import resolve_implementation
+    assert resolve_implementation("auto") == ("ragged" if jax.default_backend() == "tpu" else "dense")
+    assert resolve_implementation("ragged") == "ragged"
+    with pytest.raises(ValueError, match="MoE implementation"):
+        resolve_implementation("megablox")
+
+
 def test_module_axes_and_call():
     cfg = ModelConfig(hidden_size=H, moe=MoEConfig(4, 2, IE, score_bias=True,
                                                    shared_intermediate_size=IE, layers=(1,)))
@@ -194,6 +202,7 @@ def test_module_axes_and_call():
     (dict(n_group=4, topk_group=5), "topk_group"),
     (dict(scoring="relu"), "scoring"),
     (dict(implementation="megablox"), "implementation"),
+    (dict(n_group=4, topk_group=1, num_experts_per_tok=3), "num_experts_per_tok"),
     (dict(layers=(2, 1)), "layers"),
 ])
 def test_moe_config_errors(kw, field):

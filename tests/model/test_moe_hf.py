@@ -6,7 +6,6 @@ safetensors files + index json) loads; GLM-4.5's MTP layer (``model.layers.{N}``
 inside) matches transformers' own ``Glm4MoeDecoderLayer`` run as the MTP block."""
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,10 @@ CASES = {
     "qwen3_moe": (lambda: transformers.Qwen3MoeConfig(
         **COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
         mlp_only_layers=[0], tie_word_embeddings=False), (1, 2)),
+    # every layer MoE: the layers stay one stack (one lax.scan)
+    "qwen3_moe_all_sparse": (lambda: transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
+        (0, 1, 2)),
     "glm4_moe": (lambda: transformers.Glm4MoeConfig(
         **COMMON, head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1,
         n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.8,
@@ -88,8 +91,11 @@ def test_config_and_sharded_files(checkpoint):
     case, path, cfg, params, _, _ = checkpoint
     assert len(list(path.glob("*.safetensors"))) > 1 and (path / "model.safetensors.index.json").is_file()
     assert cfg.moe is not None and cfg.moe.layers == CASES[case][1]
-    assert isinstance(params["layers"], tuple) and "w_gate" in params["layers"][0]
-    assert all("router" in params["layers"][i] for i in cfg.moe.layers)
+    if case == "qwen3_moe_all_sparse":
+        assert isinstance(params["layers"], dict) and params["layers"]["router"].shape == (L, H, 4)
+    else:
+        assert isinstance(params["layers"], tuple) and "w_gate" in params["layers"][0]
+        assert all("router" in params["layers"][i] for i in cfg.moe.layers)
     if case == "glm4_moe":
         assert cfg.rotary_dim == 8 and cfg.attention_bias and cfg.qk_norm
         assert cfg.moe.scoring == "sigmoid" and cfg.moe.n_group == 2
@@ -182,3 +188,24 @@ def test_glm_mtp_layer_matches_transformers_block(tmp_path):
             cache)
         got.append(np.asarray(h))
     np.testing.assert_allclose(np.concatenate(got), want, rtol=0, atol=1e-4)
+
+
+def test_mtp_head_file_round_trip_sets_the_head_kind(tmp_path):
+    """A MoE MTP head exported to a head file and attached again: same arrays, and
+    ``cfg.moe.mtp_moe`` follows the file (MoE head onto a config that said dense); a MoE head
+    onto a dense model is refused."""
+    from jmtp.model import init_params
+    from jmtp.model.mtp_head import attach_mtp_head, export_mtp_head
+    from tests.runtime.conftest import TINY, TINY_MOE
+    cfg = TINY.replace(**TINY_MOE)
+    params = init_params(cfg, jax.random.key(0), std=0.3)
+    export_mtp_head(str(tmp_path / "head.safetensors"), params["mtp"], cfg, dtype=jnp.float32)
+    dense_head_cfg = cfg.replace(moe=cfg.moe.replace(mtp_moe=False))
+    cfg2, params2 = attach_mtp_head(dense_head_cfg, params, str(tmp_path / "head.safetensors"))
+    assert cfg2.moe.mtp_moe and cfg2 == cfg
+    for k, v in params["mtp"]["layer"].items():
+        np.testing.assert_array_equal(np.asarray(params2["mtp"]["layer"][k]), np.asarray(v))
+    with pytest.raises(ValueError, match="MoE block but the model is dense"):
+        attach_mtp_head(TINY.replace(num_layers=3), init_params(TINY.replace(num_layers=3),
+                                                                 jax.random.key(0)),
+                        str(tmp_path / "head.safetensors"))
