@@ -341,7 +341,7 @@ class LLMEngine:
                                  self._shard_ec, self._dp)
         rep = shd.replicated(mesh)
         st = shd.state_sharding(mesh)
-        kv = shd.kv_cache_sharding(mesh, mc.num_kv_heads, stacked=True)
+        kv = shd.kv_cache_sharding(mesh, mc.kv_cache_heads, stacked=True)
         self.params = mh.put(self.params, shd.param_shardings(self.params, mesh),
                              what="parameters")
         self.state = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),

@@ -101,8 +101,13 @@ def dense_mtp_forward(
       chain starts inside its segment (always true for real rows of pass 1).
 
     Raises:
-      ValueError: on mismatched shapes or ``num_passes < 1``.
+      ValueError: on mismatched shapes, ``num_passes < 1``, or an MLA target
+        (``cfg.attention_type == "mla"``: training an MTP head on DeepSeek-style latent attention
+        is not implemented).
     """
+    if cfg.is_mla:
+        raise ValueError("dense_mtp_forward: MTP training on a multi-head latent attention target "
+                         "(ModelConfig.attention_type='mla') is not implemented")
     if num_passes < 1:
         raise ValueError(f"num_passes must be >= 1, got {num_passes}")
     b, w = ids.shape
