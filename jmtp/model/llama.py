@@ -129,7 +129,7 @@ def _yarn_inv_freq(cfg: ModelConfig, inv: jax.Array) -> jax.Array:
     """YaRN inverse frequencies (Peng et al. 2023; HF ``_compute_yarn_parameters``): a linear ramp
     between extrapolated (``inv``) and interpolated (``inv / factor``) frequencies over the
     dimensions whose rotation count at the original context lies in ``[beta_slow, beta_fast]``."""
-    rs, d, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta
+    rs, d, base = cfg.rope_scaling, cfg.rotary_dim, cfg.rope_theta
 
     def corr_dim(rot):
         return d * math.log(rs.original_max_position_embeddings / (rot * 2 * math.pi)) / (
@@ -186,14 +186,15 @@ def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array):
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     inv_freq, af = rope_inv_freq(cfg), rope_attention_factor(cfg)
-    if af != 1.0:  # YaRN scales cos/sin
-        q, k = q * af, k * af
+    # YaRN multiplies cos/sin (the rotary dims only) by its attention factor af
+    rot = (lambda a: apply_rope(a, positions, inv_freq)) if af == 1.0 else (
+        lambda a: apply_rope(a * af, positions, inv_freq))
     r = cfg.rotary_dim
     if r == cfg.head_dim:
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        return rot(q), rot(k), v
     # Partial rotary (GLM-4.5, transformers modeling_glm4_moe.apply_rotary_pos_emb): rotate-half
     # RoPE on the first R dims of each head, the rest passed through.
-    part = lambda a: jnp.concatenate([apply_rope(a[..., :r], positions, inv_freq), a[..., r:]], -1)
+    part = lambda a: jnp.concatenate([rot(a[..., :r]), a[..., r:]], -1)
     return part(q), part(k), v
 
 
