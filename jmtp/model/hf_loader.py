@@ -17,7 +17,7 @@ Supported architectures (``config.json`` ``architectures[0]``):
   ``self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj, kv_a_proj_with_mqa,kv_a_layernorm,
   kv_b_proj,o_proj}``). With ``rope_interleave`` (the default) the rotary columns of ``q_b_proj``
   (per head) and ``kv_a_proj_with_mqa`` are de-interleaved like ERNIE's. YaRN rope scaling
-  (``rope_type: yarn``, DeepSeek-V3's own) is supported for it. DeepSeek-V3's fp8 checkpoints
+  (``rope_type: yarn``, DeepSeek-V3's own; any architecture) is supported. DeepSeek-V3's fp8 checkpoints
   (``F8_E4M3`` weights with ``<name>_scale_inv`` f32 scales per ``weight_block_size`` block
   (``quantization_config``, 128x128 in DeepSeek-V3)) are dequantised at load (``w * scale``).
 * Mixture-of-experts targets (:mod:`jmtp.model.moe`; ``ModelConfig.moe``):
@@ -285,7 +285,7 @@ def _rope_params(hf: dict, where: str,
     if rope_type != "llama3":
         raise ValueError(
             f"{where}: rope scaling type {rope_type!r} (field rope_parameters/rope_scaling.rope_type) "
-            "is not supported; only 'default' and 'llama3' are")
+            "is not supported; only 'default', 'llama3' and 'yarn' are")
     try:
         scaling = RopeScaling(
             factor=float(spec["factor"]), low_freq_factor=float(spec["low_freq_factor"]),
@@ -313,7 +313,7 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
     Raises:
       ValueError: naming the field, for an unknown architecture, a missing required field, or a
         feature jmtp's forward does not implement (sliding window, MLP/output biases, partial
-        rotary, non-llama3 rope scaling).
+        rotary, rope scaling other than llama3 and yarn).
     """
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
@@ -351,7 +351,7 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
     if arch in MLA_ARCHITECTURES:
         mla_fields = _mla_config(hf, where, need)
         head_dim = mla_fields["qk_rope_head_dim"]
-    theta, scaling = _rope_params(hf, where, allow_yarn=arch in MLA_ARCHITECTURES)
+    theta, scaling = _rope_params(hf, where, allow_yarn=True)
     gen = generation_config or {}
     tie = hf.get("tie_word_embeddings")
     if tie is None:  # transformers' per-model defaults
