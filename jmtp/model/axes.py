@@ -16,7 +16,9 @@ name           dimension
 ``q_heads``    the fused query projection ``Nq·D`` (whole heads when split by Nq's divisors)
 ``kv_heads``   the fused key / value projection ``Nkv·D`` (same)
 ``head_dim``   one head's D (Qwen3 q/k-norm weights)
-``mlp``        the SwiGLU intermediate size I
+``mlp``        the SwiGLU intermediate size I (also the MoE shared experts' width)
+``experts``    the E routed experts of a MoE layer (expert parallelism maps it onto the mesh)
+``expert_mlp`` one routed expert's SwiGLU width I_e
 =============  ===========================================================================
 
 Parameters (``[...]`` = only for some architectures; ``L`` = ``layers``)::
@@ -31,9 +33,18 @@ Parameters (``[...]`` = only for some architectures; ``L`` = ``layers``)::
   [layers.attn.bq]        f[L, Nq·D]       (layers, q_heads)    Qwen2 biases
   [layers.attn.bk / bv]   f[L, Nkv·D]      (layers, kv_heads)
   [layers.attn.q_norm/k_norm] f[L, D]      (layers, head_dim)   Qwen3
+  [layers.attn.wq_a f[L,H,Rq], q_a_norm f[L,Rq], wq_b f[L,Rq,Nq(dn+dr)], wkv_a f[L,H,C+dr],
+   kv_a_norm f[L,C], wkv_b f[L,C,Nq(dn+dv)]]  (layers, embed|-, -|q_heads)  DeepSeek MLA
   layers.mlp_norm         f[L, H]          (layers, embed)
   layers.mlp.w_gate/w_up  f[L, H, I]       (layers, embed, mlp)
   layers.mlp.w_down       f[L, I, H]       (layers, mlp, embed)
+  MoE layers instead of w_gate/w_up/w_down (:mod:`jmtp.model.moe`):
+  router                  f[L, H, E]       (layers, embed, experts)
+  [router_bias]           f[L, E]          (layers, experts)    score-correction bias
+  experts_gate/experts_up f[L, E, H, I_e]  (layers, experts, embed, expert_mlp)
+  experts_down            f[L, E, I_e, H]  (layers, experts, expert_mlp, embed)
+  [shared_gate/shared_up] f[L, H, I_s]     (layers, embed, mlp)  shared experts
+  [shared_down]           f[L, I_s, H]     (layers, mlp, embed)
   mtp.enorm / hnorm / final_norm  f[N, H]  (layers, embed)
   mtp.eh_proj             f[N, 2H, H]      (layers, embed2, embed)
   mtp.layer.*             as ``layers.*`` with N stacked
@@ -52,11 +63,14 @@ Q_HEADS = "q_heads"
 KV_HEADS = "kv_heads"
 HEAD_DIM = "head_dim"
 MLP = "mlp"
+EXPERTS = "experts"
+EXPERT_MLP = "expert_mlp"
 # KV cache only (not parameters)
 BLOCKS = "kv_blocks"
 BLOCK_SIZE = "kv_block_size"
 
-ALL = (LAYERS, EMBED, EMBED2, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM, MLP, BLOCKS, BLOCK_SIZE)
+ALL = (LAYERS, EMBED, EMBED2, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM, MLP, EXPERTS, EXPERT_MLP,
+       BLOCKS, BLOCK_SIZE)
 
 # One decoder layer's parameters (unstacked), by their name in the layer's parameter dict.
 LAYER_AXES: dict[str, tuple[str, ...]] = {
@@ -65,6 +79,15 @@ LAYER_AXES: dict[str, tuple[str, ...]] = {
     "bq": (Q_HEADS,), "bk": (KV_HEADS,), "bv": (KV_HEADS,),
     "q_norm": (HEAD_DIM,), "k_norm": (HEAD_DIM,),
     "w_gate": (EMBED, MLP), "w_up": (EMBED, MLP), "w_down": (MLP, EMBED),
+    # DeepSeek MLA (jmtp.model.mla); the latent ranks (q_lora_rank, kv_lora_rank + rope) are
+    # unnamed (replicated).
+    "wq_a": (EMBED, None), "q_a_norm": (None,), "wq_b": (None, Q_HEADS),
+    "wkv_a": (EMBED, None), "kv_a_norm": (None,), "wkv_b": (None, Q_HEADS),
+    # MoE FFN (jmtp.model.moe)
+    "router": (EMBED, EXPERTS), "router_bias": (EXPERTS,),
+    "experts_gate": (EXPERTS, EMBED, EXPERT_MLP), "experts_up": (EXPERTS, EMBED, EXPERT_MLP),
+    "experts_down": (EXPERTS, EXPERT_MLP, EMBED),
+    "shared_gate": (EMBED, MLP), "shared_up": (EMBED, MLP), "shared_down": (MLP, EMBED),
 }
 
 # Top-level and MTP-head parameters (MTP entries without their leading ``layers`` axis).

@@ -9,22 +9,138 @@ import dataclasses
 from typing import Literal
 
 MTP_LAYOUTS = ("deepseek", "ernie")
+ATTENTION_TYPES = ("gqa", "mla")
+MLA_PATHS = ("absorbed", "expanded")
+MOE_SCORING = ("softmax", "sigmoid")
+MOE_IMPLEMENTATIONS = ("auto", "ragged", "dense")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (``rope_type == "llama3"`` in HF configs).
+    """RoPE frequency scaling: Llama-3 style (``rope_type == "llama3"`` in HF configs) or YaRN
+    (``"yarn"``, Peng et al. 2023, arXiv 2309.00071; DeepSeek-V3's, HF ``_compute_yarn_parameters``).
 
     Attributes:
       factor: wavelength stretch for low frequencies.
-      low_freq_factor / high_freq_factor: band edges, as in HF ``_compute_llama3_parameters``.
+      low_freq_factor / high_freq_factor: band edges, as in HF ``_compute_llama3_parameters``
+        (llama3 only).
       original_max_position_embeddings: context length the base model was trained for.
+      rope_type: ``"llama3"`` or ``"yarn"``.
+      beta_fast / beta_slow: YaRN ramp boundaries (rotations), defaults 32 / 1.
+      mscale / mscale_all_dim: YaRN attention-factor terms (0 = absent); DeepSeek's MLA also
+        multiplies its softmax scale by ``(0.1 * mscale_all_dim * ln(factor) + 1)^2``.
+      attention_factor: YaRN cos/sin multiplier; None = derived from factor and the mscales.
+      truncate: YaRN rounds the correction range to whole dimensions (HF default True).
     """
 
     factor: float
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+    rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        if self.rope_type not in ("llama3", "yarn"):
+            raise ValueError(f"RopeScaling.rope_type must be 'llama3' or 'yarn', got "
+                             f"{self.rope_type!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward of some layers (:mod:`jmtp.model.moe`).
+
+    One router covers the gating of the supported families:
+
+    * Qwen3-MoE (``Qwen3MoeSparseMoeBlock``): ``scoring="softmax"``, no bias, ``norm_topk_prob``
+      from the config, ``routed_scaling_factor=1``, no shared experts.
+    * DeepSeek-V3 / GLM-4.5 (``Glm4MoeTopkRouter``): ``scoring="sigmoid"``,
+      ``e_score_correction_bias`` added for the choice only, grouped top-k (``n_group``,
+      ``topk_group``: keep the ``topk_group`` groups with the largest sum of their top-2 scores),
+      ``norm_topk_prob`` (denominator ``sum + 1e-20``), ``routed_scaling_factor``,
+      ``n_shared_experts``.
+    * ERNIE-4.5-MoE (``Ernie4_5_MoeTopKRouter``): ``scoring="softmax"``, ``moe_statics``
+      correction bias for the choice only, renormalised by ``max(sum, norm_min)``
+      (``moe_norm_min``), ``moe_num_shared_experts``.
+
+    Attributes:
+      num_experts: E routed experts.
+      num_experts_per_tok: k experts chosen per token (1 <= k <= E).
+      moe_intermediate_size: I_e, each expert's SwiGLU width.
+      layers: indices of the target layers whose FFN is the MoE block (the others are dense with
+        ``ModelConfig.intermediate_size``): ``first_k_dense_replace`` (DeepSeek/GLM),
+        ``moe_layer_start_index/_end_index/_interval`` (ERNIE), ``decoder_sparse_step`` /
+        ``mlp_only_layers`` (Qwen3-MoE), resolved by the loader.
+      mtp_moe: the MTP modules' FFN is the MoE block (GLM-4.5) or dense (ERNIE-4.5's MTP block).
+      scoring: ``"softmax"`` or ``"sigmoid"`` router scores (computed in fp32).
+      norm_topk_prob: renormalise the k chosen weights to sum 1.
+      norm_min: with ``norm_topk_prob``, the denominator is ``max(sum, norm_min)`` when > 0
+        (ERNIE), else ``sum + 1e-20`` (DeepSeek/GLM; Qwen3's plain sum up to 1e-20).
+      score_bias: a per-expert correction bias ``f32[E]`` is added to the scores for the choice
+        only (DeepSeek-V3 ``e_score_correction_bias``, ERNIE ``moe_statics``).
+      n_group / topk_group: grouped top-k (DeepSeek-V3 node-limited routing); 1/1 = plain top-k.
+      routed_scaling_factor: multiplies the routed experts' weights.
+      shared_intermediate_size: SwiGLU width of the shared experts (``n_shared_experts ·
+        moe_intermediate_size``), 0 = none; their output is added unweighted.
+      implementation: ``"ragged"`` (tokens sorted by expert, ``jax.lax.ragged_dot``: grouped
+        matmuls of k·T rows on TPU, whose XLA backend implements the op), ``"dense"`` (reference:
+        every expert on every token, weighted; E·T rows) or ``"auto"`` (default: ``"ragged"`` on
+        TPU, ``"dense"`` elsewhere: XLA:CPU lowers ``ragged_dot`` to a masked dense product over
+        all E groups, k times the dense reference's work; ``scripts/bench_moe.py``).
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    layers: tuple[int, ...] = ()
+    mtp_moe: bool = False
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = False
+    norm_min: float = 0.0
+    score_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0
+    implementation: Literal["auto", "ragged", "dense"] = "auto"
+
+    def __post_init__(self):
+        e, k = self.num_experts, self.num_experts_per_tok
+        if e < 1 or self.moe_intermediate_size < 1:
+            raise ValueError(f"MoEConfig.num_experts ({e}) and moe_intermediate_size "
+                             f"({self.moe_intermediate_size}) must be >= 1")
+        if not 1 <= k <= e:
+            raise ValueError(f"MoEConfig.num_experts_per_tok must lie in [1, num_experts={e}], "
+                             f"got {k}")
+        if self.scoring not in MOE_SCORING:
+            raise ValueError(f"MoEConfig.scoring must be one of {MOE_SCORING}, got {self.scoring!r}")
+        if self.implementation not in MOE_IMPLEMENTATIONS:
+            raise ValueError(f"MoEConfig.implementation must be one of {MOE_IMPLEMENTATIONS}, got "
+                             f"{self.implementation!r}")
+        if self.n_group < 1 or e % self.n_group:
+            raise ValueError(f"MoEConfig.n_group ({self.n_group}) must be >= 1 and divide "
+                             f"num_experts ({e})")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"MoEConfig.topk_group must lie in [1, n_group={self.n_group}], got "
+                             f"{self.topk_group}")
+        if self.n_group > 1 and e // self.n_group < 2:
+            raise ValueError(f"MoEConfig: grouped top-k scores a group by its top-2 experts, so "
+                             f"num_experts / n_group must be >= 2 (got {e}/{self.n_group})")
+        if self.n_group > 1 and k > self.topk_group * (e // self.n_group):
+            raise ValueError(f"MoEConfig.num_experts_per_tok ({k}) exceeds the experts of the "
+                             f"topk_group={self.topk_group} kept groups")
+        if self.shared_intermediate_size < 0 or any(i < 0 for i in self.layers):
+            raise ValueError("MoEConfig.shared_intermediate_size and layers must be >= 0")
+        if tuple(sorted(set(self.layers))) != tuple(self.layers):
+            raise ValueError(f"MoEConfig.layers must be sorted and unique, got {self.layers}")
+
+    def replace(self, **kw) -> "MoEConfig":
+        return dataclasses.replace(self, **kw)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +155,8 @@ class ModelConfig:
       num_layers: L, number of decoder layers.
       num_heads: query heads Nq.
       num_kv_heads: key/value heads Nkv (GQA when Nkv < Nq); Nq % Nkv == 0.
-      head_dim: D.
+      head_dim: D (for MLA: the rotary part ``qk_rope_head_dim``, as transformers'
+        ``DeepseekV3Config.head_dim``).
       rms_norm_eps: epsilon of every RMSNorm.
       rope_theta: RoPE base.
       rope_scaling: optional llama3 scaling.
@@ -55,6 +172,21 @@ class ModelConfig:
         al. 2025, arXiv 2502.14856; EAGLE-3's ``draft_vocab_size``): its drafts score only the N most
         frequent tokens, ranked in ``params["draft_vocab"] i32[V]``. 0 = the full vocabulary.
         The default of :class:`~jmtp.runtime.config.SpeculativeConfig` ``draft_vocab_size``.
+      attention_type: ``"gqa"`` (standard multi-/grouped-query attention, the default) or
+        ``"mla"`` (DeepSeek-V2/V3 multi-head latent attention, :mod:`jmtp.model.mla`; the fields
+        below then describe it and ``head_dim`` must equal ``qk_rope_head_dim``).
+      q_lora_rank: MLA query compression rank (``q_a_proj``/``q_b_proj``), None = one ``q_proj``.
+      kv_lora_rank: MLA compressed KV latent width C (the cache holds C + qk_rope_head_dim per
+        token).
+      qk_nope_head_dim / qk_rope_head_dim: MLA per-head query/key widths without / with RoPE.
+      v_head_dim: MLA per-head value width.
+      mla_path: which MLA attention the forward runs: ``"absorbed"`` (W_UK folded into the
+        query, W_UV applied after attention: MQA over the latent cache, the decode path) or
+        ``"expanded"`` (the cached latents up-projected to per-head keys/values, the prefill
+        path). Both compute the same function (tests check them equal).
+      partial_rotary_factor: RoPE rotates the first ``int(D · factor)`` dims of each head only
+        (GLM-4.5: 0.5, rotate-half layout within them); 1 = all of them.
+      moe: the mixture-of-experts FFN of the layers it lists (:class:`MoEConfig`); None = dense.
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -77,6 +209,15 @@ class ModelConfig:
     num_mtp_layers: int = 1
     mtp_layout: Literal["deepseek", "ernie"] = "deepseek"
     draft_vocab_size: int = 0
+    attention_type: Literal["gqa", "mla"] = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mla_path: Literal["absorbed", "expanded"] = "absorbed"
+    partial_rotary_factor: float = 1.0
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -101,6 +242,74 @@ class ModelConfig:
                              f"{self.vocab_size}], got {self.draft_vocab_size}")
         if self.num_mtp_layers < 0:
             raise ValueError(f"ModelConfig.num_mtp_layers must be >= 0, got {self.num_mtp_layers}")
+        rd = self.rotary_dim
+        if not 0 < self.partial_rotary_factor <= 1 or rd < 2 or rd % 2:
+            raise ValueError(f"ModelConfig.partial_rotary_factor ({self.partial_rotary_factor}) "
+                             f"must lie in (0, 1] and give an even rotary dim >= 2 of head_dim "
+                             f"{self.head_dim}, got {rd}")
+        if self.moe is not None and any(i >= self.num_layers for i in self.moe.layers):
+            raise ValueError(f"ModelConfig.moe.layers {self.moe.layers} must lie in [0, "
+                             f"num_layers={self.num_layers})")
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ValueError(f"ModelConfig.attention_type must be one of {ATTENTION_TYPES}, got "
+                             f"{self.attention_type!r}")
+        if self.attention_type == "mla":
+            self._check_mla()
+
+    def _check_mla(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1 for attention_type='mla', got "
+                                 f"{getattr(self, name)}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"ModelConfig.q_lora_rank must be None or >= 1, got {self.q_lora_rank}")
+        if self.head_dim != self.qk_rope_head_dim:
+            raise ValueError(f"ModelConfig.head_dim ({self.head_dim}) must equal qk_rope_head_dim "
+                             f"({self.qk_rope_head_dim}) for attention_type='mla' (RoPE width)")
+        if self.attention_bias or self.qk_norm:
+            raise ValueError("ModelConfig.attention_bias / qk_norm are not supported with "
+                             "attention_type='mla'")
+        if self.mla_path not in MLA_PATHS:
+            raise ValueError(f"ModelConfig.mla_path must be one of {MLA_PATHS}, got "
+                             f"{self.mla_path!r}")
+
+    @property
+    def is_mla(self) -> bool:
+        return self.attention_type == "mla"
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA query/key width per head: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """Heads of the paged cache: ``num_kv_heads``, or 1 for MLA (one shared latent)."""
+        return 1 if self.is_mla else self.num_kv_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        """Width of one cache head: ``head_dim``, or ``kv_lora_rank + qk_rope_head_dim`` for MLA."""
+        return self.kv_lora_rank + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates: ``int(head_dim · partial_rotary_factor)``."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether target layer ``i``'s FFN is the MoE block."""
+        return self.moe is not None and i in self.moe.layers
+
+    @property
+    def moe_layer_kinds(self) -> tuple[bool, ...]:
+        """``is_moe_layer(i)`` for every target layer."""
+        return tuple(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def mtp_is_moe(self) -> bool:
+        """Whether the MTP modules' FFN is the MoE block."""
+        return self.moe is not None and self.moe.mtp_moe
 
     @property
     def q_size(self) -> int:

@@ -13,6 +13,32 @@ Supported architectures (``config.json`` ``architectures[0]``):
   permutation of the head dimension applied to both q and k, so the loader permutes the output
   rows of ``q_proj``/``k_proj`` (and their biases / q-k norms) per head with
   :func:`deinterleave_rows`, after which the standard forward is exact.
+* ``DeepseekV3ForCausalLM`` (multi-head latent attention, :mod:`jmtp.model.mla`; tensors
+  ``self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj, kv_a_proj_with_mqa,kv_a_layernorm,
+  kv_b_proj,o_proj}``). With ``rope_interleave`` (the default) the rotary columns of ``q_b_proj``
+  (per head) and ``kv_a_proj_with_mqa`` are de-interleaved like ERNIE's. YaRN rope scaling
+  (``rope_type: yarn``, DeepSeek-V3's own; any architecture) is supported. DeepSeek-V3's fp8 checkpoints
+  (``F8_E4M3`` weights with ``<name>_scale_inv`` f32 scales per ``weight_block_size`` block
+  (``quantization_config``, 128x128 in DeepSeek-V3)) are dequantised at load (``w * scale``).
+* Mixture-of-experts targets (:mod:`jmtp.model.moe`; ``ModelConfig.moe``):
+
+  - ``Qwen3MoeForCausalLM``: softmax router, ``norm_topk_prob``, no shared experts; MoE layers
+    are those not in ``mlp_only_layers`` with ``(i + 1) % decoder_sparse_step == 0``; q/k-norm.
+  - ``Glm4MoeForCausalLM`` (GLM-4.5): sigmoid router with ``e_score_correction_bias``, grouped
+    top-k, ``routed_scaling_factor``, ``n_shared_experts``; the first ``first_k_dense_replace``
+    layers dense; attention with ``partial_rotary_factor`` (default 0.5), ``attention_bias``,
+    ``use_qk_norm`` (transformers ``modeling_glm4_moe.py``).
+  - ``Ernie4_5_MoeForCausalLM``: softmax router, ``moe_statics.e_score_correction_bias`` for the
+    choice, renormalised by ``max(sum, moe_norm_min)``, ``moe_num_shared_experts``; MoE layers
+    ``moe_layer_start_index <= i <= moe_layer_end_index`` with ``(i + 1) % moe_layer_interval ==
+    0``; interleaved RoPE as dense ERNIE-4.5.
+
+  Experts are read from per-expert tensors ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (hub
+  and ``save_pretrained`` layout; ERNIE also a fused ``up_gate_proj``), or from the fused
+  ``mlp.experts.gate_up_proj f[E, 2I, H]`` / ``mlp.experts.down_proj f[E, H, I]``; the router
+  from ``mlp.gate.weight f[E, H]``. An MTP block's FFN kind (MoE for GLM-4.5, dense for ERNIE's
+  ``mtp_block``) is taken from its tensors (``mlp.gate.weight`` present or not) and recorded as
+  ``ModelConfig.moe.mtp_moe``.
 
 Multi-token-prediction (MTP) tensors are picked up in two layouts (see
 ``shared/docs/fastdeploy_mtp_spec.md`` §7):
@@ -51,16 +77,21 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jmtp.model.config import ModelConfig, RopeScaling
-from jmtp.model.params import check_params, init_mtp_params, layer_shapes
+from jmtp.model.config import ModelConfig, MoEConfig, RopeScaling
+from jmtp.model.params import (check_params, init_mtp_params, layer_shapes, layers_stacked,
+                               mtp_moe_of_fresh_head)
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Ernie4_5ForCausalLM",
+    "Ernie4_5ForCausalLM", "Qwen3MoeForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
 )
-INTERLEAVED_ROPE_ARCHITECTURES = ("Ernie4_5ForCausalLM",)
+INTERLEAVED_ROPE_ARCHITECTURES = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
+MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeForCausalLM",
+                     "DeepseekV3ForCausalLM")
+MLA_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,6 +116,31 @@ _ST_DTYPES = {
     "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 _FLOAT_ST_DTYPES = ("F64", "F32", "F16", "BF16")
+_FP8_ST_DTYPES = ("F8_E4M3",)
+
+
+def dequantize_block_fp8(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] | None,
+                         where: str) -> np.ndarray:
+    """DeepSeek-V3 block-scaled fp8 -> f32: ``w[i, j] * scale_inv[i // bm, j // bn]``.
+
+    ``w f8_e4m3[M, N]``, ``scale_inv f32[ceil(M/bm), ceil(N/bn)]`` with ``(bm, bn)`` the config's
+    ``quantization_config.weight_block_size`` (DeepSeek's ``weight_dequant``: the stored
+    "scale_inv" multiplies).
+
+    Raises:
+      ValueError: no block size configured, or a scale grid that does not fit ``w``.
+    """
+    if block is None:
+        raise ValueError(f"{where} is fp8 with a _scale_inv but config.json has no "
+                         "quantization_config.weight_block_size")
+    bm, bn = block
+    m, n = w.shape
+    grid = (-(-m // bm), -(-n // bn))
+    if tuple(scale_inv.shape) != grid:
+        raise ValueError(f"{where}: scale_inv has shape {tuple(scale_inv.shape)}, expected {grid} "
+                         f"for a [{m}, {n}] weight in {bm}x{bn} blocks")
+    s = np.repeat(np.repeat(np.asarray(scale_inv, np.float32), bm, 0), bn, 1)[:m, :n]
+    return w.astype(np.float32) * s
 
 
 class SafetensorsFile:
@@ -151,7 +207,8 @@ class SafetensorsSource:
         name appears in two files.
     """
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, weight_block_size: tuple[int, int] | None = None):
+        self.weight_block_size = weight_block_size
         d = Path(directory)
         index = d / "model.safetensors.index.json"
         if index.is_file():
@@ -183,6 +240,9 @@ class SafetensorsSource:
 
     def get(self, name: str) -> np.ndarray:
         sf = self._files[name]
+        if sf.dtype_name(name) in _FP8_ST_DTYPES and name + "_scale_inv" in self._files:
+            return dequantize_block_fp8(sf.get(name), self.get(name + "_scale_inv"),
+                                        self.weight_block_size, f"{sf.path}: tensor {name!r}")
         if sf.dtype_name(name) not in _FLOAT_ST_DTYPES:
             raise ValueError(
                 f"{sf.path}: tensor {name!r} has dtype {sf.dtype_name(name)}; only "
@@ -197,7 +257,8 @@ class SafetensorsSource:
 # Config
 # ----------------------------------------------------------------------------------------------
 
-def _rope_params(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
+def _rope_params(hf: dict, where: str,
+                 allow_yarn: bool = False) -> tuple[float, RopeScaling | None]:
     """(rope_theta, RopeScaling|None) from a transformers 4.x (``rope_theta`` + ``rope_scaling``) or
     5.x (``rope_parameters``) config."""
     params = dict(hf.get("rope_parameters") or {})
@@ -207,10 +268,24 @@ def _rope_params(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
     rope_type = spec.get("rope_type", spec.get("type", "default")) if spec else "default"
     if rope_type in (None, "default"):
         return float(theta), None
+    if rope_type == "yarn" and allow_yarn:
+        try:
+            scaling = RopeScaling(
+                factor=float(spec.get("factor") or 1.0), low_freq_factor=0.0, high_freq_factor=0.0,
+                original_max_position_embeddings=int(spec["original_max_position_embeddings"]),
+                rope_type="yarn", beta_fast=float(spec.get("beta_fast") or 32),
+                beta_slow=float(spec.get("beta_slow") or 1), mscale=float(spec.get("mscale") or 0),
+                mscale_all_dim=float(spec.get("mscale_all_dim") or 0),
+                attention_factor=(None if spec.get("attention_factor") is None
+                                  else float(spec["attention_factor"])),
+                truncate=bool(spec.get("truncate", True)))
+        except KeyError as e:
+            raise ValueError(f"{where}: yarn rope scaling lacks field {e.args[0]!r}") from None
+        return float(theta), scaling
     if rope_type != "llama3":
         raise ValueError(
             f"{where}: rope scaling type {rope_type!r} (field rope_parameters/rope_scaling.rope_type) "
-            "is not supported; only 'default' and 'llama3' are")
+            "is not supported; only 'default', 'llama3' and 'yarn' are")
     try:
         scaling = RopeScaling(
             factor=float(spec["factor"]), low_freq_factor=float(spec["low_freq_factor"]),
@@ -238,7 +313,7 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
     Raises:
       ValueError: naming the field, for an unknown architecture, a missing required field, or a
         feature jmtp's forward does not implement (sliding window, MLP/output biases, partial
-        rotary, non-llama3 rope scaling).
+        rotary, rope scaling other than llama3 and yarn).
     """
     archs = hf.get("architectures") or []
     arch = archs[0] if archs else None
@@ -262,13 +337,25 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
         raise ValueError(f"{where}: field 'mlp_bias' = true is not supported")
     if hf.get("use_bias"):
         raise ValueError(f"{where}: field 'use_bias' = true (biases on every Linear) is not supported")
-    if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"{where}: field 'partial_rotary_factor' != 1 is not supported")
-    theta, scaling = _rope_params(hf, where)
+    prf = (hf.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                hf.get("partial_rotary_factor"))
+    if arch == "Glm4MoeForCausalLM":
+        prf = 0.5 if prf is None else float(prf)   # transformers' Glm4MoeConfig default
+    elif prf is not None and float(prf) != 1.0:
+        raise ValueError(f"{where}: field 'partial_rotary_factor' != 1 is not supported for "
+                         f"{arch} (only GLM-4.5's partial rotary is)")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: field 'hidden_act' = {hf.get('hidden_act')!r}; only 'silu' "
+                         "(SwiGLU) is supported")
+    mla_fields = {}
+    if arch in MLA_ARCHITECTURES:
+        mla_fields = _mla_config(hf, where, need)
+        head_dim = mla_fields["qk_rope_head_dim"]
+    theta, scaling = _rope_params(hf, where, allow_yarn=True)
     gen = generation_config or {}
     tie = hf.get("tie_word_embeddings")
-    if tie is None:
-        tie = arch == "Ernie4_5ForCausalLM"  # transformers' per-model defaults
+    if tie is None:  # transformers' per-model defaults
+        tie = arch in ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
     return ModelConfig(
         architecture=arch,
         vocab_size=int(need("vocab_size")),
@@ -283,12 +370,77 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
         rope_scaling=scaling,
         tie_word_embeddings=bool(tie),
         attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=(arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+                 or (arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm")))),
+        partial_rotary_factor=1.0 if prf is None else float(prf),
+        moe=_moe_config(hf, arch, where),
         max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
         bos_token_id=next((b for b in (hf.get("bos_token_id"), gen.get("bos_token_id"))
                            if b is not None), None),
         eos_token_ids=_eos_ids(hf.get("eos_token_id"), gen.get("eos_token_id")),
+        **mla_fields,
     )
+
+
+def _mla_config(hf: dict, where: str, need) -> dict:
+    """ModelConfig MLA fields of a DeepSeek-V3 ``config.json`` (ValueError naming the field for
+    what jmtp does not implement)."""
+    if hf.get("attention_bias"):
+        raise ValueError(f"{where}: field 'attention_bias' = true is not supported for MLA")
+    q_lora = hf.get("q_lora_rank")
+    return dict(attention_type="mla", q_lora_rank=None if q_lora is None else int(q_lora),
+                kv_lora_rank=int(need("kv_lora_rank")),
+                qk_nope_head_dim=int(need("qk_nope_head_dim")),
+                qk_rope_head_dim=int(need("qk_rope_head_dim")), v_head_dim=int(need("v_head_dim")))
+
+
+def _moe_config(hf: dict, arch: str, where: str) -> MoEConfig | None:
+    """:class:`MoEConfig` of a MoE architecture's config.json (None for dense ones); the MTP
+    FFN kind (``mtp_moe``) is set later from the checkpoint's tensors."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+
+    def need(*keys):
+        for k in keys:
+            if hf.get(k) is not None:
+                v = hf[k]
+                if isinstance(v, (list, tuple)):
+                    raise ValueError(f"{where}: field {k!r} is a list (multimodal MoE); only one "
+                                     "expert group is supported")
+                return v
+        raise ValueError(f"{where}: missing required field {keys[0]!r}")
+
+    n = int(need("num_hidden_layers"))
+    ie = int(need("moe_intermediate_size"))
+    if arch == "Qwen3MoeForCausalLM":
+        e, k = int(need("num_experts", "num_local_experts")), int(need("num_experts_per_tok"))
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = set(hf.get("mlp_only_layers") or ())
+        layers = tuple(i for i in range(n) if i not in dense and e > 0 and (i + 1) % step == 0)
+        return MoEConfig(e, k, ie, layers=layers, scoring="softmax",
+                         norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
+    if arch in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"):
+        # DeepSeek-V3's router is GLM-4.5's (transformers DeepseekV3TopkRouter / Glm4MoeTopkRouter)
+        if arch == "DeepseekV3ForCausalLM" and not hf.get("n_routed_experts"):
+            return None                                    # an all-dense DeepSeek config
+        e, k = int(need("n_routed_experts", "num_local_experts")), int(need("num_experts_per_tok"))
+        first = int(hf.get("first_k_dense_replace", 1))
+        return MoEConfig(
+            e, k, ie, layers=tuple(range(first, n)), mtp_moe=True, scoring="sigmoid",
+            norm_topk_prob=bool(hf.get("norm_topk_prob", True)), score_bias=True,
+            n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1),
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            shared_intermediate_size=ie * int(hf.get("n_shared_experts") or 0))
+    # Ernie4_5_MoeForCausalLM
+    e, k = int(need("moe_num_experts", "num_experts")), int(need("moe_k", "num_experts_per_tok"))
+    start = int(hf.get("moe_layer_start_index", 1))
+    end = hf.get("moe_layer_end_index", -1)
+    end = n - 1 if end is None or int(end) == -1 else int(end)
+    interval = int(hf.get("moe_layer_interval") or 1)
+    layers = tuple(i for i in range(n) if (i + 1) % interval == 0 and start <= i <= end)
+    return MoEConfig(e, k, ie, layers=layers, scoring="softmax", norm_topk_prob=True,
+                     norm_min=float(hf.get("moe_norm_min") or 1e-12), score_bias=True,
+                     shared_intermediate_size=ie * int(hf.get("moe_num_shared_experts") or 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -339,12 +491,59 @@ class _Reader:
         return self.get(name, (n_out, n_in)).T
 
 
+def _read_swiglu(rd: _Reader, p: str, h: int, i: int, paddle: bool) -> tuple:
+    """``(gate f[H, I], up f[H, I], down f[I, H])`` of a SwiGLU under ``p`` (``p + "gate_proj"``
+    ... or a fused ``up_gate_proj`` = ``[gate; up]`` along the output axis)."""
+    if rd.has(p + "up_gate_proj.weight"):
+        w = rd.linear(p + "up_gate_proj.weight", h, 2 * i, paddle)
+        gate, up = w[:, :i], w[:, i:]
+    else:
+        gate = rd.linear(p + "gate_proj.weight", h, i, paddle)
+        up = rd.linear(p + "up_proj.weight", h, i, paddle)
+    return gate, up, rd.linear(p + "down_proj.weight", i, h, paddle)
+
+
+def _read_moe(rd: _Reader, p: str, cfg: ModelConfig, paddle: bool) -> dict[str, np.ndarray]:
+    """One MoE FFN (:mod:`jmtp.model.moe` names) from the tensors under ``p`` (``...mlp.``)."""
+    m, h = cfg.moe, cfg.hidden_size
+    e, i = m.num_experts, m.moe_intermediate_size
+    out = {"router": rd.linear(p + "gate.weight", h, e, paddle)}
+    if m.score_bias:
+        for name in ("gate.e_score_correction_bias", "moe_statics.e_score_correction_bias"):
+            if rd.has(p + name):
+                out["router_bias"] = np.asarray(rd.get(p + name), np.float32).reshape(-1)
+                break
+        else:
+            raise ValueError(f"{rd.where}: missing tensor {p}gate.e_score_correction_bias (or "
+                             f"{p}moe_statics.e_score_correction_bias)")
+        if out["router_bias"].shape != (e,):
+            raise ValueError(f"{rd.where}: {p} score-correction bias has {out['router_bias'].size} "
+                             f"entries, expected num_experts = {e}")
+    if rd.has(p + "experts.gate_up_proj"):        # transformers v5 in-memory layout
+        gu = rd.get(p + "experts.gate_up_proj", (e, 2 * i, h))
+        out["experts_gate"] = gu[:, :i].transpose(0, 2, 1)
+        out["experts_up"] = gu[:, i:].transpose(0, 2, 1)
+        out["experts_down"] = rd.get(p + "experts.down_proj", (e, h, i)).transpose(0, 2, 1)
+    else:
+        g, u, d = zip(*(_read_swiglu(rd, f"{p}experts.{j}.", h, i, paddle) for j in range(e)))
+        out["experts_gate"], out["experts_up"], out["experts_down"] = (np.stack(g), np.stack(u),
+                                                                       np.stack(d))
+    if m.shared_intermediate_size:
+        out["shared_gate"], out["shared_up"], out["shared_down"] = _read_swiglu(
+            rd, p + "shared_experts.", h, m.shared_intermediate_size, paddle)
+    elif any(n.startswith(p + "shared_experts.") for n in rd.names):
+        raise ValueError(f"{rd.where}: checkpoint has {p}shared_experts.* but the config has no "
+                         "shared experts")
+    return out
+
+
 def _read_block(rd: _Reader, prefix: str, cfg: ModelConfig, *, paddle: bool,
-                interleaved: bool) -> dict[str, np.ndarray]:
+                interleaved: bool, moe: bool = False) -> dict[str, np.ndarray]:
     """One decoder layer (jmtp names, ``[in, out]`` weights) from HF-named tensors under ``prefix``.
 
     Accepts split (``q_proj/k_proj/v_proj``, ``gate_proj/up_proj``) or fused (``qkv_proj`` =
-    ``[q; k; v]``, ``up_gate_proj`` = ``[gate; up]`` along the output axis) projections.
+    ``[q; k; v]``, ``up_gate_proj`` = ``[gate; up]`` along the output axis) projections. With
+    ``moe`` the FFN is read as ``cfg.moe``'s MoE block (:func:`_read_moe`).
     """
     h, i, q, kv, d = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size, cfg.head_dim
     p = prefix
@@ -352,6 +551,10 @@ def _read_block(rd: _Reader, prefix: str, cfg: ModelConfig, *, paddle: bool,
         "attn_norm": rd.get(p + "input_layernorm.weight", (h,)),
         "mlp_norm": rd.get(p + "post_attention_layernorm.weight", (h,)),
     }
+    if cfg.is_mla:
+        out.update(_read_mla_attention(rd, p, cfg, interleaved=interleaved))
+        out.update(_read_ffn(rd, p, cfg, paddle, moe))
+        return out
     if rd.has(p + "self_attn.qkv_proj.weight"):
         w = rd.linear(p + "self_attn.qkv_proj.weight", h, q + 2 * kv, paddle)
         out["wq"], out["wk"], out["wv"] = w[:, :q], w[:, q:q + kv], w[:, q + kv:]
@@ -378,13 +581,7 @@ def _read_block(rd: _Reader, prefix: str, cfg: ModelConfig, *, paddle: bool,
         if rd.has(p + extra):
             raise ValueError(f"{rd.src.where(p + extra)}: tensor {p + extra!r} is not supported "
                              "(jmtp's block has no output/MLP biases)")
-    if rd.has(p + "mlp.up_gate_proj.weight"):
-        w = rd.linear(p + "mlp.up_gate_proj.weight", h, 2 * i, paddle)
-        out["w_gate"], out["w_up"] = w[:, :i], w[:, i:]
-    else:
-        out["w_gate"] = rd.linear(p + "mlp.gate_proj.weight", h, i, paddle)
-        out["w_up"] = rd.linear(p + "mlp.up_proj.weight", h, i, paddle)
-    out["w_down"] = rd.linear(p + "mlp.down_proj.weight", i, h, paddle)
+    out.update(_read_ffn(rd, p, cfg, paddle, moe))
     if cfg.qk_norm:
         out["q_norm"] = rd.get(p + "self_attn.q_norm.weight", (d,))
         out["k_norm"] = rd.get(p + "self_attn.k_norm.weight", (d,))
@@ -400,12 +597,67 @@ def _read_block(rd: _Reader, prefix: str, cfg: ModelConfig, *, paddle: bool,
     return out
 
 
-def _stack(blocks: list[dict[str, np.ndarray]], cfg: ModelConfig, dtype) -> dict[str, jax.Array]:
-    """Stack per-layer tensors on a new leading axis, converting once to ``dtype``."""
-    shapes = layer_shapes(cfg)
+def _read_ffn(rd: _Reader, p: str, cfg: ModelConfig, paddle: bool,
+              moe: bool) -> dict[str, np.ndarray]:
+    """The FFN of the block under ``p``: ``cfg.moe``'s MoE block (:func:`_read_moe`) when
+    ``moe``, else the dense SwiGLU ``w_gate, w_up f[H, I]``, ``w_down f[I, H]``."""
+    if moe:
+        return _read_moe(rd, p + "mlp.", cfg, paddle)
+    if rd.has(p + "mlp.gate.weight"):
+        raise ValueError(f"{rd.where}: {p}mlp is a MoE block (mlp.gate.weight) but the "
+                         "config makes this layer dense")
+    out = {}
+    out["w_gate"], out["w_up"], out["w_down"] = _read_swiglu(
+        rd, p + "mlp.", cfg.hidden_size, cfg.intermediate_size, paddle)
+    return out
+
+
+def _deinterleave_tail(w: np.ndarray, groups: int, tail: int) -> np.ndarray:
+    """``w f[groups*(lead+tail), ...]`` (torch rows = outputs) with the last ``tail`` rows of every
+    group de-interleaved (:func:`deinterleave_rows` on them, one head)."""
+    g = w.reshape(groups, -1, *w.shape[1:]).copy()
+    lead = g.shape[1] - tail
+    for j in range(groups):
+        g[j, lead:] = deinterleave_rows(g[j, lead:], 1)
+    return g.reshape(w.shape)
+
+
+def _read_mla_attention(rd: _Reader, p: str, cfg: ModelConfig, *,
+                        interleaved: bool) -> dict[str, np.ndarray]:
+    """DeepSeek-V3 MLA tensors under ``p + "self_attn."`` in jmtp names and ``[in, out]`` layout
+    (:func:`jmtp.model.mla.layer_shapes`). ``interleaved`` (HF ``rope_interleave``): the rotary
+    output rows of the query and ``kv_a_proj_with_mqa`` are de-interleaved per head."""
+    h, nq, c = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+    dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    a = p + "self_attn."
+    for extra in ("q_a_proj.bias", "kv_a_proj_with_mqa.bias", "o_proj.bias"):
+        if rd.has(a + extra):
+            raise ValueError(f"{rd.src.where(a + extra)}: tensor {a + extra!r} is not supported "
+                             "(MLA without attention biases only)")
+    fix = (lambda w, groups: _deinterleave_tail(w, groups, dr)) if interleaved else (lambda w, g: w)
+    out = {}
+    if cfg.q_lora_rank is None:
+        out["wq"] = fix(rd.get(a + "q_proj.weight", (nq * (dn + dr), h)), nq).T
+    else:
+        r = cfg.q_lora_rank
+        out["wq_a"] = rd.get(a + "q_a_proj.weight", (r, h)).T
+        out["q_a_norm"] = rd.get(a + "q_a_layernorm.weight", (r,))
+        out["wq_b"] = fix(rd.get(a + "q_b_proj.weight", (nq * (dn + dr), r)), nq).T
+    out["wkv_a"] = fix(rd.get(a + "kv_a_proj_with_mqa.weight", (c + dr, h)), 1).T
+    out["kv_a_norm"] = rd.get(a + "kv_a_layernorm.weight", (c,))
+    out["wkv_b"] = rd.get(a + "kv_b_proj.weight", (nq * (dn + dv), c)).T
+    out["wo"] = rd.get(a + "o_proj.weight", (h, nq * dv)).T
+    return out
+
+
+def _stack(blocks: list[dict[str, np.ndarray]], cfg: ModelConfig, dtype,
+           moe: bool = False) -> dict[str, jax.Array]:
+    """Stack per-layer tensors on a new leading axis, converting once to ``dtype`` (the MoE
+    score-correction bias stays f32)."""
+    shapes = layer_shapes(cfg, moe)
     out = {}
     for name, shape in shapes.items():
-        buf = np.empty((len(blocks),) + shape, dtype)
+        buf = np.empty((len(blocks),) + shape, np.float32 if name == "router_bias" else dtype)
         for j, b in enumerate(blocks):
             buf[j] = b[name]
         out[name] = jnp.asarray(buf)
@@ -484,20 +736,36 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = jnp.asarray(np.asarray(rd.get("lm_head.weight", (v, h)).T, np_dt))
-    blocks = [_read_block(rd, f"model.layers.{i}.", cfg, paddle=False, interleaved=interleaved_rope)
-              for i in range(cfg.num_layers)]
-    params["layers"] = _stack(blocks, cfg, np_dt)
+    kinds = cfg.moe_layer_kinds
+    blocks = [_read_block(rd, f"model.layers.{i}.", cfg, paddle=False, interleaved=interleaved_rope,
+                          moe=kinds[i]) for i in range(cfg.num_layers)]
+    if layers_stacked(cfg):
+        params["layers"] = _stack(blocks, cfg, np_dt, kinds[0])
+    else:   # dense and MoE layers mixed: one dict per layer (jmtp.model.params.layers_stacked)
+        params["layers"] = tuple(
+            {k: jnp.asarray(np.asarray(b[k], np.float32 if k == "router_bias" else np_dt))
+             for k in layer_shapes(cfg, m)} for b, m in zip(blocks, kinds))
     del blocks
 
     layout, prefixes, top = detect_mtp(rd.names, cfg.num_layers, where)
     if layout is None:
-        cfg = cfg.replace(num_mtp_layers=1)
+        cfg = mtp_moe_of_fresh_head(cfg.replace(num_mtp_layers=1))
         params["mtp"] = init_mtp_params(cfg, params, jax.random.PRNGKey(0), jnp.dtype(dtype))
         log.info("no MTP weights in %s: initialised a fresh MTP head%s", where,
                  f" (config announces {num_mtp_hint} MTP layers)" if num_mtp_hint else "")
     else:
         n = len(prefixes)
         cfg = cfg.replace(num_mtp_layers=n, mtp_layout=layout)
+        block_prefix = [p if layout == "deepseek" else f"{top}mtp_block.{p}." for p in prefixes]
+        mtp_kinds = {rd.has(bp + "mlp.gate.weight") for bp in block_prefix}
+        if len(mtp_kinds) > 1:
+            raise ValueError(f"{where}: some MTP blocks are MoE (mlp.gate.weight) and some dense")
+        mtp_moe = mtp_kinds.pop()
+        if mtp_moe and cfg.moe is None:
+            raise ValueError(f"{where}: the MTP block {block_prefix[0]}mlp is a MoE block but the "
+                             "target config is dense")
+        if cfg.moe is not None:
+            cfg = cfg.replace(moe=cfg.moe.replace(mtp_moe=mtp_moe))
         enorm, hnorm, eh, fnorm, mblocks = [], [], [], [], []
         for j, p in enumerate(prefixes):
             if layout == "deepseek":
@@ -505,7 +773,8 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
                 hnorm.append(rd.get(p + "hnorm.weight", (h,)))
                 eh.append(rd.linear(p + "eh_proj.weight", 2 * h, h, paddle=False))
                 fnorm.append(rd.get(p + "shared_head.norm.weight", (h,)))
-                mblocks.append(_read_block(rd, p, cfg, paddle=False, interleaved=interleaved_rope))
+                mblocks.append(_read_block(rd, p, cfg, paddle=False, interleaved=interleaved_rope,
+                                           moe=mtp_moe))
             else:
                 proj = f"{top}mtp_linear_proj.{p}.weight"
                 shape = tuple(src.shape(proj)) if rd.has(proj) else None
@@ -521,10 +790,11 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
                 eh.append(rd.linear(proj, 2 * h, h, paddle))
                 fnorm.append(np.asarray(params["final_norm"], np.float32))
                 mblocks.append(_read_block(rd, f"{top}mtp_block.{p}.", cfg, paddle=paddle,
-                                           interleaved=interleaved_rope))
+                                           interleaved=interleaved_rope, moe=mtp_moe))
         as_stack = lambda xs: jnp.asarray(np.stack([np.asarray(x, np_dt) for x in xs]))
         params["mtp"] = {"enorm": as_stack(enorm), "hnorm": as_stack(hnorm), "eh_proj": as_stack(eh),
-                         "final_norm": as_stack(fnorm), "layer": _stack(mblocks, cfg, np_dt)}
+                         "final_norm": as_stack(fnorm),
+                         "layer": _stack(mblocks, cfg, np_dt, mtp_moe)}
         log.info("loaded %d MTP module(s) (%s layout) from %s", n, layout, where)
     check_params(cfg, params, source=where)
     unused = sorted(name for name in rd.names - rd.used if not _IGNORED.search(name)
@@ -536,7 +806,7 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
 
 
 # Tensors a checkpoint may carry that jmtp derives or aliases instead of loading.
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$|\.(embed_tokens|shared_head\.head)\.weight$"
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$|_scale_inv$|\.(embed_tokens|shared_head\.head)\.weight$"
                       r"|^rope_freqs\.weight$")
 
 
@@ -558,7 +828,9 @@ def load_hf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
     gen_path = d / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
     cfg = hf_config(hf, str(cfg_path), gen)
-    src = SafetensorsSource(d)
-    return build_params(cfg, src, str(d), dtype,
-                        interleaved_rope=cfg.architecture in INTERLEAVED_ROPE_ARCHITECTURES,
+    block = (hf.get("quantization_config") or {}).get("weight_block_size")
+    src = SafetensorsSource(d, weight_block_size=tuple(int(b) for b in block) if block else None)
+    interleaved = cfg.architecture in INTERLEAVED_ROPE_ARCHITECTURES or (
+        cfg.architecture in MLA_ARCHITECTURES and hf.get("rope_interleave", True))
+    return build_params(cfg, src, str(d), dtype, interleaved_rope=bool(interleaved),
                         num_mtp_hint=int(hf.get("num_nextn_predict_layers") or 0))

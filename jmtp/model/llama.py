@@ -14,6 +14,9 @@ leading layer axis L so that the layers run under one ``lax.scan``)::
                [bq f[L,Nq*D] bk,bv f[L,Nkv*D]]   (attention_bias, Qwen2)
                [q_norm,k_norm f[L,D]]            (qk_norm, Qwen3)
                mlp_norm f[L,H]  w_gate,w_up f[L,H,I]  w_down f[L,I,H]
+               (MoE layers instead: router, [router_bias], experts_*, [shared_*],
+               see jmtp.model.moe; a model mixing dense and MoE layers holds ``layers`` as a
+               tuple of L per-layer dicts, jmtp.model.params.layers_stacked)
   mtp:         enorm,hnorm f[N,H]  eh_proj f[N,2H,H]  final_norm f[N,H]  layer: {as `layers`, N stacked}
 
 The KV cache of a stack of ``L`` layers is :class:`KVCache` with ``k, v: f[L, num_blocks, block_size,
@@ -30,7 +33,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jmtp.model import mla
 from jmtp.model.config import ModelConfig
+from jmtp.model import moe
 from jmtp.model.metadata import AttentionMetadata
 from jmtp.pallas import kv_quant
 from jmtp.pallas.ragged_paged_attention import ragged_paged_attention, write_kv
@@ -76,6 +81,13 @@ def init_kv_cache(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size
       ValueError: ``kv_cache_dtype`` not one of :data:`jmtp.pallas.kv_quant.KV_CACHE_DTYPES`.
     """
     kv_quant.check_kv_cache_dtype(kv_cache_dtype)
+    if cfg.is_mla:
+        # One latent "head" [c ; k_pe] per token; v is a zero-width placeholder (jmtp.model.mla).
+        if kv_cache_dtype is not None:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported with "
+                             "attention_type='mla' (latent cache quantisation not implemented)")
+        shape = (num_layers, num_blocks, block_size, 1, cfg.kv_cache_head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape[:-1] + (0,), dtype))
     shape = (num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     if kv_cache_dtype is None:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -93,12 +105,15 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """Inverse RoPE frequencies ``f32[D/2]``, with llama3 scaling when configured."""
-    d = cfg.head_dim
+    """Inverse RoPE frequencies ``f32[R/2]`` (``R = cfg.rotary_dim``, the head dim unless
+    ``partial_rotary_factor < 1``), with llama3 scaling when configured."""
+    d = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     rs = cfg.rope_scaling
     if rs is None:
         return inv
+    if rs.rope_type == "yarn":
+        return _yarn_inv_freq(cfg, inv)
     low_wl = rs.original_max_position_embeddings / rs.low_freq_factor
     high_wl = rs.original_max_position_embeddings / rs.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -108,6 +123,42 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
     medium = (wavelen >= high_wl) & (wavelen <= low_wl)
     return jnp.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(cfg: ModelConfig, inv: jax.Array) -> jax.Array:
+    """YaRN inverse frequencies (Peng et al. 2023; HF ``_compute_yarn_parameters``): a linear ramp
+    between extrapolated (``inv``) and interpolated (``inv / factor``) frequencies over the
+    dimensions whose rotation count at the original context lies in ``[beta_slow, beta_fast]``."""
+    rs, d, base = cfg.rope_scaling, cfg.rotary_dim, cfg.rope_theta
+
+    def corr_dim(rot):
+        return d * math.log(rs.original_max_position_embeddings / (rot * 2 * math.pi)) / (
+            2 * math.log(base))
+
+    low, high = corr_dim(rs.beta_fast), corr_dim(rs.beta_slow)
+    if rs.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolate = 1 - ramp
+    return inv / rs.factor * (1 - extrapolate) + inv * extrapolate
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """Multiplier of RoPE's cos/sin: 1, or YaRN's attention factor (HF: given, else
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are set, else
+    ``mscale(factor)`` with ``mscale(s, m) = 0.1 m ln s + 1`` for s > 1)."""
+    rs = cfg.rope_scaling
+    if rs is None or rs.rope_type != "yarn":
+        return 1.0
+    if rs.attention_factor is not None:
+        return float(rs.attention_factor)
+    ms = lambda s, m=1.0: 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+    if rs.mscale and rs.mscale_all_dim:
+        return ms(rs.factor, rs.mscale) / ms(rs.factor, rs.mscale_all_dim)
+    return ms(rs.factor)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -134,8 +185,17 @@ def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array):
     if "q_norm" in p:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    inv_freq = rope_inv_freq(cfg)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    inv_freq, af = rope_inv_freq(cfg), rope_attention_factor(cfg)
+    # YaRN multiplies cos/sin (the rotary dims only) by its attention factor af
+    rot = (lambda a: apply_rope(a, positions, inv_freq)) if af == 1.0 else (
+        lambda a: apply_rope(a * af, positions, inv_freq))
+    r = cfg.rotary_dim
+    if r == cfg.head_dim:
+        return rot(q), rot(k), v
+    # Partial rotary (GLM-4.5, transformers modeling_glm4_moe.apply_rotary_pos_emb): rotate-half
+    # RoPE on the first R dims of each head, the rest passed through.
+    part = lambda a: jnp.concatenate([rot(a[..., :r]), a[..., r:]], -1)
+    return part(q), part(k), v
 
 
 def decoder_layer(
@@ -150,8 +210,20 @@ def decoder_layer(
     attention_impl: str | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Pre-norm Llama block: GQA attention over the paged cache (writing this step's K/V,
-    quantised when the pool is) + SwiGLU. Returns ``(x, pool)``."""
+    quantised when the pool is) + the FFN (SwiGLU, or the MoE block when ``p`` holds one,
+    :func:`jmtp.model.moe.ffn`). Returns ``(x, pool)``.
+
+    With ``cfg.attention_type == "mla"`` the attention is DeepSeek's multi-head latent attention
+    (:func:`jmtp.model.mla.mla_attention`, latent pool in ``pool.k``)."""
     t = x.shape[0]
+    if cfg.is_mla:
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        inv_freq, af = rope_inv_freq(cfg), rope_attention_factor(cfg)
+        rope = ((lambda a, pos: apply_rope(a, pos, inv_freq)) if af == 1.0 else
+                (lambda a, pos: apply_rope(a * af, pos, inv_freq)))
+        attn, k = mla.mla_attention(cfg, p, h, positions, meta, pool.k, rope, attention_impl)
+        x = x + attn
+        return _mlp_block(cfg, p, x), pool._replace(k=k)
     q, k, v = project_qkv(cfg, p, x, positions)
     # An int8 cache stores K and V rotated (kv_quant.hadamard_rotation); the query is rotated
     # alike and the attention output rotated back, which leaves attention unchanged.
@@ -176,9 +248,14 @@ def decoder_layer(
     if rot is not None:
         attn = attn @ rot.T
     x = x + attn.reshape(t, cfg.q_size) @ p["wo"]
+    return _mlp_block(cfg, p, x), pool
+
+
+def _mlp_block(cfg: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
+    """Second half of a pre-norm block: ``x + FFN(rms(x))`` (dense SwiGLU or MoE,
+    :func:`jmtp.model.moe.ffn`)."""
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
-    return x, pool
+    return x + moe.ffn(cfg, p, h)
 
 
 def _layer_view(meta: AttentionMetadata, cache: KVCache, i) -> AttentionMetadata:

@@ -75,7 +75,8 @@ def _fill(variables, arrays, where: str) -> None:
 
 
 class Attention(nnx.Module):
-    """GQA attention projections: ``wq f[H, Nq·D]``, ``wk, wv f[H, Nkv·D]``, ``wo f[Nq·D, H]``,
+    """Attention projections (MLA ones, :func:`jmtp.model.mla.layer_shapes`, when
+    ``cfg.attention_type == "mla"``). GQA: ``wq f[H, Nq·D]``, ``wk, wv f[H, Nkv·D]``, ``wo f[Nq·D, H]``,
     Qwen2 biases ``bq, bk, bv`` when ``cfg.attention_bias``, Qwen3 ``q_norm, k_norm f[D]`` when
     ``cfg.qk_norm``; each with a leading ``layers`` axis of size ``num_stacked`` if given."""
 
@@ -83,6 +84,13 @@ class Attention(nnx.Module):
                  num_stacked: int | None = None, std: float = 0.02):
         lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
         h, q, kv, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
+        if cfg.is_mla:  # DeepSeek multi-head latent attention (jmtp.model.mla)
+            from jmtp.model import mla
+            for name, shape in mla.layer_shapes(cfg).items():
+                value = (jnp.ones(lead + shape, dtype) if name.endswith("norm")
+                         else _rand(rngs, lead + shape, dtype, std))
+                setattr(self, name, _param(value, ax.LAYER_AXES[name], st))
+            return
         shapes = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h)}
         if cfg.attention_bias:
             shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
@@ -117,19 +125,22 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm Llama block: ``attn_norm f[H]``, :class:`Attention`, ``mlp_norm f[H]``,
-    :class:`MLP`. With ``num_stacked=L`` every parameter carries a leading ``layers`` axis of
-    size L: the stack of L layers :func:`jmtp.model.llama.forward` scans over."""
+    """Pre-norm Llama block: ``attn_norm f[H]``, :class:`Attention`, ``mlp_norm f[H]``, and the
+    FFN: :class:`MLP`, or with ``moe=True`` the :class:`jmtp.model.moe.MoE` block of ``cfg.moe``.
+    With ``num_stacked=L`` every parameter carries a leading ``layers`` axis of size L: the stack
+    of L layers :func:`jmtp.model.llama.forward` scans over."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 num_stacked: int | None = None, std: float = 0.02):
+                 num_stacked: int | None = None, std: float = 0.02, moe: bool = False):
+        from jmtp.model.moe import MoE
         lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
         h = cfg.hidden_size
         self.num_stacked = num_stacked
         self.attn_norm = _param(jnp.ones(lead + (h,), dtype), ax.LAYER_AXES["attn_norm"], st)
         self.attn = Attention(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked, std=std)
         self.mlp_norm = _param(jnp.ones(lead + (h,), dtype), ax.LAYER_AXES["mlp_norm"], st)
-        self.mlp = MLP(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked, std=std)
+        self.mlp = (MoE if moe else MLP)(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked,
+                                         std=std)
 
     def variables(self) -> dict:
         """The layer dict of :mod:`jmtp.model.llama` (``attn_norm, wq, …, w_down``) of Params."""
@@ -144,16 +155,25 @@ class DecoderLayer(nnx.Module):
 class DecoderStack(nnx.Module):
     """The target's L decoder layers: one stacked :class:`DecoderLayer` (``stacked=True``, run
     under one ``lax.scan``) or an ``nnx.List`` of L unstacked layers (run as an unrolled loop, see
-    :func:`jmtp.model.llama.unstack_layers`)."""
+    :func:`jmtp.model.llama.unstack_layers`). Layer ``i`` has the MoE FFN when
+    ``cfg.is_moe_layer(i)``; a stack mixing dense and MoE layers cannot be stacked.
+
+    Raises:
+      ValueError: ``stacked=True`` for a model mixing dense and MoE layers."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  stacked: bool = True, std: float = 0.02):
         self.stacked = stacked
+        kinds = cfg.moe_layer_kinds
         if stacked:
-            self.layers = DecoderLayer(cfg, rngs=rngs, dtype=dtype, num_stacked=cfg.num_layers, std=std)
+            if len(set(kinds)) > 1:
+                raise ValueError("a model mixing dense and MoE layers (ModelConfig.moe.layers = "
+                                 f"{cfg.moe.layers} of {cfg.num_layers}) cannot be stacked")
+            self.layers = DecoderLayer(cfg, rngs=rngs, dtype=dtype, num_stacked=cfg.num_layers,
+                                       std=std, moe=kinds[0])
         else:
-            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, dtype=dtype, std=std)
-                                    for _ in range(cfg.num_layers)])
+            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, dtype=dtype, std=std, moe=m)
+                                    for m in kinds])
 
     def variables(self):
         if self.stacked:
@@ -167,7 +187,8 @@ class DecoderStack(nnx.Module):
 
 class MTPHead(nnx.Module):
     """N stacked MTP modules (DeepSeek-V3 §2.2): ``enorm, hnorm, final_norm f[N, H]``,
-    ``eh_proj f[N, 2H, H]`` and a :class:`DecoderLayer` stacked N times."""
+    ``eh_proj f[N, 2H, H]`` and a :class:`DecoderLayer` stacked N times (MoE FFN when
+    ``cfg.mtp_is_moe``, GLM-4.5)."""
 
     def __init__(self, cfg: ModelConfig, num_modules: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  std: float = 0.02):
@@ -177,7 +198,8 @@ class MTPHead(nnx.Module):
         self.eh_proj = _param(_rand(rngs, (n, 2 * h, h), dtype, (2 * h) ** -0.5),
                               ax.MTP_AXES["eh_proj"], True)
         self.final_norm = _param(jnp.ones((n, h), dtype), ax.MTP_AXES["final_norm"], True)
-        self.layer = DecoderLayer(cfg, rngs=rngs, dtype=dtype, num_stacked=n, std=std)
+        self.layer = DecoderLayer(cfg, rngs=rngs, dtype=dtype, num_stacked=n, std=std,
+                                  moe=cfg.mtp_is_moe)
 
     def variables(self) -> dict:
         """``params["mtp"]`` of :mod:`jmtp.model.llama`, of Params."""

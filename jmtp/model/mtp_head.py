@@ -193,7 +193,9 @@ def attach_mtp_head(cfg: ModelConfig, params: dict, path: str) -> tuple[ModelCon
 
     Raises:
       FileNotFoundError: no file at ``path``.
-      ValueError: the head's hidden size, vocabulary size or MTP layout differ from ``cfg``.
+      ValueError: the head's hidden size, vocabulary size or MTP layout differ from ``cfg``, or
+        its block is MoE (``layer.router``) for a dense model. For a MoE model the block's FFN
+        kind is the file's (``cfg.moe.mtp_moe``).
     """
     meta = check_head_fits(cfg, path)
     mtp = load_mtp_head(path, dtype=params["embed"].dtype)
@@ -202,4 +204,9 @@ def attach_mtp_head(cfg: ModelConfig, params: dict, path: str) -> tuple[ModelCon
     if ranking is not None:
         params["draft_vocab"] = ranking
     n = int(meta.get("draft_vocab_size", "0")) if ranking is not None else 0
+    moe_head = "router" in mtp["layer"]          # the head's block has a MoE FFN
+    if moe_head and cfg.moe is None:
+        raise ValueError(f"{path}: the MTP head's block is a MoE block but the model is dense")
+    if cfg.moe is not None:
+        cfg = cfg.replace(moe=cfg.moe.replace(mtp_moe=moe_head))
     return cfg.replace(num_mtp_layers=int(mtp["enorm"].shape[0]), draft_vocab_size=n), params

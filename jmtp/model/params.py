@@ -12,13 +12,24 @@ from jmtp.model.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one decoder layer's parameters (without the leading layer axis)."""
+def layer_shapes(cfg: ModelConfig, moe: bool = False) -> dict[str, tuple[int, ...]]:
+    """Shapes of one decoder layer's parameters (without the leading layer axis); with ``moe``
+    the FFN is the MoE block of ``cfg.moe`` (:func:`jmtp.model.moe.moe_shapes`) instead of the
+    dense ``w_gate/w_up/w_down``."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    shapes = {
-        "attn_norm": (h,), "wq": (h, cfg.q_size), "wk": (h, cfg.kv_size), "wv": (h, cfg.kv_size),
-        "wo": (cfg.q_size, h), "mlp_norm": (h,), "w_gate": (h, i), "w_up": (h, i), "w_down": (i, h),
-    }
+    if cfg.is_mla:  # DeepSeek multi-head latent attention
+        from jmtp.model import mla
+        shapes = {"attn_norm": (h,), **mla.layer_shapes(cfg), "mlp_norm": (h,)}
+    else:
+        shapes = {
+            "attn_norm": (h,), "wq": (h, cfg.q_size), "wk": (h, cfg.kv_size),
+            "wv": (h, cfg.kv_size), "wo": (cfg.q_size, h), "mlp_norm": (h,),
+        }
+    if moe:
+        from jmtp.model.moe import moe_shapes
+        shapes.update(moe_shapes(cfg))
+    else:
+        shapes.update(w_gate=(h, i), w_up=(h, i), w_down=(i, h))
     if cfg.attention_bias:
         shapes.update(bq=(cfg.q_size,), bk=(cfg.kv_size,), bv=(cfg.kv_size,))
     if cfg.qk_norm:
@@ -26,20 +37,30 @@ def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def layers_stacked(cfg: ModelConfig) -> bool:
+    """Whether the target's layers are one stack (``params["layers"]`` a dict of ``f[L, ...]``,
+    run under one ``lax.scan``): every layer has the same FFN kind. A model mixing dense and MoE
+    layers (dense-first layers) holds a tuple of L per-layer dicts, run as an unrolled loop."""
+    return len(set(cfg.moe_layer_kinds)) == 1
+
+
 def param_shapes(cfg: ModelConfig) -> dict:
-    """Expected shape of every leaf of the parameter pytree (see :mod:`jmtp.model.llama`)."""
+    """Expected shape of every leaf of the parameter pytree (see :mod:`jmtp.model.llama`);
+    ``"layers"`` is a dict of stacked shapes, or a tuple of per-layer dicts when
+    :func:`layers_stacked` is false."""
     h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_mtp_layers
-    shapes = {
-        "embed": (v, h),
-        "final_norm": (h,),
-        "layers": {k: (cfg.num_layers,) + s for k, s in layer_shapes(cfg).items()},
-    }
+    kinds = cfg.moe_layer_kinds
+    if layers_stacked(cfg):
+        layers = {k: (cfg.num_layers,) + s for k, s in layer_shapes(cfg, kinds[0]).items()}
+    else:
+        layers = tuple(layer_shapes(cfg, m) for m in kinds)
+    shapes = {"embed": (v, h), "final_norm": (h,), "layers": layers}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (h, v)
     if n:
         shapes["mtp"] = {
             "enorm": (n, h), "hnorm": (n, h), "eh_proj": (n, 2 * h, h), "final_norm": (n, h),
-            "layer": {k: (n,) + s for k, s in layer_shapes(cfg).items()},
+            "layer": {k: (n,) + s for k, s in layer_shapes(cfg, cfg.mtp_is_moe).items()},
         }
     return shapes
 
@@ -48,13 +69,17 @@ def _is_norm(name: str) -> bool:
     return name.endswith("norm")
 
 
-def init_layers(cfg: ModelConfig, key: jax.Array, num: int, dtype, std: float = 0.02) -> dict:
-    """Random stacked layers: norms = 1, biases = small normal, matrices = N(0, std²)."""
+def init_layers(cfg: ModelConfig, key: jax.Array, num: int, dtype, std: float = 0.02,
+                moe: bool = False) -> dict:
+    """Random stacked layers: norms = 1, biases = small normal, matrices = N(0, std²) (MoE
+    score-correction biases zero, f32)."""
     out = {}
-    for idx, (name, shape) in enumerate(sorted(layer_shapes(cfg).items())):
+    for idx, (name, shape) in enumerate(sorted(layer_shapes(cfg, moe).items())):
         k = jax.random.fold_in(key, idx)
         if _is_norm(name):
             out[name] = jnp.ones((num,) + shape, dtype)
+        elif name == "router_bias":
+            out[name] = jnp.zeros((num,) + shape, jnp.float32)
         else:
             out[name] = (std * jax.random.normal(k, (num,) + shape, jnp.float32)).astype(dtype)
     return out
@@ -66,7 +91,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
     params = {
         "embed": (std * jax.random.normal(k_emb, (cfg.vocab_size, cfg.hidden_size))).astype(dtype),
         "final_norm": jnp.ones((cfg.hidden_size,), dtype),
-        "layers": init_layers(cfg, k_layers, cfg.num_layers, dtype, std),
+        "layers": _init_target_layers(cfg, k_layers, dtype, std),
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = (std * jax.random.normal(
@@ -76,11 +101,21 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
     return params
 
 
+def _init_target_layers(cfg: ModelConfig, key, dtype, std):
+    kinds = cfg.moe_layer_kinds
+    if layers_stacked(cfg):
+        return init_layers(cfg, key, cfg.num_layers, dtype, std, kinds[0])
+    return tuple(jax.tree_util.tree_map(lambda a: a[0], init_layers(
+        cfg, jax.random.fold_in(key, i), 1, dtype, std, m)) for i, m in enumerate(kinds))
+
+
 def init_mtp_params(cfg: ModelConfig, params: dict, key: jax.Array, dtype=None) -> dict:
     """A fresh (untrained) MTP head for a target without MTP weights.
 
     The block starts as a copy of the target's last layer and ``eh_proj`` as a random projection;
-    the final norm starts as the target's final norm. Used when a checkpoint ships no MTP tensors
+    the final norm starts as the target's final norm. (A MoE target's head therefore has the last
+    layer's FFN kind: ``cfg.moe.mtp_moe`` must say the same, see
+    :func:`mtp_moe_of_fresh_head`.) Used when a checkpoint ships no MTP tensors
     (logged), and as the starting point of ``jmtp train-mtp``.
     """
     n = max(cfg.num_mtp_layers, 1)
@@ -90,8 +125,12 @@ def init_mtp_params(cfg: ModelConfig, params: dict, key: jax.Array, dtype=None) 
     seed = int(np.asarray(jax.random.key_data(key)).ravel()[-1]) if hasattr(key, "dtype") else 0
     rng = np.random.default_rng(seed)
     cast = lambda a: jnp.asarray(np.asarray(a, np.float32), dtype)
-    last = jax.tree_util.tree_map(lambda a: cast(np.repeat(np.asarray(a[-1:], np.float32), n, 0)),
-                                  params["layers"])
+    layers = params["layers"]
+    last_layer = ({k: np.asarray(a, np.float32) for k, a in layers[-1].items()}
+                  if isinstance(layers, (list, tuple)) else
+                  {k: np.asarray(a[-1:], np.float32)[0] for k, a in layers.items()})
+    last = {k: jnp.asarray(np.repeat(a[None], n, 0), jnp.float32 if k == "router_bias" else dtype)
+            for k, a in last_layer.items()}
     eh = rng.standard_normal((n, 2 * h, h), np.float32) / np.sqrt(2 * h)
     return {
         "enorm": cast(np.ones((n, h))),
@@ -100,6 +139,14 @@ def init_mtp_params(cfg: ModelConfig, params: dict, key: jax.Array, dtype=None) 
         "final_norm": cast(np.repeat(np.asarray(params["final_norm"], np.float32)[None], n, 0)),
         "layer": last,
     }
+
+
+def mtp_moe_of_fresh_head(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with ``moe.mtp_moe`` set to the kind of the last target layer (what
+    :func:`init_mtp_params` copies)."""
+    if cfg.moe is None:
+        return cfg
+    return cfg.replace(moe=cfg.moe.replace(mtp_moe=cfg.moe_layer_kinds[-1]))
 
 
 def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None:
@@ -114,10 +161,13 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
     if isinstance(layers, (list, tuple)):  # unstacked layers (jmtp.model.llama.unstack_layers)
         if len(layers) != cfg.num_layers:
             raise ValueError(f"{source}: {len(layers)} unstacked layers, expected {cfg.num_layers}")
-        per_layer = layer_shapes(cfg)
+        kinds = cfg.moe_layer_kinds
         for i, layer in enumerate(layers):
-            walk(per_layer, layer, f"layers[{i}]")
+            walk(layer_shapes(cfg, kinds[i]), layer, f"layers[{i}]")
         expected = {k: v for k, v in expected.items() if k != "layers"}
+    elif not layers_stacked(cfg):
+        raise ValueError(f"{source}: the model mixes dense and MoE layers, so params['layers'] "
+                         "must be a tuple of per-layer dicts")
     walk(expected, params, "")
 
 

@@ -35,7 +35,7 @@ class LLM:
       model: GGUF file or HF directory; ``None`` = the default SmolLM2-135M-Instruct.
       **engine_args: every keyword of :class:`LLMEngine` (``speculative_config``, ``max_num_seqs``,
         ``max_model_len``, ``block_size``, ``num_blocks``, ``max_num_batched_tokens``, ``dtype``,
-        ``attention_backend``, ``block_allocator``, ``kv_cache_dtype``, ``max_logprobs``, ``seed``,
+        ``attention_backend``, ``moe_backend``, ``block_allocator``, ``kv_cache_dtype``, ``max_logprobs``, ``seed``,
         ``model_config``/``params``/``tokenizer``, ``mtp_head``, ``compile``,
         ``compilation_cache_dir``, ``tensor_parallel_size``, ``data_parallel_size``, ``mesh``),
         documented there.

@@ -158,6 +158,10 @@ class LLMEngine:
       max_num_batched_tokens: token budget per step (largest bucket).
       dtype: parameter/cache dtype (default fp32 on CPU, bf16 on accelerators).
       attention_backend: ``"reference" | "xla" | "pallas_tpu" | "pallas_gpu" | None``.
+      moe_backend: routed-experts implementation of a MoE model (``MoEConfig.implementation``):
+        ``"ragged"`` (sort by expert, ``jax.lax.ragged_dot``), ``"dense"`` (reference: every
+        expert on every token), ``"auto"`` (ragged on TPU, dense elsewhere) or ``None`` (the
+        model config's, default ``"auto"``). Ignored for a dense model.
       block_allocator: ``EngineConfig.block_allocator``: ``"auto"`` (default), ``"reference"``,
         ``"pallas_tpu"`` or ``"pallas_gpu"``.
       kv_cache_dtype: ``EngineConfig.kv_cache_dtype``: ``None`` (default: ``dtype``), ``"int8"``
@@ -203,7 +207,7 @@ class LLMEngine:
                  seed: int = 0, model_config: ModelConfig | None = None, params: dict | None = None,
                  tokenizer=None, mtp_head: str | None = "auto", compile: str | None = None,
                  compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto",
-                 kv_cache_dtype: str | None = None,
+                 kv_cache_dtype: str | None = None, moe_backend: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
                  enable_prefix_caching: bool = False):
         from jmtp.pallas.kv_quant import check_kv_cache_dtype
@@ -240,6 +244,13 @@ class LLMEngine:
         if attention_backend not in (None,) + IMPLEMENTATIONS:
             raise ValueError(f"attention_backend must be one of {IMPLEMENTATIONS} or None, got "
                              f"{attention_backend!r}")
+        from jmtp.model.config import MOE_IMPLEMENTATIONS
+        if moe_backend not in (None,) + MOE_IMPLEMENTATIONS:
+            raise ValueError(f"moe_backend must be one of {MOE_IMPLEMENTATIONS} or None, got "
+                             f"{moe_backend!r}")
+        if moe_backend is not None and model_config.moe is not None:
+            model_config = model_config.replace(
+                moe=model_config.moe.replace(implementation=moe_backend))
         spec = speculative_config or SpeculativeConfig(method=None)
         if spec.method == "mtp" and "mtp" not in params:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
@@ -348,7 +359,7 @@ class LLMEngine:
                                  self._shard_ec, self._dp)
         rep = shd.replicated(mesh)
         st = shd.state_sharding(mesh)
-        kv = shd.kv_cache_shardings(mesh, mc.num_kv_heads, ec.kv_cache_dtype is not None,
+        kv = shd.kv_cache_shardings(mesh, mc.kv_cache_heads, ec.kv_cache_dtype is not None,
                                     stacked=True)
         self.params = mh.put(self.params, shd.param_shardings(self.params, mesh),
                              what="parameters")

@@ -12,6 +12,8 @@ logical axis        mesh axis what it shards
 ``kv_heads``        model     wk, wv / bk, bv columns; the KV caches' heads axis
 ``mlp``             model     w_gate / w_up columns, w_down rows (column / row parallel MLP)
 ``vocab``           model     embedding rows, LM head columns, the FR-Spec draft head rows
+``experts``         (none)    MoE routed experts (expert parallelism will map it; replicated now)
+``expert_mlp``      (none)    one routed expert's width (replicated for now)
 ``slots``           data      every per-slot array of the engine state (rows of B)
 ``data_shard``      data      the leading axis of the stacked state and KV caches (one entry
                               per data shard, :mod:`jmtp.runtime.data_parallel`)
@@ -63,7 +65,7 @@ DATA_SHARD = "data_shard"
 LOGICAL_TO_MESH: dict[str, str | None] = {
     ax.Q_HEADS: MODEL, ax.KV_HEADS: MODEL, ax.MLP: MODEL, ax.VOCAB: MODEL,
     ax.LAYERS: None, ax.EMBED: None, ax.EMBED2: None, ax.HEAD_DIM: None,
-    ax.BLOCKS: None, ax.BLOCK_SIZE: None,
+    ax.BLOCKS: None, ax.BLOCK_SIZE: None, ax.EXPERTS: None, ax.EXPERT_MLP: None,
     SLOTS: DATA, DATA_SHARD: DATA,
 }
 
@@ -150,6 +152,9 @@ def check_tensor_parallel(cfg, tensor_parallel_size: int) -> None:
     """Raise ``ValueError`` unless ``tensor_parallel_size`` divides the query and kv heads of
     ``cfg`` (a :class:`~jmtp.model.config.ModelConfig`)."""
     tp = tensor_parallel_size
+    if tp > 1 and getattr(cfg, "is_mla", False):
+        raise ValueError(f"tensor_parallel_size={tp}: tensor parallelism is not implemented for "
+                         "multi-head latent attention (attention_type='mla'); use 1")
     for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)):
         if n % tp:
             raise ValueError(

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.llama import project_qkv, rms_norm, rope_inv_freq
+from jmtp.model.moe import ffn
 
 
 def _qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array, inv_freq=None):
@@ -100,8 +101,13 @@ def dense_mtp_forward(
       chain starts inside its segment (always true for real rows of pass 1).
 
     Raises:
-      ValueError: on mismatched shapes or ``num_passes < 1``.
+      ValueError: on mismatched shapes, ``num_passes < 1``, or an MLA target
+        (``cfg.attention_type == "mla"``: training an MTP head on DeepSeek-style latent attention
+        is not implemented).
     """
+    if cfg.is_mla:
+        raise ValueError("dense_mtp_forward: MTP training on a multi-head latent attention target "
+                         "(ModelConfig.attention_type='mla') is not implemented")
     if num_passes < 1:
         raise ValueError(f"num_passes must be >= 1, got {num_passes}")
     b, w = ids.shape
@@ -139,7 +145,7 @@ def dense_mtp_forward(
                        _pass_mask(segment_ids, i))
         x = x + attn @ layer["wo"]
         hm = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(hm @ layer["w_gate"]) * (hm @ layer["w_up"])) @ layer["w_down"]
+        x = x + ffn(cfg, layer, hm.reshape(-1, hm.shape[-1])).reshape(hm.shape)  # dense or MoE
         h = rms_norm(x, pick(m["final_norm"]), cfg.rms_norm_eps)
         outs.append((h, x if cfg.mtp_layout == "deepseek" else h, valid))
     return outs

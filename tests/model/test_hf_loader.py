@@ -52,6 +52,10 @@ CASES = {
         **COMMON, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16}),
+    "llama_yarn_rope_scaling": lambda: transformers.LlamaConfig(
+        **COMMON, max_position_embeddings=64, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 16}),
     "qwen2_bias": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=False),
     "qwen3_qk_norm": lambda: transformers.Qwen3Config(**COMMON, head_dim=24),
     "ernie4_5_interleaved_rope": lambda: transformers.Ernie4_5Config(**COMMON, head_dim=16),

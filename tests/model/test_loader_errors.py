@@ -95,8 +95,11 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_unsupported_config_fields(tmp_path):
+    _tiny_hf(tmp_path, {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope scaling type 'longrope'"):
+        load_checkpoint(tmp_path)
     _tiny_hf(tmp_path, {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
+    with pytest.raises(ValueError, match="yarn rope scaling lacks field 'original_max_position_"):
         load_checkpoint(tmp_path)
     _tiny_hf(tmp_path, {"use_sliding_window": True})
     with pytest.raises(ValueError, match="use_sliding_window"):

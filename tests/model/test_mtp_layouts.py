@@ -28,8 +28,13 @@ EPS = 1e-5
 def _save_target(path, arch: str, seed: int):
     transformers.logging.set_verbosity_error()
     torch.manual_seed(seed)
-    config = (transformers.Ernie4_5Config(**COMMON, rope_theta=500000.0) if arch == "ernie"
-              else transformers.LlamaConfig(**COMMON, tie_word_embeddings=False))
+    if arch == "ernie_moe":   # layer 0 dense, layer 1 MoE (4 experts, top-2, a shared expert)
+        config = transformers.Ernie4_5_MoeConfig(
+            **COMMON, rope_theta=500000.0, moe_num_experts=4, moe_k=2, moe_intermediate_size=32,
+            moe_num_shared_experts=1, moe_layer_start_index=1)
+    else:
+        config = (transformers.Ernie4_5Config(**COMMON, rope_theta=500000.0) if arch == "ernie"
+                  else transformers.LlamaConfig(**COMMON, tie_word_embeddings=False))
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -206,15 +211,22 @@ def test_deepseek_layout(tmp_path):
         np.testing.assert_allclose(nxt, ref_x, rtol=1e-4, atol=1e-4 * np.abs(ref_x).max())
 
 
-@pytest.mark.parametrize("top,paddle,fused", [("ernie.", True, True), ("model.", False, False),
-                                               ("ernie.", False, True)])
-def test_ernie_layout(tmp_path, top, paddle, fused):
+@pytest.mark.parametrize("top,paddle,fused,arch", [
+    ("ernie.", True, True, "ernie"), ("model.", False, False, "ernie"),
+    ("ernie.", False, True, "ernie"),
+    # ERNIE-4.5-MoE target: its MTP block is dense (FastDeploy ernie4_5_mtp: layer_id 0 <
+    # moe_layer_start_index), with the target's dense intermediate_size
+    ("ernie.", True, True, "ernie_moe")])
+def test_ernie_layout(tmp_path, top, paddle, fused, arch):
     rng = np.random.default_rng(1)
-    hf = _save_target(tmp_path, "ernie", seed=1)
+    hf = _save_target(tmp_path, arch, seed=1)
     t = _write_ernie(tmp_path, rng, top, paddle=paddle, fused=fused)
     cfg, params = load_checkpoint(tmp_path, dtype=jnp.float32)
-    assert (cfg.mtp_layout, cfg.num_mtp_layers, cfg.architecture) == ("ernie", 1,
-                                                                      "Ernie4_5ForCausalLM")
+    assert (cfg.mtp_layout, cfg.num_mtp_layers, cfg.architecture) == (
+        "ernie", 1, "Ernie4_5ForCausalLM" if arch == "ernie" else "Ernie4_5_MoeForCausalLM")
+    if arch == "ernie_moe":
+        assert cfg.moe.layers == (1,) and not cfg.moe.mtp_moe
+        assert "router" in params["layers"][1] and "w_gate" in params["mtp"]["layer"]
     target = load_file(str(tmp_path / "model.safetensors"))
     embed = target["model.embed_tokens.weight"].astype(np.float64)
     ids, hidden = _inputs(rng)

@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 
 from jmtp.model import ModelConfig, forward_logits, init_params
+from jmtp.model.config import MoEConfig
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=8, eos_token_ids=(1,), num_mtp_layers=1)
+# A tiny MoE target in GLM-4.5's shape: dense first layer, then MoE layers (8 experts, top-3,
+# sigmoid scores with correction bias, grouped top-k, shared expert), partial rotary, MoE MTP layer.
+TINY_MOE = dict(num_layers=3, partial_rotary_factor=0.5, moe=MoEConfig(
+    8, 3, 16, layers=(1, 2), mtp_moe=True, scoring="sigmoid", norm_topk_prob=True,
+    score_bias=True, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+    shared_intermediate_size=16))
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,7 +3,8 @@
 pytest process, whose JAX already runs on one device, cannot do it).
 
 ``python -m tests.runtime.sharding_worker CASE...`` prints one JSON line ``{CASE: result}``.
-A case is ``dp=D,tp=N,k=K[,hlo=1][,heads=Nq/Nkv][,kv=int8]`` (greedy and seeded sampled tokens of
+A case is ``dp=D,tp=N,k=K[,hlo=1][,heads=Nq/Nkv][,kv=int8][,moe=1]`` (``moe=1``: the tiny MoE
+target ``conftest.TINY_MOE`` with those heads; greedy and seeded sampled tokens of
 :data:`PROMPTS` on a ``data_parallel_size=D, tensor_parallel_size=N`` engine, MTP with ``K`` drafts or
 none for 0, ``kv`` its ``kv_cache_dtype``, the number of compiled step executables, whether the donated cache was given up,
 per-parameter bytes on the first device, and with ``hlo=1`` the collectives of its compiled decode
@@ -27,7 +28,7 @@ import numpy as np
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from jmtp.runtime import sharding as shd
-from tests.runtime.conftest import tiny_model
+from tests.runtime.conftest import TINY_MOE, tiny_model
 
 # 8 kv heads and 8 query heads (head_dim 8): every TP in {2, 4, 8} splits whole heads, the
 # vocabulary (64) and the MLP (64).
@@ -44,15 +45,17 @@ def engine_sizes(dp: int = 1) -> dict:
     return dict(ENGINE, max_num_seqs=dp, max_num_batched_tokens=4 * dp)
 
 
-def model(heads: str = "8/8"):
+def model(heads: str = "8/8", moe: bool = False):
     """The tiny model with ``"Nq/Nkv"`` heads (``"9/3"``: SmolLM2's head counts; its vocabulary
-    and MLP (64) then split into no whole thirds and stay replicated)."""
+    and MLP (64) then split into no whole thirds and stay replicated); with ``moe`` the MoE target
+    of ``conftest.TINY_MOE`` (routed experts replicated, shared expert split over ``model``)."""
     nq, nkv = (int(x) for x in heads.split("/"))
-    return tiny_model(0, **dict(MODEL, num_heads=nq, num_kv_heads=nkv))
+    return tiny_model(0, **dict(MODEL, num_heads=nq, num_kv_heads=nkv, **(TINY_MOE if moe else {})))
 
 
-def make_llm(dp: int, tp: int, k: int, heads: str = "8/8", kv: str | None = None) -> LLM:
-    cfg, params = model(heads)
+def make_llm(dp: int, tp: int, k: int, heads: str = "8/8", kv: str | None = None,
+             moe: bool = False) -> LLM:
+    cfg, params = model(heads, moe)
     spec = SpeculativeConfig("mtp", k) if k else None
     return LLM(model_config=cfg, params=params, speculative_config=spec, kv_cache_dtype=kv,
                data_parallel_size=dp, tensor_parallel_size=tp, **engine_sizes(dp))
@@ -94,9 +97,9 @@ def collectives(llm) -> dict:
 
 
 def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8",
-             kv: str | None = None) -> dict:
+             kv: str | None = None, moe: bool = False) -> dict:
     from jmtp.runtime.buckets import step_buckets
-    llm = make_llm(dp, tp, k, heads, kv)
+    llm = make_llm(dp, tp, k, heads, kv, moe)
     eng = llm.llm_engine
     first_cache = eng.cache.k
     # jit objects of equal function and options share their executables: count this engine's
@@ -252,7 +255,7 @@ def main(cases: list[str]) -> None:
                 kv = dict(part.split("=") for part in case.split(","))
                 results[case] = run_case(int(kv["dp"]), int(kv["tp"]), int(kv["k"]),
                                          bool(int(kv.get("hlo", 0))), kv.get("heads", "8/8"),
-                                         kv.get("kv"))
+                                         kv.get("kv"), bool(int(kv.get("moe", 0))))
         except Exception:
             results[case] = {"error": traceback.format_exc()}
         print(f"{case}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

@@ -183,10 +183,13 @@ def test_preemption_when_blocks_run_out(tiny):
     assert llm._free_count == 12
 
 
-def test_one_graph_no_recompiles_and_no_callbacks(tiny):
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_one_graph_no_recompiles_and_no_callbacks(tiny, model):
     """Warm-up compiles exactly the buckets of ``step_buckets`` (each run once on the idle state);
-    random traffic afterwards (prefills, 1..4 decoding slots, preemption-free) compiles nothing."""
-    cfg, params = tiny
+    random traffic afterwards (prefills, 1..4 decoding slots, preemption-free) compiles nothing.
+    ``moe``: the same on the tiny MoE target (conftest.TINY_MOE, its FFN chosen per layer)."""
+    from tests.runtime.conftest import TINY_MOE
+    cfg, params = tiny if model == "dense" else tiny_model(1, **TINY_MOE)
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
               max_num_seqs=4, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
     ec = llm.engine_config

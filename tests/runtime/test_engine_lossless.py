@@ -52,3 +52,44 @@ def test_speculative_equals_plain(k, m, data):
         assert b.metrics.num_accepted_tokens <= b.metrics.num_draft_tokens
     ec = engine(k, m).engine_config
     assert engine(k, m)._free_count == ec.num_blocks
+
+
+
+MOE_PROMPTS = [list(range(2, 40)), [5, 6, 7], [9] * 21, [30, 31, 32, 33, 34]]
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_run(k: int | None, moe_backend: str | None = None):
+    """Greedy tokens of the tiny MoE target (plain when ``k`` is None), whether a request was
+    preempted, and the free blocks at the end."""
+    from tests.runtime.conftest import TINY_MOE
+    cfg, params = tiny_model(1, **TINY_MOE)
+    llm = LLM(model_config=cfg, params=params,
+              speculative_config=SpeculativeConfig("mtp", k, k) if k else None,
+              max_num_seqs=4, max_model_len=MAX_LEN, block_size=4, num_blocks=20,
+              max_num_batched_tokens=16, moe_backend=moe_backend)
+    eng = llm.llm_engine
+    preempted, real = [], eng._preempt
+    eng._preempt = lambda shard=0: (preempted.append(1), real(shard))
+    outs = llm.generate(MOE_PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
+    return [o.token_ids for o in outs], bool(preempted), llm._free_count
+
+
+@pytest.mark.parametrize("k,moe_backend", [(1, "ragged"), (3, None)])
+def test_moe_target_speculative_equals_plain_with_chunked_prefill_and_preemption(k, moe_backend):
+    """A tiny MoE target (conftest.TINY_MOE: dense first layer, MoE layers, MoE MTP layer): greedy
+    MTP speculation gives the plain engine's tokens and the non-paged reference's, with prompts
+    longer than the 16-token step budget (chunked prefill) and too few KV blocks (20 of 4 tokens)
+    for all requests at once (preemption). The plain engine runs the default experts ("auto":
+    the dense reference on CPU), the K=1 engine the ragged_dot ones (``moe_backend``), so the two
+    implementations also agree token for token."""
+    from tests.runtime.conftest import TINY_MOE
+    cfg, params = tiny_model(1, **TINY_MOE)
+    with pytest.raises(ValueError, match="moe_backend"):
+        LLM(model_config=cfg, params=params, moe_backend="megablox")
+    plain, plain_preempted, plain_free = _moe_run(None)
+    spec, spec_preempted, spec_free = _moe_run(k, moe_backend)
+    assert plain_preempted and spec_preempted, "the block budget was meant to force preemption"
+    assert plain_free == spec_free == 20
+    assert spec == plain
+    assert plain == [reference_greedy(cfg, params, p, 16, stop_ids=()) for p in MOE_PROMPTS]

@@ -38,10 +38,11 @@ FULL = os.environ.get("JMTP_FULL_MESH") == "1"
 DEFAULT_RUNS = [(1, 1, 0), (1, 1, 3), (2, 2, 0), (1, 2, 3), (2, 1, 3), (2, 2, 3), (2, 4, 3)]
 RUNS = ([(dp, tp, k) for dp, tp in [(1, 1)] + MESHES for k in KS] if FULL else DEFAULT_RUNS)
 HEADS = ["dp=1,tp=3,k=3,heads=9/3"] if FULL else []
+MOE_CASE = "dp=2,tp=2,k=3,moe=1"   # the tiny MoE target (conftest.TINY_MOE) on a 2x2 mesh
 # an int8 KV cache (values and scales split over the kv heads) against the same on one device
 QUANT = ["dp=1,tp=1,k=3,kv=int8", "dp=2,tp=2,k=3,kv=int8"]
 CASES = ([f"dp={dp},tp={tp},k={k}" + (",hlo=1" if (dp, tp, k) == (1, 2, 3) else "")
-          for dp, tp, k in RUNS] + HEADS + ["dp=2,tp=3,k=3,heads=9/3"] + QUANT)
+          for dp, tp, k in RUNS] + HEADS + ["dp=2,tp=3,k=3,heads=9/3"] + QUANT + [MOE_CASE])
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -96,6 +97,19 @@ def test_sharded_seeded_sampling_equals_one_device(results, dp, tp, k):
     one = _case(results, 1, k)
     assert _case(results, tp, k, dp)["sampled"] == one["sampled"]
     assert one["sampled"] != one["tokens"]      # really sampled (not the greedy tokens)
+
+
+def test_moe_target_on_a_mesh_equals_reference(results):
+    """The MoE target (dense first layer, MoE layers and MTP layer; routed experts replicated,
+    shared expert and attention split over ``model``) with MTP K=3 on a (2, 2) mesh: greedy
+    tokens of the non-paged one-device reference, every block returned, no recompiles."""
+    res = results[MOE_CASE]
+    assert "error" not in res, res.get("error")
+    cfg, params = worker.model(moe=True)
+    assert res["tokens"] == [reference_greedy(cfg, params, p, worker.MAX_TOKENS)
+                             for p in worker.PROMPTS]
+    assert res["free_blocks"] == res["num_blocks"]
+    assert res["step_executables"] <= res["num_buckets"]
 
 
 def test_int8_kv_cache_on_a_mesh_equals_one_device(results):

@@ -56,11 +56,16 @@ _dense = jax.jit(dense_mtp_forward, static_argnums=(0, 6))
 # The training forward is the inference forward.
 
 
-@pytest.mark.parametrize("variant", ["deepseek", "ernie"])
+@pytest.mark.parametrize("variant", ["deepseek", "ernie", "moe"])
 def test_dense_pass1_equals_mtp_forward_on_packed_segments(variant):
-    # The ERNIE variant also turns on q/k/v biases and q/k norms (Qwen-style blocks).
-    cfg = TINY if variant == "deepseek" else TINY.replace(mtp_layout="ernie", attention_bias=True,
-                                                          qk_norm=True)
+    # The ERNIE variant also turns on q/k/v biases and q/k norms (Qwen-style blocks); the MoE one
+    # is GLM-4.5-shaped (MoE MTP block: sigmoid router with bias, shared expert; partial rotary).
+    from jmtp.model.config import MoEConfig
+    cfg = {"deepseek": TINY,
+           "ernie": TINY.replace(mtp_layout="ernie", attention_bias=True, qk_norm=True),
+           "moe": TINY.replace(partial_rotary_factor=0.5, moe=MoEConfig(
+               4, 2, 16, layers=(0,), mtp_moe=True, scoring="sigmoid", score_bias=True,
+               norm_topk_prob=True, shared_intermediate_size=16))}[variant]
     params = _params(cfg)
     rng = np.random.default_rng(1)
     lens, w = [5, 7], 16

@@ -1,0 +1,228 @@
+"""Mixture-of-experts feed-forward: router, routed experts, shared experts.
+
+The routed experts are SwiGLU MLPs (Shazeer 2020) selected per token by a top-k router
+(Shazeer et al. 2017; the gating variants are those of :class:`jmtp.model.config.MoEConfig`:
+Qwen3-MoE, DeepSeek-V3 / GLM-4.5 (DeepSeek-V3 technical report §2.1.2, arXiv 2412.19437), and
+ERNIE-4.5-MoE, as in transformers' ``modeling_qwen3_moe.py``, ``modeling_glm4_moe.py`` and
+``modeling_ernie4_5_moe.py``).
+
+One MoE layer's parameters (a layer dict of :mod:`jmtp.model.llama`, ``[in, out]`` weights; axes
+in :mod:`jmtp.model.axes`)::
+
+  router        f[H, E]        router_bias  f32[E]   (MoEConfig.score_bias)
+  experts_gate  f[E, H, I_e]   experts_up   f[E, H, I_e]   experts_down f[E, I_e, H]
+  shared_gate   f[H, I_s]      shared_up    f[H, I_s]      shared_down  f[I_s, H]  (I_s > 0)
+
+Two implementations of the routed experts, chosen by ``MoEConfig.implementation``, give the
+same result up to float rounding:
+
+* ``"dense"`` (:func:`experts_dense`): the reference. Every expert runs on every token and the
+  outputs are summed with the routing weights (zero for experts not chosen); cost ~ E·T.
+* ``"ragged"`` (:func:`experts_ragged`): the T·k (token, expert) pairs are sorted by expert and
+  each expert multiplies only its contiguous group (``jax.lax.ragged_dot`` with the group sizes);
+  cost ~ k·T where the backend has a grouped matmul (XLA:TPU). Shapes are static (T·k rows
+  whatever the routing), so it jits once per T. XLA:CPU lowers ``ragged_dot`` to a masked dense
+  product over all E groups, so there it costs k times the dense reference.
+
+``"auto"`` (the default) picks ``"ragged"`` on TPU and ``"dense"`` elsewhere
+(:func:`resolve_implementation`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmtp.model import axes as ax
+from jmtp.model.config import ModelConfig, MoEConfig
+
+DENSE_FFN_KEYS = ("w_gate", "w_up", "w_down")
+MOE_KEYS = ("router", "router_bias", "experts_gate", "experts_up", "experts_down",
+            "shared_gate", "shared_up", "shared_down")
+
+
+def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shapes of one MoE layer's FFN parameters (no leading layer axis).
+
+    Raises:
+      ValueError: ``cfg.moe`` is None."""
+    m = cfg.moe
+    if m is None:
+        raise ValueError("moe_shapes: ModelConfig.moe is None (a dense model)")
+    h, e, i = cfg.hidden_size, m.num_experts, m.moe_intermediate_size
+    shapes = {"router": (h, e), "experts_gate": (e, h, i), "experts_up": (e, h, i),
+              "experts_down": (e, i, h)}
+    if m.score_bias:
+        shapes["router_bias"] = (e,)
+    if m.shared_intermediate_size:
+        s = m.shared_intermediate_size
+        shapes.update(shared_gate=(h, s), shared_up=(h, s), shared_down=(s, h))
+    return shapes
+
+
+def is_moe(p: dict) -> bool:
+    """Whether a layer dict holds a MoE FFN (``router``) rather than a dense one."""
+    return "router" in p
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: ``f[T, H] -> f[T, H]``."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def route(moe: MoEConfig, x: jax.Array, router: jax.Array,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Top-k routing of tokens ``x f[T, H]`` with the router ``f[H, E]`` (fp32 throughout).
+
+    Scores ``s = softmax(x W)`` or ``sigmoid(x W)``; experts are chosen by ``s + bias`` (bias
+    ``f32[E]`` only when given), within the ``topk_group`` best of ``n_group`` groups (a group's
+    score is the sum of its two best choice scores); their weights are ``s`` at the chosen
+    experts (never the bias), renormalised if ``norm_topk_prob`` (by ``max(sum, norm_min)`` when
+    ``norm_min > 0``, else by ``sum + 1e-20``), then times ``routed_scaling_factor``.
+
+    Returns:
+      ``(weights f32[T, k], ids i32[T, k])``.
+    """
+    logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32))
+    scores = (jax.nn.softmax(logits, axis=-1) if moe.scoring == "softmax"
+              else jax.nn.sigmoid(logits))
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if moe.n_group > 1:
+        t, e, g = x.shape[0], moe.num_experts, moe.n_group
+        grouped = choice.reshape(t, g, e // g)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)                    # f32[T, G]
+        _, keep = jax.lax.top_k(group_scores, moe.topk_group)                  # i32[T, topk_group]
+        mask = jnp.zeros((t, g), bool).at[jnp.arange(t)[:, None], keep].set(True)
+        choice = jnp.where(jnp.repeat(mask, e // g, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, moe.num_experts_per_tok)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if moe.norm_topk_prob:
+        total = weights.sum(-1, keepdims=True)
+        weights = weights / (jnp.maximum(total, moe.norm_min) if moe.norm_min > 0 else total + 1e-20)
+    if moe.routed_scaling_factor != 1.0:
+        weights = weights * moe.routed_scaling_factor
+    return weights, ids.astype(jnp.int32)
+
+
+def experts_dense(x, w_gate, w_up, w_down, weights, ids) -> jax.Array:
+    """Reference: every expert on every token, summed with the routing weights.
+
+    Args:
+      x: f[T, H]; w_gate, w_up: f[E, H, I_e]; w_down: f[E, I_e, H];
+      weights: f32[T, k]; ids: i32[T, k] (from :func:`route`).
+
+    Returns:
+      f[T, H] in ``x.dtype``.
+    """
+    t, e = x.shape[0], w_gate.shape[0]
+    gates = jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], ids].add(weights)
+    hid = jax.nn.silu(jnp.einsum("th,ehi->eti", x, w_gate)) * jnp.einsum("th,ehi->eti", x, w_up)
+    y = jnp.einsum("eti,eih->eth", hid, w_down)
+    return jnp.einsum("te,eth->th", gates, y.astype(jnp.float32)).astype(x.dtype)
+
+
+def experts_ragged(x, w_gate, w_up, w_down, weights, ids) -> jax.Array:
+    """Sorted-by-expert grouped matmuls (``jax.lax.ragged_dot``); arguments and result as
+    :func:`experts_dense`.
+
+    The ``T·k`` (token, expert) pairs are stably sorted by expert id; ``group_sizes i32[E]``
+    counts each expert's rows, so expert ``e`` multiplies rows ``[sum(sizes[:e]),
+    sum(sizes[:e+1]))`` only. Each row's output is scaled by its weight and the k rows of a token
+    are summed back in its original order (fp32)."""
+    t, k = ids.shape
+    e = w_gate.shape[0]
+    flat = ids.reshape(-1)                                                     # i32[T·k]
+    order = jnp.argsort(flat, stable=True)                                     # pair index, sorted
+    xs = x[order // k]                                                         # f[T·k, H]
+    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    hid = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes))
+           * jax.lax.ragged_dot(xs, w_up, sizes))
+    y = jax.lax.ragged_dot(hid, w_down, sizes).astype(jnp.float32)             # f32[T·k, H]
+    y = y * weights.reshape(-1)[order][:, None]
+    per_pair = jnp.zeros_like(y).at[order].set(y, unique_indices=True)
+    return per_pair.reshape(t, k, -1).sum(1).astype(x.dtype)
+
+
+EXPERT_IMPLEMENTATIONS = {"dense": experts_dense, "ragged": experts_ragged}
+
+
+def resolve_implementation(implementation: str) -> str:
+    """``"auto"`` -> ``"ragged"`` on TPU, ``"dense"`` on other backends; others unchanged.
+
+    Raises:
+      ValueError: not ``"auto"``, ``"ragged"`` or ``"dense"``."""
+    if implementation == "auto":
+        return "ragged" if jax.default_backend() == "tpu" else "dense"
+    if implementation not in EXPERT_IMPLEMENTATIONS:
+        raise ValueError(f"MoE implementation must be one of "
+                         f"{('auto',) + tuple(EXPERT_IMPLEMENTATIONS)}, got {implementation!r}")
+    return implementation
+
+
+def moe_ffn(moe: MoEConfig, p: dict, x: jax.Array, implementation: str | None = None) -> jax.Array:
+    """The MoE FFN of one layer: routed experts (weighted) plus shared experts (unweighted).
+
+    Args:
+      moe: the configuration (gating, shared experts, default implementation).
+      p: the layer dict (keys in the module docstring).
+      x: f[T, H] post-norm hidden rows.
+      implementation: ``"auto"``, ``"ragged"`` or ``"dense"``; default ``moe.implementation``.
+
+    Returns:
+      f[T, H].
+
+    Raises:
+      ValueError: unknown ``implementation``.
+    """
+    impl = resolve_implementation(implementation or moe.implementation)
+    weights, ids = route(moe, x, p["router"], p.get("router_bias"))
+    out = EXPERT_IMPLEMENTATIONS[impl](x, p["experts_gate"], p["experts_up"], p["experts_down"],
+                                       weights, ids)
+    if "shared_gate" in p:
+        out = out + swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"])
+    return out
+
+
+def ffn(cfg: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
+    """A layer's feed-forward on post-norm rows ``x f[T, H]``: the MoE block if the layer dict
+    holds one (:func:`is_moe`), else the dense SwiGLU ``w_gate/w_up/w_down``."""
+    if is_moe(p):
+        if cfg.moe is None:
+            raise ValueError("a layer holds MoE parameters (router) but ModelConfig.moe is None")
+        return moe_ffn(cfg.moe, p, x)
+    return swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Flax NNX module
+# ----------------------------------------------------------------------------------------------
+
+class MoE(nnx.Module):
+    """MoE feed-forward as NNX Params with logical axes (``experts`` for the expert axis):
+    ``router f[H, E]``, optional ``router_bias f32[E]``, ``experts_gate/experts_up f[E, H, I_e]``,
+    ``experts_down f[E, I_e, H]``, optional ``shared_gate/shared_up f[H, I_s]``,
+    ``shared_down f[I_s, H]``; each with a leading ``layers`` axis of size ``num_stacked`` if given.
+
+    Raises:
+      ValueError: ``cfg.moe`` is None.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 num_stacked: int | None = None, std: float = 0.02):
+        from jmtp.model.modules import _param, _rand  # the shared Param helpers
+        self.moe = cfg.moe
+        lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
+        for name, shape in moe_shapes(cfg).items():
+            if name == "router_bias":
+                value = jnp.zeros(lead + shape, jnp.float32)
+            else:
+                value = _rand(rngs, lead + shape, dtype, std)
+            setattr(self, name, _param(value, ax.LAYER_AXES[name], st))
+
+    def __call__(self, x: jax.Array, implementation: str | None = None) -> jax.Array:
+        """``f[T, H] -> f[T, H]`` (unstacked module only); see :func:`moe_ffn`."""
+        return moe_ffn(self.moe, {k: v[...] for k, v in self.variables().items()}, x,
+                       implementation)
+
+    def variables(self) -> dict:
+        return {k: v for k, v in vars(self).items() if isinstance(v, nnx.Param)}
