@@ -82,10 +82,14 @@ def test_prefill_on_one_llm_decode_on_another(k):
 def test_first_step_after_import_verifies_drafts(k):
     a, b = pair(k)
     ref = a.generate(PROMPTS[:1], SAMPLED, use_tqdm=False)[0]
-    (state,) = a.prefill(PROMPTS[:1], SAMPLED)
+    state = a.llm_engine.prefill_request("r1", PROMPTS[0], SAMPLED)      # the engine-level API
+    assert state.request_id == "r1" and not a.llm_engine.has_unfinished_requests()
     engine = b.llm_engine
     engine.import_request(state)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.import_request(state)
     (out,) = engine.step()
+    assert out.request_id == "r1"
     assert out.metrics.num_decode_steps == 1
     assert out.metrics.num_draft_tokens == k                  # the imported window, verified
     n = 1 + 1 + out.metrics.num_accepted_tokens               # first token + accepted + bonus
@@ -139,6 +143,10 @@ def test_mismatched_states_are_refused():
     with pytest.raises(TypeError):
         b.import_request(["state"])
     assert not b.llm_engine.has_unfinished_requests()
+    a.llm_engine.add_request("busy", PROMPTS[0], GREEDY)
+    with pytest.raises(RuntimeError, match="unfinished"):
+        a.llm_engine.prefill_request("r2", PROMPTS[1], GREEDY)
+    a.llm_engine.abort_request("busy")
     with pytest.raises(ValueError, match="n=1"):
         a.prefill(PROMPTS[:1], SamplingParams(n=2))
     assert not a.llm_engine.has_unfinished_requests()
