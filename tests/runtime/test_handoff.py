@@ -150,3 +150,23 @@ def test_mismatched_states_are_refused():
     with pytest.raises(ValueError, match="n=1"):
         a.prefill(PROMPTS[:1], SamplingParams(n=2))
     assert not a.llm_engine.has_unfinished_requests()
+
+
+def test_int8_cache_waiting_imports_and_preemption():
+    """Quantised pages (values + scales) travel; a decode LLM with 2 slots and 16 blocks queues
+    the third import and preempts imported requests (recomputed from their tokens), and the
+    outputs still equal one-LLM decoding."""
+    a = make(2, kv_cache_dtype="int8")
+    b = make(2, kv_cache_dtype="int8", max_num_seqs=2, num_blocks=16)
+    prompts = PROMPTS + [[3, 4] * 5]
+    for sp in (SamplingParams(max_tokens=30, ignore_eos=True),
+               SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)):
+        ref = a.generate(prompts, sp, use_tqdm=False)
+        states = _wire(a.prefill(prompts, sp))
+        assert states[0].kv["target_k"].dtype == np.int8 and "target_k_scale" in states[0].kv
+        preempted = b.llm_engine.get_stats()["num_preemptions"]
+        outs = b.import_request(states, use_tqdm=False)
+        assert b.llm_engine.get_stats()["num_preemptions"] > preempted
+        for r, o in zip(ref, outs):
+            assert o.token_ids == r.token_ids
+        assert b._free_count == 16
