@@ -819,7 +819,10 @@ class LLMEngine:
         Admits waiting samples into idle slots, runs the jitted step once, and returns one
         :class:`RequestOutput` per request that produced new tokens or finished in this step
         (``finished=True`` on its last one; finished requests are forgotten). Returns ``[]`` when
-        nothing is unfinished.
+        nothing is unfinished. A request queued by :meth:`add_prefill_request` returns no output:
+        the step that finishes its prefill exports it (:meth:`pop_exported`) and frees its slot.
+        A request queued by :meth:`import_request` is admitted like any waiting one and returns
+        outputs with all its tokens.
         """
         t0 = time.perf_counter()
         ec, sec, D = self.engine_config, self._shard_ec, self._dp
