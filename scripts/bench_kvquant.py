@@ -102,11 +102,14 @@ def granularity_errors(cfg, params, prompts, block_size: int = 16) -> dict:
     for name in ("int8", "fp8_e4m3"):
         q8 = kv_quant.storage_dtype(name)
         for kind, store in (("K", ks), ("V", vs)):
-            err_tok = err_blk = norm = 0.0
+            err_tok = err_rot = err_blk = norm = 0.0
+            r = np.asarray(kv_quant.hadamard_rotation(cfg.head_dim))
             for c, t in store:
                 x = c[:, :t]                                           # [L, t, Nkv, D]
                 q, s = kv_quant.quantize(jnp.asarray(x), q8)
                 err_tok += float(np.sum((np.asarray(kv_quant.dequantize(q, s)) - x) ** 2))
+                q, s = kv_quant.quantize(jnp.asarray(x @ r), q8)       # rotated, rotated back
+                err_rot += float(np.sum((np.asarray(kv_quant.dequantize(q, s)) @ r.T - x) ** 2))
                 # per block per head: absmax over the block's tokens and D
                 n_blk = -(-t // block_size)
                 xb = np.zeros((x.shape[0], n_blk * block_size) + x.shape[2:], np.float32)
@@ -119,8 +122,38 @@ def granularity_errors(cfg, params, prompts, block_size: int = 16) -> dict:
                 deq = np.moveaxis(deq, 3, 2).reshape(x.shape[0], -1, x.shape[2], x.shape[3])
                 err_blk += float(np.sum((deq[:, :t] - x) ** 2))
                 norm += float(np.sum(x ** 2))
-            out[name, kind] = (np.sqrt(err_tok / norm), np.sqrt(err_blk / norm))
+            out[name, kind] = (np.sqrt(err_tok / norm), np.sqrt(err_rot / norm),
+                               np.sqrt(err_blk / norm))
     return out
+
+
+def window_vs_rows(cfg, params, ids, window: int = 4, block_size: int = 16) -> tuple[float, int]:
+    """Why MTP can differ from plain decoding on a quantised cache: the f32 keys of the last
+    ``window`` tokens of ``ids`` computed as one ``window``-row chunk vs as ``window`` one-row
+    steps (same prefix before). Returns ``(max |difference|, positions·layers·heads not
+    bit-identical)``."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jmtp.model import forward, init_kv_cache, ragged_batch
+
+    t = len(ids)
+    pages = -(-t // block_size)
+    tables = jnp.arange(pages, dtype=jnp.int32)[None]
+
+    def keys(chunks):
+        cache, done = init_kv_cache(cfg, cfg.num_layers, pages, block_size, jnp.float32), 0
+        for c in chunks:
+            pos, meta = ragged_batch(jnp.array([c], jnp.int32), jnp.array([done], jnp.int32),
+                                     tables, block_size, c)
+            _, cache = forward(cfg, params, jnp.asarray(ids[done:done + c], jnp.int32), pos, meta,
+                               cache)
+            done += c
+        k = np.asarray(cache.k).reshape(cfg.num_layers, -1, cfg.num_kv_heads, cfg.head_dim)
+        return k[:, t - window:t]
+
+    a, b = keys([t - window, window]), keys([t - window] + [1] * window)
+    return float(np.abs(a - b).max()), int((a != b).any(-1).sum())
 
 
 def teacher_forced(cfg, params, prompts, outputs, kv_cache_dtype, cache_dtype=None,
@@ -252,11 +285,19 @@ def main(argv=None) -> int:
                       f"{tok_values} + {tok_scales} |")
     btable = "\n".join(blines)
 
-    glines = ["| format | tensor | rel. RMS error, per token per head (used) | "
-              "per block (16 tokens) per head |", "|---|---|---|---|"]
-    for (name, kind), (e_tok, e_blk) in gran.items():
-        glines.append(f"| {name} | {kind} | {e_tok:.4f} | {e_blk:.4f} |")
+    glines = ["| format | tensor | rel. RMS error, per token per head | same, Hadamard-rotated | "
+              "per block (16 tokens) per head |", "|---|---|---|---|---|"]
+    for (name, kind), (e_tok, e_rot, e_blk) in gran.items():
+        used = (lambda v: f"**{v:.4f}**")
+        a, b = (f"{e_tok:.4f}", used(e_rot)) if name == "int8" else (used(e_tok), f"{e_rot:.4f}")
+        glines.append(f"| {name} | {kind} | {a} | {b} | {e_blk:.4f} |")
     gtable = "\n".join(glines)
+
+    diff, n_diff = window_vs_rows(cfg, params, gran_prompts[0])
+    wline = (f"f32 keys of a prompt's last 4 tokens computed as one 4-row chunk vs four 1-row "
+             f"steps: max |difference| {diff:.2e}, {n_diff} of {cfg.num_layers * 4 * cfg.num_kv_heads} "
+             f"(layer, position, head) key vectors not bit-identical")
+    print("# " + wline, flush=True)
 
     import jax.numpy as jnp
     tlines = ["| cache | teacher-forced top-1 agreement with the f32 cache |", "|---|---|"]
@@ -296,7 +337,12 @@ would depend on chunk sizes, speculation and preemption. The per-token error is 
 values at D = 64). Greedy MTP equals greedy plain on the same int8 cache on the tiny test model
 (`tests/runtime/test_kvquant_engine.py`); on SmolLM2 see "MTP = plain" below: a verify window's
 K/V come from a (K+1)-row matmul whose last bits can differ from plain decoding's 1-row matmul,
-and 8-bit rounding can turn that into a whole quantisation step (likely cause, not verified).
+and 8-bit rounding can turn that into a whole quantisation step. Measured here: {wline}.
+
+int8 caches store K and V rotated by an orthonormal Hadamard matrix (the query is rotated alike
+and the attention output rotated back: `jmtp.pallas.kv_quant.hadamard_rotation`), which spreads
+outlier channels over the whole head and so lowers int8's per-token error; fp8 is stored
+unrotated.
 
 ### KV-cache quantisation: measured {date}
 
@@ -317,7 +363,8 @@ KV-cache bytes of the MTP engines ({cfg.num_layers} target layers + 1 MTP layer,
 
 Scale granularity, measured on the K/V of {len(gran_prompts)} prompts' prefills (all layers): one
 f32 scale per token per KV head (FastDeploy's `block_wise_fp8` layout `[num_blocks, kv_heads,
-block_size]`, what jmtp uses) against one per 16-token block per head:
+block_size]`), with and without the Hadamard rotation, against one per 16-token block per head
+(bold: what jmtp stores):
 
 {gtable}
 

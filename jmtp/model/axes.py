@@ -77,3 +77,5 @@ MTP_AXES: dict[str, tuple[str, ...]] = {
 }
 
 KV_CACHE_AXES = (LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+#: Scales of a quantised cache ``f32[L, num_blocks, Nkv, block_size]`` (``KVCache.k_scale``).
+KV_SCALE_AXES = (LAYERS, BLOCKS, KV_HEADS, BLOCK_SIZE)

@@ -153,6 +153,11 @@ def decoder_layer(
     quantised when the pool is) + SwiGLU. Returns ``(x, pool)``."""
     t = x.shape[0]
     q, k, v = project_qkv(cfg, p, x, positions)
+    # An int8 cache stores K and V rotated (kv_quant.hadamard_rotation); the query is rotated
+    # alike and the attention output rotated back, which leaves attention unchanged.
+    rot = kv_quant.rotation_for(pool.k.dtype, cfg.head_dim, q.dtype)
+    if rot is not None:
+        q, k, v = q @ rot, k @ rot, v @ rot
     slots = meta.slot_mapping
     if t == 1:
         # One row: XLA turns the scatter into a bounds-checked dynamic-update-slice that reads the
@@ -168,6 +173,8 @@ def decoder_layer(
         q, pool.k, pool.v, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
         sm_scale=1.0 / math.sqrt(cfg.head_dim), implementation=attention_impl,
         k_scale=pool.k_scale, v_scale=pool.v_scale)
+    if rot is not None:
+        attn = attn @ rot.T
     x = x + attn.reshape(t, cfg.q_size) @ p["wo"]
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]

@@ -21,9 +21,11 @@ and head. We chose this over one scale per block per head because:
    earlier tokens to be requantised with the larger scale, so the cache contents, and the tokens
    generated from them, would depend on how the block happened to be written (chunk sizes,
    speculation, preemption). With per-token scales the stored value of a token does not depend
-   on the write pattern. (Speculative and plain decoding can still differ when the f32 K/V of
-   one token, computed in a multi-row verify window vs a one-row decode step, differ in their
-   last bits across a rounding boundary: seen on SmolLM2, see ``scripts/bench_kvquant.py``);
+   on the write pattern. (Speculative and plain decoding can still differ: XLA:CPU's f32 K/V
+   of a token computed in a multi-row verify window and in a one-row decode step differ in
+   their last bits (measured on SmolLM2: up to 1.8e-5 absolute after a 4-row window vs four
+   1-row steps; ``scripts/bench_kvquant.py`` prints the figure), and where such a value sits on a rounding boundary the 8-bit code differs by
+   one step, which can flip a later near-tie argmax; ``scripts/bench_kvquant.py`` counts it);
 2. per-token scales lose less: ``scripts/bench_kvquant.py`` measures the reconstruction error of
    SmolLM2's real K/V under both granularities (README snippet ``docs/kvquant_readme_snippet.md``);
 3. the cost is 4 bytes per token per head per K/V, ``4 / D`` of the int8 values (6.25 % for
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 #: Allowed values of ``kv_cache_dtype`` (vLLM's names).
 KV_CACHE_DTYPES = (None, "int8", "fp8_e4m3")
@@ -90,6 +93,36 @@ def quantize(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     if dtype == jnp.int8:
         y = jnp.round(y)
     return y.astype(dtype), scale.astype(SCALE_DTYPE)
+
+
+def hadamard_rotation(d: int, dtype=jnp.float32) -> jax.Array:
+    """Orthonormal ``f[d, d]`` rotation applied to keys, values and queries before an int8 cache.
+
+    A Sylvester Hadamard matrix ``H_n / sqrt(n)`` for the largest power of two ``n`` dividing
+    ``d``, repeated ``d / n`` times on the diagonal (block-diagonal when ``d`` is not a power of
+    two). Because ``R`` is orthonormal, ``(q R)·(k R) = q·k`` and ``attn(V R) Rᵀ = attn(V)``, so
+    the attention result is unchanged in exact arithmetic; but the rotated vectors have their
+    energy spread over all ``n`` coordinates, so a per-token absmax scale is no longer set by a
+    few outlier channels. SmolLM2's keys have a median absmax/RMS of ~5 per (token, head); the
+    rotation halves int8's relative RMS error on its K (0.0114 -> 0.0055, ``scripts/
+    bench_kvquant.py``). Source: the incoherence processing of QuaRot (Ashkboos et al. 2024,
+    arXiv:2404.00456) applied to the KV cache. FP8 keeps per-coordinate exponents, so rotating
+    does not help it (measured slightly worse) and :func:`rotation_for` returns ``None`` for it.
+    """
+    n = d & -d                                     # largest power of two dividing d
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    r = np.kron(np.eye(d // n, dtype=np.float32), h / np.sqrt(n, dtype=np.float32))
+    return jnp.asarray(r, dtype)
+
+
+def rotation_for(cache_dtype, d: int, dtype) -> jax.Array | None:
+    """The rotation :func:`hadamard_rotation` (in ``dtype``) when the cache is int8, else
+    ``None`` (f32/bf16 caches and fp8 are stored unrotated)."""
+    if jnp.dtype(cache_dtype) != jnp.dtype(jnp.int8):
+        return None
+    return hadamard_rotation(d, dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:

@@ -322,14 +322,15 @@ def ragged_paged_attention(
     if tp > 1 and k_cache.shape[2] % tp == 0:
         # Tensor parallel (a mesh set by jmtp.runtime.sharding.mesh_context): every rank attends
         # with its own kv heads and their query heads; the metadata is replicated.
-        heads, cache = sharding.attention_specs()
+        heads, cache, scale = sharding.attention_specs()
         rep = jax.sharding.PartitionSpec()
-        if k_scale is not None:
-            raise ValueError("a quantised KV cache (k_scale/v_scale) under tensor parallelism is "
-                             "not supported yet")
-        run = jax.shard_map(run, in_specs=(heads, cache, cache, rep, rep, rep), out_specs=heads,
+        specs = (heads, cache, cache, rep, rep, rep)
+        args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
+        if k_scale is not None:    # a quantised cache: its scales split over the kv heads too
+            specs, args = specs + (scale, scale), args + (k_scale, v_scale)
+        run = jax.shard_map(run, in_specs=specs, out_specs=heads,
                             axis_names=sharding.auto_axes(), check_vma=False)
-        return run(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
+        return run(*args)
     return run(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
 
 

@@ -269,9 +269,6 @@ class LLMEngine:
             self._insert = jax.jit(insert_request, donate_argnums=0)
             self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
             self._import = jax.jit(functools.partial(import_slot, ec), donate_argnums=(0, 1, 2))
-        elif ec.kv_cache_dtype is not None:
-            raise ValueError(f"kv_cache_dtype={ec.kv_cache_dtype!r} with a device mesh "
-                             "(tensor_parallel_size / data_parallel_size > 1) is not supported yet")
         else:
             self._place_on_mesh(num_mtp_cache_layers, dtype)
         self._free_counts = [self._shard_ec.num_blocks] * self._dp   # free KV blocks per shard
@@ -339,18 +336,20 @@ class LLMEngine:
                                  self._shard_ec, self._dp)
         rep = shd.replicated(mesh)
         st = shd.state_sharding(mesh)
-        kv = shd.kv_cache_sharding(mesh, mc.num_kv_heads, stacked=True)
+        kv = shd.kv_cache_shardings(mesh, mc.num_kv_heads, ec.kv_cache_dtype is not None,
+                                    stacked=True)
         self.params = mh.put(self.params, shd.param_shardings(self.params, mesh),
                              what="parameters")
         self.state = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
                              out_shardings=st)()
         make = lambda n: jax.jit(lambda: dpar.stack_shards(
-            init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype), dp), out_shardings=kv)()
+            init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype, ec.kv_cache_dtype), dp),
+            out_shardings=kv)()
         self.cache = make(mc.num_layers)
         self.mtp_cache = make(num_mtp_cache_layers) if num_mtp_cache_layers else None
         self._step = jax.jit(functools.partial(dpar.data_parallel_step, mesh),
                              static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8),
-                             out_shardings=(st, kv, kv, rep))
+                             out_shardings=(st, kv, kv if self.mtp_cache is not None else None, rep))
         self._insert = jax.jit(functools.partial(dpar.data_parallel_insert, mesh),
                                donate_argnums=0, out_shardings=st)
         self._release = jax.jit(functools.partial(dpar.data_parallel_release, mesh, sec),
@@ -512,13 +511,14 @@ class LLMEngine:
         are freed at once, whether they wait, prefill or decode; no further output is returned."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            group = self._groups.pop(rid, None)
+            group = self._groups.get(rid)
             if group is None:
                 continue
             for seq in group.seqs:
                 if seq.slot is not None:
                     self._free_slot(seq.slot, release=True)
             self._waiting = collections.deque(s for s in self._waiting if s.group is not group)
+            del self._groups[rid]      # last: a failing release leaves the request abortable
 
     # ------------------------------------------------------------------ hand-off
     def prefill_request(self, request_id: str, prompt: str | list[int],
@@ -939,8 +939,8 @@ class LLMEngine:
             if best is None:
                 return
             _, d, b = best
+            self._admit(b, seq)          # may raise: then the sample is still first in line
             self._waiting.popleft()
-            self._admit(b, seq)
             free[d] -= need
 
     def _append(self, seq: _Seq, tokens: list[int]) -> tuple[int, str | None]:
@@ -1008,6 +1008,10 @@ class LLMEngine:
             row["recent_tokens"][ec.max_bad_word_len - 1 - tail.size:] = tail
         row["rng_offset"] = np.int32(len(hist))
         remaining = seq.params.max_tokens - len(hist)
+        # The device insert first: if it raises, no host bookkeeping has changed (the sample
+        # stays waiting, the slot stays idle) and the error is the caller's to see.
+        self._insert_call(b, ids, len(seq.context_ids), remaining, row,
+                          seq.output_ids[-1] if resume else -1)
         seq.prefilled = 0
         seq.resuming = resume
         seq.slot = b
@@ -1015,23 +1019,22 @@ class LLMEngine:
             self.spec_policy.reset_slot(b)
         if not seq.metrics.accepted_per_position:
             seq.metrics.accepted_per_position = [0] * ec.k
-        self._insert_call(b, ids, len(seq.context_ids), remaining, row,
-                          seq.output_ids[-1] if resume else -1)
         self._slots[b] = seq
         self._paused[b] = False
         self._order.append(b)
 
     def _free_slot(self, b: int, release: bool):
         """Empty slot ``b``; ``release`` returns its KV blocks (the step already released those
-        of slots it finished)."""
+        of slots it finished). The device release runs first, so that a failing call leaves
+        the host's view of the slot unchanged."""
+        if release:
+            self._release_call(b)
         seq = self._slots[b]
         self._slots[b] = None
         self._paused[b] = False
         self._order.remove(b)
         seq.slot = None
         self._hold[b // self._shard_ec.max_num_seqs] = False
-        if release:
-            self._release_call(b)
 
     def _preempt(self, shard: int = 0):
         """Every occupied slot of data shard ``shard`` is paused for KV blocks: preempt its newest

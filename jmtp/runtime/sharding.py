@@ -203,14 +203,30 @@ def param_shardings(model_state: nnx.State, mesh: Mesh) -> nnx.State:
     return jax.tree_util.tree_map_with_path(one, model_state, is_leaf=_is_var)
 
 
-def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, stacked: bool = False) -> NamedSharding:
+def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, stacked: bool = False,
+                      scales: bool = False) -> NamedSharding:
     """Sharding of a KV cache array ``f[L, num_blocks, block_size, Nkv, D]``
-    (:data:`jmtp.model.axes.KV_CACHE_AXES`): kv heads over ``model``; with ``stacked``, the
-    per-data-shard ``f[D, L, num_blocks/D, block_size, Nkv, D]`` (leading axis over ``data``)."""
-    names, shape = ax.KV_CACHE_AXES, (1, 1, 1, num_kv_heads, 1)
+    (:data:`jmtp.model.axes.KV_CACHE_AXES`), or with ``scales`` of a quantised cache's scales
+    ``f32[L, num_blocks, Nkv, block_size]`` (:data:`~jmtp.model.axes.KV_SCALE_AXES`): kv heads over
+    ``model``; with ``stacked``, the per-data-shard arrays with a leading axis over ``data``
+    (``f[D, L, num_blocks/D, ...]``)."""
+    names = ax.KV_SCALE_AXES if scales else ax.KV_CACHE_AXES
+    shape = tuple(num_kv_heads if n == ax.KV_HEADS else 1 for n in names)
     if stacked:
         names, shape = (DATA_SHARD,) + tuple(names), (int(mesh.shape[DATA]),) + shape
     return NamedSharding(mesh, logical_spec(names, shape, mesh, "kv_cache"))
+
+
+def kv_cache_shardings(mesh: Mesh, num_kv_heads: int, quantized: bool, stacked: bool = False):
+    """The shardings of a whole :class:`jmtp.model.llama.KVCache` (a pytree prefix of it): values
+    and, for a ``quantized`` cache, scales, each with its kv heads over ``model``
+    (:func:`kv_cache_sharding`)."""
+    from jmtp.model.llama import KVCache
+    values = kv_cache_sharding(mesh, num_kv_heads, stacked)
+    if not quantized:
+        return KVCache(values, values)
+    sc = kv_cache_sharding(mesh, num_kv_heads, stacked, scales=True)
+    return KVCache(values, values, sc, sc)
 
 
 def state_sharding(mesh: Mesh) -> NamedSharding:
@@ -224,11 +240,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def attention_specs() -> tuple[P, P]:
-    """``(query/output spec f[T, Nq, D], cache spec f[num_blocks, block_size, Nkv, D])`` of ragged
-    paged attention under ``shard_map``: heads over ``model``."""
+def attention_specs() -> tuple[P, P, P]:
+    """``(query/output spec f[T, Nq, D], cache spec f[num_blocks, block_size, Nkv, D], scale spec
+    f32[num_blocks, Nkv, block_size])`` of ragged paged attention under ``shard_map``: heads over
+    ``model``."""
     heads = LOGICAL_TO_MESH[ax.KV_HEADS]
-    return P(None, heads, None), P(None, None, heads, None)
+    return P(None, heads, None), P(None, None, heads, None), P(None, heads, None)
 
 
 @contextlib.contextmanager
@@ -274,5 +291,5 @@ def model_axis_size() -> int:
 __all__ = ["DATA", "MODEL", "MESH_AXES", "SLOTS", "DATA_SHARD", "state_sharding",
            "LOGICAL_TO_MESH", "make_mesh", "mesh_devices", "check_mesh",
            "mesh_sizes", "check_tensor_parallel", "logical_spec", "param_shardings",
-           "kv_cache_sharding", "replicated", "attention_specs", "mesh_context",
+           "kv_cache_sharding", "kv_cache_shardings", "replicated", "attention_specs", "mesh_context",
            "per_device_bytes", "model_axis_size", "auto_axes"]

@@ -3,9 +3,9 @@
 pytest process, whose JAX already runs on one device, cannot do it).
 
 ``python -m tests.runtime.sharding_worker CASE...`` prints one JSON line ``{CASE: result}``.
-A case is ``dp=D,tp=N,k=K[,hlo=1][,heads=Nq/Nkv]`` (greedy and seeded sampled tokens of
+A case is ``dp=D,tp=N,k=K[,hlo=1][,heads=Nq/Nkv][,kv=int8]`` (greedy and seeded sampled tokens of
 :data:`PROMPTS` on a ``data_parallel_size=D, tensor_parallel_size=N`` engine, MTP with ``K`` drafts or
-none for 0, the number of compiled step executables, whether the donated cache was given up,
+none for 0, ``kv`` its ``kv_cache_dtype``, the number of compiled step executables, whether the donated cache was given up,
 per-parameter bytes on the first device, and with ``hlo=1`` the collectives of its compiled decode
 step), ``errors`` (the ValueErrors of engines whose mesh does not fit the model or the devices),
 ``dp_host`` (the host side of data parallelism: balanced admission, per-shard preemption), ``tie`` (greedy verification of
@@ -51,10 +51,10 @@ def model(heads: str = "8/8"):
     return tiny_model(0, **dict(MODEL, num_heads=nq, num_kv_heads=nkv))
 
 
-def make_llm(dp: int, tp: int, k: int, heads: str = "8/8") -> LLM:
+def make_llm(dp: int, tp: int, k: int, heads: str = "8/8", kv: str | None = None) -> LLM:
     cfg, params = model(heads)
     spec = SpeculativeConfig("mtp", k) if k else None
-    return LLM(model_config=cfg, params=params, speculative_config=spec,
+    return LLM(model_config=cfg, params=params, speculative_config=spec, kv_cache_dtype=kv,
                data_parallel_size=dp, tensor_parallel_size=tp, **engine_sizes(dp))
 
 
@@ -93,9 +93,10 @@ def collectives(llm) -> dict:
     return {"collectives": ops, "weight_shapes": sorted(w for w in weights if len(w) >= 2)}
 
 
-def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8") -> dict:
+def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8",
+             kv: str | None = None) -> dict:
     from jmtp.runtime.buckets import step_buckets
-    llm = make_llm(dp, tp, k, heads)
+    llm = make_llm(dp, tp, k, heads, kv)
     eng = llm.llm_engine
     first_cache = eng.cache.k
     # jit objects of equal function and options share their executables: count this engine's
@@ -113,6 +114,9 @@ def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8") ->
            "cache_donated": first_cache.is_deleted(),
            "params": param_bytes(llm), "memory": eng.memory_per_device(),
            "cache_spec": str(getattr(eng.cache.k.sharding, "spec", None)),
+           "scale_spec": (str(getattr(eng.cache.k_scale.sharding, "spec", None))
+                          if eng.cache.k_scale is not None else None),
+           "cache_dtype": str(eng.cache.k.dtype),
            "free_blocks": eng.get_stats()["num_free_blocks"],
            "num_blocks": eng.engine_config.num_blocks}
     if hlo:
@@ -215,7 +219,7 @@ def attention_case() -> dict:
     out = {}
     for tp in (2, 4):
         mesh = shd.make_mesh(tp)
-        heads, cache = shd.attention_specs()
+        heads, cache, _ = shd.attention_specs()
         q, k, v = (jax.device_put(a, NamedSharding(mesh, spec))
                    for a, spec in zip(args[:3], (heads, cache, cache)))
         for impl in rpa.IMPLEMENTATIONS:
@@ -247,7 +251,8 @@ def main(cases: list[str]) -> None:
             else:
                 kv = dict(part.split("=") for part in case.split(","))
                 results[case] = run_case(int(kv["dp"]), int(kv["tp"]), int(kv["k"]),
-                                         bool(int(kv.get("hlo", 0))), kv.get("heads", "8/8"))
+                                         bool(int(kv.get("hlo", 0))), kv.get("heads", "8/8"),
+                                         kv.get("kv"))
         except Exception:
             results[case] = {"error": traceback.format_exc()}
         print(f"{case}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

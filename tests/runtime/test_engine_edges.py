@@ -248,3 +248,51 @@ def test_bad_input_raises_before_running(tiny):
     with pytest.raises(ValueError, match="eh_proj|embed|missing|shape"):
         LLM(model_config=cfg.replace(vocab_size=128), params=params)
     assert not calls  # nothing ran
+
+
+@pytest.mark.parametrize("fail_in", ["_insert_call", "_release_call"])
+def test_failing_device_call_loses_no_request(tiny, fail_in):
+    """A device call that raises (the request insert while admitting, or the slot release while
+    aborting) leaves the host's bookkeeping as it was: the error reaches the caller unchanged, the
+    request can still be aborted or run, and no KV block leaks. (Before the fix the insert's
+    failure left ``seq.slot`` set on an unrecorded slot, so the abort in ``LLM.generate`` died in
+    ``list.remove`` and hid the real error.)"""
+    cfg, params = tiny
+    llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
+              max_num_seqs=2, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+    eng = llm.llm_engine
+    real = getattr(eng, fail_in)
+    calls = []
+
+    def fail_once(*a):
+        calls.append(a)
+        if len(calls) == 1:
+            raise RuntimeError("injected device failure")
+        return real(*a)
+
+    setattr(eng, fail_in, fail_once)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    if fail_in == "_insert_call":
+        eng.add_request("a", [5, 6, 7], sp)
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.step()
+        assert len(eng._waiting) == 1 and all(s is None for s in eng._slots) and not eng._order
+        assert eng._waiting[0].slot is None
+        # the request was not lost: the next step admits and runs it to the reference output
+        outs = []
+        while eng.has_unfinished_requests():
+            outs += [o for o in eng.step() if o.finished]
+        assert outs[0].outputs[0].token_ids == reference_greedy(cfg, params, [5, 6, 7], 6,
+                                                                stop_ids=())
+    else:
+        eng.add_request("a", [5, 6, 7], sp)
+        eng.step()                                    # admitted and prefilled: owns blocks
+        b = eng._order[0]
+        with pytest.raises(RuntimeError, match="injected"):
+            eng.abort_request("a")
+        # the host still sees the slot occupied; the abort is retried and frees the blocks
+        assert eng._slots[b] is not None and eng._order == [b] and eng.has_unfinished_requests()
+        eng.abort_request("a")
+        assert not eng.has_unfinished_requests() and all(s is None for s in eng._slots)
+    assert eng._free_count == llm.engine_config.num_blocks
+    assert int(eng.state.free_count) == llm.engine_config.num_blocks

@@ -38,8 +38,10 @@ FULL = os.environ.get("JMTP_FULL_MESH") == "1"
 DEFAULT_RUNS = [(1, 1, 0), (1, 1, 3), (2, 2, 0), (1, 2, 3), (2, 1, 3), (2, 2, 3), (2, 4, 3)]
 RUNS = ([(dp, tp, k) for dp, tp in [(1, 1)] + MESHES for k in KS] if FULL else DEFAULT_RUNS)
 HEADS = ["dp=1,tp=3,k=3,heads=9/3"] if FULL else []
+# an int8 KV cache (values and scales split over the kv heads) against the same on one device
+QUANT = ["dp=1,tp=1,k=3,kv=int8", "dp=2,tp=2,k=3,kv=int8"]
 CASES = ([f"dp={dp},tp={tp},k={k}" + (",hlo=1" if (dp, tp, k) == (1, 2, 3) else "")
-          for dp, tp, k in RUNS] + HEADS + ["dp=2,tp=3,k=3,heads=9/3"])
+          for dp, tp, k in RUNS] + HEADS + ["dp=2,tp=3,k=3,heads=9/3"] + QUANT)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -58,7 +60,7 @@ def results():
 
 
 def _case(results, tp, k, dp=1):
-    key = next(c for c in CASES if c.startswith(f"dp={dp},tp={tp},k={k}"))
+    key = next(c for c in CASES if c.startswith(f"dp={dp},tp={tp},k={k}") and "kv=" not in c)
     res = results[key]
     assert "error" not in res, res.get("error")
     return res
@@ -94,6 +96,20 @@ def test_sharded_seeded_sampling_equals_one_device(results, dp, tp, k):
     one = _case(results, 1, k)
     assert _case(results, tp, k, dp)["sampled"] == one["sampled"]
     assert one["sampled"] != one["tokens"]      # really sampled (not the greedy tokens)
+
+
+def test_int8_kv_cache_on_a_mesh_equals_one_device(results):
+    """An int8 cache on a 2x2 (data, model) mesh: values and scales stacked per data shard with
+    their kv heads over ``model``; greedy and seeded sampled MTP tokens equal the one-device int8
+    engine's; every block comes back."""
+    one, res = results[QUANT[0]], results[QUANT[1]]
+    assert "error" not in one and "error" not in res, (one.get("error"), res.get("error"))
+    assert res["cache_dtype"] == one["cache_dtype"] == "int8"
+    assert res["cache_spec"] == str(P(shd.DATA, None, None, None, shd.MODEL, None))
+    assert res["scale_spec"] == str(P(shd.DATA, None, None, shd.MODEL, None))
+    assert res["tokens"] == one["tokens"] and res["sampled"] == one["sampled"]
+    assert res["free_blocks"] == res["num_blocks"] and res["cache_donated"]
+    assert res["step_executables"] <= res["num_buckets"]
 
 
 def test_data_parallel_host_admission_and_preemption(results):
