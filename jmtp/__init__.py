@@ -8,10 +8,11 @@ Public API::
 """
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.engine import LLM
+from jmtp.runtime.handoff import RequestState
 from jmtp.runtime.llm_engine import LLMEngine
 from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetrics
 from jmtp.runtime.sampling import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "SpeculativeConfig", "EngineConfig",
-           "RequestOutput", "CompletionOutput", "SpecDecodeMetrics"]
+           "RequestOutput", "CompletionOutput", "SpecDecodeMetrics", "RequestState"]

@@ -13,11 +13,13 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jmtp.runtime.handoff import RequestState
 from jmtp.runtime.llm_engine import LLMEngine, default_dtype, with_draft_vocab
 from jmtp.runtime.outputs import RequestOutput
 from jmtp.runtime.sampling import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "default_dtype", "with_draft_vocab"]
+__all__ = ["LLM", "LLMEngine", "RequestState", "SamplingParams", "default_dtype",
+           "with_draft_vocab"]
 
 def _engine_attr(name: str) -> property:
     """An attribute of ``LLM`` that is the same attribute of its ``llm_engine``."""
@@ -89,6 +91,20 @@ class LLM:
             string prompts without a tokenizer — before anything runs (nothing stays queued).
           RuntimeError: the engine has unfinished requests added through ``llm_engine``.
         """
+        prompts, sps = self._prompts_and_params(prompts, sampling_params, "LLM.generate")
+        engine = self.llm_engine
+        call = next(self._calls)
+        ids = [f"generate-{call}-{i}" for i in range(len(prompts))]
+        try:
+            for i, (rid, p, sp) in enumerate(zip(ids, prompts, sps)):
+                engine._add(rid, p, sp, f"prompts[{i}]")
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _prompts_and_params(self, prompts, sampling_params, where: str):
+        """``(list of prompts, one SamplingParams per prompt)``; checks that the engine is idle."""
         if isinstance(prompts, np.ndarray):
             prompts = prompts.tolist()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, np.integer))):
@@ -103,16 +119,74 @@ class LLM:
                                 f"{type(sp).__name__}")
         if len(sps) != len(prompts):
             raise ValueError(f"got {len(sps)} sampling_params for {len(prompts)} prompts")
+        self._check_idle(where)
+        return prompts, sps
+
+    def _check_idle(self, where: str) -> None:
         engine = self.llm_engine
         if engine.has_unfinished_requests():
-            raise RuntimeError(f"LLM.generate: the engine has {engine.get_num_unfinished_requests()}"
+            raise RuntimeError(f"{where}: the engine has {engine.get_num_unfinished_requests()}"
                                " unfinished requests added through llm_engine; finish or abort "
                                "them first")
+
+    # ------------------------------------------------------------------ hand-off
+    def prefill(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                = None) -> list[RequestState]:
+        """Prefill every prompt here (batched, chunked as :meth:`generate` does) and hand each
+        request off after its prefill step (which samples its first token and proposes its first
+        drafts): one :class:`~jmtp.runtime.handoff.RequestState` per prompt, in input order, to
+        give to :meth:`import_request` of another ``LLM`` (same model, MTP head and speculative
+        config; ``max_num_seqs`` / ``num_blocks`` may differ), possibly in another process
+        (``state.to_bytes()`` / ``RequestState.from_bytes``). Nothing stays on this engine.
+
+        Args:
+          prompts, sampling_params: as :meth:`generate` (``n`` must be 1).
+
+        Raises:
+          ValueError: as :meth:`generate`; ``n > 1``; a device mesh or a custom drafter.
+          RuntimeError: the engine has unfinished requests added through ``llm_engine``.
+        """
+        prompts, sps = self._prompts_and_params(prompts, sampling_params, "LLM.prefill")
+        engine = self.llm_engine
         call = next(self._calls)
-        ids = [f"generate-{call}-{i}" for i in range(len(prompts))]
+        ids = [f"prefill-{call}-{i}" for i in range(len(prompts))]
         try:
-            for i, (rid, p, sp) in enumerate(zip(ids, prompts, sps)):
-                engine._add(rid, p, sp, f"prompts[{i}]")
+            for rid, p, sp in zip(ids, prompts, sps):
+                engine.add_prefill_request(rid, p, sp)
+            while engine.has_unfinished_requests():
+                engine.step()
+        except BaseException:
+            engine.abort_request(ids)
+            for rid in ids:
+                engine.pop_exported(rid)
+            raise
+        return [engine.pop_exported(rid) for rid in ids]
+
+    def import_request(self, states: RequestState | Sequence[RequestState], *,
+                       use_tqdm: bool = True) -> list[RequestOutput]:
+        """Decode requests another ``LLM`` prefilled (:meth:`prefill`) to completion, batched;
+        results in input order (``request_id`` = the index, as :meth:`generate`). Each output
+        holds every generated token (the exporter's first one included) and the speculation
+        counters of the whole request; the first step here already verifies the imported drafts.
+
+        Raises:
+          TypeError / ValueError: see :meth:`LLMEngine.import_request` (version, fingerprint,
+            ``max_model_len``, capacity), before anything runs.
+          RuntimeError: the engine has unfinished requests added through ``llm_engine``.
+        """
+        states = [states] if isinstance(states, RequestState) else list(states)
+        self._check_idle("LLM.import_request")
+        engine = self.llm_engine
+        for i, st in enumerate(states):
+            if not isinstance(st, RequestState):
+                raise TypeError(f"states[{i}] must be a jmtp RequestState, got "
+                                f"{type(st).__name__}")
+        ids = [s.request_id for s in states]
+        if len(set(ids)) != len(ids):
+            raise ValueError("LLM.import_request: two states share a request_id")
+        try:
+            for st in states:
+                engine.import_request(st)
         except BaseException:
             engine.abort_request(ids)
             raise

@@ -40,6 +40,8 @@ from jmtp.runtime import sharding as shd
 from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.runtime.prefix_cache import PrefixCache
 from jmtp.runtime.step import engine_step, push_free_blocks, release_slot, retire_slot
+from jmtp.runtime.handoff import (HANDOFF_VERSION, RequestState, compat_diff, engine_fingerprint,
+                                  fingerprint_hash, gather_slot, import_slot, page_bucket)
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ class _Seq:
     device_ids: list[int] = dataclasses.field(default_factory=list)
     dev_decoded: int = 0
     mtp_valid: int = 0
+    handoff: "RequestState | None" = None   # imported state to admit (jmtp.runtime.handoff)
     # reported so far
     sent_tokens: int = 0
     sent_text: int = 0
@@ -130,6 +133,7 @@ class _Group:
     params: SamplingParams
     bad_words_ids: list[list[int]]
     seqs: list[_Seq] = dataclasses.field(default_factory=list)
+    export: bool = False           # hand off after the prefill (LLMEngine.prefill_request)
 
     @property
     def finished(self) -> bool:
@@ -294,6 +298,7 @@ class LLMEngine:
             self._release = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
             self._retire = jax.jit(functools.partial(retire_slot, ec), donate_argnums=0)
             self._push_free = jax.jit(push_free_blocks, donate_argnums=0)
+            self._import = jax.jit(functools.partial(import_slot, ec), donate_argnums=(0, 1, 2))
         else:
             self._place_on_mesh(num_mtp_cache_layers, dtype)
         self._free_counts = [self._shard_ec.num_blocks] * self._dp   # free KV blocks per shard
@@ -313,6 +318,10 @@ class LLMEngine:
         self._num_preemptions = 0
         self._num_generated = 0
         self._last_step_seconds = 0.0
+        # prefill -> decode hand-off (jmtp.runtime.handoff)
+        self._exported: dict[str, RequestState] = {}   # handed-off requests, by id
+        self._ready: list[_Group] = []      # imported requests that had already finished
+        self._compat: dict | None = None    # engine_fingerprint, computed on first use
         # speculation: drafts waiting in each slot's window, and the dynamic draft-limit policy
         self._next_drafts = np.zeros((ec.max_num_seqs,), np.int32)
         self.spec_policy = None
@@ -612,6 +621,219 @@ class LLMEngine:
             self._waiting = collections.deque(s for s in self._waiting if s.group is not group)
             del self._groups[rid]      # last: a failing release leaves the request abortable
 
+    # ------------------------------------------------------------------ hand-off
+    def prefill_request(self, request_id: str, prompt: str | list[int],
+                        sampling_params: SamplingParams | None = None) -> RequestState:
+        """Run a request's prefill here and hand it off: the step that finishes the prefill
+        samples the first token and proposes the first drafts, then the request's state is
+        exported (:class:`~jmtp.runtime.handoff.RequestState`: its ``EngineState`` row, its
+        target and MTP KV pages, tokens, sampling state) and its slot and blocks are freed here.
+        :meth:`import_request` on another engine (same model, head and speculative config)
+        continues it. A request that finishes during the prefill (EOS, ``max_tokens=1``, a stop
+        string) comes back finished, without KV pages.
+
+        Arguments as :meth:`add_request`.
+
+        Raises:
+          ValueError: as :meth:`add_request`; ``sampling_params.n > 1``; a device mesh or a
+            custom drafter (not supported by the hand-off).
+          RuntimeError: the engine has other unfinished requests (this call runs steps).
+        """
+        self._check_handoff("prefill_request")
+        if self.has_unfinished_requests():
+            raise RuntimeError(f"prefill_request: the engine has "
+                               f"{self.get_num_unfinished_requests()} unfinished requests; finish "
+                               "or abort them first")
+        self.add_prefill_request(request_id, prompt, sampling_params)
+        try:
+            while request_id not in self._exported:
+                self.step()
+        except BaseException:
+            self.abort_request(request_id)
+            raise
+        return self._exported.pop(request_id)
+
+    def add_prefill_request(self, request_id: str, prompt: str | list[int],
+                            sampling_params: SamplingParams | None = None) -> None:
+        """Queue a request to be handed off after its prefill (batched with the others by the
+        following :meth:`step` calls, which return no output for it); collect the states with
+        :meth:`pop_exported`. :meth:`prefill_request` is the one-request, blocking form.
+
+        Raises:
+          ValueError: as :meth:`prefill_request`.
+        """
+        self._check_handoff("add_prefill_request")
+        sp = sampling_params or SamplingParams()
+        if isinstance(sp, SamplingParams) and sp.n != 1:
+            raise ValueError(f"request {request_id!r}: the hand-off supports n=1 only, got "
+                             f"SamplingParams.n={sp.n}")
+        self._add(request_id, prompt, sampling_params, f"request {request_id!r}")
+        self._groups[request_id].export = True
+
+    def pop_exported(self, request_id: str) -> RequestState | None:
+        """The state of a request handed off by :meth:`add_prefill_request` (None while it still
+        prefills; each state is returned once)."""
+        return self._exported.pop(request_id, None)
+
+    def import_request(self, state: RequestState) -> None:
+        """Continue a request exported by another engine's :meth:`prefill_request`.
+
+        It joins the running batch at the next :meth:`step`: it takes an idle slot once the free
+        KV blocks cover its pages (FIFO with the other waiting requests), its pages are copied
+        into blocks of this engine and its row is written (one jitted call,
+        :func:`jmtp.runtime.handoff.import_slot`); that step verifies the imported drafts. Its
+        outputs carry all its tokens (the first one included) and its speculation counters.
+        A state that finished on the exporter is returned, finished, by the next :meth:`step`.
+
+        Raises:
+          TypeError: ``state`` not a :class:`~jmtp.runtime.handoff.RequestState`.
+          ValueError: another layout version; another model, weights, speculative config or KV
+            layout (the fingerprint; the message names the differences); a ``max_model_len``
+            that would stop the request elsewhere; the request does not fit this engine
+            (``num_blocks``, ``max_logprobs``, no tokenizer for stop strings / bad words); a
+            ``request_id`` in use; a device mesh.
+        """
+        if not isinstance(state, RequestState):
+            raise TypeError(f"import_request: state must be a jmtp RequestState, got "
+                            f"{type(state).__name__}")
+        self._check_handoff("import_request")
+        where = f"import_request({state.request_id!r})"
+        if state.version != HANDOFF_VERSION:
+            raise ValueError(f"{where}: RequestState.version={state.version}, this engine reads "
+                             f"version {HANDOFF_VERSION}")
+        compat = self._handoff_compat()
+        if state.fingerprint != fingerprint_hash(compat):
+            diff = compat_diff(state.compat, compat) or ["fingerprint"]
+            raise ValueError(f"{where}: the request was exported by an incompatible engine; "
+                             f"differs in: {'; '.join(diff)}")
+        ec, sp = self.engine_config, state.sampling_params
+        if state.request_id in self._groups:
+            raise ValueError(f"{where}: request_id {state.request_id!r} is already in use by an "
+                             "unfinished request")
+        prompt_ids = list(state.prompt_token_ids)
+        end = len(prompt_ids) + sp.max_tokens
+        if min(end, ec.max_model_len) != min(end, state.max_model_len):
+            raise ValueError(f"{where}: max_model_len={ec.max_model_len} would stop the request "
+                             f"at another length than the exporter's max_model_len="
+                             f"{state.max_model_len} (prompt {len(prompt_ids)} + max_tokens "
+                             f"{sp.max_tokens} tokens)")
+        if (sp.stop or sp.bad_words) and self.tokenizer is None:
+            raise ValueError(f"{where}: stop strings / bad words need a tokenizer")
+        self._validate(prompt_ids, sp, where)
+        if not state.finished:
+            if state.num_pages > ec.pages_per_seq:
+                raise ValueError(f"{where}: {state.num_pages} KV pages exceed pages_per_seq="
+                                 f"{ec.pages_per_seq}")
+            if state.row["input_ids"].shape[0] > ec.seq_buffer_len:
+                raise ValueError(f"{where}: {state.row['input_ids'].shape[0]} tokens exceed the "
+                                 f"token buffer ({ec.seq_buffer_len})")
+        group = _Group(state.request_id, state.prompt, prompt_ids, sp,
+                       [list(w) for w in state.bad_words_ids])
+        seq = _Seq(group, 0, sp,
+                   IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
+                   output_ids=list(state.output_token_ids),
+                   metrics=dataclasses.replace(
+                       state.metrics,
+                       accepted_per_position=list(state.metrics.accepted_per_position)),
+                   logprobs=None if state.logprobs is None else list(state.logprobs),
+                   context_ids=prompt_ids + list(state.output_token_ids[:-1]))
+        if seq.detok is not None:
+            seq.detok.push(seq.output_ids)
+            seq.checked = len(seq.detok.text)
+        group.seqs.append(seq)
+        self._groups[state.request_id] = group
+        if state.finished:
+            seq.finish_reason, seq.stop_reason, seq.text = (state.finish_reason,
+                                                            state.stop_reason, state.text)
+            self._ready.append(group)
+            return
+        seq.handoff = state
+        self._waiting.append(seq)
+
+    def _check_handoff(self, where: str) -> None:
+        if self.mesh is not None:
+            raise ValueError(f"{where}: the prefill/decode hand-off needs a single-device engine "
+                             "(tensor_parallel_size = data_parallel_size = 1) for now")
+        if self.speculative_config.method == "custom":
+            raise ValueError(f"{where}: the hand-off does not support a custom drafter")
+        if self.prefix_cache is not None:
+            raise ValueError(f"{where}: the hand-off does not support enable_prefix_caching=True "
+                             "yet (a slot's shared prefix blocks are not exported)")
+
+    def _handoff_compat(self) -> dict:
+        if self._compat is None:
+            self._compat = engine_fingerprint(
+                self.model_config, self.engine_config, self.draft_vocab_size,
+                str(self.cache.k.dtype), self.params)
+        return self._compat
+
+    def _export(self, b: int, seq: _Seq) -> RequestState:
+        """The :class:`RequestState` of ``seq`` (slot ``b``, or already freed when it finished),
+        then free its slot and blocks."""
+        g, ec = seq.group, self.engine_config
+        compat = self._handoff_compat()
+        row, kv = {}, {}
+        if seq.finish_reason is None:
+            owned = int(self.state.num_owned[b])
+            table = np.asarray(self.state.block_tables[b])
+            pb = page_bucket(owned, ec.pages_per_seq)
+            ids = np.zeros((pb,), np.int32)
+            ids[:owned] = table[:owned]
+            row, kv = jax.device_get(gather_slot(self.state, self.cache, self.mtp_cache,
+                                                 jnp.int32(b), jnp.asarray(ids)))
+            row = {k: np.asarray(v) for k, v in row.items()}
+            row["input_ids"] = row["input_ids"][:int(row["prompt_lens"]) + int(row["step_idx"])]
+            kv = {k: np.asarray(v)[:, :owned] for k, v in kv.items()}
+            self._free_slot(b, release=True)
+            text = ""
+        else:
+            text = self._completion(seq).text
+        return RequestState(
+            version=HANDOFF_VERSION, fingerprint=fingerprint_hash(compat), compat=compat,
+            request_id=g.request_id, prompt=g.prompt, prompt_token_ids=list(g.prompt_ids),
+            sampling_params=seq.params, bad_words_ids=[list(w) for w in g.bad_words_ids],
+            output_token_ids=list(seq.output_ids),
+            logprobs=None if seq.logprobs is None else list(seq.logprobs),
+            metrics=dataclasses.replace(
+                seq.metrics, accepted_per_position=list(seq.metrics.accepted_per_position)),
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, text=text,
+            max_model_len=ec.max_model_len, row=row, kv=kv)
+
+    def _admit_import(self, b: int, seq: _Seq) -> None:
+        """Admit an imported request into idle slot ``b`` (see :meth:`import_request`)."""
+        ec, st = self.engine_config, seq.handoff
+        n = st.num_pages
+        pb = page_bucket(n, ec.pages_per_seq)
+        row = dict(st.row)
+        ids = np.zeros((ec.seq_buffer_len,), np.int32)
+        ids[:row["input_ids"].shape[0]] = row["input_ids"]
+        row["input_ids"] = ids
+        kv = {}
+        for k, a in st.kv.items():
+            pad = np.zeros((a.shape[0], pb) + a.shape[2:], a.dtype)
+            pad[:, :n] = a
+            kv[k] = jnp.asarray(pad)
+        self.state, self.cache, self.mtp_cache, ok = self._import(
+            self.state, self.cache, self.mtp_cache, jnp.int32(b),
+            {k: jnp.asarray(v) for k, v in row.items()}, kv, jnp.int32(n))
+        if not bool(ok):
+            raise RuntimeError(f"import of request {seq.group.request_id!r}: the allocator could "
+                               f"not give slot {b} its {n} KV blocks")
+        self._free_counts = [int(self.state.free_count)]
+        seq.handoff = None                 # a later preemption recomputes as usual
+        seq.prefilled = len(seq.context_ids)
+        seq.resuming = False
+        if self.spec_policy is not None:
+            self.spec_policy.reset_slot(b)
+        if not seq.metrics.accepted_per_position:
+            seq.metrics.accepted_per_position = [0] * ec.k
+        self._next_drafts = np.array(self._next_drafts)   # (the step's copy is read-only)
+        self._next_drafts[b] = int(np.sum(row["draft_tokens"][1:] >= 0))
+        seq.slot = b
+        self._slots[b] = seq
+        self._paused[b] = False
+        self._order.append(b)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
@@ -714,7 +936,10 @@ class LLMEngine:
         Admits waiting samples into idle slots, runs the jitted step once, and returns one
         :class:`RequestOutput` per request that produced new tokens or finished in this step
         (``finished=True`` on its last one; finished requests are forgotten). Returns ``[]`` when
-        nothing is unfinished.
+        nothing is unfinished. A request queued by :meth:`add_prefill_request` returns no output:
+        the step that finishes its prefill exports it (:meth:`pop_exported`) and frees its slot.
+        A request queued by :meth:`import_request` is admitted like any waiting one and returns
+        outputs with all its tokens.
         """
         t0 = time.perf_counter()
         ec, sec, D = self.engine_config, self._shard_ec, self._dp
@@ -726,8 +951,10 @@ class LLMEngine:
             if self._hold[d] and not occupied[d]:
                 self._hold[d] = False
         self._admit_waiting(shard_slots)
+        ready = [self._make_output(g) for g in self._ready]   # imported, already finished
+        self._ready = []
         if not any(s is not None for s in slots):
-            return []
+            return ready
         # Token budget per data shard: decode windows first, then prefill chunks in slot order.
         chunks = np.zeros((B,), np.int32)
         rows, active = [0] * D, [0] * D
@@ -758,6 +985,7 @@ class LLMEngine:
         self._num_steps += 1
         self._free_counts = [int(x) for x in out.free_count]
         touched: dict[str, _Group] = {}
+        exports: list[tuple[int, _Seq]] = []
         progressed = [False] * D
         for b, seq in enumerate(slots):
             self._paused[b] = bool(seq is not None and out.paused[b])
@@ -791,14 +1019,20 @@ class LLMEngine:
                 if seq.finish_reason == "stop" and last in seq.params.stop_token_ids:
                     seq.stop_reason = last
                 self._free_slot(b, release=False, cache_blocks=True)
-            if kept or seq.finish_reason is not None:
+            if seq.group.export and (seq.finish_reason is not None or (
+                    not was_decode and n and seq.prefilled >= len(seq.context_ids))):
+                exports.append((b, seq))      # prefill done: hand off (no output here)
+            elif kept or seq.finish_reason is not None:
                 touched[seq.group.request_id] = seq.group
+        for b, seq in exports:
+            self._exported[seq.group.request_id] = self._export(b, seq)
+            self._groups.pop(seq.group.request_id, None)
         for d, r in enumerate(shard_slots):
             # a shard whose every occupied slot waits for KV blocks frees its newest request
             if not progressed[d] and any(slots[b] is not None and self._paused[b] for b in r):
                 self._preempt(d)
                 self._hold[d] = True
-        outputs = [self._make_output(g) for g in touched.values()]
+        outputs = ready + [self._make_output(g) for g in touched.values()]
         self._last_step_seconds = time.perf_counter() - t0
         return outputs
 
@@ -816,11 +1050,13 @@ class LLMEngine:
             seq = self._waiting[0]
             first_chunk = min(len(seq.context_ids), self._shard_ec.max_num_batched_tokens)
             need = blocks_needed(first_chunk + ec.m, ec.block_size)
+            if seq.handoff is not None:     # an import takes its pages at once, all or nothing
+                need = seq.handoff.num_pages
             best = None
             for d, r in enumerate(shard_slots):
                 idle = [b for b in r if slots[b] is None]
                 busy = len(r) - len(idle)
-                if (not idle or self._hold[d] or need > free[d] and busy
+                if (not idle or self._hold[d] or need > free[d] and (busy or seq.handoff)
                         or any(slots[b] is not None and self._paused[b] for b in r)):
                     continue
                 key = (busy, -free[d], d)
@@ -881,6 +1117,8 @@ class LLMEngine:
 
     def _admit(self, b: int, seq: _Seq):
         ec, g = self.engine_config, seq.group
+        if seq.handoff is not None:
+            return self._admit_import(b, seq)
         resume = bool(seq.output_ids)   # re-admission after a preemption
         hist = seq.output_ids[:-1] if resume else []
         seq.context_ids = g.prompt_ids + hist

@@ -1,0 +1,325 @@
+"""Prefill → decode hand-off: a request's state as a transferable object (disaggregated serving).
+
+An engine that ran a request's prefill exports it as a :class:`RequestState`: the request's row of
+:class:`~jmtp.runtime.state.EngineState` (tokens so far, ``seq_lens_*``, ``step_idx``, the first
+verify window ``draft_tokens`` and, with ``draft_sampling``, the drafts' distributions
+``draft_probs``, the sampling row with its seed and ``rng_offset``), the KV pages its block table
+points to in both caches (target and MTP, gathered to host in sequence order), and the host-side
+request (prompt, :class:`~jmtp.runtime.sampling.SamplingParams` with the seed fixed, tokens,
+logprobs and speculation counters so far). Another engine imports it into an idle slot: it pops
+blocks from its own device free stack, scatters the pages into them and writes the row
+(:func:`import_slot`, one jitted call), and its next step verifies the imported window at once.
+
+The MTP head needs no "last hidden state" of its own: in jmtp's shadow-state design (FastDeploy
+spec §12 Q2) MTP cache position ``p`` holds ``(x_{p+1}, h_p)`` for every position the target has
+cached, and the next step feeds the MTP the target's hidden rows of the window it verifies, so the
+MTP KV pages are the whole proposer state. The random stream continues because every draw is keyed
+by (seed, output position, purpose) (:mod:`jmtp.runtime.sampling.rng`) and the row carries the
+seed, ``rng_offset`` and ``step_idx``. Hence any K and M: the window holds the K drafts of the
+last MTP proposal, whatever K is (FastDeploy's "splitwise" hands MTP state over for K = 1 only).
+
+The layout is versioned (:data:`HANDOFF_VERSION`) and :meth:`RequestState.to_bytes` /
+:meth:`RequestState.from_bytes` serialise it to a numpy ``.npz`` archive (a JSON header plus raw
+arrays, no pickle) so it can cross processes. An importer refuses (``ValueError``) a state of
+another version or one whose :func:`engine_fingerprint` (model config, a digest of the weights,
+speculative config, KV layout) differs from its own.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmtp.model.llama import KVCache
+from jmtp.runtime.config import EngineConfig
+from jmtp.runtime.outputs import SpecDecodeMetrics
+from jmtp.runtime.sampling import SamplingParams
+from jmtp.runtime.state import EngineState
+
+#: Layout version of :class:`RequestState` (bumped whenever a field or its meaning changes).
+HANDOFF_VERSION = 1
+
+#: Per-slot fields of :class:`EngineState` carried in ``RequestState.row`` (``blocks`` is carried
+#: as KV pages; ``draft_probs`` only when the engine samples drafts).
+ROW_FIELDS = tuple(f.name for f in dataclasses.fields(EngineState) if f.name != "blocks")
+
+
+@dataclasses.dataclass
+class RequestState:
+    """One request handed from a prefill engine to a decode engine (host arrays only).
+
+    Attributes:
+      version: :data:`HANDOFF_VERSION` of the layout.
+      fingerprint: hex SHA-256 of ``compat`` (the exporting engine's :func:`engine_fingerprint`).
+      compat: what the fingerprint hashes (model config, weight digest, speculative config, KV
+        layout), kept so a mismatch can be named.
+      request_id: the exporting engine's request id (the importer keeps it).
+      prompt: the prompt string, or None for a token-id prompt.
+      prompt_token_ids: the prompt ids.
+      sampling_params: the request's :class:`SamplingParams`, ``seed`` fixed to the seed its
+        random stream runs on.
+      bad_words_ids: ``sampling_params.bad_words`` as tokenized by the exporter.
+      output_token_ids: tokens generated so far (the first token after a prefill).
+      logprobs: per generated token ``{id: logprob}`` when requested, else None.
+      metrics: speculation counters so far.
+      finish_reason / stop_reason / text: set when the request finished on the exporter (then
+        ``row`` and ``kv`` are empty and an import only returns its output).
+      max_model_len: the exporter's ``max_model_len`` (an importer must stop the request at the
+        same length).
+      row: ``{field: array}`` the request's row of :class:`EngineState` (:data:`ROW_FIELDS`;
+        ``input_ids`` cut to the tokens in the sequence, ``i32[prompt_len + step_idx]``; the
+        sampling fields as ``"sampling.<name>"``).
+      kv: the KV pages the request owns, in sequence order: ``target_k`` / ``target_v``
+        ``[L, n, block_size, Nkv, D]``, ``mtp_k`` / ``mtp_v`` ``[M_layers, n, ...]`` (no MTP
+        cache: absent), and ``*_k_scale`` / ``*_v_scale`` ``f32[L, n, Nkv, block_size]`` for a
+        quantised cache.
+    """
+
+    version: int
+    fingerprint: str
+    compat: dict
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    bad_words_ids: list[list[int]]
+    output_token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    metrics: SpecDecodeMetrics
+    finish_reason: str | None
+    stop_reason: int | str | None
+    text: str
+    max_model_len: int
+    row: dict[str, np.ndarray]
+    kv: dict[str, np.ndarray]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_pages(self) -> int:
+        """KV blocks the request owns (0 for a finished request)."""
+        return int(self.kv["target_k"].shape[1]) if "target_k" in self.kv else 0
+
+    def nbytes(self) -> dict[str, int]:
+        """Array bytes: ``{"row": ..., "target_kv": ..., "mtp_kv": ..., "total": ...}``."""
+        row = sum(a.nbytes for a in self.row.values())
+        tgt = sum(a.nbytes for k, a in self.kv.items() if k.startswith("target_"))
+        mtp = sum(a.nbytes for k, a in self.kv.items() if k.startswith("mtp_"))
+        return dict(row=row, target_kv=tgt, mtp_kv=mtp, total=row + tgt + mtp)
+
+    # ------------------------------------------------------------------ bytes
+    def to_bytes(self) -> bytes:
+        """An uncompressed ``.npz`` archive: ``__meta__`` (UTF-8 JSON header: version,
+        fingerprint, request, dtype and shape of each array) and one raw array per entry
+        (``row/<field>``, ``kv/<name>``, stored as unsigned-int views so bf16 / fp8 survive
+        ``numpy``). Read with :meth:`from_bytes`; no pickle either way."""
+        arrays, dtypes = {}, {}
+        for group, d in (("row", self.row), ("kv", self.kv)):
+            for name, a in d.items():
+                a = np.asarray(a)            # (not ascontiguousarray: it makes 0-d 1-d)
+                key = f"{group}/{name}"
+                dtypes[key] = [str(a.dtype), list(a.shape)]
+                arrays[key] = np.ascontiguousarray(a.reshape(-1)).view(
+                    np.dtype(f"u{a.dtype.itemsize}"))
+        sp = dataclasses.asdict(self.sampling_params)
+        meta = dict(
+            version=self.version, fingerprint=self.fingerprint, compat=self.compat,
+            request_id=self.request_id, prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids), sampling_params=sp,
+            bad_words_ids=self.bad_words_ids, output_token_ids=list(self.output_token_ids),
+            logprobs=(None if self.logprobs is None else
+                      [[[int(t), float(v)] for t, v in d.items()] for d in self.logprobs]),
+            metrics=dataclasses.asdict(self.metrics), finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason, text=self.text, max_model_len=self.max_model_len,
+            dtypes=dtypes)
+        buf = io.BytesIO()
+        np.savez(buf, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "RequestState":
+        """Inverse of :meth:`to_bytes`.
+
+        Raises:
+          ValueError: not a jmtp hand-off archive, or one of another :data:`HANDOFF_VERSION`.
+        """
+        try:
+            npz = np.load(io.BytesIO(data), allow_pickle=False)
+            meta = json.loads(bytes(npz["__meta__"]).decode())
+        except Exception as e:   # noqa: BLE001 - any malformed input is a bad argument
+            raise ValueError(f"RequestState.from_bytes: not a jmtp hand-off archive ({e})") from e
+        if meta.get("version") != HANDOFF_VERSION:
+            raise ValueError(f"RequestState.from_bytes: layout version {meta.get('version')!r}, "
+                             f"this jmtp reads version {HANDOFF_VERSION}")
+        row, kv = {}, {}
+        for key, (dtype, shape) in meta["dtypes"].items():
+            group, name = key.split("/", 1)
+            a = npz[key].view(jnp.dtype(dtype)).reshape(shape)
+            (row if group == "row" else kv)[name] = a
+        sp = meta["sampling_params"]
+        for f in ("stop_token_ids", "bad_token_ids", "bad_words"):
+            sp[f] = tuple(sp[f])
+        if isinstance(sp.get("stop"), list):
+            sp["stop"] = tuple(sp["stop"])
+        return cls(
+            version=meta["version"], fingerprint=meta["fingerprint"], compat=meta["compat"],
+            request_id=meta["request_id"], prompt=meta["prompt"],
+            prompt_token_ids=list(meta["prompt_token_ids"]),
+            sampling_params=SamplingParams(**sp), bad_words_ids=meta["bad_words_ids"],
+            output_token_ids=list(meta["output_token_ids"]),
+            logprobs=(None if meta["logprobs"] is None else
+                      [{int(t): float(v) for t, v in d} for d in meta["logprobs"]]),
+            metrics=SpecDecodeMetrics(**meta["metrics"]), finish_reason=meta["finish_reason"],
+            stop_reason=meta["stop_reason"], text=meta["text"],
+            max_model_len=meta["max_model_len"], row=row, kv=kv)
+
+
+# ---------------------------------------------------------------------------- fingerprint
+def params_digest(params) -> str:
+    """CRC-32 (hex) over every parameter leaf's path, dtype, shape and a strided sample of at most
+    ~4096 of its values: cheap (no full device-to-host copy) and different for any two checkpoints
+    that differ in structure or in the sampled values."""
+    crc = 0
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+        x = getattr(leaf, "value", leaf)
+        flat = jnp.ravel(x)
+        stride = max(1, flat.size // 4096)
+        sample = np.asarray(jax.device_get(flat[::stride]))
+        head = f"{jax.tree_util.keystr(path)}|{x.dtype}|{tuple(x.shape)}".encode()
+        crc = zlib.crc32(sample.tobytes(), zlib.crc32(head, crc))
+    return f"{crc:08x}"
+
+
+def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, cache_dtype: str,
+                       params) -> dict:
+    """What two engines must share for a request to move between them: the model config, a
+    :func:`params_digest` of the weights, the speculative settings the state depends on (method,
+    K, M, draft sampling, verify strategy, n-gram sizes, FR-Spec vocabulary), the KV layout
+    (block size, cache dtype) and the sampling-row capacities. Not included (may differ):
+    ``max_num_seqs``, ``num_blocks``, ``max_num_batched_tokens``, the attention backend, the
+    block allocator, the speculation policy, ``max_model_len`` (checked per request)."""
+    spec = ec.spec
+    return dict(
+        model=json.loads(json.dumps(dataclasses.asdict(model_config), default=str)),
+        params=params_digest(params),
+        spec=dict(method=spec.method, k=ec.k, m=ec.m, draft_sampling=spec.draft_sampling,
+                  draft_temperature=spec.draft_temperature, draft_top_p=spec.draft_top_p,
+                  draft_top_k=spec.draft_top_k, verify_strategy=spec.verify_strategy,
+                  max_candidate_len=spec.max_candidate_len, verify_window=spec.verify_window,
+                  ngram_sizes=list(spec.ngram_sizes), draft_vocab_size=int(draft_vocab_size)),
+        kv=dict(block_size=ec.block_size, cache_dtype=cache_dtype,
+                kv_cache_dtype=ec.kv_cache_dtype),
+        sampling=dict(max_stop_ids=ec.max_stop_ids, max_bad_words=ec.max_bad_words,
+                      max_bad_word_len=ec.max_bad_word_len))
+
+
+def fingerprint_hash(compat: dict) -> str:
+    return hashlib.sha256(json.dumps(compat, sort_keys=True).encode()).hexdigest()
+
+
+def compat_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two :func:`engine_fingerprint` dicts."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += compat_diff(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append(f"{prefix}{k} ({x!r} vs {y!r})")
+    return out
+
+
+# ---------------------------------------------------------------------------- device ops
+def page_bucket(n: int, pages_per_seq: int) -> int:
+    """Static page count of the gather / scatter for ``n`` pages: the next power of two, capped
+    at ``pages_per_seq`` (so an engine compiles at most ``log2(P) + 1`` variants)."""
+    b = 1
+    while b < n:
+        b *= 2
+    return min(max(b, 1), pages_per_seq)
+
+
+def _cache_arrays(cache: KVCache | None, prefix: str) -> dict:
+    if cache is None:
+        return {}
+    out = {f"{prefix}_k": cache.k, f"{prefix}_v": cache.v}
+    if cache.k_scale is not None:
+        out.update({f"{prefix}_k_scale": cache.k_scale, f"{prefix}_v_scale": cache.v_scale})
+    return out
+
+
+@jax.jit
+def gather_slot(state: EngineState, cache: KVCache, mtp_cache: KVCache | None, slot: jax.Array,
+                page_ids: jax.Array) -> tuple[dict, dict]:
+    """The row of ``slot`` (i32[]) of every per-slot field of ``state`` and the KV pages
+    ``page_ids`` (i32[Pb], block ids; padding entries may be any valid id) of both caches.
+
+    Returns:
+      ``(row, kv)``: ``row[field]`` = ``state.<field>[slot]`` (sampling fields as
+      ``"sampling.<name>"``; ``draft_probs`` only if present), ``kv[name]`` =
+      ``cache.<array>[:, page_ids]`` (``[L, Pb, ...]``), names as :attr:`RequestState.kv`.
+    """
+    row = {}
+    for name in ROW_FIELDS:
+        value = getattr(state, name)
+        if name == "sampling":
+            for f in dataclasses.fields(value):
+                row[f"sampling.{f.name}"] = getattr(value, f.name)[slot]
+        elif value is not None:
+            row[name] = value[slot]
+    arrays = {**_cache_arrays(cache, "target"), **_cache_arrays(mtp_cache, "mtp")}
+    return row, {k: jnp.take(a, page_ids, axis=1) for k, a in arrays.items()}
+
+
+def import_slot(ec: EngineConfig, state: EngineState, cache: KVCache,
+                mtp_cache: KVCache | None, slot: jax.Array, row: dict, kv: dict,
+                num_pages: jax.Array):
+    """Put an exported request into the idle ``slot`` (i32[], owns no blocks): pop
+    ``num_pages`` (i32[]) blocks for it from the free stack (the allocator ``ec.block_allocator``,
+    all or nothing), scatter the first ``num_pages`` of the pages ``kv[name] [L, Pb, ...]`` into
+    them in sequence order (both caches), and write ``row`` (every per-slot field; ``input_ids``
+    padded to ``ec.seq_buffer_len``) into the slot. Jit with ``ec`` static; the page bucket
+    ``Pb`` is static through the shapes.
+
+    Returns:
+      ``(state, cache, mtp_cache, ok bool[])``; ``ok`` is False when the allocator could not give
+      the slot its blocks (the host checks the free count first, so this means a bug).
+    """
+    B = state.stop_flags.shape[0]
+    N = state.blocks.free_stack.shape[0]
+    need = jnp.where(jnp.arange(B) == slot, num_pages, 0).astype(jnp.int32)
+    blocks, paused = state.blocks.allocate(jnp.zeros((B,), bool), need,
+                                           implementation=ec.block_allocator)
+    ids = blocks.block_tables[slot]                                      # i32[P]
+    pb = kv["target_k"].shape[1]
+    j = jnp.arange(pb, dtype=jnp.int32)
+    dst = jnp.where(j < num_pages, ids[jnp.minimum(j, ids.shape[0] - 1)], N)   # N: dropped
+
+    def scatter(c: KVCache | None, prefix: str):
+        if c is None:
+            return None
+        put = lambda a, name: a.at[:, dst].set(kv[f"{prefix}_{name}"].astype(a.dtype), mode="drop")
+        return KVCache(put(c.k, "k"), put(c.v, "v"),
+                       None if c.k_scale is None else put(c.k_scale, "k_scale"),
+                       None if c.v_scale is None else put(c.v_scale, "v_scale"))
+
+    fields = {}
+    for name in ROW_FIELDS:
+        value = getattr(state, name)
+        if name == "sampling":
+            fields[name] = dataclasses.replace(value, **{
+                f.name: getattr(value, f.name).at[slot].set(row[f"sampling.{f.name}"])
+                for f in dataclasses.fields(value)})
+        elif value is not None:
+            fields[name] = value.at[slot].set(row[name].astype(value.dtype))
+    state = dataclasses.replace(state, blocks=blocks, **fields)
+    return state, scatter(cache, "target"), scatter(mtp_cache, "mtp"), ~paused[slot]
