@@ -301,3 +301,17 @@ def test_prefix_caching_refused_on_a_mesh():
         LLMEngine(model_config=cfg, params=params, max_model_len=32, block_size=4,
                   data_parallel_size=2, max_num_seqs=2, compile="lazy",
                   compilation_cache_dir=None, enable_prefix_caching=True)
+
+
+def test_handoff_refused_with_prefix_caching():
+    """A request whose sequence starts with shared cached blocks cannot be exported yet: the
+    hand-off calls raise before anything runs."""
+    cfg, params = tiny_model(0)
+    engine = LLMEngine(model_config=cfg, params=params, max_model_len=32, block_size=4,
+                       max_num_seqs=2, compile="lazy", compilation_cache_dir=None,
+                       enable_prefix_caching=True)
+    for call in (lambda: engine.prefill_request("a", [3, 4, 5]),
+                 lambda: engine.add_prefill_request("a", [3, 4, 5])):
+        with pytest.raises(ValueError, match="enable_prefix_caching"):
+            call()
+    assert not engine.has_unfinished_requests()
