@@ -27,7 +27,7 @@ and head. We chose this over one scale per block per head because:
    1-row steps; ``scripts/bench_kvquant.py`` prints the figure), and where such a value sits on a rounding boundary the 8-bit code differs by
    one step, which can flip a later near-tie argmax; ``scripts/bench_kvquant.py`` counts it);
 2. per-token scales lose less: ``scripts/bench_kvquant.py`` measures the reconstruction error of
-   SmolLM2's real K/V under both granularities (README snippet ``docs/kvquant_readme_snippet.md``);
+   SmolLM2's real K/V under both granularities (``docs/kvquant.md``);
 3. the cost is 4 bytes per token per head per K/V, ``4 / D`` of the int8 values (6.25 % for
    ``D = 64``), reported separately by :meth:`jmtp.runtime.llm_engine.LLMEngine.kv_cache_bytes`.
 
