@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from jmtp.checks import check_one_of
+
 MTP_LAYOUTS = ("deepseek", "ernie")
 ATTENTION_TYPES = ("gqa", "mla")
 MLA_PATHS = ("absorbed", "expanded")
@@ -117,11 +119,8 @@ class MoEConfig:
         if not 1 <= k <= e:
             raise ValueError(f"MoEConfig.num_experts_per_tok must lie in [1, num_experts={e}], "
                              f"got {k}")
-        if self.scoring not in MOE_SCORING:
-            raise ValueError(f"MoEConfig.scoring must be one of {MOE_SCORING}, got {self.scoring!r}")
-        if self.implementation not in MOE_IMPLEMENTATIONS:
-            raise ValueError(f"MoEConfig.implementation must be one of {MOE_IMPLEMENTATIONS}, got "
-                             f"{self.implementation!r}")
+        check_one_of("MoEConfig.scoring", self.scoring, MOE_SCORING)
+        check_one_of("MoEConfig.implementation", self.implementation, MOE_IMPLEMENTATIONS)
         if self.n_group < 1 or e % self.n_group:
             raise ValueError(f"MoEConfig.n_group ({self.n_group}) must be >= 1 and divide "
                              f"num_experts ({e})")
@@ -235,8 +234,7 @@ class ModelConfig:
         if bad:
             raise ValueError(f"ModelConfig.eos_token_ids {bad} outside [0, vocab_size="
                              f"{self.vocab_size})")
-        if self.mtp_layout not in MTP_LAYOUTS:
-            raise ValueError(f"ModelConfig.mtp_layout must be one of {MTP_LAYOUTS}, got {self.mtp_layout!r}")
+        check_one_of("ModelConfig.mtp_layout", self.mtp_layout, MTP_LAYOUTS)
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"ModelConfig.draft_vocab_size must lie in [0, vocab_size="
                              f"{self.vocab_size}], got {self.draft_vocab_size}")
@@ -250,9 +248,7 @@ class ModelConfig:
         if self.moe is not None and any(i >= self.num_layers for i in self.moe.layers):
             raise ValueError(f"ModelConfig.moe.layers {self.moe.layers} must lie in [0, "
                              f"num_layers={self.num_layers})")
-        if self.attention_type not in ATTENTION_TYPES:
-            raise ValueError(f"ModelConfig.attention_type must be one of {ATTENTION_TYPES}, got "
-                             f"{self.attention_type!r}")
+        check_one_of("ModelConfig.attention_type", self.attention_type, ATTENTION_TYPES)
         if self.attention_type == "mla":
             self._check_mla()
 
@@ -269,9 +265,7 @@ class ModelConfig:
         if self.attention_bias or self.qk_norm:
             raise ValueError("ModelConfig.attention_bias / qk_norm are not supported with "
                              "attention_type='mla'")
-        if self.mla_path not in MLA_PATHS:
-            raise ValueError(f"ModelConfig.mla_path must be one of {MLA_PATHS}, got "
-                             f"{self.mla_path!r}")
+        check_one_of("ModelConfig.mla_path", self.mla_path, MLA_PATHS)
 
     @property
     def is_mla(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from jmtp.checks import check_one_of
 from jmtp.pallas.block_allocator import CHOICES as BLOCK_ALLOCATORS
 from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.pallas.kv_quant import check_kv_cache_dtype
@@ -83,21 +84,15 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         from jmtp.runtime.verify import STRATEGIES
-        if self.verify_strategy not in STRATEGIES:
-            raise ValueError(f"SpeculativeConfig.verify_strategy must be one of {STRATEGIES}, got "
-                             f"{self.verify_strategy!r}")
+        check_one_of("SpeculativeConfig.verify_strategy", self.verify_strategy, STRATEGIES)
         if self.draft_vocab_size is not None and (
                 not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0):
             raise ValueError(f"SpeculativeConfig.draft_vocab_size must be None or an int >= 0, got "
                              f"{self.draft_vocab_size!r}")
-        if self.method not in METHODS:
-            raise ValueError(f"SpeculativeConfig.method must be one of {METHODS}, got {self.method!r}")
-        if self.mtp_strategy not in MTP_STRATEGIES:
-            raise ValueError(f"SpeculativeConfig.mtp_strategy must be one of {MTP_STRATEGIES}, "
-                             f"got {self.mtp_strategy!r}")
-        if self.speculation_policy not in SPECULATION_POLICIES:
-            raise ValueError(f"SpeculativeConfig.speculation_policy must be one of "
-                             f"{SPECULATION_POLICIES}, got {self.speculation_policy!r}")
+        check_one_of("SpeculativeConfig.method", self.method, METHODS)
+        check_one_of("SpeculativeConfig.mtp_strategy", self.mtp_strategy, MTP_STRATEGIES)
+        check_one_of("SpeculativeConfig.speculation_policy", self.speculation_policy,
+                     SPECULATION_POLICIES)
         if not isinstance(self.max_ngram_size, int) or self.max_ngram_size < 1:
             raise ValueError(f"SpeculativeConfig.max_ngram_size must be an int >= 1, got "
                              f"{self.max_ngram_size!r}")
@@ -206,9 +201,7 @@ class EngineConfig:
                      "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.block_allocator not in BLOCK_ALLOCATORS:
-            raise ValueError(f"EngineConfig.block_allocator must be one of {BLOCK_ALLOCATORS}, "
-                             f"got {self.block_allocator!r}")
+        check_one_of("EngineConfig.block_allocator", self.block_allocator, BLOCK_ALLOCATORS)
         if self.max_num_batched_tokens < self.max_num_seqs * (self.k + 1):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs * "
