@@ -22,8 +22,8 @@ It also measures why the scales are per token per head and not per block per hea
 prefill of the first evaluation prompts are captured (unquantised) and quantised both ways; the
 relative RMS reconstruction error ``||x̂ - x|| / ||x||`` is printed for each format.
 
-Prints markdown tables and writes them, with the command, to ``--snippet``
-(default ``docs/kvquant_readme_snippet.md``).
+Prints markdown tables; ``--snippet FILE`` also writes them, with the command, as a markdown
+section (``docs/kvquant.md`` holds the curated results).
 
     python scripts/bench_kvquant.py                       # all prompts, 64 tokens, batch 8
     python scripts/bench_kvquant.py --num-prompts 4 --max-tokens 32 --snippet /tmp/s.md
@@ -38,7 +38,10 @@ import platform
 import sys
 import time
 
-DTYPES = ("none", "int8", "fp8_e4m3")
+DTYPES = ("none", "int8", "fp8_e4m3", "bf16")
+#: "bf16" is a reference point, not a jmtp option: the f32 engine with its KV caches' values held
+#: in bfloat16 (the accelerators' default cache), to show how far greedy decoding drifts from an
+#: f32 cache without any 8-bit quantisation.
 
 
 def parse_args(argv=None):
@@ -51,7 +54,7 @@ def parse_args(argv=None):
     ap.add_argument("--dtypes", default=",".join(DTYPES))
     ap.add_argument("--granularity-prompts", type=int, default=8,
                     help="prompts whose prefill K/V measure per-token vs per-block scales")
-    ap.add_argument("--snippet", default="docs/kvquant_readme_snippet.md")
+    ap.add_argument("--snippet", default=None, help="also write the tables to this file")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.sets = args.sets.split(",")
@@ -212,13 +215,19 @@ def main(argv=None) -> int:
 
     runs = {}
     for dt in args.dtypes:
-        kv = None if dt == "none" else dt
+        kv = None if dt in ("none", "bf16") else dt
         for k in (0, args.k):
             t0 = time.perf_counter()
             llm = LLM(model_config=cfg, params=params, tokenizer=tok, max_num_seqs=args.batch,
                       max_model_len=longest + args.max_tokens + 16, kv_cache_dtype=kv,
                       speculative_config=SpeculativeConfig("mtp", k) if k else None,
                       compile="lazy")
+            if dt == "bf16":           # values in bfloat16, everything else unchanged
+                import jax.numpy as jnp
+                eng = llm.llm_engine
+                to_bf16 = lambda c: None if c is None else c._replace(
+                    k=c.k.astype(jnp.bfloat16), v=c.v.astype(jnp.bfloat16))
+                eng.cache, eng.mtp_cache = to_bf16(eng.cache), to_bf16(eng.mtp_cache)
             outs = {name: llm.generate(ps, sp, use_tqdm=False) for name, ps in sets.items()}
             runs[dt, k] = dict(outs=outs, bytes=llm.kv_cache_bytes(),
                                seconds=time.perf_counter() - t0)
@@ -277,9 +286,9 @@ def main(argv=None) -> int:
     layers = cfg.num_layers + 1
     for dt in args.dtypes:
         b = runs[dt, args.k]["bytes"]
-        item = 4 if dt == "none" else 1
+        item = {"none": 4, "bf16": 2}.get(dt, 1)
         tok_values = 2 * layers * cfg.num_kv_heads * cfg.head_dim * item
-        tok_scales = 0 if dt == "none" else 2 * layers * cfg.num_kv_heads * 4
+        tok_scales = 0 if dt in ("none", "bf16") else 2 * layers * cfg.num_kv_heads * 4
         blines.append(f"| {dt} | {b['values'] / 2**20:.2f} MiB | {b['scales'] / 2**20:.2f} MiB | "
                       f"{b['values'] / f32['values']:.3f} | {b['total'] / f32['total']:.3f} | "
                       f"{tok_values} + {tok_scales} |")
@@ -305,7 +314,7 @@ def main(argv=None) -> int:
     ref = [t for n in sets for t in tokens("none", 0, n)]
     tf = {}
     for dt, label in [("bfloat16", "bf16 values (reference point)")] + [
-            (d, d) for d in args.dtypes if d != "none"]:
+            (d, d) for d in args.dtypes if d not in ("none", "bf16")]:
         kv, cd = (None, jnp.bfloat16) if dt == "bfloat16" else (dt, None)
         same, total = teacher_forced(cfg, params, allp, ref, kv, cd)
         tf[dt] = same / total

@@ -227,9 +227,10 @@ def decoder_layer(
     q, k, v = project_qkv(cfg, p, x, positions)
     # An int8 cache stores K and V rotated (kv_quant.hadamard_rotation); the query is rotated
     # alike and the attention output rotated back, which leaves attention unchanged.
-    rot = kv_quant.rotation_for(pool.k.dtype, cfg.head_dim, q.dtype)
+    # The rotation is applied in f32 (1/sqrt(n) is not exact in bf16 for every head dim).
+    rot = kv_quant.rotation_for(pool.k.dtype, cfg.head_dim, jnp.float32)
     if rot is not None:
-        q, k, v = q @ rot, k @ rot, v @ rot
+        q, k, v = ((a.astype(jnp.float32) @ rot).astype(a.dtype) for a in (q, k, v))
     slots = meta.slot_mapping
     if t == 1:
         # One row: XLA turns the scatter into a bounds-checked dynamic-update-slice that reads the
@@ -246,7 +247,7 @@ def decoder_layer(
         sm_scale=1.0 / math.sqrt(cfg.head_dim), implementation=attention_impl,
         k_scale=pool.k_scale, v_scale=pool.v_scale)
     if rot is not None:
-        attn = attn @ rot.T
+        attn = (attn.astype(jnp.float32) @ rot.T).astype(attn.dtype)
     x = x + attn.reshape(t, cfg.q_size) @ p["wo"]
     return _mlp_block(cfg, p, x), pool
 

@@ -39,7 +39,8 @@ class LLM:
         ``max_model_len``, ``block_size``, ``num_blocks``, ``max_num_batched_tokens``, ``dtype``,
         ``attention_backend``, ``moe_backend``, ``block_allocator``, ``kv_cache_dtype``, ``max_logprobs``, ``seed``,
         ``model_config``/``params``/``tokenizer``, ``mtp_head``, ``compile``,
-        ``compilation_cache_dir``, ``tensor_parallel_size``, ``data_parallel_size``, ``mesh``),
+        ``compilation_cache_dir``, ``tensor_parallel_size``, ``data_parallel_size``, ``mesh``,
+        ``enable_prefix_caching``),
         documented there.
 
     Raises:
@@ -181,12 +182,12 @@ class LLM:
             if not isinstance(st, RequestState):
                 raise TypeError(f"states[{i}] must be a jmtp RequestState, got "
                                 f"{type(st).__name__}")
-        ids = [s.request_id for s in states]
-        if len(set(ids)) != len(ids):
-            raise ValueError("LLM.import_request: two states share a request_id")
+        # This LLM's own ids: states from different prefill LLMs may carry the same request_id.
+        call = next(self._calls)
+        ids = [f"import-{call}-{i}" for i in range(len(states))]
         try:
-            for st in states:
-                engine.import_request(st)
+            for rid, st in zip(ids, states):
+                engine.import_request(st, request_id=rid)
         except BaseException:
             engine.abort_request(ids)
             raise

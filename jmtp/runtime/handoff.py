@@ -206,10 +206,16 @@ def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, ca
     K, M, draft sampling, verify strategy, n-gram sizes, FR-Spec vocabulary), the KV layout
     (block size, cache dtype) and the sampling-row capacities. Not included (may differ):
     ``max_num_seqs``, ``num_blocks``, ``max_num_batched_tokens``, the attention backend, the
-    block allocator, the speculation policy, ``max_model_len`` (checked per request)."""
+    block allocator, the speculation policy, ``max_model_len`` (checked per request), and the
+    model's implementation choices that compute the same function (the MoE experts
+    implementation, the MLA path)."""
     spec = ec.spec
+    model = json.loads(json.dumps(dataclasses.asdict(model_config), default=str))
+    model.pop("mla_path", None)
+    if isinstance(model.get("moe"), dict):
+        model["moe"].pop("implementation", None)
     return dict(
-        model=json.loads(json.dumps(dataclasses.asdict(model_config), default=str)),
+        model=model,
         params=params_digest(params),
         spec=dict(method=spec.method, k=ec.k, m=ec.m, draft_sampling=spec.draft_sampling,
                   draft_temperature=spec.draft_temperature, draft_top_p=spec.draft_top_p,

@@ -285,6 +285,13 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(seed)
         self.attention_backend = attention_backend
         num_mtp_cache_layers = max(model_config.num_mtp_layers, 1) if spec.method == "mtp" else 0
+        if spec.method == "mtp" and model_config.num_mtp_layers > 1 and spec.k > 1:
+            # Known limitation (README "How a step works"): MTP module j >= 1 writes its own
+            # cache only at draft positions, so its attention also reads entries it never wrote.
+            log.warning("num_mtp_layers=%d: MTP modules after the first attend over a partly "
+                        "written MTP cache; drafts 2..K may depend on earlier requests (greedy "
+                        "output stays lossless; acceptance and seeded sampled output may vary)",
+                        model_config.num_mtp_layers)
         if self.mesh is None:
             self.state = init_state(ec, model_config.vocab_size)
             self.cache = init_kv_cache(model_config, model_config.num_layers, ec.num_blocks,
@@ -612,6 +619,7 @@ class LLMEngine:
         are freed at once, whether they wait, prefill or decode; no further output is returned."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
+            self._exported.pop(rid, None)     # a handed-off state nobody collected
             group = self._groups.get(rid)
             if group is None:
                 continue
@@ -619,6 +627,7 @@ class LLMEngine:
                 if seq.slot is not None:
                     self._free_slot(seq.slot, release=True)
             self._waiting = collections.deque(s for s in self._waiting if s.group is not group)
+            self._ready = [g for g in self._ready if g is not group]   # finished imports
             del self._groups[rid]      # last: a failing release leaves the request abortable
 
     # ------------------------------------------------------------------ hand-off
@@ -675,7 +684,7 @@ class LLMEngine:
         prefills; each state is returned once)."""
         return self._exported.pop(request_id, None)
 
-    def import_request(self, state: RequestState) -> None:
+    def import_request(self, state: RequestState, request_id: str | None = None) -> None:
         """Continue a request exported by another engine's :meth:`prefill_request`.
 
         It joins the running batch at the next :meth:`step`: it takes an idle slot once the free
@@ -684,6 +693,8 @@ class LLMEngine:
         :func:`jmtp.runtime.handoff.import_slot`); that step verifies the imported drafts. Its
         outputs carry all its tokens (the first one included) and its speculation counters.
         A state that finished on the exporter is returned, finished, by the next :meth:`step`.
+        ``request_id`` names it here (default: the exporter's ``state.request_id``; ids of
+        different exporters may collide).
 
         Raises:
           TypeError: ``state`` not a :class:`~jmtp.runtime.handoff.RequestState`.
@@ -697,7 +708,8 @@ class LLMEngine:
             raise TypeError(f"import_request: state must be a jmtp RequestState, got "
                             f"{type(state).__name__}")
         self._check_handoff("import_request")
-        where = f"import_request({state.request_id!r})"
+        rid = state.request_id if request_id is None else request_id
+        where = f"import_request({rid!r})"
         if state.version != HANDOFF_VERSION:
             raise ValueError(f"{where}: RequestState.version={state.version}, this engine reads "
                              f"version {HANDOFF_VERSION}")
@@ -707,8 +719,8 @@ class LLMEngine:
             raise ValueError(f"{where}: the request was exported by an incompatible engine; "
                              f"differs in: {'; '.join(diff)}")
         ec, sp = self.engine_config, state.sampling_params
-        if state.request_id in self._groups:
-            raise ValueError(f"{where}: request_id {state.request_id!r} is already in use by an "
+        if rid in self._groups:
+            raise ValueError(f"{where}: request_id {rid!r} is already in use by an "
                              "unfinished request")
         prompt_ids = list(state.prompt_token_ids)
         end = len(prompt_ids) + sp.max_tokens
@@ -727,7 +739,7 @@ class LLMEngine:
             if state.row["input_ids"].shape[0] > ec.seq_buffer_len:
                 raise ValueError(f"{where}: {state.row['input_ids'].shape[0]} tokens exceed the "
                                  f"token buffer ({ec.seq_buffer_len})")
-        group = _Group(state.request_id, state.prompt, prompt_ids, sp,
+        group = _Group(rid, state.prompt, prompt_ids, sp,
                        [list(w) for w in state.bad_words_ids])
         seq = _Seq(group, 0, sp,
                    IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None,
@@ -741,7 +753,7 @@ class LLMEngine:
             seq.detok.push(seq.output_ids)
             seq.checked = len(seq.detok.text)
         group.seqs.append(seq)
-        self._groups[state.request_id] = group
+        self._groups[rid] = group
         if state.finished:
             seq.finish_reason, seq.stop_reason, seq.text = (state.finish_reason,
                                                             state.stop_reason, state.text)

@@ -111,6 +111,24 @@ def test_request_finished_in_prefill_hands_off_finished():
     assert all(o.finish_reason == "length" for o in outs)
 
 
+def test_states_from_two_exporters_and_abort_of_a_finished_import():
+    """Two prefill LLMs number their requests alike (``prefill-0-0``): one decode LLM takes both
+    (it names imports itself). A finished import that is aborted before the next step is never
+    returned."""
+    a, b = pair(1)
+    other = make(1)
+    states = a.prefill(PROMPTS[:1], GREEDY) + other.prefill(PROMPTS[1:], GREEDY)
+    assert states[0].request_id == states[1].request_id
+    outs = b.import_request(_wire(states), use_tqdm=False)
+    ref = a.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    (done,) = a.prefill(PROMPTS[:1], SamplingParams(max_tokens=1))
+    eng = b.llm_engine
+    eng.import_request(done, request_id="x")
+    eng.abort_request("x")
+    assert not eng.has_unfinished_requests() and eng.step() == []
+
+
 def test_mismatched_states_are_refused():
     a, b = pair(2)
     (state,) = a.prefill(PROMPTS[:1], GREEDY)
