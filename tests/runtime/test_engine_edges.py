@@ -187,11 +187,13 @@ def test_preemption_when_blocks_run_out(tiny):
 def test_one_graph_no_recompiles_and_no_callbacks(tiny, model):
     """Warm-up compiles exactly the buckets of ``step_buckets`` (each run once on the idle state);
     random traffic afterwards (prefills, 1..4 decoding slots, preemption-free) compiles nothing.
-    ``moe``: the same on the tiny MoE target (conftest.TINY_MOE, its FFN chosen per layer)."""
+    ``moe``: the same on the tiny MoE target (conftest.TINY_MOE, its FFN chosen per layer), on 2
+    slots (fewer buckets: its unrolled layers compile slowly)."""
     from tests.runtime.conftest import TINY_MOE
     cfg, params = tiny if model == "dense" else tiny_model(1, **TINY_MOE)
+    slots = 4 if model == "dense" else 2
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
-              max_num_seqs=4, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+              max_num_seqs=slots, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
     ec = llm.engine_config
     rng = np.random.default_rng(0)
     batch = lambda n: [list(rng.integers(2, 64, rng.integers(1, 30))) for _ in range(n)]
@@ -201,17 +203,18 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny, model):
             llm.graphdef, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache,
             jnp.zeros((ec.max_num_seqs,), jnp.int32), jnp.zeros((ec.max_num_seqs,), jnp.int32))
     compiled = llm._step._cache_size()
-    # decode (T, A): (1|2|3, 1), (2|4|6, 2), (4|8|12, 4); prefill (3|6|12|16|32, 4)
-    assert compiled - before == len(step_buckets(ec)) == 13
+    # 4 slots: decode (T, A): (1|2|3, 1), (2|4|6, 2), (4|8|12, 4); prefill (3|6|12|16|32, 4)
+    assert compiled - before == len(step_buckets(ec))
+    assert slots != 4 or len(step_buckets(ec)) == 13
     steps, seen = 0, set()
     real = llm._step
     llm._step = lambda *a: (seen.add(a[3]), real(*a))[1]
-    while steps < 100:
+    while steps < (100 if slots == 4 else 40):
         llm.generate(batch(int(rng.integers(1, 7))),
                      SamplingParams(max_tokens=int(rng.integers(1, 12))), use_tqdm=False)
         steps += llm.last_run_stats["steps"]
     assert real._cache_size() == compiled
-    assert {b.num_slots for b in seen} >= {1, 2, 4}, seen     # the traffic used narrow buckets
+    assert {b.num_slots for b in seen} >= {1, 2, 4} - {4 if slots == 2 else 0}, seen  # narrow ones
     hlo = jax.jit(real.__wrapped__ if hasattr(real, "__wrapped__") else real,
                   static_argnums=(0, 1, 2, 3, 4)).lower(
         llm.graphdef, ec, None, step_buckets(ec)[0], None, llm.params, llm.state, llm.cache,
