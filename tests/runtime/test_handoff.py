@@ -112,13 +112,13 @@ def test_request_finished_in_prefill_hands_off_finished():
 
 
 def test_states_from_two_exporters_and_abort_of_a_finished_import():
-    """Two prefill LLMs number their requests alike (``prefill-0-0``): one decode LLM takes both
-    (it names imports itself). A finished import that is aborted before the next step is never
-    returned."""
+    """Two prefill LLMs number their requests alike (each starts at ``prefill-0-0``): one decode
+    LLM takes states with equal ids (it names imports itself). A finished import that is aborted
+    before the next step is never returned."""
     a, b = pair(1)
-    other = make(1)
-    states = a.prefill(PROMPTS[:1], GREEDY) + other.prefill(PROMPTS[1:], GREEDY)
-    assert states[0].request_id == states[1].request_id
+    states = a.prefill(PROMPTS[:1], GREEDY) + a.prefill(PROMPTS[1:], GREEDY)
+    # as if from a second exporter: the same request_id
+    states[1] = dataclasses.replace(states[1], request_id=states[0].request_id)
     outs = b.import_request(_wire(states), use_tqdm=False)
     ref = a.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
