@@ -20,8 +20,8 @@ Semantics (defined by :func:`ragged_paged_attention_reference`):
 
 Other implementations of the same contract behind ``implementation=``:
 :func:`ragged_paged_attention_xla` (``"xla"``: plain jnp like the reference, but each query row
-gathers only its own sequence's pages, so its cost is O(T · pages·block_size) instead of the
-reference's O(T · S · pages·block_size); the CPU default), and the Pallas kernels
+gathers only its own sequence's pages, and only the chunks of them its keys lie in, so its cost is
+O(T · keys in use) instead of the reference's O(T · S · pages·block_size); the CPU default), and the Pallas kernels
 :mod:`jmtp.pallas.ragged_paged_attention_tpu` (Mosaic TPU) and
 :mod:`jmtp.pallas.ragged_paged_attention_gpu` (Triton); they only read the cache, :func:`write_kv`
 stays the companion op that writes this step's keys and values.
@@ -180,28 +180,47 @@ def ragged_paged_attention_xla(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     q_tile: int = 32,
+    kv_chunk: int = 256,
     k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
     v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
 ) -> jax.Array:               # f[T, Nq, D]
     """Plain-XLA ragged paged attention for backends without a kernel (the CPU default).
 
-    Same contract as :func:`ragged_paged_attention_reference`, different schedule: the query rows
-    are processed ``q_tile`` at a time (``lax.map``). A tile whose rows all belong to one sequence
-    (prefill chunks) gathers that sequence's pages once; a mixed tile (decode rows of several
-    sequences) lets each row gather its own sequence's pages. Cost O(T · pages·block_size · Nq · D)
-    and O(q_tile · pages·block_size · Nkv · D) scratch memory, independent of the number of
-    sequences S. (One gather per tile instead of per row made a 582-token batch-1 prefill on a
-    2-core CPU take 5.9 s instead of 22 s.) A quantised cache's pages are dequantised right after
-    their gather.
+    Same contract as :func:`ragged_paged_attention_reference`, different schedule:
+
+    * the query rows are processed ``q_tile`` at a time (``lax.map``). A tile whose rows all belong
+      to one sequence (prefill chunks) gathers that sequence's pages once; a mixed tile (decode rows
+      of several sequences) lets each row gather its own sequence's pages. (One gather per tile
+      instead of per row made a 582-token batch-1 prefill on a 2-core CPU take 5.9 s instead of
+      22 s.)
+    * the keys are visited ``kv_chunk`` positions (rounded down to whole pages, at least one) at a
+      time with an online softmax (FlashAttention's running max and sum, Dao et al. 2022), in a
+      loop whose bounds are *data*: a tile visits only the chunks holding keys some of its rows
+      see (``[lo, hi)`` from ``kv_lens``, the causal position and the sliding window). The cost
+      therefore follows the context actually in use, not the block table's width
+      (``max_model_len``), and nothing recompiles when contexts grow.
+
+    Cost O(T · used keys · Nq · D); scratch O(q_tile · kv_chunk · Nkv · D), independent of the
+    number of sequences S and of ``max_model_len``. A quantised cache's pages are dequantised right
+    after their gather.
+
+    Raises:
+      ValueError: ``q_tile`` or ``kv_chunk`` below 1.
     """
+    if q_tile < 1 or kv_chunk < 1:
+        raise ValueError(f"q_tile and kv_chunk must be >= 1, got {q_tile} and {kv_chunk}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, pages = block_tables.shape
     group = num_q_heads // num_kv_heads
-    max_kv = pages * block_size
     tile = max(1, min(q_tile, num_tokens))
     n_tiles = -(-num_tokens // tile)
     padded = n_tiles * tile
+    chunk_pages = max(1, min(pages, kv_chunk // block_size))
+    chunk = chunk_pages * block_size                                     # keys per loop step
+    n_chunks = -(-pages // chunk_pages)
+    tables_all = jnp.clip(block_tables, 0, num_blocks - 1)
+    tables_all = jnp.pad(tables_all, ((0, 0), (0, n_chunks * chunk_pages - pages)))
 
     t = jnp.arange(padded, dtype=jnp.int32)
     seq = jnp.minimum(token_seq_ids(cu_q_lens, padded), num_seqs - 1)   # padding rows: masked
@@ -210,59 +229,72 @@ def ragged_paged_attention_xla(
     q_pos = kv_lens[seq] - q_lens[seq] + (t - cu_q_lens[seq])             # i32[T']
     hi = jnp.where(valid_tok, jnp.minimum(q_pos + 1, kv_lens[seq]), 0)   # keys [lo, hi) visible
     lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(q_pos - sliding_window + 1, 0)
+    lo = jnp.minimum(lo, hi)
     qf = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0))).astype(jnp.float32)
     qf = qf.reshape(n_tiles, tile, num_kv_heads, group, head_dim)
-    kv_pos = jnp.arange(max_kv, dtype=jnp.int32)
-
-    def softmax(scores, mask):                                         # f[tile, Nkv, G, Lk]
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
-        m4 = mask[:, None, None, :]
-        scores = jnp.where(m4, scores, -jnp.inf)
-        mx = jnp.max(scores, axis=-1, keepdims=True)
-        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-        p = jnp.where(m4, jnp.exp(scores - mx), 0.0)
-        den = jnp.sum(p, axis=-1, keepdims=True)
-        return p / jnp.where(den > 0, den, 1.0)
+    offs = jnp.arange(chunk, dtype=jnp.int32)
 
     def gather(tables, lead):
-        """K and V (f32, dequantised) of the pages ``tables i32[*lead, pages]``."""
-        k = k_cache[tables].reshape(lead + (max_kv, num_kv_heads, head_dim)).astype(jnp.float32)
-        v = v_cache[tables].reshape(lead + (max_kv, num_kv_heads, head_dim)).astype(jnp.float32)
+        """K and V (f32, dequantised) of the pages ``tables i32[*lead, chunk_pages]``."""
+        k = k_cache[tables].reshape(lead + (chunk, num_kv_heads, head_dim)).astype(jnp.float32)
+        v = v_cache[tables].reshape(lead + (chunk, num_kv_heads, head_dim)).astype(jnp.float32)
         if k_scale is not None:
-            k = k * gather_scales(k_scale, tables).reshape(lead + (max_kv, num_kv_heads, 1))
-            v = v * gather_scales(v_scale, tables).reshape(lead + (max_kv, num_kv_heads, 1))
+            k = k * gather_scales(k_scale, tables).reshape(lead + (chunk, num_kv_heads, 1))
+            v = v * gather_scales(v_scale, tables).reshape(lead + (chunk, num_kv_heads, 1))
         return k, v
 
-    def rows_mask(lo_t, hi_t):
-        return (kv_pos[None, :] >= lo_t[:, None]) & (kv_pos[None, :] < hi_t[:, None])  # [tile, Lk]
+    def chunk_of(qt, seq_t, lo_t, hi_t, c, one_seq):
+        """Masked scores ``f32[tile, Nkv, G, chunk]``, the mask and V of key chunk ``c``."""
+        kv_pos = c * chunk + offs                                        # i32[chunk]
+        mask = (kv_pos[None, :] >= lo_t[:, None]) & (kv_pos[None, :] < hi_t[:, None])
+        if one_seq:       # one sequence: its chunk of pages is gathered once for the tile
+            table = jax.lax.dynamic_slice_in_dim(tables_all[seq_t[0]], c * chunk_pages, chunk_pages)
+            used = jnp.any(mask, axis=0)                                 # keys some row sees
+            k, v = gather(table, ())
+            k = jnp.where(used[:, None, None], k, 0)   # unowned slots may hold NaN
+            v = jnp.where(used[:, None, None], v, 0)
+            s = jnp.einsum("tkgd,jkd->tkgj", qt, k)
+        else:             # rows of several sequences: each row gathers its own pages
+            tables = jax.lax.dynamic_slice_in_dim(tables_all[seq_t], c * chunk_pages, chunk_pages,
+                                                  axis=1)
+            k, v = gather(tables, (tile,))
+            k = jnp.where(mask[..., None, None], k, 0)
+            v = jnp.where(mask[..., None, None], v, 0)
+            s = jnp.einsum("tkgd,tjkd->tkgj", qt, k)
+        s = s * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        return jnp.where(mask[:, None, None, :], s, -jnp.inf), mask, v
 
-    def per_row_tile(args):
-        """Rows of several sequences: each row gathers its own sequence's pages."""
-        qt, seq_t, lo_t, hi_t = args                                   # [tile, Nkv, G, D], i32[tile]
-        tables = jnp.clip(block_tables[seq_t], 0, num_blocks - 1)      # i32[tile, pages]
-        mask = rows_mask(lo_t, hi_t)
-        k, v = gather(tables, (tile,))
-        k = jnp.where(mask[..., None, None], k, 0)
-        v = jnp.where(mask[..., None, None], v, 0)
-        p = softmax(jnp.einsum("tkgd,tjkd->tkgj", qt, k) * sm_scale, mask)
-        return jnp.einsum("tkgj,tjkd->tkgd", p, v)
+    def run_tile(args, one_seq):
+        qt, seq_t, lo_t, hi_t = args                                    # [tile, Nkv, G, D], i32[tile]
+        first = jnp.min(jnp.where(hi_t > lo_t, lo_t, jnp.iinfo(jnp.int32).max)) // chunk
+        last = -(-jnp.max(hi_t) // chunk)                               # chunks [first, last)
 
-    def one_seq_tile(args):
-        """Rows of one sequence (prefill chunks, padding): its pages are gathered once."""
-        qt, seq_t, lo_t, hi_t = args
-        table = jnp.clip(block_tables[seq_t[0]], 0, num_blocks - 1)   # i32[pages]
-        mask = rows_mask(lo_t, hi_t)
-        used = (kv_pos >= jnp.min(lo_t)) & (kv_pos < jnp.max(hi_t))   # keys some row sees
-        k, v = gather(table, ())
-        k = jnp.where(used[:, None, None], k, 0)
-        v = jnp.where(used[:, None, None], v, 0)
-        p = softmax(jnp.einsum("tkgd,jkd->tkgj", qt, k) * sm_scale, mask)
-        return jnp.einsum("tkgj,jkd->tkgd", p, v)
+        def body(c, carry):
+            m, den, acc = carry
+            s, mask, v = chunk_of(qt, seq_t, lo_t, hi_t, c, one_seq)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.where(mask[:, None, None, :], jnp.exp(s - m_safe[..., None]), 0.0)
+            alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+            pv = (jnp.einsum("tkgj,jkd->tkgd", p, v) if one_seq
+                  else jnp.einsum("tkgj,tjkd->tkgd", p, v))
+            return m_new, alpha * den + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+        init = (jnp.full((tile, num_kv_heads, group), -jnp.inf, jnp.float32),
+                jnp.zeros((tile, num_kv_heads, group), jnp.float32),
+                jnp.zeros((tile, num_kv_heads, group, head_dim), jnp.float32))
+        if n_chunks == 1:   # the whole table is one chunk: no loop (tight tables, short models)
+            _, den, acc = body(0, init)
+        else:
+            _, den, acc = jax.lax.fori_loop(jnp.minimum(first, last), last, body, init)
+        return acc / jnp.where(den > 0, den, 1.0)[..., None]
 
     def one_tile(args):
         seq_t = args[1]
-        return jax.lax.cond(jnp.all(seq_t == seq_t[0]), one_seq_tile, per_row_tile, args)
+        return jax.lax.cond(jnp.all(seq_t == seq_t[0]), lambda a: run_tile(a, True),
+                            lambda a: run_tile(a, False), args)
 
     out = jax.lax.map(one_tile, (qf, seq.reshape(n_tiles, tile), lo.reshape(n_tiles, tile),
                                  hi.reshape(n_tiles, tile)))
