@@ -582,7 +582,9 @@ def mtp_substep(ec: EngineConfig, attention_impl: str | None, sub: int,
                 ) -> tuple[DraftPick, MtpBatch, KVCache]:
     """One MTP propose substep ``sub`` (static, 0-based): the MTP layer ``sub % num_mtp_layers``
     over ``batch``, a draft per active slot from its pick row (skipped at run time with
-    ``lax.cond`` when no slot is active: saves the draft LM head), then the inputs of substep
+    ``lax.cond`` when no slot is active: saves the draft LM head, and for ``sub >= 1`` the MTP
+    layer too, e.g. when the dynamic policy allows every slot at most ``sub`` drafts), then the
+    inputs of substep
     ``sub + 1`` (FastDeploy ``draft_model_update`` + ``eagle_get_self_hidden_states``): the
     slots whose budget exceeds ``sub + 1`` feed their draft and the MTP's own hidden row at
     position ``start_pos + sub``, one row each in compacted-slot order.
@@ -595,9 +597,19 @@ def mtp_substep(ec: EngineConfig, attention_impl: str | None, sub: int,
     num_layers = max(model.cfg.num_mtp_layers, 1)
     # h_norm: post-final-norm rows (drafts are picked from them); h_out: the hidden input of the
     # next substep (eagle_get_self_hidden_states; pre- or post-norm by ModelConfig.mtp_layout).
-    h_norm, h_out, mtp_cache = model.mtp_forward(sub % num_layers, batch.ids, batch.hidden,
-                                                 batch.positions, batch.meta, mtp_cache,
-                                                 attention_impl)
+    def forward(cache):
+        return model.mtp_forward(sub % num_layers, batch.ids, batch.hidden, batch.positions,
+                                 batch.meta, cache, attention_impl)
+
+    def no_forward(cache):     # no slot drafts this substep: it would write no cache row
+        h_norm, h_out, _ = jax.eval_shape(forward, cache)
+        return jnp.zeros(h_norm.shape, h_norm.dtype), jnp.zeros(h_out.shape, h_out.dtype), cache
+
+    if sub == 0:   # substep 0 also fills the MTP cache for the committed tokens: always runs
+        h_norm, h_out, mtp_cache = forward(mtp_cache)
+    else:
+        h_norm, h_out, mtp_cache = jax.lax.cond(jnp.any(batch.active), forward, no_forward,
+                                                mtp_cache)
 
     def run(h_rows):
         return _pick(ec, model, ctx, h_rows, sub)
