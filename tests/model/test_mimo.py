@@ -348,3 +348,16 @@ def test_bad_checkpoints(tmp_path):
                for k, v in good.items()}, str(f))
     with pytest.raises(ValueError, match="numbered 0..0"):
         load_checkpoint(tmp_path)
+
+
+def test_training_a_mimo_head_is_refused():
+    from jmtp.model import init_params
+    from jmtp.model.config import ModelConfig
+    from jmtp.train.dense import dense_mtp_forward
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, mtp_layout="mimo")
+    params = init_params(cfg, jax.random.key(0))
+    z = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="mtp_layout='mimo'"):
+        dense_mtp_forward(cfg, params, z, jnp.zeros((1, 4, 32)), z, z)
