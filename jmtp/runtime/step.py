@@ -140,7 +140,9 @@ class TargetOutput:
     """Output of :func:`target_forward`.
 
     Attributes:
-      hidden: f[T, H]              target hidden state of every packed row.
+      hidden: f[T, H]              target hidden state of every packed row, as the MTP head
+                                   takes it (post-final-norm; pre-norm for MiMo,
+                                   ``ModelConfig.mtp_takes_prenorm_hidden``).
       cu_q_lens: i32[B+1]          packed-row offsets of the slots.
       logits: f32[A, K+1, V]       logits of the window rows of the A compacted slots (a prefill
                                    chunk's last row in column 0; its other columns repeat row 0).
@@ -382,7 +384,7 @@ def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | N
     start = cu_q_lens[slot_rows, None]
     rows = jnp.where(sched.prefilling[slot_rows, None], start + prefill_lens[slot_rows, None] - 1,
                      start + w[None])                                    # i32[A, W]
-    logits = model.logits(_take_rows(hidden, rows.reshape(-1))).reshape(A, W, -1)
+    logits = model.target_logits(_take_rows(hidden, rows.reshape(-1))).reshape(A, W, -1)
     return TargetOutput(hidden=hidden, cu_q_lens=cu_q_lens, logits=logits, slots=slots,
                         valid=valid), cache
 
