@@ -345,7 +345,9 @@ def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedu
 def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | None,
                    model: LlamaForCausalLM, state: EngineState, sched: Schedule,
                    block_tables: jax.Array, cache: KVCache) -> tuple[TargetOutput, KVCache]:
-    """Target forward over the packed ragged batch, then the logits of the window rows only.
+    """Target forward over the packed ragged batch, then the logits of the window rows only
+    (``min(T, A·(K+1))`` LM-head rows: a step of slots that drafted nothing costs the LM head of
+    a plain step).
 
     Row ``t`` of the packed batch is query ``local`` of slot ``seq``: a prompt token
     (``input_ids[seq, seq_lens_decoder[seq] + local]``) for a prefill chunk and for position 0 of a verify window
@@ -384,7 +386,12 @@ def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | N
     start = cu_q_lens[slot_rows, None]
     rows = jnp.where(sched.prefilling[slot_rows, None], start + prefill_lens[slot_rows, None] - 1,
                      start + w[None])                                    # i32[A, W]
-    logits = model.target_logits(_take_rows(hidden, rows.reshape(-1))).reshape(A, W, -1)
+    if num_tokens < A * W:
+        # Fewer packed rows than window rows (decode steps whose slots drafted little or
+        # nothing): the LM head runs over the T packed rows, then the windows gather from them.
+        logits = _take_rows(model.target_logits(hidden), rows.reshape(-1)).reshape(A, W, -1)
+    else:
+        logits = model.target_logits(_take_rows(hidden, rows.reshape(-1))).reshape(A, W, -1)
     return TargetOutput(hidden=hidden, cu_q_lens=cu_q_lens, logits=logits, slots=slots,
                         valid=valid), cache
 
