@@ -17,6 +17,14 @@ for block formats). Facts used (GGUF spec in ggml's ``docs/gguf.md``; llama.cpp
   ``rope.dimension_count``, ``rope.scaling.*``, ``vocab_size``); Llama-3 style rope scaling is
   stored as a ``rope_freqs.weight`` tensor of per-frequency divisors, matched here against the
   llama3 formula.
+* mixture-of-experts architectures (``qwen3moe``): llama.cpp stacks each layer's experts into
+  ``blk.N.ffn_{gate,up,down}_exps.weight`` (ne = ``{in, out, E}``, i.e. row-major ``[E, out, in]``;
+  ``--fuse-gate-up-exps`` writes one ``ffn_gate_up_exps`` = ``[gate; up]`` along ``out``), the
+  router as ``ffn_gate_inp.weight`` (``[E, H]``), shared experts as ``ffn_{gate,up,down}_shexp``
+  and the score-correction bias as ``exp_probs_b.bias``; hyper-parameters ``expert_count``,
+  ``expert_used_count``, ``expert_feed_forward_length``, ``expert_shared_count``. The routing
+  rules not stored in the file are llama.cpp's per-architecture graph's (``src/models/*.cpp``),
+  listed in :func:`_moe_config`.
 
 Tensor types accepted: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 (dequantized to fp32 on the host, then cast). Anything else raises ``ValueError`` naming the tensor
@@ -32,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from jmtp.model.config import ModelConfig, RopeScaling
+from jmtp.model.config import ModelConfig, MoEConfig, RopeScaling
 from jmtp.model.hf_loader import build_params, deinterleave_rows
 
 log = logging.getLogger(__name__)
@@ -44,7 +52,9 @@ GGUF_ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", True),
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
+    "qwen3moe": ("Qwen3MoeForCausalLM", False),
 }
+MOE_GGUF_ARCHITECTURES = ("qwen3moe",)
 # Metadata arrays read only on demand (large): see gguf_array().
 _LAZY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.scores")
@@ -64,6 +74,19 @@ _LAYER_MAP = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # mixture of experts (llama.cpp stacks the experts: ffn_*_exps ne = {in, out, E})
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+}
+# HF per-layer names llama.cpp splits into several GGUF tensors, concatenated along an axis of the
+# row-major (torch-layout) arrays: the experts' gate and up projections f[E, I, H] -> f[E, 2I, H]
+# (transformers' fused ``mlp.experts.gate_up_proj`` = [gate; up]).
+_LAYER_CONCAT = {
+    "mlp.experts.gate_up_proj": (("ffn_gate_exps.weight", "ffn_up_exps.weight"), 1),
 }
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -197,12 +220,15 @@ def gguf_config(reader, where: str) -> tuple[ModelConfig, bool]:
     vocab = int(meta.get(f"{arch}.vocab_size", int(embd.shape[1])))
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
+    num_layers = int(need("block_count"))
     cfg = ModelConfig(
         architecture=hf_arch,
         vocab_size=vocab,
         hidden_size=h,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
+        intermediate_size=int(meta.get(f"{arch}.feed_forward_length") or (
+            need("expert_feed_forward_length") if arch in MOE_GGUF_ARCHITECTURES
+            else need("feed_forward_length"))),
+        num_layers=num_layers,
         num_heads=nq,
         num_kv_heads=nkv,
         head_dim=head_dim,
@@ -215,25 +241,62 @@ def gguf_config(reader, where: str) -> tuple[ModelConfig, bool]:
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+        moe=_moe_config(meta, arch, num_layers, need, where),
     )
     return cfg, permuted
 
 
+def _moe_config(meta: dict, arch: str, num_layers: int, need, where: str) -> MoEConfig | None:
+    """:class:`MoEConfig` from ``{arch}.expert_*`` metadata (None for dense architectures).
+
+    ``qwen3moe``: every layer MoE, softmax router, top-k weights renormalised (llama.cpp's
+    ``qwen3moe`` graph passes ``norm_w = true``; its converter writes no
+    ``expert_weights_norm`` key), no shared experts.
+    """
+    if arch not in MOE_GGUF_ARCHITECTURES:
+        return None
+    e, k = int(need("expert_count")), int(need("expert_used_count"))
+    ie = int(need("expert_feed_forward_length"))
+    if not 1 <= k <= e:
+        raise ValueError(f"{where}: field {arch}.expert_used_count = {k} must lie in "
+                         f"[1, {arch}.expert_count = {e}]")
+    if arch == "qwen3moe":
+        if int(meta.get(f"{arch}.expert_shared_count", 0) or 0):
+            raise ValueError(f"{where}: field {arch}.expert_shared_count > 0 is not supported "
+                             "for qwen3moe (llama.cpp's graph has no shared experts)")
+        return MoEConfig(e, k, ie, layers=tuple(range(num_layers)), scoring="softmax",
+                         norm_topk_prob=True)
+    raise AssertionError(arch)
+
+
 class GGUFSource:
     """The tensors of a GGUF file under HF names, dequantized to fp32 ``[out, in]`` on access,
-    with llama.cpp's q/k row permutation undone when ``permuted``."""
+    with llama.cpp's q/k row permutation undone when ``permuted``.
+
+    MoE experts appear under transformers' fused names: ``mlp.experts.gate_up_proj f[E, 2I, H]``
+    (``ffn_gate_up_exps``, or ``ffn_gate_exps`` and ``ffn_up_exps`` concatenated) and
+    ``mlp.experts.down_proj f[E, H, I]`` (``ffn_down_exps``)."""
 
     def __init__(self, reader, where: str, cfg: ModelConfig, permuted: bool):
         self.where_ = where
         self.cfg = cfg
         self.permuted = permuted
         self._tensors = {t.name: t for t in reader.tensors}
-        self._hf2gguf = {hf: g for hf, g in _GLOBAL_MAP.items() if g in self._tensors}
+        # HF name -> (GGUF names, concatenation axis of the row-major arrays)
+        self._hf2gguf: dict[str, tuple[tuple[str, ...], int]] = {
+            hf: ((g,), 0) for hf, g in _GLOBAL_MAP.items() if g in self._tensors}
         for i in range(cfg.num_layers):
             for hf_suffix, g_suffix in _LAYER_MAP.items():
                 g = f"blk.{i}.{g_suffix}"
                 if g in self._tensors:
-                    self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = g
+                    self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = ((g,), 0)
+            for hf_suffix, (g_suffixes, axis) in _LAYER_CONCAT.items():
+                gs = tuple(f"blk.{i}.{g}" for g in g_suffixes)
+                fused = f"blk.{i}.ffn_gate_up_exps.weight"
+                if fused in self._tensors:
+                    self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = ((fused,), 0)
+                elif all(g in self._tensors for g in gs):
+                    self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = (gs, axis)
         for t in reader.tensors:  # early, explicit error for block formats we do not decode
             if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
                 raise ValueError(
@@ -243,28 +306,80 @@ class GGUFSource:
     def names(self) -> set[str]:
         return set(self._hf2gguf)
 
+    def _shape1(self, g: str) -> tuple[int, ...]:
+        return tuple(int(s) for s in reversed(self._tensors[g].shape.tolist()))
+
     def shape(self, name: str) -> tuple[int, ...]:
-        t = self._tensors[self._hf2gguf[name]]
-        return tuple(int(s) for s in reversed(t.shape.tolist()))
+        gs, axis = self._hf2gguf[name]
+        shapes = [self._shape1(g) for g in gs]
+        if len(shapes) == 1:
+            return shapes[0]
+        for s in shapes[1:]:
+            if s[:axis] + s[axis + 1:] != shapes[0][:axis] + shapes[0][axis + 1:]:
+                raise ValueError(f"{self.where_}: tensors {', '.join(map(repr, gs))} have shapes "
+                                 f"{shapes} that do not concatenate along axis {axis}")
+        out = list(shapes[0])
+        out[axis] = sum(s[axis] for s in shapes)
+        return tuple(out)
 
     def where(self, name: str) -> str:
-        return f"{self.where_} (GGUF tensor {self._hf2gguf[name]!r})"
+        gs, _ = self._hf2gguf[name]
+        return f"{self.where_} (GGUF tensor {' + '.join(map(repr, gs))})"
 
-    def get(self, name: str) -> np.ndarray:
+    def _get1(self, g: str) -> np.ndarray:
         import gguf.quants
 
-        t = self._tensors[self._hf2gguf[name]]
+        t = self._tensors[g]
         kind = t.tensor_type.name
         if kind in ("F32", "F16"):
             w = np.asarray(t.data, np.float32)
         else:
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        w = w.reshape(self.shape(name))
+        return w.reshape(self._shape1(g))
+
+    def get(self, name: str) -> np.ndarray:
+        gs, axis = self._hf2gguf[name]
+        w = self._get1(gs[0]) if len(gs) == 1 else np.concatenate([self._get1(g) for g in gs], axis)
         if self.permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             w = deinterleave_rows(w, self.cfg.num_heads)
         elif self.permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             w = deinterleave_rows(w, self.cfg.num_kv_heads)
         return w
+
+
+def check_moe_tensors(reader, cfg: ModelConfig, arch: str, where: str) -> None:
+    """Every MoE layer of ``cfg`` has its router and expert tensors, with ``{arch}.expert_count``
+    experts; dense layers have no expert tensors.
+
+    Raises:
+      ValueError: naming the missing GGUF tensor, or the tensor and the metadata field whose
+        expert count disagree.
+    """
+    if cfg.moe is None:
+        return
+    tensors = {t.name: t for t in reader.tensors}
+    e = cfg.moe.num_experts
+    for i in range(cfg.num_layers):
+        b = f"blk.{i}."
+        if not cfg.is_moe_layer(i):
+            if b + "ffn_gate_inp.weight" in tensors:
+                raise ValueError(f"{where}: tensor {b}ffn_gate_inp.weight makes layer {i} MoE but "
+                                 f"the metadata makes it dense ({arch}.leading_dense_block_count)")
+            continue
+        fused = b + "ffn_gate_up_exps.weight" in tensors
+        need = ["ffn_gate_inp.weight", "ffn_down_exps.weight"] + (
+            ["ffn_gate_up_exps.weight"] if fused else ["ffn_gate_exps.weight", "ffn_up_exps.weight"])
+        if cfg.moe.score_bias:
+            need.append("exp_probs_b.bias")
+        if cfg.moe.shared_intermediate_size:
+            need += ["ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"]
+        for n in need:
+            if b + n not in tensors:
+                raise ValueError(f"{where}: missing tensor {b + n!r} (layer {i} is a MoE layer)")
+            got = int(tensors[b + n].shape[-1])    # GGUF dims innermost first: experts last
+            if n.endswith(("_exps.weight", "gate_inp.weight", "probs_b.bias")) and got != e:
+                raise ValueError(f"{where}: tensor {b + n!r} holds {got} experts but field "
+                                 f"{arch}.expert_count = {e}")
 
 
 def load_gguf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
@@ -277,6 +392,7 @@ def load_gguf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
     where = os.fspath(path)
     reader = open_gguf(where)
     cfg, permuted = gguf_config(reader, where)
+    check_moe_tensors(reader, cfg, gguf_metadata(reader)["general.architecture"], where)
     src = GGUFSource(reader, where, cfg, permuted)
     return build_params(cfg, src, where, dtype)
 

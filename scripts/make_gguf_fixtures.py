@@ -1,0 +1,143 @@
+"""Build the tiny MoE GGUF test fixtures under ``tests/model/fixtures/gguf_moe/<family>/``.
+
+For every family: a tiny random transformers checkpoint (``save_pretrained``, fp32 safetensors,
+deterministic seeds) plus a tiny byte-level BPE tokenizer (``tokenizers``, trained on a fixed
+text), then llama.cpp's own ``convert_hf_to_gguf.py`` turns the directory into ``model.gguf``
+(``--outtype f32``). The tests (``tests/model/test_gguf_moe.py``) compare jmtp's GGUF-loaded logits
+with transformers run on the committed HF files, so the converter is the independent reference
+for tensor names/layouts and metadata keys; CI never needs it.
+
+Usage (the converter ships in the llama-cpp-python sdist, ``vendor/llama.cpp``)::
+
+    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/llcpp   # then untar
+    PYTHONPATH=$PWD python scripts/make_gguf_fixtures.py \
+        /tmp/llcpp/llama_cpp_python-*/vendor/llama.cpp [family ...]
+
+The converter needs ``torch``, ``transformers``, ``numpy`` (and its bundled ``gguf-py``); it runs
+in a subprocess with ``PYTHONPATH=<llama.cpp>/gguf-py``. One patch is applied there: llama.cpp
+identifies a BPE pre-tokenizer by hashing the token ids of a fixed text, which no tiny tokenizer
+can match, so ``TextModel.get_vocab_base_pre`` is made to answer ``"default"`` (the tokenizer's
+pre-tokenizer name is metadata only; the weights and hyper-parameters are converted untouched).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "tests" / "model" / "fixtures" / "gguf_moe"
+VOCAB = 320
+CORPUS = ("The quick brown fox jumps over the lazy dog. Mixture-of-experts layers route every "
+          "token to a few experts; multi-token prediction drafts several tokens at once. "
+          "def fibonacci(n): return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n") * 4
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6,
+              bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+
+
+def _configs():
+    import transformers
+
+    return {
+        # llama.cpp's qwen3moe always renormalises the top-k weights and makes every layer MoE,
+        # so the HF config says the same (norm_topk_prob, no mlp_only_layers, step 1).
+        "qwen3moe": transformers.Qwen3MoeConfig(
+            **COMMON, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+            num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+            mlp_only_layers=[], rope_theta=10000.0),
+    }
+
+
+def _randomize(model, seed: int):
+    """Every tensor random (norms around 1, score-correction biases on the scale of the scores),
+    so a tensor in the wrong slot changes the logits."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if "inv_freq" in name:
+                continue
+            noise = torch.randn(p.shape, generator=g)
+            if "e_score_correction_bias" in name or "moe_statics" in name:
+                p.copy_(0.05 * noise)
+            elif "norm" in name:
+                p.copy_(1 + 0.2 * noise)
+            else:
+                p.copy_((0.5 if "embed" in name else 0.1) * noise)
+    return model
+
+
+def _tokenizer(path: Path):
+    """A byte-level BPE of VOCAB tokens trained on CORPUS; ids 0/1 are ``<s>``/``</s>``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer)
+    assert tok.get_vocab_size() <= VOCAB, tok.get_vocab_size()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
+
+
+_CONVERT = """
+import runpy, sys
+sys.path.insert(0, {llama!r})
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
+sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outfile", {out!r}, "--outtype", "f32"]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def build(family: str, llama_cpp: Path, seed: int = 0):
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(seed)
+    config = _configs()[family]
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed + len(family)).eval()
+    out = OUT / family
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    model.save_pretrained(out)
+    _tokenizer(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf_tmp = Path(tmp) / "model.gguf"
+        code = _CONVERT.format(llama=str(llama_cpp), src=str(out), out=str(gguf_tmp),
+                               script=str(llama_cpp / "convert_hf_to_gguf.py"))
+        env = dict(os.environ, PYTHONPATH=str(llama_cpp / "gguf-py"))
+        subprocess.run([sys.executable, "-c", code], check=True, env=env)
+        shutil.copy(gguf_tmp, out / "model.gguf")
+    sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
+    print(family, json.dumps(sizes))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("llama_cpp", type=Path, help="llama.cpp source directory (has "
+                    "convert_hf_to_gguf.py, conversion/ and gguf-py/)")
+    ap.add_argument("families", nargs="*", help="default: all")
+    args = ap.parse_args()
+    if not (args.llama_cpp / "convert_hf_to_gguf.py").is_file():
+        raise SystemExit(f"{args.llama_cpp}: no convert_hf_to_gguf.py")
+    for fam in args.families or list(_configs()):
+        build(fam, args.llama_cpp.resolve())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""GGUF loading of the MoE families, against files written by llama.cpp's own converter.
+
+Fixtures (``tests/model/fixtures/gguf_moe/<family>/``, built by ``scripts/make_gguf_fixtures.py``):
+a tiny random transformers checkpoint (``save_pretrained``) and ``model.gguf``, its conversion by
+llama.cpp's ``convert_hf_to_gguf.py`` (F32). jmtp's GGUF-loaded model must give transformers'
+logits on the HF files (fp32, |Δ| <= 1e-4) for a single prefill and for a chunked prefill plus
+one-token paged decode steps over shuffled, NaN-poisoned KV blocks, and the same parameters as
+jmtp's own HF loader. Bad files (a missing expert tensor, an expert count that disagrees with the
+tensors) raise ValueError naming the tensor/field.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmtp.model import compute_logits, forward, forward_logits, init_kv_cache, load_checkpoint, \
+    ragged_batch
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+transformers = pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+FIXTURES = Path(__file__).parent / "fixtures" / "gguf_moe"
+# family -> (HF architecture, MoE layers, checks on the config)
+FAMILIES = {
+    "qwen3moe": ("Qwen3MoeForCausalLM", (0, 1)),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request):
+    fam = request.param
+    d = FIXTURES / fam
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    v = model.config.vocab_size
+    ids = np.random.default_rng(1).integers(0, v, size=23).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    cfg, params = load_checkpoint(d / "model.gguf", dtype=jnp.float32)
+    return fam, d, cfg, params, ids, ref
+
+
+def test_config_matches_hf_loader(family):
+    fam, d, cfg, _, _, _ = family
+    hf_cfg, _ = load_checkpoint(d, dtype=jnp.float32)
+    assert cfg.architecture == FAMILIES[fam][0]
+    assert cfg.moe is not None and cfg.moe.layers == FAMILIES[fam][1]
+    # GGUF stores the eps as f32; every other field is the HF loader's
+    assert cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
+    assert cfg.replace(rms_norm_eps=hf_cfg.rms_norm_eps) == hf_cfg
+
+
+def test_params_equal_hf_loader(family):
+    """Every target tensor equals the HF loader's (the fresh MTP heads are compared too: both come
+    from the same key and the same target tensors)."""
+    _, d, _, params, _, _ = family
+    _, hf_params = load_checkpoint(d, dtype=jnp.float32)
+    flat, tree = jax.tree_util.tree_flatten_with_path(params)
+    hf_flat, hf_tree = jax.tree_util.tree_flatten_with_path(hf_params)
+    assert tree == hf_tree
+    for (path, a), (_, b) in zip(flat, hf_flat):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("impl", ["ragged", "dense"])
+def test_prefill_logits_match_transformers(family, impl):
+    _, _, cfg, params, ids, ref = family
+    cfg = cfg.replace(moe=cfg.moe.replace(implementation=impl))
+    ours = np.asarray(forward_logits(cfg, params, ids))
+    assert np.abs(ref).max() > 0.5
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4)
+
+
+_fwd = jax.jit(forward, static_argnums=0)
+
+
+def test_chunked_prefill_and_paged_decode_match_transformers(family):
+    """Prefill 16 tokens in chunks of 6, then decode one token per step, over shuffled KV blocks
+    poisoned with NaN; every row's logits = transformers'."""
+    _, _, cfg, params, ids, ref = family
+    bs, num_blocks, width = 4, 10, 8
+    cache = init_kv_cache(cfg, cfg.num_layers, num_blocks, bs)
+    cache = cache._replace(k=jnp.full_like(cache.k, jnp.nan), v=jnp.full_like(cache.v, jnp.nan))
+    pages = -(-len(ids) // bs)
+    tables = jnp.asarray(np.random.default_rng(3).permutation(num_blocks)[:pages][None], jnp.int32)
+    steps = [(s, min(s + 6, 16)) for s in range(0, 16, 6)] + [(t, t + 1) for t in range(16, len(ids))]
+    got = []
+    for a, b in steps:
+        chunk = ids[a:b]
+        pos, meta = ragged_batch(jnp.array([len(chunk)]), jnp.array([a]), tables, bs, width)
+        h, cache = _fwd(cfg, params, jnp.asarray(chunk + [0] * (width - len(chunk)), jnp.int32),
+                        pos, meta, cache)
+        got.append(np.asarray(compute_logits(params, h))[: len(chunk)])
+    np.testing.assert_allclose(np.concatenate(got), ref, rtol=0, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad files: a copy of a fixture with one tensor dropped or one metadata value changed
+
+def _rewrite(src: Path, dst: Path, drop=(), meta=None) -> Path:
+    """Copy the GGUF ``src`` to ``dst`` without the tensors in ``drop`` and with the metadata
+    values in ``meta`` (same value types) replaced."""
+    meta = meta or {}
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, meta.get(key, field.contents()), vtype, sub_type=sub)
+    for t in r.tensors:
+        if t.name not in drop:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_missing_expert_tensor(fam, tmp_path):
+    path = _rewrite(FIXTURES / fam / "model.gguf", tmp_path / "m.gguf",
+                    drop={"blk.1.ffn_up_exps.weight"})
+    with pytest.raises(ValueError, match=r"m.gguf: missing tensor 'blk.1.ffn_up_exps.weight' "
+                                         r"\(layer 1 is a MoE layer\)"):
+        load_checkpoint(path, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("fam", list(FAMILIES))
+def test_wrong_expert_count(fam, tmp_path):
+    key = f"{fam}.expert_count"
+    e = gguf.GGUFReader(str(FIXTURES / fam / "model.gguf")).fields[key].contents()
+    path = _rewrite(FIXTURES / fam / "model.gguf", tmp_path / "e.gguf", meta={key: e * 2})
+    layer = FAMILIES[fam][1][0]
+    with pytest.raises(ValueError, match=rf"e.gguf: tensor 'blk.{layer}.ffn_gate_inp.weight' holds "
+                                         rf"{e} experts but field {key} = {2 * e}"):
+        load_checkpoint(path, dtype=jnp.float32)
+    path = _rewrite(FIXTURES / fam / "model.gguf", tmp_path / "k.gguf",
+                    meta={f"{fam}.expert_used_count": e + 1})
+    with pytest.raises(ValueError, match=rf"k.gguf: field {fam}.expert_used_count = {e + 1} must "
+                                         rf"lie in \[1, {key} = {e}\]"):
+        load_checkpoint(path, dtype=jnp.float32)
