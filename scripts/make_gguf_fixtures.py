@@ -52,6 +52,20 @@ def _configs():
             **COMMON, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
             mlp_only_layers=[], rope_theta=10000.0),
+        # DeepSeek-V3's shape scaled down: q compressed, interleaved RoPE, YaRN (mscale equal to
+        # mscale_all_dim, as in the V3/R1 releases: GGUF keeps only the latter), layer 0 dense,
+        # 8 routed experts in 2 groups (1 kept), top-2, one shared expert, sigmoid router with a
+        # score-correction bias; scoring_func/topk_method as in DeepSeek-V3's config.json.
+        "deepseek2": transformers.DeepseekV3Config(
+            **{**COMMON, "num_hidden_layers": 3}, num_key_value_heads=4, q_lora_rank=16,
+            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+            first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=16, n_shared_experts=1, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "mscale": 1.0,
+                             "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+            scoring_func="sigmoid", topk_method="noaux_tc", num_mtp_layers=0),
     }
 
 

@@ -53,8 +53,12 @@ GGUF_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", False),
     "qwen3": ("Qwen3ForCausalLM", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
+    "deepseek2": ("DeepseekV3ForCausalLM", False),
 }
-MOE_GGUF_ARCHITECTURES = ("qwen3moe",)
+MOE_GGUF_ARCHITECTURES = ("qwen3moe", "deepseek2")
+# llama.cpp runs these with interleaved ("normal") RoPE on unpermuted HF weights (DeepSeek's own
+# rope_interleave layout): the loader de-interleaves like the HF loader does.
+INTERLEAVED_GGUF_ARCHITECTURES = ("deepseek2",)
 # Metadata arrays read only on demand (large): see gguf_array().
 _LAZY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.scores")
@@ -70,6 +74,13 @@ _LAYER_MAP = {
     "self_attn.v_proj.bias": "attn_v.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+    # multi-head latent attention (deepseek2)
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",   # legacy files; new ones split it
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -85,6 +96,7 @@ _LAYER_MAP = {
 # HF per-layer names llama.cpp splits into several GGUF tensors, concatenated along an axis of the
 # row-major (torch-layout) arrays: the experts' gate and up projections f[E, I, H] -> f[E, 2I, H]
 # (transformers' fused ``mlp.experts.gate_up_proj`` = [gate; up]).
+_KV_B = "kv_b"   # marker: MLA kv_b_proj rebuilt from attn_k_b / attn_v_b (see GGUFSource)
 _LAYER_CONCAT = {
     "mlp.experts.gate_up_proj": (("ffn_gate_exps.weight", "ffn_up_exps.weight"), 1),
 }
@@ -199,17 +211,24 @@ def gguf_config(reader, where: str) -> tuple[ModelConfig, bool]:
     h = int(need("embedding_length"))
     nq = int(need("attention.head_count"))
     nkv = int(meta.get(f"{arch}.attention.head_count_kv", nq))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", h // nq))
+    mla = _mla_fields(meta, arch, need, where) if arch == "deepseek2" else {}
+    if mla:
+        nkv = nq    # llama.cpp writes head_count_kv = 1 (MLA run as MQA); jmtp's config is HF's
+        head_dim = mla["qk_rope_head_dim"]
+    else:
+        head_dim = int(meta.get(f"{arch}.attention.key_length", h // nq))
     rot = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rot != head_dim:
         raise ValueError(f"{where}: field {arch}.rope.dimension_count = {rot} != head_dim "
                          f"{head_dim}: partial rotary embeddings are not supported")
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     stype = meta.get(f"{arch}.rope.scaling.type", "none")
-    if stype not in ("none", None) and float(meta.get(f"{arch}.rope.scaling.factor", 1.0)) != 1.0:
-        raise ValueError(f"{where}: field {arch}.rope.scaling.type = {stype!r} is not supported "
-                         "(only llama3 scaling via rope_freqs.weight)")
     scaling = None
+    if stype == "yarn" and arch == "deepseek2":
+        scaling = _deepseek2_yarn(meta, arch, need)
+    elif stype not in ("none", None) and float(meta.get(f"{arch}.rope.scaling.factor", 1.0)) != 1.0:
+        raise ValueError(f"{where}: field {arch}.rope.scaling.type = {stype!r} is not supported "
+                         "(only llama3 scaling via rope_freqs.weight, and yarn for deepseek2)")
     if "rope_freqs.weight" in names:
         t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
         scaling = _rope_scaling_from_freqs(np.asarray(t.data, np.float32).reshape(-1), theta,
@@ -241,12 +260,51 @@ def gguf_config(reader, where: str) -> tuple[ModelConfig, bool]:
         max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
-        moe=_moe_config(meta, arch, num_layers, need, where),
+        moe=_moe_config(meta, arch, num_layers, need, where, names),
+        **mla,
     )
     return cfg, permuted
 
 
-def _moe_config(meta: dict, arch: str, num_layers: int, need, where: str) -> MoEConfig | None:
+def _mla_fields(meta: dict, arch: str, need, where: str) -> dict:
+    """ModelConfig MLA fields from deepseek2 metadata: ``attention.q_lora_rank`` (absent = one
+    ``attn_q``), ``attention.kv_lora_rank``, ``rope.dimension_count`` (qk_rope_head_dim),
+    ``attention.key_length_mla`` / ``value_length_mla`` (per-head q/k and v widths; files written
+    before those keys existed hold them in ``key_length`` / ``value_length``)."""
+    dr = int(need("rope.dimension_count"))
+    if f"{arch}.attention.key_length_mla" in meta:
+        dk, dv = int(need("attention.key_length_mla")), int(need("attention.value_length_mla"))
+    else:
+        dk, dv = int(need("attention.key_length")), int(need("attention.value_length"))
+    if dk <= dr:
+        raise ValueError(f"{where}: field {arch}.attention.key_length_mla = {dk} must exceed "
+                         f"{arch}.rope.dimension_count = {dr} (no non-rotary query part)")
+    q_lora = int(meta.get(f"{arch}.attention.q_lora_rank", 0) or 0)
+    return dict(attention_type="mla", q_lora_rank=q_lora or None,
+                kv_lora_rank=int(need("attention.kv_lora_rank")), qk_nope_head_dim=dk - dr,
+                qk_rope_head_dim=dr, v_head_dim=dv)
+
+
+def _deepseek2_yarn(meta: dict, arch: str, need) -> RopeScaling:
+    """DeepSeek's YaRN from ``rope.scaling.{factor, original_context_length, yarn_beta_fast,
+    yarn_beta_slow, yarn_log_multiplier, yarn_attn_factor}``. llama.cpp's converter stores
+    ``0.1 · mscale_all_dim`` as ``yarn_log_multiplier`` and does not store ``mscale``; it is taken
+    equal to ``mscale_all_dim`` (DeepSeek-V3/R1 ship 1.0 for both; then transformers' cos/sin
+    factor ``get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)`` is 1)."""
+    p = f"{arch}.rope.scaling."
+    # llama.cpp undoes the 0.1 in f32 ("rope_yarn_log_mul /= 0.1f"): 1.0 comes back as exactly 1.0
+    m_all = float(np.float32(meta.get(p + "yarn_log_multiplier", 0.0)) / np.float32(0.1))
+    attn = meta.get(p + "yarn_attn_factor")
+    return RopeScaling(
+        factor=float(need("rope.scaling.factor")), low_freq_factor=0.0, high_freq_factor=0.0,
+        original_max_position_embeddings=int(need("rope.scaling.original_context_length")),
+        rope_type="yarn", beta_fast=float(meta.get(p + "yarn_beta_fast", 32.0)),
+        beta_slow=float(meta.get(p + "yarn_beta_slow", 1.0)), mscale=m_all, mscale_all_dim=m_all,
+        attention_factor=None if attn is None else float(attn))
+
+
+def _moe_config(meta: dict, arch: str, num_layers: int, need, where: str,
+                names: set[str]) -> MoEConfig | None:
     """:class:`MoEConfig` from ``{arch}.expert_*`` metadata (None for dense architectures).
 
     ``qwen3moe``: every layer MoE, softmax router, top-k weights renormalised (llama.cpp's
@@ -255,6 +313,8 @@ def _moe_config(meta: dict, arch: str, num_layers: int, need, where: str) -> MoE
     """
     if arch not in MOE_GGUF_ARCHITECTURES:
         return None
+    if arch == "deepseek2" and f"{arch}.expert_count" not in meta:
+        return None                                            # an all-dense DeepSeek
     e, k = int(need("expert_count")), int(need("expert_used_count"))
     ie = int(need("expert_feed_forward_length"))
     if not 1 <= k <= e:
@@ -266,7 +326,24 @@ def _moe_config(meta: dict, arch: str, num_layers: int, need, where: str) -> MoE
                              "for qwen3moe (llama.cpp's graph has no shared experts)")
         return MoEConfig(e, k, ie, layers=tuple(range(num_layers)), scoring="softmax",
                          norm_topk_prob=True)
-    raise AssertionError(arch)
+    # deepseek2 (DeepSeek-V3's router = transformers' DeepseekV3TopkRouter)
+    gating = int(meta.get(f"{arch}.expert_gating_func", 1))
+    if gating != 2:
+        raise ValueError(f"{where}: field {arch}.expert_gating_func = {gating} (absent means 1 = "
+                         "softmax, DeepSeek-V2's router) is not supported; only 2 = sigmoid "
+                         "(DeepSeek-V3) is")
+    first = int(meta.get(f"{arch}.leading_dense_block_count", 0))
+    if not 0 <= first <= num_layers:
+        raise ValueError(f"{where}: field {arch}.leading_dense_block_count = {first} outside "
+                         f"[0, {arch}.block_count = {num_layers}]")
+    return MoEConfig(
+        e, k, ie, layers=tuple(range(first, num_layers)), mtp_moe=True, scoring="sigmoid",
+        norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", False)),
+        score_bias=f"blk.{first}.exp_probs_b.bias" in names,
+        n_group=int(meta.get(f"{arch}.expert_group_count", 1) or 1),
+        topk_group=int(meta.get(f"{arch}.expert_group_used_count", 1) or 1),
+        routed_scaling_factor=float(meta.get(f"{arch}.expert_weights_scale", 1.0) or 1.0),
+        shared_intermediate_size=ie * int(meta.get(f"{arch}.expert_shared_count", 0) or 0))
 
 
 class GGUFSource:
@@ -297,6 +374,9 @@ class GGUFSource:
                     self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = ((fused,), 0)
                 elif all(g in self._tensors for g in gs):
                     self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = (gs, axis)
+            kb, vb = f"blk.{i}.attn_k_b.weight", f"blk.{i}.attn_v_b.weight"
+            if kb in self._tensors and vb in self._tensors:
+                self._hf2gguf[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = ((kb, vb), _KV_B)
         for t in reader.tensors:  # early, explicit error for block formats we do not decode
             if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
                 raise ValueError(
@@ -314,6 +394,12 @@ class GGUFSource:
         shapes = [self._shape1(g) for g in gs]
         if len(shapes) == 1:
             return shapes[0]
+        if axis == _KV_B:   # k_b [N, C, dn], v_b [N, dv, C] -> kv_b [N * (dn + dv), C]
+            (n, c, dn), (n2, dv, c2) = shapes
+            if (n, c) != (n2, c2):
+                raise ValueError(f"{self.where_}: tensors {gs[0]!r} {list(shapes[0])} and "
+                                 f"{gs[1]!r} {list(shapes[1])} disagree on heads / kv_lora_rank")
+            return (n * (dn + dv), c)
         for s in shapes[1:]:
             if s[:axis] + s[axis + 1:] != shapes[0][:axis] + shapes[0][axis + 1:]:
                 raise ValueError(f"{self.where_}: tensors {', '.join(map(repr, gs))} have shapes "
@@ -339,7 +425,13 @@ class GGUFSource:
 
     def get(self, name: str) -> np.ndarray:
         gs, axis = self._hf2gguf[name]
-        w = self._get1(gs[0]) if len(gs) == 1 else np.concatenate([self._get1(g) for g in gs], axis)
+        if axis == _KV_B:
+            k_b, v_b = self._get1(gs[0]), self._get1(gs[1])
+            w = np.concatenate([k_b.transpose(0, 2, 1), v_b], 1).reshape(self.shape(name))
+        elif len(gs) == 1:
+            w = self._get1(gs[0])
+        else:
+            w = np.concatenate([self._get1(g) for g in gs], axis)
         if self.permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             w = deinterleave_rows(w, self.cfg.num_heads)
         elif self.permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
@@ -347,17 +439,25 @@ class GGUFSource:
         return w
 
 
-def check_moe_tensors(reader, cfg: ModelConfig, arch: str, where: str) -> None:
-    """Every MoE layer of ``cfg`` has its router and expert tensors, with ``{arch}.expert_count``
-    experts; dense layers have no expert tensors.
+def check_layer_tensors(reader, cfg: ModelConfig, arch: str, where: str) -> None:
+    """GGUF-named presence checks for the tensors llama.cpp splits or stacks: an MLA layer has
+    ``attn_kv_b`` or both ``attn_k_b`` and ``attn_v_b``; every MoE layer of ``cfg`` has its router
+    and expert tensors, with ``{arch}.expert_count`` experts; dense layers have no router.
 
     Raises:
       ValueError: naming the missing GGUF tensor, or the tensor and the metadata field whose
         expert count disagree.
     """
+    tensors = {t.name: t for t in reader.tensors}
+    for i in range(cfg.num_layers if cfg.is_mla else 0):
+        b = f"blk.{i}."
+        if b + "attn_kv_b.weight" not in tensors:
+            for n in ("attn_k_b.weight", "attn_v_b.weight"):
+                if b + n not in tensors:
+                    raise ValueError(f"{where}: missing tensor {b + n!r} (MLA layer {i} has no "
+                                     f"{b}attn_kv_b.weight either)")
     if cfg.moe is None:
         return
-    tensors = {t.name: t for t in reader.tensors}
     e = cfg.moe.num_experts
     for i in range(cfg.num_layers):
         b = f"blk.{i}."
@@ -371,6 +471,9 @@ def check_moe_tensors(reader, cfg: ModelConfig, arch: str, where: str) -> None:
             ["ffn_gate_up_exps.weight"] if fused else ["ffn_gate_exps.weight", "ffn_up_exps.weight"])
         if cfg.moe.score_bias:
             need.append("exp_probs_b.bias")
+        elif b + "exp_probs_b.bias" in tensors:
+            raise ValueError(f"{where}: tensor {b}exp_probs_b.bias present but the first MoE layer "
+                             f"blk.{cfg.moe.layers[0]} has none")
         if cfg.moe.shared_intermediate_size:
             need += ["ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight"]
         for n in need:
@@ -392,9 +495,11 @@ def load_gguf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
     where = os.fspath(path)
     reader = open_gguf(where)
     cfg, permuted = gguf_config(reader, where)
-    check_moe_tensors(reader, cfg, gguf_metadata(reader)["general.architecture"], where)
+    arch = gguf_metadata(reader)["general.architecture"]
+    check_layer_tensors(reader, cfg, arch, where)
     src = GGUFSource(reader, where, cfg, permuted)
-    return build_params(cfg, src, where, dtype)
+    return build_params(cfg, src, where, dtype,
+                        interleaved_rope=arch in INTERLEAVED_GGUF_ARCHITECTURES)
 
 
 def gguf_tokenizer_data(path: str | os.PathLike) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from jmtp.model import compute_logits, forward, forward_logits, init_kv_cache, load_checkpoint, \
     ragged_batch
@@ -26,9 +27,12 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf_moe"
-# family -> (HF architecture, MoE layers, checks on the config)
+# family -> (HF architecture, MoE layers)
 FAMILIES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", (0, 1)),
+    # MLA with attn_k_b/attn_v_b (kv_b_proj split by the converter), YaRN, dense layer 0, grouped
+    # sigmoid router with exp_probs_b, a shared expert
+    "deepseek2": ("DeepseekV3ForCausalLM", (1, 2)),
 }
 
 
@@ -54,6 +58,9 @@ def test_config_matches_hf_loader(family):
     # GGUF stores the eps as f32; every other field is the HF loader's
     assert cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
     assert cfg.replace(rms_norm_eps=hf_cfg.rms_norm_eps) == hf_cfg
+    if fam == "deepseek2":
+        assert cfg.is_mla and cfg.rope_scaling.rope_type == "yarn"
+        assert cfg.moe.shared_intermediate_size and cfg.moe.score_bias and cfg.moe.n_group == 2
 
 
 def test_params_equal_hf_loader(family):
@@ -149,3 +156,55 @@ def test_wrong_expert_count(fam, tmp_path):
     with pytest.raises(ValueError, match=rf"k.gguf: field {fam}.expert_used_count = {e + 1} must "
                                          rf"lie in \[1, {key} = {e}\]"):
         load_checkpoint(path, dtype=jnp.float32)
+
+
+def test_deepseek2_split_kv_b_and_router_errors(tmp_path):
+    src = FIXTURES / "deepseek2" / "model.gguf"
+    path = _rewrite(src, tmp_path / "kb.gguf", drop={"blk.2.attn_v_b.weight"})
+    with pytest.raises(ValueError, match=r"kb.gguf: missing tensor 'blk.2.attn_v_b.weight' \(MLA "
+                                         r"layer 2 has no blk.2.attn_kv_b.weight either\)"):
+        load_checkpoint(path, dtype=jnp.float32)
+    path = _rewrite(src, tmp_path / "g.gguf", meta={"deepseek2.expert_gating_func": 1})
+    with pytest.raises(ValueError, match=r"g.gguf: field deepseek2.expert_gating_func = 1 .* not "
+                                         r"supported"):
+        load_checkpoint(path, dtype=jnp.float32)
+    path = _rewrite(src, tmp_path / "b.gguf", drop={"blk.2.exp_probs_b.bias"})
+    with pytest.raises(ValueError, match=r"b.gguf: missing tensor 'blk.2.exp_probs_b.bias'"):
+        load_checkpoint(path, dtype=jnp.float32)
+
+
+def test_deepseek2_legacy_unsplit_kv_b(tmp_path):
+    """Files written before llama.cpp split ``kv_b_proj`` hold ``attn_kv_b.weight``
+    (``[N·(dn+dv), C]``, HF's kv_b_proj) and no ``*_mla`` length keys; the same parameters load."""
+    src = FIXTURES / "deepseek2"
+    kv_b = {n: t for n, t in load_file(str(src / "model.safetensors")).items()
+            if n.endswith("kv_b_proj.weight")}
+    r = gguf.GGUFReader(str(src / "model.gguf"))
+    dst = tmp_path / "legacy.gguf"
+    w = gguf.GGUFWriter(str(dst), "deepseek2")
+    legacy_len = {"deepseek2.attention.key_length": r.fields["deepseek2.attention.key_length_mla"],
+                  "deepseek2.attention.value_length": r.fields["deepseek2.attention.value_length_mla"]}
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or "_mla" in key:
+            continue
+        field = legacy_len.get(key, field)
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for t in r.tensors:
+        if t.name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+            if t.name.endswith("attn_k_b.weight"):
+                i = t.name.split(".")[1]
+                w.add_tensor(f"blk.{i}.attn_kv_b.weight",
+                             kv_b[f"model.layers.{i}.self_attn.kv_b_proj.weight"])
+            continue
+        w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg, params = load_checkpoint(dst, dtype=jnp.float32)
+    want_cfg, want = load_checkpoint(src / "model.gguf", dtype=jnp.float32)
+    assert cfg == want_cfg
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
