@@ -66,7 +66,54 @@ def _configs():
                              "original_max_position_embeddings": 16, "mscale": 1.0,
                              "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
             scoring_func="sigmoid", topk_method="noaux_tc", num_mtp_layers=0),
+        # GLM-4.5's shape scaled down: partial rotary 0.5, q/k/v biases, q/k norm, layer 0 dense,
+        # grouped sigmoid router with a score-correction bias, a shared expert, and one NextN
+        # (MTP) layer, model.layers.{N} (written by _add_nextn_layer: transformers' model has none)
+        "glm4moe": transformers.Glm4MoeConfig(
+            **{**COMMON, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=8,
+            n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+            n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.8,
+            norm_topk_prob=True, moe_intermediate_size=16, attention_bias=True, use_qk_norm=True,
+            partial_rotary_factor=0.5, num_nextn_predict_layers=1),
     }
+
+
+# special tokens per family (the converter's GLM vocabulary code looks these up by name)
+SPECIALS = {
+    "glm4moe": ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"],
+}
+
+
+def _add_nextn_layer(model, out: Path, seed: int):
+    """A DeepSeek/GLM "NextN" MTP module ``model.layers.{N}.{enorm, hnorm, eh_proj,
+    shared_head.norm}`` plus a full decoder layer (MoE), saved as ``model-mtp.safetensors``."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    n = model.config.num_hidden_layers
+    cfg = model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": n + 1})
+    donor = _randomize(transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32),
+                       seed)
+    p = f"model.layers.{n}."
+    t = {}
+    for k, v in donor.model.layers[n].state_dict().items():
+        if k == "mlp.experts.gate_up_proj":     # transformers v5 in-memory layout -> hub layout
+            i = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                t[f"{p}mlp.experts.{e}.gate_proj.weight"] = v[e, :i].clone().contiguous()
+                t[f"{p}mlp.experts.{e}.up_proj.weight"] = v[e, i:].clone().contiguous()
+        elif k == "mlp.experts.down_proj":
+            for e in range(v.shape[0]):
+                t[f"{p}mlp.experts.{e}.down_proj.weight"] = v[e].clone().contiguous()
+        else:
+            t[p + k] = v.detach().clone().contiguous()
+    g = torch.Generator().manual_seed(seed)
+    h = cfg.hidden_size
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        t[p + name + ".weight"] = 1 + 0.2 * torch.randn(h, generator=g)
+    t[p + "eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    save_file(t, str(out / "model-mtp.safetensors"))
 
 
 def _randomize(model, seed: int):
@@ -89,15 +136,16 @@ def _randomize(model, seed: int):
     return model
 
 
-def _tokenizer(path: Path):
-    """A byte-level BPE of VOCAB tokens trained on CORPUS; ids 0/1 are ``<s>``/``</s>``."""
+def _tokenizer(path: Path, specials=()):
+    """A byte-level BPE of VOCAB tokens trained on CORPUS; ids 0/1 are ``<s>``/``</s>``, then
+    ``specials``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>", *specials],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator([CORPUS], trainer)
@@ -129,7 +177,9 @@ def build(family: str, llama_cpp: Path, seed: int = 0):
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     model.save_pretrained(out)
-    _tokenizer(out)
+    if getattr(config, "num_nextn_predict_layers", 0):
+        _add_nextn_layer(model, out, seed + 100)
+    _tokenizer(out, SPECIALS.get(family, ()))
     with tempfile.TemporaryDirectory() as tmp:
         gguf_tmp = Path(tmp) / "model.gguf"
         code = _CONVERT.format(llama=str(llama_cpp), src=str(out), out=str(gguf_tmp),

@@ -54,8 +54,11 @@ GGUF_ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", False),
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
     "deepseek2": ("DeepseekV3ForCausalLM", False),
+    "glm4moe": ("Glm4MoeForCausalLM", False),
 }
-MOE_GGUF_ARCHITECTURES = ("qwen3moe", "deepseek2")
+MOE_GGUF_ARCHITECTURES = ("qwen3moe", "deepseek2", "glm4moe")
+# architectures whose RoPE may rotate only the first rope.dimension_count dims of a head
+PARTIAL_ROTARY_GGUF_ARCHITECTURES = ("glm4moe",)
 # llama.cpp runs these with interleaved ("normal") RoPE on unpermuted HF weights (DeepSeek's own
 # rope_interleave layout): the loader de-interleaves like the HF loader does.
 INTERLEAVED_GGUF_ARCHITECTURES = ("deepseek2",)
@@ -99,6 +102,17 @@ _LAYER_MAP = {
 _KV_B = "kv_b"   # marker: MLA kv_b_proj rebuilt from attn_k_b / attn_v_b (see GGUFSource)
 _LAYER_CONCAT = {
     "mlp.experts.gate_up_proj": (("ffn_gate_exps.weight", "ffn_up_exps.weight"), 1),
+}
+# per-architecture renames of _LAYER_MAP entries
+_ARCH_LAYER_MAP = {
+    "glm4moe": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
+}
+# DeepSeek/GLM "NextN" MTP tensors of layer blk.{N+j} (after the target's N layers) -> HF suffix
+_NEXTN_MAP = {
+    "eh_proj.weight": "nextn.eh_proj.weight",
+    "enorm.weight": "nextn.enorm.weight",
+    "hnorm.weight": "nextn.hnorm.weight",
+    "shared_head.norm.weight": "nextn.shared_head_norm.weight",
 }
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -218,7 +232,7 @@ def gguf_config(reader, where: str) -> tuple[ModelConfig, bool]:
     else:
         head_dim = int(meta.get(f"{arch}.attention.key_length", h // nq))
     rot = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rot != head_dim:
+    if rot != head_dim and not (arch in PARTIAL_ROTARY_GGUF_ARCHITECTURES and 0 < rot < head_dim):
         raise ValueError(f"{where}: field {arch}.rope.dimension_count = {rot} != head_dim "
                          f"{head_dim}: partial rotary embeddings are not supported")
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
@@ -239,7 +253,11 @@ def gguf_config(reader, where: str) -> tuple[ModelConfig, bool]:
     vocab = int(meta.get(f"{arch}.vocab_size", int(embd.shape[1])))
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                              "tokenizer.ggml.eom_token_id") if k in meta]
-    num_layers = int(need("block_count"))
+    nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    num_layers = int(need("block_count")) - nextn     # block_count includes the NextN layers
+    if num_layers < 1:
+        raise ValueError(f"{where}: field {arch}.block_count = {num_layers + nextn} leaves no "
+                         f"target layer after {arch}.nextn_predict_layers = {nextn}")
     cfg = ModelConfig(
         architecture=hf_arch,
         vocab_size=vocab,
@@ -254,6 +272,7 @@ def gguf_config(reader, where: str) -> tuple[ModelConfig, bool]:
         rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=theta,
         rope_scaling=scaling,
+        partial_rotary_factor=rot / head_dim,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
@@ -326,12 +345,14 @@ def _moe_config(meta: dict, arch: str, num_layers: int, need, where: str,
                              "for qwen3moe (llama.cpp's graph has no shared experts)")
         return MoEConfig(e, k, ie, layers=tuple(range(num_layers)), scoring="softmax",
                          norm_topk_prob=True)
-    # deepseek2 (DeepSeek-V3's router = transformers' DeepseekV3TopkRouter)
-    gating = int(meta.get(f"{arch}.expert_gating_func", 1))
+    # deepseek2 / glm4moe (DeepSeek-V3's router = transformers' DeepseekV3TopkRouter =
+    # Glm4MoeTopkRouter). llama.cpp's default gating when the key is absent: softmax for deepseek2
+    # (DeepSeek-V2 files), sigmoid for glm4moe.
+    gating = int(meta.get(f"{arch}.expert_gating_func", 2 if arch == "glm4moe" else 1))
     if gating != 2:
         raise ValueError(f"{where}: field {arch}.expert_gating_func = {gating} (absent means 1 = "
-                         "softmax, DeepSeek-V2's router) is not supported; only 2 = sigmoid "
-                         "(DeepSeek-V3) is")
+                         "softmax for deepseek2, DeepSeek-V2's router) is not supported; only 2 = "
+                         "sigmoid (DeepSeek-V3, GLM-4.5) is")
     first = int(meta.get(f"{arch}.leading_dense_block_count", 0))
     if not 0 <= first <= num_layers:
         raise ValueError(f"{where}: field {arch}.leading_dense_block_count = {first} outside "
@@ -354,7 +375,8 @@ class GGUFSource:
     (``ffn_gate_up_exps``, or ``ffn_gate_exps`` and ``ffn_up_exps`` concatenated) and
     ``mlp.experts.down_proj f[E, H, I]`` (``ffn_down_exps``)."""
 
-    def __init__(self, reader, where: str, cfg: ModelConfig, permuted: bool):
+    def __init__(self, reader, where: str, cfg: ModelConfig, permuted: bool, arch: str = "",
+                 nextn: int = 0):
         self.where_ = where
         self.cfg = cfg
         self.permuted = permuted
@@ -362,8 +384,13 @@ class GGUFSource:
         # HF name -> (GGUF names, concatenation axis of the row-major arrays)
         self._hf2gguf: dict[str, tuple[tuple[str, ...], int]] = {
             hf: ((g,), 0) for hf, g in _GLOBAL_MAP.items() if g in self._tensors}
-        for i in range(cfg.num_layers):
-            for hf_suffix, g_suffix in _LAYER_MAP.items():
+        layer_map = {**_LAYER_MAP, **_ARCH_LAYER_MAP.get(arch, {})}
+        for i in range(cfg.num_layers + nextn):
+            if i >= cfg.num_layers:
+                for hf_suffix, g_suffix in _NEXTN_MAP.items():
+                    if f"blk.{i}.{g_suffix}" in self._tensors:
+                        self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = ((f"blk.{i}.{g_suffix}",), 0)
+            for hf_suffix, g_suffix in layer_map.items():
                 g = f"blk.{i}.{g_suffix}"
                 if g in self._tensors:
                     self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = ((g,), 0)
@@ -439,16 +466,22 @@ class GGUFSource:
         return w
 
 
-def check_layer_tensors(reader, cfg: ModelConfig, arch: str, where: str) -> None:
+def check_layer_tensors(reader, cfg: ModelConfig, arch: str, where: str, nextn: int = 0) -> None:
     """GGUF-named presence checks for the tensors llama.cpp splits or stacks: an MLA layer has
     ``attn_kv_b`` or both ``attn_k_b`` and ``attn_v_b``; every MoE layer of ``cfg`` has its router
-    and expert tensors, with ``{arch}.expert_count`` experts; dense layers have no router.
+    and expert tensors, with ``{arch}.expert_count`` experts; dense layers have no router; each
+    of the ``nextn`` NextN layers has its ``nextn.{eh_proj,enorm,hnorm,shared_head_norm}``.
 
     Raises:
       ValueError: naming the missing GGUF tensor, or the tensor and the metadata field whose
         expert count disagree.
     """
     tensors = {t.name: t for t in reader.tensors}
+    for i in range(cfg.num_layers, cfg.num_layers + nextn):
+        for g in _NEXTN_MAP.values():
+            if f"blk.{i}.{g}" not in tensors:
+                raise ValueError(f"{where}: missing tensor 'blk.{i}.{g}' (field "
+                                 f"{arch}.nextn_predict_layers = {nextn} makes blk.{i} a NextN layer)")
     for i in range(cfg.num_layers if cfg.is_mla else 0):
         b = f"blk.{i}."
         if b + "attn_kv_b.weight" not in tensors:
@@ -495,9 +528,11 @@ def load_gguf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
     where = os.fspath(path)
     reader = open_gguf(where)
     cfg, permuted = gguf_config(reader, where)
-    arch = gguf_metadata(reader)["general.architecture"]
-    check_layer_tensors(reader, cfg, arch, where)
-    src = GGUFSource(reader, where, cfg, permuted)
+    meta = gguf_metadata(reader)
+    arch = meta["general.architecture"]
+    nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    check_layer_tensors(reader, cfg, arch, where, nextn)
+    src = GGUFSource(reader, where, cfg, permuted, arch, nextn)
     return build_params(cfg, src, where, dtype,
                         interleaved_rope=arch in INTERLEAVED_GGUF_ARCHITECTURES)
 

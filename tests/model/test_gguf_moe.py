@@ -33,6 +33,9 @@ FAMILIES = {
     # MLA with attn_k_b/attn_v_b (kv_b_proj split by the converter), YaRN, dense layer 0, grouped
     # sigmoid router with exp_probs_b, a shared expert
     "deepseek2": ("DeepseekV3ForCausalLM", (1, 2)),
+    # partial rotary, q/k/v biases, q/k norm, dense layer 0, grouped sigmoid router, a shared
+    # expert, one NextN (MTP) layer blk.3 with a MoE block
+    "glm4moe": ("Glm4MoeForCausalLM", (1, 2)),
 }
 
 
@@ -55,12 +58,20 @@ def test_config_matches_hf_loader(family):
     hf_cfg, _ = load_checkpoint(d, dtype=jnp.float32)
     assert cfg.architecture == FAMILIES[fam][0]
     assert cfg.moe is not None and cfg.moe.layers == FAMILIES[fam][1]
-    # GGUF stores the eps as f32; every other field is the HF loader's
+    # GGUF stores floats as f32, and GLM's converter adds eot/eom ids to the stop tokens; every
+    # other field is the HF loader's
     assert cfg.rms_norm_eps == pytest.approx(hf_cfg.rms_norm_eps, rel=1e-6)
-    assert cfg.replace(rms_norm_eps=hf_cfg.rms_norm_eps) == hf_cfg
+    assert cfg.moe.routed_scaling_factor == pytest.approx(hf_cfg.moe.routed_scaling_factor, rel=1e-6)
+    assert set(hf_cfg.eos_token_ids) <= set(cfg.eos_token_ids)
+    assert cfg.replace(rms_norm_eps=hf_cfg.rms_norm_eps, eos_token_ids=hf_cfg.eos_token_ids,
+                       moe=cfg.moe.replace(routed_scaling_factor=hf_cfg.moe.routed_scaling_factor)
+                       ) == hf_cfg
     if fam == "deepseek2":
         assert cfg.is_mla and cfg.rope_scaling.rope_type == "yarn"
         assert cfg.moe.shared_intermediate_size and cfg.moe.score_bias and cfg.moe.n_group == 2
+    if fam == "glm4moe":   # the NextN layer is loaded as the MTP module (not a fresh head)
+        assert (cfg.num_layers, cfg.num_mtp_layers, cfg.mtp_layout) == (3, 1, "deepseek")
+        assert cfg.moe.mtp_moe and cfg.rotary_dim == 4 and cfg.attention_bias and cfg.qk_norm
 
 
 def test_params_equal_hf_loader(family):
@@ -208,3 +219,11 @@ def test_deepseek2_legacy_unsplit_kv_b(tmp_path):
     assert cfg == want_cfg
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_glm4moe_missing_nextn_tensor(tmp_path):
+    path = _rewrite(FIXTURES / "glm4moe" / "model.gguf", tmp_path / "n.gguf",
+                    drop={"blk.3.nextn.eh_proj.weight"})
+    with pytest.raises(ValueError, match=r"n.gguf: missing tensor 'blk.3.nextn.eh_proj.weight' "
+                                         r"\(field glm4moe.nextn_predict_layers = 1"):
+        load_checkpoint(path, dtype=jnp.float32)
