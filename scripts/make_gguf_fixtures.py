@@ -75,7 +75,34 @@ def _configs():
             n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.8,
             norm_topk_prob=True, moe_intermediate_size=16, attention_bias=True, use_qk_norm=True,
             partial_rotary_factor=0.5, num_nextn_predict_layers=1),
+        # ERNIE-4.5-21B-A3B's shape scaled down: interleaved RoPE, layer 0 dense, softmax router
+        # with moe_statics bias, two shared experts. llama.cpp stores the shared width as
+        # intermediate_size // num_key_value_heads (= 2 x 16 here, as in the 21B release).
+        "ernie4_5-moe": transformers.Ernie4_5_MoeConfig(
+            **{**COMMON, "num_hidden_layers": 3, "intermediate_size": 64}, num_key_value_heads=2,
+            moe_num_experts=8, moe_k=2, moe_num_shared_experts=2, moe_intermediate_size=16,
+            moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1,
+            rope_theta=500000.0, use_bias=False),
     }
+
+
+def _sentencepiece(path: Path):
+    """ERNIE's converter reads a SentencePiece ``tokenizer.model``: a byte-fallback BPE trained on
+    CORPUS (VOCAB pieces; 0 <s>, 1 </s>, 2 <unk>; no normaliser table)."""
+    import io
+
+    import sentencepiece as spm
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.splitlines() * 8), model_writer=buf, vocab_size=VOCAB,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, unk_id=2, bos_id=0,
+        eos_id=1, pad_id=-1, hard_vocab_limit=False, minloglevel=2, num_threads=1,
+        normalization_rule_name="identity")
+    (path / "tokenizer.model").write_bytes(buf.getvalue())
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_prefix_space": False}, indent=1))
 
 
 # special tokens per family (the converter's GLM vocabulary code looks these up by name)
@@ -179,12 +206,17 @@ def build(family: str, llama_cpp: Path, seed: int = 0):
     model.save_pretrained(out)
     if getattr(config, "num_nextn_predict_layers", 0):
         _add_nextn_layer(model, out, seed + 100)
-    _tokenizer(out, SPECIALS.get(family, ()))
+    if family.startswith("ernie"):
+        _sentencepiece(out)
+    else:
+        _tokenizer(out, SPECIALS.get(family, ()))
     with tempfile.TemporaryDirectory() as tmp:
         gguf_tmp = Path(tmp) / "model.gguf"
         code = _CONVERT.format(llama=str(llama_cpp), src=str(out), out=str(gguf_tmp),
                                script=str(llama_cpp / "convert_hf_to_gguf.py"))
-        env = dict(os.environ, PYTHONPATH=str(llama_cpp / "gguf-py"))
+        extra = os.environ.get("CONVERTER_PYTHONPATH")   # e.g. a --target dir with sentencepiece
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(llama_cpp / "gguf-py")] + ([extra] if extra else [])))
         subprocess.run([sys.executable, "-c", code], check=True, env=env)
         shutil.copy(gguf_tmp, out / "model.gguf")
     sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir())}

@@ -55,13 +55,14 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
     "deepseek2": ("DeepseekV3ForCausalLM", False),
     "glm4moe": ("Glm4MoeForCausalLM", False),
+    "ernie4_5-moe": ("Ernie4_5_MoeForCausalLM", False),
 }
-MOE_GGUF_ARCHITECTURES = ("qwen3moe", "deepseek2", "glm4moe")
+MOE_GGUF_ARCHITECTURES = ("qwen3moe", "deepseek2", "glm4moe", "ernie4_5-moe")
 # architectures whose RoPE may rotate only the first rope.dimension_count dims of a head
 PARTIAL_ROTARY_GGUF_ARCHITECTURES = ("glm4moe",)
 # llama.cpp runs these with interleaved ("normal") RoPE on unpermuted HF weights (DeepSeek's own
 # rope_interleave layout): the loader de-interleaves like the HF loader does.
-INTERLEAVED_GGUF_ARCHITECTURES = ("deepseek2",)
+INTERLEAVED_GGUF_ARCHITECTURES = ("deepseek2", "ernie4_5-moe")
 # Metadata arrays read only on demand (large): see gguf_array().
 _LAZY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.scores")
@@ -332,6 +333,25 @@ def _moe_config(meta: dict, arch: str, num_layers: int, need, where: str,
     """
     if arch not in MOE_GGUF_ARCHITECTURES:
         return None
+    if arch == "ernie4_5-moe":
+        # llama.cpp's ernie4-5-moe graph: MoE iff i >= leading_dense_block_count and
+        # (i + 1) % interleave_moe_layer_step == 0 (HF's moe_layer_end_index is not stored: the
+        # MoE layers run to the end); softmax router, exp_probs_b for the choice only, top-k
+        # weights renormalised; shared experts of width expert_shared_feed_forward_length.
+        e, k = int(need("expert_count")), int(need("expert_used_count"))
+        if not 1 <= k <= e:
+            raise ValueError(f"{where}: field {arch}.expert_used_count = {k} must lie in "
+                             f"[1, {arch}.expert_count = {e}]")
+        step = int(need("interleave_moe_layer_step"))
+        if step < 1:
+            raise ValueError(f"{where}: field {arch}.interleave_moe_layer_step = {step} must be >= 1")
+        first = int(meta.get(f"{arch}.leading_dense_block_count", 0))
+        layers = tuple(i for i in range(first, num_layers) if (i + 1) % step == 0)
+        return MoEConfig(
+            e, k, int(need("expert_feed_forward_length")), layers=layers, scoring="softmax",
+            norm_topk_prob=True, norm_min=1e-12,
+            score_bias=bool(layers) and f"blk.{layers[0]}.exp_probs_b.bias" in names,
+            shared_intermediate_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length", 0)))
     if arch == "deepseek2" and f"{arch}.expert_count" not in meta:
         return None                                            # an all-dense DeepSeek
     e, k = int(need("expert_count")), int(need("expert_used_count"))
@@ -512,7 +532,8 @@ def check_layer_tensors(reader, cfg: ModelConfig, arch: str, where: str, nextn: 
         for n in need:
             if b + n not in tensors:
                 raise ValueError(f"{where}: missing tensor {b + n!r} (layer {i} is a MoE layer)")
-            got = int(tensors[b + n].shape[-1])    # GGUF dims innermost first: experts last
+            t = tensors[b + n]     # GGUF dims innermost first: experts last (ERNIE's bias: [E, 1])
+            got = int(t.shape[0] if n == "exp_probs_b.bias" else t.shape[-1])
             if n.endswith(("_exps.weight", "gate_inp.weight", "probs_b.bias")) and got != e:
                 raise ValueError(f"{where}: tensor {b + n!r} holds {got} experts but field "
                                  f"{arch}.expert_count = {e}")

@@ -36,6 +36,9 @@ FAMILIES = {
     # partial rotary, q/k/v biases, q/k norm, dense layer 0, grouped sigmoid router, a shared
     # expert, one NextN (MTP) layer blk.3 with a MoE block
     "glm4moe": ("Glm4MoeForCausalLM", (1, 2)),
+    # interleaved RoPE, dense layer 0, softmax router with the moe_statics bias (exp_probs_b,
+    # stored [E, 1]), two shared experts
+    "ernie4_5-moe": ("Ernie4_5_MoeForCausalLM", (1, 2)),
 }
 
 
