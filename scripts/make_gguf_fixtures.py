@@ -105,6 +105,12 @@ def _sentencepiece(path: Path):
          "add_prefix_space": False}, indent=1))
 
 
+# (converter --outtype, file name) per family; default F32 model.gguf. The Q8_0 file has 3-D
+# block-quantised expert tensors (gate/up; down stays F16: 16 inputs are not a 32-block).
+OUTTYPES = {
+    "qwen3moe": [("f32", "model.gguf"), ("q8_0", "model-q8_0.gguf")],
+}
+
 # special tokens per family (the converter's GLM vocabulary code looks these up by name)
 SPECIALS = {
     "glm4moe": ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"],
@@ -186,7 +192,7 @@ import runpy, sys
 sys.path.insert(0, {llama!r})
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outfile", {out!r}, "--outtype", "f32"]
+sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
 runpy.run_path({script!r}, run_name="__main__")
 """
 
@@ -210,15 +216,16 @@ def build(family: str, llama_cpp: Path, seed: int = 0):
         _sentencepiece(out)
     else:
         _tokenizer(out, SPECIALS.get(family, ()))
-    with tempfile.TemporaryDirectory() as tmp:
-        gguf_tmp = Path(tmp) / "model.gguf"
-        code = _CONVERT.format(llama=str(llama_cpp), src=str(out), out=str(gguf_tmp),
-                               script=str(llama_cpp / "convert_hf_to_gguf.py"))
-        extra = os.environ.get("CONVERTER_PYTHONPATH")   # e.g. a --target dir with sentencepiece
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(llama_cpp / "gguf-py")] + ([extra] if extra else [])))
-        subprocess.run([sys.executable, "-c", code], check=True, env=env)
-        shutil.copy(gguf_tmp, out / "model.gguf")
+    for outtype, name in OUTTYPES.get(family, [("f32", "model.gguf")]):
+        with tempfile.TemporaryDirectory() as tmp:
+            gguf_tmp = Path(tmp) / name
+            code = _CONVERT.format(llama=str(llama_cpp), src=str(out), out=str(gguf_tmp),
+                                   outtype=outtype, script=str(llama_cpp / "convert_hf_to_gguf.py"))
+            extra = os.environ.get("CONVERTER_PYTHONPATH")  # e.g. a --target dir with sentencepiece
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                [str(llama_cpp / "gguf-py")] + ([extra] if extra else [])))
+            subprocess.run([sys.executable, "-c", code], check=True, env=env)
+            shutil.copy(gguf_tmp, out / name)
     sizes = {p.name: p.stat().st_size for p in sorted(out.iterdir())}
     print(family, json.dumps(sizes))
 

@@ -230,3 +230,36 @@ def test_glm4moe_missing_nextn_tensor(tmp_path):
     with pytest.raises(ValueError, match=r"n.gguf: missing tensor 'blk.3.nextn.eh_proj.weight' "
                                          r"\(field glm4moe.nextn_predict_layers = 1"):
         load_checkpoint(path, dtype=jnp.float32)
+
+
+def test_qwen3moe_q8_0_experts_within_quantisation_error():
+    """llama.cpp's ``--outtype q8_0`` file: the 3-D expert tensors ``ffn_{gate,up}_exps`` are Q8_0
+    (``ffn_down_exps`` F16). Each dequantised expert weight lies within half a Q8_0 step
+    (``max|block| / 127 / 2`` per 32-value block along the input axis, plus the f16 rounding
+    of the block scale: ``max|block| · 2^-10``) of transformers' weight
+    for the same expert, so the expert stacking and block order survive quantisation; logits stay
+    close to transformers'."""
+    d = FIXTURES / "qwen3moe"
+    r = gguf.GGUFReader(str(d / "model-q8_0.gguf"))
+    assert {t.name: t.tensor_type.name for t in r.tensors}["blk.1.ffn_gate_exps.weight"] == "Q8_0"
+    cfg, params = load_checkpoint(d / "model-q8_0.gguf", dtype=jnp.float32)
+    hf = load_file(str(d / "model.safetensors"))
+    e, h = cfg.moe.num_experts, cfg.hidden_size
+    for i in range(cfg.num_layers):
+        for proj, ours in (("gate_proj", "experts_gate"), ("up_proj", "experts_up")):
+            want = np.stack([hf[f"model.layers.{i}.mlp.experts.{j}.{proj}.weight"] for j in range(e)])
+            got = np.asarray(params["layers"][ours][i]).transpose(0, 2, 1)      # [E, I, H]
+            blocks = want.reshape(e, -1, h // 32, 32)
+            amax = np.abs(blocks).max(-1, keepdims=True)
+            half_step = amax / 127 / 2 + amax * 2.0 ** -10    # + the f16 rounding of the scale
+            err = np.abs(got - want).reshape(blocks.shape)
+            assert (err <= half_step + 1e-7).all() and err.max() > 0, (i, proj)
+        want = np.stack([hf[f"model.layers.{i}.mlp.experts.{j}.down_proj.weight"] for j in range(e)])
+        got = np.asarray(params["layers"]["experts_down"][i]).transpose(0, 2, 1)  # [E, H, I]
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-6)                # F16
+    transformers.logging.set_verbosity_error()
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ids = np.random.default_rng(2).integers(0, cfg.vocab_size, size=17).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.asarray(forward_logits(cfg, params, ids)), ref, rtol=0, atol=3e-2)
