@@ -17,14 +17,34 @@ for block formats). Facts used (GGUF spec in ggml's ``docs/gguf.md``; llama.cpp
   ``rope.dimension_count``, ``rope.scaling.*``, ``vocab_size``); Llama-3 style rope scaling is
   stored as a ``rope_freqs.weight`` tensor of per-frequency divisors, matched here against the
   llama3 formula.
-* mixture-of-experts architectures (``qwen3moe``): llama.cpp stacks each layer's experts into
-  ``blk.N.ffn_{gate,up,down}_exps.weight`` (ne = ``{in, out, E}``, i.e. row-major ``[E, out, in]``;
-  ``--fuse-gate-up-exps`` writes one ``ffn_gate_up_exps`` = ``[gate; up]`` along ``out``), the
-  router as ``ffn_gate_inp.weight`` (``[E, H]``), shared experts as ``ffn_{gate,up,down}_shexp``
-  and the score-correction bias as ``exp_probs_b.bias``; hyper-parameters ``expert_count``,
-  ``expert_used_count``, ``expert_feed_forward_length``, ``expert_shared_count``. The routing
-  rules not stored in the file are llama.cpp's per-architecture graph's (``src/models/*.cpp``),
-  listed in :func:`_moe_config`.
+* mixture-of-experts architectures (``qwen3moe``, ``deepseek2``, ``glm4moe``, ``ernie4_5-moe``):
+  llama.cpp stacks each layer's experts into ``blk.N.ffn_{gate,up,down}_exps.weight`` (ne =
+  ``{in, out, E}``, i.e. row-major ``[E, out, in]``; ``--fuse-gate-up-exps`` writes one
+  ``ffn_gate_up_exps`` = ``[gate; up]`` along ``out``), exposed here as transformers' fused
+  ``mlp.experts.gate_up_proj`` / ``down_proj``; the router is ``ffn_gate_inp.weight``
+  (``[E, H]``), shared experts ``ffn_{gate,up,down}_shexp``, the score-correction bias
+  ``exp_probs_b.bias`` (``[E]``; ERNIE's ``[E, 1]``); hyper-parameters ``expert_count``,
+  ``expert_used_count``, ``expert_feed_forward_length``, ``expert_shared_count``,
+  ``expert_shared_feed_forward_length``, ``leading_dense_block_count``,
+  ``interleave_moe_layer_step``, ``expert_weights_scale``, ``expert_weights_norm``,
+  ``expert_gating_func`` (1 softmax, 2 sigmoid), ``expert_group_count``,
+  ``expert_group_used_count``. Routing rules the file does not store are those of llama.cpp's
+  per-architecture graph (``src/models/*.cpp``), listed in :func:`_moe_config`.
+* ``deepseek2`` (DeepSeek-V3) multi-head latent attention: ``attn_q_a``, ``attn_q_a_norm``,
+  ``attn_q_b`` (or ``attn_q``), ``attn_kv_a_mqa``, ``attn_kv_a_norm``, and ``kv_b_proj`` split by
+  the converter into ``attn_k_b`` (ne ``{dn, C, N}``: per head ``W_UK`` transposed) and
+  ``attn_v_b`` (ne ``{C, dv, N}``), rebuilt here as ``[N·(dn+dv), C]``; files written before
+  that split hold ``attn_kv_b``. Keys ``attention.q_lora_rank``, ``attention.kv_lora_rank``,
+  ``attention.key_length_mla`` / ``value_length_mla`` (older files: ``key_length`` /
+  ``value_length``), ``rope.dimension_count`` (the rotary width); ``head_count_kv`` (1: MLA run as
+  MQA) is ignored. llama.cpp runs deepseek2 and ernie4_5-moe with interleaved RoPE on unpermuted
+  HF weights, so their q/k rotary rows are de-interleaved as by the HF loader. YaRN:
+  ``rope.scaling.{type = yarn, factor, original_context_length, yarn_beta_fast, yarn_beta_slow,
+  yarn_log_multiplier}`` (see :func:`_deepseek2_yarn`).
+* ``glm4moe``: ``block_count`` includes the ``nextn_predict_layers`` NextN (MTP) layers, whose
+  ``blk.{N+j}.nextn.{eh_proj,enorm,hnorm,shared_head_norm}`` plus the layer's ordinary tensors
+  become jmtp's DeepSeek-layout MTP module; partial rotary (``rope.dimension_count`` < head dim);
+  the post-attention norm is ``post_attention_norm.weight`` (``ffn_norm`` elsewhere).
 
 Tensor types accepted: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 (dequantized to fp32 on the host, then cast). Anything else raises ``ValueError`` naming the tensor
@@ -325,11 +345,27 @@ def _deepseek2_yarn(meta: dict, arch: str, need) -> RopeScaling:
 
 def _moe_config(meta: dict, arch: str, num_layers: int, need, where: str,
                 names: set[str]) -> MoEConfig | None:
-    """:class:`MoEConfig` from ``{arch}.expert_*`` metadata (None for dense architectures).
+    """:class:`MoEConfig` from ``{arch}.expert_*`` metadata (None for dense architectures), with
+    llama.cpp's per-architecture rules for what the file does not say:
 
-    ``qwen3moe``: every layer MoE, softmax router, top-k weights renormalised (llama.cpp's
-    ``qwen3moe`` graph passes ``norm_w = true``; its converter writes no
-    ``expert_weights_norm`` key), no shared experts.
+    * ``qwen3moe``: every layer MoE, softmax router, top-k weights renormalised (the graph passes
+      ``norm_w = true``; the converter writes no ``expert_weights_norm``), no shared experts.
+      transformers' ``norm_topk_prob = false`` / ``mlp_only_layers`` / ``decoder_sparse_step``
+      are not representable.
+    * ``deepseek2`` / ``glm4moe``: layers from ``leading_dense_block_count`` on are MoE; sigmoid
+      router (``expert_gating_func`` 2; absent = softmax for deepseek2, i.e. DeepSeek-V2, which
+      is refused; sigmoid for glm4moe), ``exp_probs_b`` for the choice only, grouped top-k by the
+      sum of each group's top-2 scores, ``expert_weights_norm`` (absent = false),
+      ``expert_weights_scale`` (absent = 1), ``expert_shared_count`` shared experts of
+      ``expert_feed_forward_length`` each.
+    * ``ernie4_5-moe``: layer i is MoE iff ``i >= leading_dense_block_count`` and ``(i + 1) %
+      interleave_moe_layer_step == 0`` (HF's ``moe_layer_end_index`` is not stored); softmax
+      router, ``exp_probs_b`` for the choice, renormalised; shared experts of
+      ``expert_shared_feed_forward_length``.
+
+    Raises:
+      ValueError: naming the field for a missing key, ``expert_used_count`` outside
+        ``[1, expert_count]``, an unsupported gating function or shared experts on qwen3moe.
     """
     if arch not in MOE_GGUF_ARCHITECTURES:
         return None
