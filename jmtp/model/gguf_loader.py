@@ -56,6 +56,7 @@ import functools
 import logging
 import math
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -93,6 +94,7 @@ _LAYER_MAP = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",   # refused by build_params (no output bias)
     "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias",
@@ -135,6 +137,8 @@ _NEXTN_MAP = {
     "hnorm.weight": "nextn.hnorm.weight",
     "shared_head.norm.weight": "nextn.shared_head_norm.weight",
 }
+_GGUF_IGNORED = re.compile(
+    r"^rope_freqs\.weight$|\.nextn\.(embed_tokens|shared_head_head)\.weight$")
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -458,7 +462,8 @@ class GGUFSource:
                 elif all(g in self._tensors for g in gs):
                     self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = (gs, axis)
             kb, vb = f"blk.{i}.attn_k_b.weight", f"blk.{i}.attn_v_b.weight"
-            if kb in self._tensors and vb in self._tensors:
+            if (kb in self._tensors and vb in self._tensors
+                    and f"blk.{i}.attn_kv_b.weight" not in self._tensors):
                 self._hf2gguf[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = ((kb, vb), _KV_B)
         for t in reader.tensors:  # early, explicit error for block formats we do not decode
             if t.tensor_type.name not in SUPPORTED_GGUF_TYPES:
@@ -468,6 +473,12 @@ class GGUFSource:
 
     def names(self) -> set[str]:
         return set(self._hf2gguf)
+
+    def unmapped(self) -> list[str]:
+        """GGUF tensors no HF name reads (llama.cpp's derived ``rope_freqs`` and the NextN
+        layers' duplicate ``embed_tokens`` / ``shared_head_head`` excepted)."""
+        used = {g for gs, _ in self._hf2gguf.values() for g in gs}
+        return sorted(n for n in self._tensors if n not in used and not _GGUF_IGNORED.search(n))
 
     def _shape1(self, g: str) -> tuple[int, ...]:
         return tuple(int(s) for s in reversed(self._tensors[g].shape.tolist()))
@@ -590,6 +601,10 @@ def load_gguf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
     nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0)
     check_layer_tensors(reader, cfg, arch, where, nextn)
     src = GGUFSource(reader, where, cfg, permuted, arch, nextn)
+    unmapped = src.unmapped()
+    if unmapped:
+        log.warning("%s: %d GGUF tensor(s) not used, e.g. %s", where, len(unmapped),
+                    ", ".join(unmapped[:5]))
     return build_params(cfg, src, where, dtype,
                         interleaved_rope=arch in INTERLEAVED_GGUF_ARCHITECTURES)
 

@@ -124,9 +124,9 @@ def test_chunked_prefill_and_paged_decode_match_transformers(family):
 # ---------------------------------------------------------------------------------------------
 # Bad files: a copy of a fixture with one tensor dropped or one metadata value changed
 
-def _rewrite(src: Path, dst: Path, drop=(), meta=None) -> Path:
-    """Copy the GGUF ``src`` to ``dst`` without the tensors in ``drop`` and with the metadata
-    values in ``meta`` (same value types) replaced."""
+def _rewrite(src: Path, dst: Path, drop=(), meta=None, add=None) -> Path:
+    """Copy the GGUF ``src`` to ``dst`` without the tensors in ``drop``, with the metadata
+    values in ``meta`` (same value types) replaced and the f32 tensors ``add`` appended."""
     meta = meta or {}
     r = gguf.GGUFReader(str(src))
     arch = r.fields["general.architecture"].contents()
@@ -140,6 +140,8 @@ def _rewrite(src: Path, dst: Path, drop=(), meta=None) -> Path:
     for t in r.tensors:
         if t.name not in drop:
             w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    for name, value in (add or {}).items():
+        w.add_tensor(name, np.asarray(value, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -169,6 +171,20 @@ def test_wrong_expert_count(fam, tmp_path):
                     meta={f"{fam}.expert_used_count": e + 1})
     with pytest.raises(ValueError, match=rf"k.gguf: field {fam}.expert_used_count = {e + 1} must "
                                          rf"lie in \[1, {key} = {e}\]"):
+        load_checkpoint(path, dtype=jnp.float32)
+
+
+def test_unknown_tensors_are_reported(tmp_path, caplog):
+    """A tensor no jmtp parameter reads (Qwen2-MoE's shared-expert gate) is named in a warning;
+    an output-projection bias, which jmtp's block lacks, is refused."""
+    src = FIXTURES / "qwen3moe" / "model.gguf"
+    path = _rewrite(src, tmp_path / "u.gguf", add={"blk.0.ffn_gate_inp_shexp.weight": np.ones(32)})
+    with caplog.at_level("WARNING", logger="jmtp.model.gguf_loader"):
+        load_checkpoint(path, dtype=jnp.float32)
+    assert "u.gguf: 1 GGUF tensor(s) not used, e.g. blk.0.ffn_gate_inp_shexp.weight" in caplog.text
+    path = _rewrite(src, tmp_path / "o.gguf", add={"blk.1.attn_output.bias": np.ones(32)})
+    with pytest.raises(ValueError, match=r"o.gguf \(GGUF tensor 'blk.1.attn_output.bias'\): tensor "
+                                         r"'model.layers.1.self_attn.o_proj.bias' is not supported"):
         load_checkpoint(path, dtype=jnp.float32)
 
 
