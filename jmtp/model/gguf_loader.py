@@ -119,10 +119,10 @@ _LAYER_MAP = {
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
+_KV_B = "kv_b"   # marker: MLA kv_b_proj rebuilt from attn_k_b / attn_v_b (see GGUFSource)
 # HF per-layer names llama.cpp splits into several GGUF tensors, concatenated along an axis of the
 # row-major (torch-layout) arrays: the experts' gate and up projections f[E, I, H] -> f[E, 2I, H]
 # (transformers' fused ``mlp.experts.gate_up_proj`` = [gate; up]).
-_KV_B = "kv_b"   # marker: MLA kv_b_proj rebuilt from attn_k_b / attn_v_b (see GGUFSource)
 _LAYER_CONCAT = {
     "mlp.experts.gate_up_proj": (("ffn_gate_exps.weight", "ffn_up_exps.weight"), 1),
 }
