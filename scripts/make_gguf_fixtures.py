@@ -1,13 +1,16 @@
 """Build the tiny MoE GGUF test fixtures under ``tests/model/fixtures/gguf_moe/<family>/``.
 
 For every family: a tiny random transformers checkpoint (``save_pretrained``, fp32 safetensors,
-deterministic seeds) plus a tiny byte-level BPE tokenizer (``tokenizers``, trained on a fixed
-text), then llama.cpp's own ``convert_hf_to_gguf.py`` turns the directory into ``model.gguf``
+deterministic seeds) plus a tiny tokenizer trained on a fixed text (byte-level BPE with
+``tokenizers``; SentencePiece for ERNIE, whose converter reads ``tokenizer.model``), then llama.cpp's own ``convert_hf_to_gguf.py`` turns the directory into ``model.gguf``
 (``--outtype f32``). The tests (``tests/model/test_gguf_moe.py``) compare jmtp's GGUF-loaded logits
 with transformers run on the committed HF files, so the converter is the independent reference
 for tensor names/layouts and metadata keys; CI never needs it.
 
-Usage (the converter ships in the llama-cpp-python sdist, ``vendor/llama.cpp``)::
+Usage (the converter ships in the llama-cpp-python sdist, ``vendor/llama.cpp``; the committed
+fixtures were made with llama-cpp-python 0.3.36; ERNIE also needs ``sentencepiece``, here and in
+the converter: e.g. ``pip install --target /tmp/spdeps sentencepiece``, then add ``/tmp/spdeps``
+to ``PYTHONPATH`` and set ``CONVERTER_PYTHONPATH=/tmp/spdeps``)::
 
     pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/llcpp   # then untar
     PYTHONPATH=$PWD python scripts/make_gguf_fixtures.py \
@@ -105,10 +108,11 @@ def _sentencepiece(path: Path):
          "add_prefix_space": False}, indent=1))
 
 
-# (converter --outtype, file name) per family; default F32 model.gguf. The Q8_0 file has 3-D
-# block-quantised expert tensors (gate/up; down stays F16: 16 inputs are not a 32-block).
+# (converter --outtype, file name, extra converter flags) per family; default an F32 model.gguf.
+# The Q8_0 file has 3-D block-quantised expert tensors (gate/up; down stays F16: 16 inputs are
+# not a 32-value block). (--fuse-gate-up-exps is refused for these four architectures.)
 OUTTYPES = {
-    "qwen3moe": [("f32", "model.gguf"), ("q8_0", "model-q8_0.gguf")],
+    "qwen3moe": [("f32", "model.gguf", ()), ("q8_0", "model-q8_0.gguf", ())],
 }
 
 # special tokens per family (the converter's GLM vocabulary code looks these up by name)
@@ -192,7 +196,8 @@ import runpy, sys
 sys.path.insert(0, {llama!r})
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "default"
-sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outfile", {out!r}, "--outtype", {outtype!r}]
+sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outfile", {out!r}, "--outtype", {outtype!r},
+            *{flags!r}]
 runpy.run_path({script!r}, run_name="__main__")
 """
 
@@ -216,11 +221,12 @@ def build(family: str, llama_cpp: Path, seed: int = 0):
         _sentencepiece(out)
     else:
         _tokenizer(out, SPECIALS.get(family, ()))
-    for outtype, name in OUTTYPES.get(family, [("f32", "model.gguf")]):
+    for outtype, name, flags in OUTTYPES.get(family, [("f32", "model.gguf", ())]):
         with tempfile.TemporaryDirectory() as tmp:
             gguf_tmp = Path(tmp) / name
             code = _CONVERT.format(llama=str(llama_cpp), src=str(out), out=str(gguf_tmp),
-                                   outtype=outtype, script=str(llama_cpp / "convert_hf_to_gguf.py"))
+                                   outtype=outtype, flags=list(flags),
+                                   script=str(llama_cpp / "convert_hf_to_gguf.py"))
             extra = os.environ.get("CONVERTER_PYTHONPATH")  # e.g. a --target dir with sentencepiece
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                 [str(llama_cpp / "gguf-py")] + ([extra] if extra else [])))

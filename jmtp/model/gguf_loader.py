@@ -19,9 +19,9 @@ for block formats). Facts used (GGUF spec in ggml's ``docs/gguf.md``; llama.cpp
   llama3 formula.
 * mixture-of-experts architectures (``qwen3moe``, ``deepseek2``, ``glm4moe``, ``ernie4_5-moe``):
   llama.cpp stacks each layer's experts into ``blk.N.ffn_{gate,up,down}_exps.weight`` (ne =
-  ``{in, out, E}``, i.e. row-major ``[E, out, in]``; ``--fuse-gate-up-exps`` writes one
-  ``ffn_gate_up_exps`` = ``[gate; up]`` along ``out``), exposed here as transformers' fused
-  ``mlp.experts.gate_up_proj`` / ``down_proj``; the router is ``ffn_gate_inp.weight``
+  ``{in, out, E}``, i.e. row-major ``[E, out, in]``; its ``--fuse-gate-up-exps`` is not defined
+  for these architectures), exposed here as transformers' fused ``mlp.experts.gate_up_proj``
+  (gate and up concatenated) / ``down_proj``; the router is ``ffn_gate_inp.weight``
   (``[E, H]``), shared experts ``ffn_{gate,up,down}_shexp``, the score-correction bias
   ``exp_probs_b.bias`` (``[E]``; ERNIE's ``[E, 1]``); hyper-parameters ``expert_count``,
   ``expert_used_count``, ``expert_feed_forward_length``, ``expert_shared_count``,
@@ -432,8 +432,8 @@ class GGUFSource:
     with llama.cpp's q/k row permutation undone when ``permuted``.
 
     MoE experts appear under transformers' fused names: ``mlp.experts.gate_up_proj f[E, 2I, H]``
-    (``ffn_gate_up_exps``, or ``ffn_gate_exps`` and ``ffn_up_exps`` concatenated) and
-    ``mlp.experts.down_proj f[E, H, I]`` (``ffn_down_exps``)."""
+    (``ffn_gate_exps`` and ``ffn_up_exps`` concatenated) and ``mlp.experts.down_proj f[E, H, I]``
+    (``ffn_down_exps``); MLA's ``kv_b_proj`` is rebuilt from ``attn_k_b`` / ``attn_v_b``."""
 
     def __init__(self, reader, where: str, cfg: ModelConfig, permuted: bool, arch: str = "",
                  nextn: int = 0):
@@ -456,10 +456,7 @@ class GGUFSource:
                     self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = ((g,), 0)
             for hf_suffix, (g_suffixes, axis) in _LAYER_CONCAT.items():
                 gs = tuple(f"blk.{i}.{g}" for g in g_suffixes)
-                fused = f"blk.{i}.ffn_gate_up_exps.weight"
-                if fused in self._tensors:
-                    self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = ((fused,), 0)
-                elif all(g in self._tensors for g in gs):
+                if all(g in self._tensors for g in gs):
                     self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = (gs, axis)
             kb, vb = f"blk.{i}.attn_k_b.weight", f"blk.{i}.attn_v_b.weight"
             if (kb in self._tensors and vb in self._tensors
@@ -566,9 +563,8 @@ def check_layer_tensors(reader, cfg: ModelConfig, arch: str, where: str, nextn: 
                 raise ValueError(f"{where}: tensor {b}ffn_gate_inp.weight makes layer {i} MoE but "
                                  f"the metadata makes it dense ({arch}.leading_dense_block_count)")
             continue
-        fused = b + "ffn_gate_up_exps.weight" in tensors
-        need = ["ffn_gate_inp.weight", "ffn_down_exps.weight"] + (
-            ["ffn_gate_up_exps.weight"] if fused else ["ffn_gate_exps.weight", "ffn_up_exps.weight"])
+        need = ["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+                "ffn_down_exps.weight"]
         if cfg.moe.score_bias:
             need.append("exp_probs_b.bias")
         elif b + "exp_probs_b.bias" in tensors:
