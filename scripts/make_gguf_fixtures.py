@@ -69,6 +69,15 @@ def _configs():
                              "original_max_position_embeddings": 16, "mscale": 1.0,
                              "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
             scoring_func="sigmoid", topk_method="noaux_tc", num_mtp_layers=0),
+        # the other MLA query form (one q_proj -> attn_q, DeepSeek-V2-Lite style) with tied
+        # embeddings (no output.weight), no rope scaling, ungrouped top-k, no top-k renormalisation
+        "deepseek2-qproj": transformers.DeepseekV3Config(
+            **{**COMMON, "tie_word_embeddings": True}, num_key_value_heads=4, q_lora_rank=None,
+            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+            first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=16, n_shared_experts=1, n_group=1, topk_group=1,
+            routed_scaling_factor=1.5, norm_topk_prob=False, rope_interleave=True,
+            scoring_func="sigmoid", topk_method="noaux_tc", num_mtp_layers=0),
         # GLM-4.5's shape scaled down: partial rotary 0.5, q/k/v biases, q/k norm, layer 0 dense,
         # grouped sigmoid router with a score-correction bias, a shared expert, and one NextN
         # (MTP) layer, model.layers.{N} (written by _add_nextn_layer: transformers' model has none)

@@ -33,6 +33,9 @@ FAMILIES = {
     # MLA with attn_k_b/attn_v_b (kv_b_proj split by the converter), YaRN, dense layer 0, grouped
     # sigmoid router with exp_probs_b, a shared expert
     "deepseek2": ("DeepseekV3ForCausalLM", (1, 2)),
+    # the other MLA query form (attn_q), tied embeddings (no output.weight), no rope scaling,
+    # ungrouped top-k without renormalisation (no expert_weights_norm key)
+    "deepseek2-qproj": ("DeepseekV3ForCausalLM", (1,)),
     # partial rotary, q/k/v biases, q/k norm, dense layer 0, grouped sigmoid router, a shared
     # expert, one NextN (MTP) layer blk.3 with a MoE block
     "glm4moe": ("Glm4MoeForCausalLM", (1, 2)),
@@ -40,6 +43,7 @@ FAMILIES = {
     # stored [E, 1]), two shared experts
     "ernie4_5-moe": ("Ernie4_5_MoeForCausalLM", (1, 2)),
 }
+ARCHS = ["qwen3moe", "deepseek2", "glm4moe", "ernie4_5-moe"]   # directory = general.architecture
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -72,6 +76,9 @@ def test_config_matches_hf_loader(family):
     if fam == "deepseek2":
         assert cfg.is_mla and cfg.rope_scaling.rope_type == "yarn"
         assert cfg.moe.shared_intermediate_size and cfg.moe.score_bias and cfg.moe.n_group == 2
+    if fam == "deepseek2-qproj":
+        assert cfg.q_lora_rank is None and cfg.tie_word_embeddings and cfg.rope_scaling is None
+        assert not cfg.moe.norm_topk_prob and cfg.moe.routed_scaling_factor == 1.5
     if fam == "glm4moe":   # the NextN layer is loaded as the MTP module (not a fresh head)
         assert (cfg.num_layers, cfg.num_mtp_layers, cfg.mtp_layout) == (3, 1, "deepseek")
         assert cfg.moe.mtp_moe and cfg.rotary_dim == 4 and cfg.attention_bias and cfg.qk_norm
@@ -149,7 +156,7 @@ def _rewrite(src: Path, dst: Path, drop=(), meta=None, add=None) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("fam", ARCHS)
 def test_missing_expert_tensor(fam, tmp_path):
     path = _rewrite(FIXTURES / fam / "model.gguf", tmp_path / "m.gguf",
                     drop={"blk.1.ffn_up_exps.weight"})
@@ -158,7 +165,7 @@ def test_missing_expert_tensor(fam, tmp_path):
         load_checkpoint(path, dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("fam", list(FAMILIES))
+@pytest.mark.parametrize("fam", ARCHS)
 def test_wrong_expert_count(fam, tmp_path):
     key = f"{fam}.expert_count"
     e = gguf.GGUFReader(str(FIXTURES / fam / "model.gguf")).fields[key].contents()
