@@ -2,8 +2,9 @@
 
 For every family: a tiny random transformers checkpoint (``save_pretrained``, fp32 safetensors,
 deterministic seeds) plus a tiny tokenizer trained on a fixed text (byte-level BPE with
-``tokenizers``; SentencePiece for ERNIE, whose converter reads ``tokenizer.model``), then llama.cpp's own ``convert_hf_to_gguf.py`` turns the directory into ``model.gguf``
-(``--outtype f32``). The tests (``tests/model/test_gguf_moe.py``) compare jmtp's GGUF-loaded logits
+``tokenizers``; SentencePiece for ERNIE, whose converter reads ``tokenizer.model``), then
+llama.cpp's own ``convert_hf_to_gguf.py`` turns the directory into ``model.gguf`` (``--outtype
+f32``). The tests (``tests/model/test_gguf_moe.py``) compare jmtp's GGUF-loaded logits
 with transformers run on the committed HF files, so the converter is the independent reference
 for tensor names/layouts and metadata keys; CI never needs it.
 

@@ -384,7 +384,8 @@ def _moe_config(meta: dict, arch: str, num_layers: int, need, where: str,
                              f"[1, {arch}.expert_count = {e}]")
         step = int(need("interleave_moe_layer_step"))
         if step < 1:
-            raise ValueError(f"{where}: field {arch}.interleave_moe_layer_step = {step} must be >= 1")
+            raise ValueError(f"{where}: field {arch}.interleave_moe_layer_step = {step} must be "
+                             ">= 1")
         first = int(meta.get(f"{arch}.leading_dense_block_count", 0))
         layers = tuple(i for i in range(first, num_layers) if (i + 1) % step == 0)
         return MoEConfig(
@@ -448,8 +449,9 @@ class GGUFSource:
         for i in range(cfg.num_layers + nextn):
             if i >= cfg.num_layers:
                 for hf_suffix, g_suffix in _NEXTN_MAP.items():
-                    if f"blk.{i}.{g_suffix}" in self._tensors:
-                        self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = ((f"blk.{i}.{g_suffix}",), 0)
+                    g = f"blk.{i}.{g_suffix}"
+                    if g in self._tensors:
+                        self._hf2gguf[f"model.layers.{i}.{hf_suffix}"] = ((g,), 0)
             for hf_suffix, g_suffix in layer_map.items():
                 g = f"blk.{i}.{g_suffix}"
                 if g in self._tensors:
@@ -545,7 +547,8 @@ def check_layer_tensors(reader, cfg: ModelConfig, arch: str, where: str, nextn: 
         for g in _NEXTN_MAP.values():
             if f"blk.{i}.{g}" not in tensors:
                 raise ValueError(f"{where}: missing tensor 'blk.{i}.{g}' (field "
-                                 f"{arch}.nextn_predict_layers = {nextn} makes blk.{i} a NextN layer)")
+                                 f"{arch}.nextn_predict_layers = {nextn} makes blk.{i} a NextN "
+                                 "layer)")
     for i in range(cfg.num_layers if cfg.is_mla else 0):
         b = f"blk.{i}."
         if b + "attn_kv_b.weight" not in tensors:

@@ -93,7 +93,8 @@ def test_params_equal_hf_loader(family):
     hf_flat, hf_tree = jax.tree_util.tree_flatten_with_path(hf_params)
     assert tree == hf_tree
     for (path, a), (_, b) in zip(flat, hf_flat):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                      err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("impl", ["ragged", "dense"])
@@ -117,7 +118,8 @@ def test_chunked_prefill_and_paged_decode_match_transformers(family):
     cache = cache._replace(k=jnp.full_like(cache.k, jnp.nan), v=jnp.full_like(cache.v, jnp.nan))
     pages = -(-len(ids) // bs)
     tables = jnp.asarray(np.random.default_rng(3).permutation(num_blocks)[:pages][None], jnp.int32)
-    steps = [(s, min(s + 6, 16)) for s in range(0, 16, 6)] + [(t, t + 1) for t in range(16, len(ids))]
+    steps = ([(s, min(s + 6, 16)) for s in range(0, 16, 6)]
+             + [(t, t + 1) for t in range(16, len(ids))])
     got = []
     for a, b in steps:
         chunk = ids[a:b]
