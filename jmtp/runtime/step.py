@@ -409,10 +409,15 @@ def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sche
     prev = state   # the state the step started from
     slots, valid = target.slots, target.valid
     slot_rows = jnp.minimum(slots, B - 1)
+    sampling = _gather_slots(prev.sampling, slot_rows)
+    # Padding rows (results dropped) count as greedy, so an all-greedy batch skips the sampled
+    # path of verify whatever the slot their rows were gathered from holds.
+    sampling = dataclasses.replace(sampling, temperature=jnp.where(valid, sampling.temperature,
+                                                                   0.0))
     result = verify(target.logits, prev.draft_tokens[slot_rows, 1:],
                     jnp.where(valid, sched.num_drafts[slot_rows], 0),
                     None if prev.draft_probs is None else prev.draft_probs[slot_rows],
-                    _gather_slots(prev.sampling, slot_rows), prev.step_idx[slot_rows],
+                    sampling, prev.step_idx[slot_rows],
                     jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32),
                     strategy=ec.spec.verify_strategy, max_candidate_len=ec.spec.max_candidate_len,
                     verify_window=ec.spec.verify_window, num_logprobs=ec.max_logprobs,
