@@ -144,8 +144,11 @@ class TargetOutput:
                                    takes it (post-final-norm; pre-norm for MiMo,
                                    ``ModelConfig.mtp_takes_prenorm_hidden``).
       cu_q_lens: i32[B+1]          packed-row offsets of the slots.
-      logits: f32[A, K+1, V]       logits of the window rows of the A compacted slots (a prefill
-                                   chunk's last row in column 0; its other columns repeat row 0).
+      logit_rows: f32[R, V]        target logits of R rows: every packed row (R = T) when
+                                   ``T < A·(K+1)``, else the window rows (R = A·(K+1)).
+      window_rows: i32[A, K+1]     row of ``logit_rows`` holding each window position of the A
+                                   compacted slots (a prefill chunk's last row in column 0).
+                                   Columns past a slot's window are unused.
       slots: i32[A]                compacted slot ids, ascending, padding = B
                                    (:func:`~jmtp.runtime.buckets.active_slots`).
       valid: bool[A]               row holds a slot.
@@ -153,9 +156,16 @@ class TargetOutput:
 
     hidden: jax.Array
     cu_q_lens: jax.Array
-    logits: jax.Array
+    logit_rows: jax.Array
+    window_rows: jax.Array
     slots: jax.Array
     valid: jax.Array
+
+    def window_logits(self, width: int) -> jax.Array:
+        """``f32[A, width, V]``: the first ``width`` window positions' logits."""
+        A = self.window_rows.shape[0]
+        rows = self.window_rows[:, :width].reshape(-1)
+        return _take_rows(self.logit_rows, rows).reshape(A, width, -1)
 
 
 @_pytree
@@ -388,12 +398,13 @@ def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | N
                      start + w[None])                                    # i32[A, W]
     if num_tokens < A * W:
         # Fewer packed rows than window rows (decode steps whose slots drafted little or
-        # nothing): the LM head runs over the T packed rows, then the windows gather from them.
-        logits = _take_rows(model.target_logits(hidden), rows.reshape(-1)).reshape(A, W, -1)
+        # nothing): the LM head runs over the T packed rows; the windows index into them.
+        logit_rows, window_rows = model.target_logits(hidden), jnp.clip(rows, 0, num_tokens - 1)
     else:
-        logits = model.target_logits(_take_rows(hidden, rows.reshape(-1))).reshape(A, W, -1)
-    return TargetOutput(hidden=hidden, cu_q_lens=cu_q_lens, logits=logits, slots=slots,
-                        valid=valid), cache
+        logit_rows = model.target_logits(_take_rows(hidden, rows.reshape(-1)))
+        window_rows = jnp.arange(A * W, dtype=jnp.int32).reshape(A, W)
+    return TargetOutput(hidden=hidden, cu_q_lens=cu_q_lens, logit_rows=logit_rows,
+                        window_rows=window_rows, slots=slots, valid=valid), cache
 
 
 def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sched: Schedule,
@@ -414,14 +425,30 @@ def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sche
     # path of verify whatever the slot their rows were gathered from holds.
     sampling = dataclasses.replace(sampling, temperature=jnp.where(valid, sampling.temperature,
                                                                    0.0))
-    result = verify(target.logits, prev.draft_tokens[slot_rows, 1:],
-                    jnp.where(valid, sched.num_drafts[slot_rows], 0),
-                    None if prev.draft_probs is None else prev.draft_probs[slot_rows],
-                    sampling, prev.step_idx[slot_rows],
-                    jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32),
-                    strategy=ec.spec.verify_strategy, max_candidate_len=ec.spec.max_candidate_len,
-                    verify_window=ec.spec.verify_window, num_logprobs=ec.max_logprobs,
-                    truncate_at_stop=False)
+    num_drafts = jnp.where(valid, sched.num_drafts[slot_rows], 0)
+    W = ec.window
+
+    def verify_width(width: int):
+        """verify over the first ``width`` window positions, padded back to K+1 columns."""
+        probs = None if prev.draft_probs is None else prev.draft_probs[slot_rows, :width - 1]
+        res = verify(target.window_logits(width), prev.draft_tokens[slot_rows, 1:width],
+                     jnp.minimum(num_drafts, width - 1), probs, sampling,
+                     prev.step_idx[slot_rows], jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32),
+                     strategy=ec.spec.verify_strategy,
+                     max_candidate_len=ec.spec.max_candidate_len,
+                     verify_window=ec.spec.verify_window, num_logprobs=ec.max_logprobs,
+                     truncate_at_stop=False)
+        pad = lambda x, fill: None if x is None else jnp.pad(  # noqa: E731
+            x, [(0, 0), (0, W - width)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return dataclasses.replace(
+            res, accept_tokens=pad(res.accept_tokens, -1), logprobs=pad(res.logprobs, 0.0),
+            top_logprob_ids=pad(res.top_logprob_ids, 0), top_logprobs=pad(res.top_logprobs, 0.0))
+
+    if W == 1:
+        result = verify_width(1)
+    else:   # no window holds a draft (e.g. the dynamic policy chose 0): verify one row per slot
+        result = jax.lax.cond(jnp.any(num_drafts > 0), lambda: verify_width(W),
+                              lambda: verify_width(1))
     result = jax.tree_util.tree_map(lambda x: _scatter_slots(x, slots, B), result)
     target_tok = jnp.maximum(result.accept_tokens, 0)
     num_accepted = result.accept_num - 1
@@ -737,7 +764,12 @@ def _propose(ec: EngineConfig, drafter, num_tokens: int, attention_impl: str | N
                                          dtype=draft_probs.dtype)
                 draft_probs = jnp.where(from_ngram[..., None], one_hot, draft_probs)
     elif ec.spec.method == "ngram" and K > 0:
-        drafts, _ = ngram_match(state.input_ids, new_seq_len, draft_budget, ngram_max, ngram_min, K)
+        # skipped at run time when no slot may draft (e.g. the dynamic policy chose 0 everywhere)
+        drafts = jax.lax.cond(
+            jnp.any(draft_budget > 0),
+            lambda: ngram_match(state.input_ids, new_seq_len, draft_budget, ngram_max, ngram_min,
+                                K)[0],
+            lambda: drafts)
     elif K > 0:
         drafts = drafter(state).astype(jnp.int32)
     return drafts, draft_probs, mtp_cache
