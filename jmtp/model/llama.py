@@ -245,7 +245,7 @@ def decoder_layer(
     attn = ragged_paged_attention(
         q, pool.k, pool.v, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
         sm_scale=1.0 / math.sqrt(cfg.head_dim), implementation=attention_impl,
-        k_scale=pool.k_scale, v_scale=pool.v_scale)
+        k_scale=pool.k_scale, v_scale=pool.v_scale, rows_per_seq=meta.rows_per_seq)
     if rot is not None:
         attn = (attn.astype(jnp.float32) @ rot.T).astype(attn.dtype)
     x = x + attn.reshape(t, cfg.q_size) @ p["wo"]

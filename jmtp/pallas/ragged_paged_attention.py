@@ -181,6 +181,7 @@ def ragged_paged_attention_xla(
     soft_cap: float | None = None,
     q_tile: int = 32,
     kv_chunk: int = 256,
+    rows_per_seq: int | None = None,
     k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
     v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
 ) -> jax.Array:               # f[T, Nq, D]
@@ -200,15 +201,22 @@ def ragged_paged_attention_xla(
       therefore follows the context actually in use, not the block table's width
       (``max_model_len``), and nothing recompiles when contexts grow.
 
+    * with ``rows_per_seq = R`` (a static hint: most sequences have at most R query rows, e.g.
+      the K+1 rows of speculative verify windows) the rows are visited *sequence by sequence*
+      instead, R at a time (a loop of ``ceil(q_len / R)`` tiles per sequence, so any q_len is
+      still right): each sequence's pages are gathered once per R rows, and its rows multiply
+      them as one small matrix, where the mixed tiles above gather the pages once per row.
+
     Cost O(T · used keys · Nq · D); scratch O(q_tile · kv_chunk · Nkv · D), independent of the
     number of sequences S and of ``max_model_len``. A quantised cache's pages are dequantised right
     after their gather.
 
     Raises:
-      ValueError: ``q_tile`` or ``kv_chunk`` below 1.
+      ValueError: ``q_tile``, ``kv_chunk`` or ``rows_per_seq`` below 1.
     """
-    if q_tile < 1 or kv_chunk < 1:
-        raise ValueError(f"q_tile and kv_chunk must be >= 1, got {q_tile} and {kv_chunk}")
+    if q_tile < 1 or kv_chunk < 1 or (rows_per_seq is not None and rows_per_seq < 1):
+        raise ValueError(f"q_tile, kv_chunk and rows_per_seq must be >= 1, got {q_tile}, "
+                         f"{kv_chunk} and {rows_per_seq}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, pages = block_tables.shape
@@ -257,7 +265,7 @@ def ragged_paged_attention_xla(
         else:             # rows of several sequences: each row gathers its own pages
             tables = jax.lax.dynamic_slice_in_dim(tables_all[seq_t], c * chunk_pages, chunk_pages,
                                                   axis=1)
-            k, v = gather(tables, (tile,))
+            k, v = gather(tables, (qt.shape[0],))
             k = jnp.where(mask[..., None, None], k, 0)
             v = jnp.where(mask[..., None, None], v, 0)
             s = jnp.einsum("tkgd,tjkd->tkgj", qt, k)
@@ -282,14 +290,19 @@ def ragged_paged_attention_xla(
                   else jnp.einsum("tkgj,tjkd->tkgd", p, v))
             return m_new, alpha * den + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
 
-        init = (jnp.full((tile, num_kv_heads, group), -jnp.inf, jnp.float32),
-                jnp.zeros((tile, num_kv_heads, group), jnp.float32),
-                jnp.zeros((tile, num_kv_heads, group, head_dim), jnp.float32))
+        n = qt.shape[0]
+        init = (jnp.full((n, num_kv_heads, group), -jnp.inf, jnp.float32),
+                jnp.zeros((n, num_kv_heads, group), jnp.float32),
+                jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32))
         if n_chunks == 1:   # the whole table is one chunk: no loop (tight tables, short models)
             _, den, acc = body(0, init)
         else:
             _, den, acc = jax.lax.fori_loop(jnp.minimum(first, last), last, body, init)
         return acc / jnp.where(den > 0, den, 1.0)[..., None]
+
+    if rows_per_seq is not None:
+        return _by_sequence(q, kv_lens, cu_q_lens, run_tile, rows_per_seq, sliding_window,
+                            (num_kv_heads, group, head_dim))
 
     def one_tile(args):
         seq_t = args[1]
@@ -300,6 +313,40 @@ def ragged_paged_attention_xla(
                                  hi.reshape(n_tiles, tile)))
     out = out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
     return out.astype(q.dtype)
+
+
+def _by_sequence(q, kv_lens, cu_q_lens, run_tile, rows: int, sliding_window, head_shape):
+    """The sequence-major schedule of :func:`ragged_paged_attention_xla` (``rows_per_seq``):
+    for each sequence, its query rows ``rows`` at a time through ``run_tile`` (one-sequence
+    tiles); rows past ``cu_q_lens[S]`` stay 0."""
+    num_tokens = q.shape[0]
+    num_seqs = kv_lens.shape[0]
+    qf = jnp.pad(q.astype(jnp.float32), ((0, rows), (0, 0), (0, 0)))   # tiles may run past T
+    qf = qf.reshape((num_tokens + rows,) + head_shape)
+    r = jnp.arange(rows, dtype=jnp.int32)
+
+    def seq_body(s, out):
+        q_len = cu_q_lens[s + 1] - cu_q_lens[s]
+        kv_len = kv_lens[s]
+
+        def tile_body(j, out):
+            start = cu_q_lens[s] + j * rows
+            local = j * rows + r
+            valid = local < q_len
+            q_pos = kv_len - q_len + local
+            hi = jnp.where(valid, jnp.minimum(q_pos + 1, kv_len), 0)
+            lo = (jnp.zeros_like(hi) if sliding_window is None
+                  else jnp.maximum(q_pos - sliding_window + 1, 0))
+            qt = jax.lax.dynamic_slice_in_dim(qf, start, rows)
+            o = run_tile((qt, jnp.full((rows,), s, jnp.int32), jnp.minimum(lo, hi), hi), True)
+            old = jax.lax.dynamic_slice_in_dim(out, start, rows)
+            return jax.lax.dynamic_update_slice_in_dim(
+                out, jnp.where(valid[:, None, None, None], o, old), start, 0)
+
+        return jax.lax.fori_loop(0, -(-q_len // rows), tile_body, out)
+
+    out = jax.lax.fori_loop(0, num_seqs, seq_body, jnp.zeros_like(qf))
+    return out[:num_tokens].reshape(q.shape).astype(q.dtype)
 
 
 def default_implementation() -> str:
@@ -329,6 +376,7 @@ def ragged_paged_attention(
     interpret: Any = None,
     k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
     v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
+    rows_per_seq: int | None = None,
 ) -> jax.Array:               # f[T, Nq, D]
     """Attention of a ragged batch of queries over a paged KV cache (see module docstring).
 
@@ -336,6 +384,8 @@ def ragged_paged_attention(
       implementation: one of :data:`IMPLEMENTATIONS`, or None for :func:`default_implementation`.
       k_scale / v_scale: the per-slot, per-head scales of an int8 / float8_e4m3fn cache (required
         for those dtypes, not allowed for others); see :mod:`jmtp.pallas.kv_quant`.
+      rows_per_seq: ``"xla"`` only (the others ignore it): a static schedule hint, see
+        :func:`ragged_paged_attention_xla`.
       interpret: kernels only (ignored by ``"reference"`` and ``"xla"``): None = Pallas interpret mode iff the
         default backend is CPU; a bool; or, for ``"pallas_tpu"``, a ``pltpu.InterpretParams``.
 
@@ -348,7 +398,7 @@ def ragged_paged_attention(
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
     run = functools.partial(_dispatch, impl, sm_scale=sm_scale, sliding_window=sliding_window,
-                            soft_cap=soft_cap, interpret=interpret)
+                            soft_cap=soft_cap, interpret=interpret, rows_per_seq=rows_per_seq)
     from jmtp.runtime import sharding
     tp = sharding.model_axis_size()
     if tp > 1 and k_cache.shape[2] % tp == 0:
@@ -367,7 +417,7 @@ def ragged_paged_attention(
 
 
 def _dispatch(impl, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale=None,
-              v_scale=None, *, sm_scale, sliding_window, soft_cap, interpret):
+              v_scale=None, *, sm_scale, sliding_window, soft_cap, interpret, rows_per_seq=None):
     """Call implementation ``impl`` (arguments as :func:`ragged_paged_attention`)."""
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               k_scale=k_scale, v_scale=v_scale)
@@ -375,7 +425,7 @@ def _dispatch(impl, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_sca
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kw)
     if impl == "xla":
-        return ragged_paged_attention_xla(*args, **kw)
+        return ragged_paged_attention_xla(*args, **kw, rows_per_seq=rows_per_seq)
     if impl == "pallas_tpu":
         from jmtp.pallas import ragged_paged_attention_tpu as tpu
         return tpu.ragged_paged_attention_tpu(*args, **kw, interpret=interpret)

@@ -352,6 +352,15 @@ def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedu
         prefilling=sched.prefilling & ~paused, decoding=sched.decoding & ~paused, paused=paused)
 
 
+def window_rows_hint(ec: EngineConfig, bucket: StepBucket) -> int | None:
+    """The attention schedule hint (``AttentionMetadata.rows_per_seq``) of a step in ``bucket``:
+    K+1 when its rows are mostly verify windows of several rows (``A < T <= A·(K+1)``), so
+    attention gathers each sequence's pages once per window instead of once per row; None (the
+    row-tile schedule) otherwise: one row per slot, or prefill chunks."""
+    T, A = bucket.num_tokens, bucket.num_slots
+    return ec.window if A < T <= A * ec.window else None
+
+
 def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | None,
                    model: LlamaForCausalLM, state: EngineState, sched: Schedule,
                    block_tables: jax.Array, cache: KVCache) -> tuple[TargetOutput, KVCache]:
@@ -376,7 +385,8 @@ def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | N
     num_tokens, A = bucket.num_tokens, bucket.num_slots
     query_lens, prefill_lens = sched.seq_lens_this_time, sched.seq_lens_encoder
     decoded = state.seq_lens_decoder
-    positions, meta = ragged_batch(query_lens, decoded, block_tables, ec.block_size, num_tokens)
+    positions, meta = ragged_batch(query_lens, decoded, block_tables, ec.block_size, num_tokens,
+                                   window_rows_hint(ec, bucket))
     cu_q_lens = meta.cu_q_lens
     seq, local = packed_row_seq(cu_q_lens, num_tokens)
     from_prompt = sched.prefilling[seq] | (local == 0)
@@ -592,7 +602,8 @@ def draft_model_preprocess(mc: ModelConfig, ec: EngineConfig, num_tokens: int, s
         sampling=_gather_slots(state.sampling, slot_rows), step_idx=state.step_idx[slot_rows])
     query_lens = jnp.where(state.stop_flags, 0, jnp.where(state.seq_lens_encoder > 0,
                                                           state.seq_lens_encoder, state.accept_num))
-    positions, meta = ragged_batch(query_lens, decoded, tables, bs, num_tokens)
+    positions, meta = ragged_batch(query_lens, decoded, tables, bs, num_tokens,
+                                   window_rows_hint(ec, StepBucket(num_tokens, slots.shape[0])))
     cu_q_lens = meta.cu_q_lens
     seq, local = packed_row_seq(cu_q_lens, num_tokens)
     ids = state.input_ids[seq, jnp.clip(positions + 1, 0, ec.seq_buffer_len - 1)]

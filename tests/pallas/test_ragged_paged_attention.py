@@ -64,6 +64,19 @@ class TestXLA(RaggedPagedAttentionTestBase):
                                              kv_chunk=kv_chunk)
         check_output(case, out, self.expected(case))
 
+    @pytest.mark.parametrize("rows", [1, 3, 4, 64])
+    @pytest.mark.parametrize("window,cap", [(None, None), (6, 20.0)])
+    def test_sequence_major_schedule(self, rows, window, cap):
+        """``rows_per_seq``: rows visited sequence by sequence, ``rows`` at a time; sequences
+        with more rows (a 30-row prefill chunk) loop over several tiles, idle sequences over
+        none; key chunks of 2 pages."""
+        cfg = Config(8, 2, 3, 64, num_tokens=48, num_seqs=5, max_kv=60, sliding_window=window,
+                     soft_cap=cap)
+        case = build_case(cfg, [4, 30, 0, 1, 3], [33, 60, 44, 1, 9], stale_tables=True, seed=13)
+        out = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), kv_chunk=16,
+                                             rows_per_seq=rows)
+        check_output(case, out, self.expected(case))
+
     def test_wide_block_table_reads_only_used_chunks(self):
         """A block table 64x wider than any context (max_model_len far above the keys in use),
         whose unused entries point at NaN-filled blocks: same output as the tight table, since the
@@ -89,6 +102,8 @@ class TestXLA(RaggedPagedAttentionTestBase):
         case = build_case(cfg, [1, 1], [4, 9], stale_tables=False, seed=1)
         with pytest.raises(ValueError, match="kv_chunk"):
             rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), kv_chunk=0)
+        with pytest.raises(ValueError, match="rows_per_seq"):
+            rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), rows_per_seq=0)
 
 
     @pytest.mark.parametrize("window,cap", [(None, None), (6, 20.0)])
