@@ -473,10 +473,12 @@ class LLMEngine:
 
         Called by the constructor when ``speculation_policy="dynamic"`` and ``compile="eager"``
         (with ``compile="lazy"`` call it yourself, or the policy learns costs from live steps,
-        which costs the first requests speed). A step with no request scheduled changes no state
-        (``tests/runtime/test_spec_policy.py`` checks it), so the timed steps run on the real
-        engine state. Its attention reads no keys, so the times are the row-dependent part of
-        a step's cost; live timings refine them (EMA).
+        which costs the first requests speed). A step with no request scheduled changes no KV
+        cache, block table or request state (it resets only the per-step outputs of idle slots;
+        ``tests/runtime/test_spec_policy.py`` checks a fresh engine bit for bit), so the timed
+        steps run on the real engine state. Idle steps read no keys and take the no-draft
+        branches (one-row verification, no MTP substeps past the first), so the seeds understate
+        wide buckets' cost; live timings refine each bucket the policy uses (EMA).
 
         Args:
           repeats: timed runs per bucket after one untimed run; the fastest is kept.

@@ -356,7 +356,9 @@ def window_rows_hint(ec: EngineConfig, bucket: StepBucket) -> int | None:
     """The attention schedule hint (``AttentionMetadata.rows_per_seq``) of a step in ``bucket``:
     K+1 when its rows are mostly verify windows of several rows (``A < T <= A·(K+1)``), so
     attention gathers each sequence's pages once per window instead of once per row; None (the
-    row-tile schedule) otherwise: one row per slot, or prefill chunks."""
+    row-tile schedule) otherwise: one row per slot, or the larger prefill buckets. (A small
+    prefill bucket with ``A = B`` shares its key with a decode bucket and gets the hint too: a
+    prefill chunk there is visited K+1 rows at a time, right but with more page gathers.)"""
     T, A = bucket.num_tokens, bucket.num_slots
     return ec.window if A < T <= A * ec.window else None
 
@@ -431,10 +433,14 @@ def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sche
     slots, valid = target.slots, target.valid
     slot_rows = jnp.minimum(slots, B - 1)
     sampling = _gather_slots(prev.sampling, slot_rows)
-    # Padding rows (results dropped) count as greedy, so an all-greedy batch skips the sampled
-    # path of verify whatever the slot their rows were gathered from holds.
-    sampling = dataclasses.replace(sampling, temperature=jnp.where(valid, sampling.temperature,
-                                                                   0.0))
+    # Padding rows (results dropped) are greedy with no penalty or filter, so the run-time
+    # shortcuts of verify (all-greedy batch, no penalty, no filter) hold whatever the slot their
+    # rows were gathered from holds (finished requests leave their parameters behind).
+    neutral = dict(temperature=0.0, repetition_penalty=1.0, frequency_penalty=0.0,
+                   presence_penalty=0.0, top_k=0, top_p=1.0, min_p=0.0)
+    sampling = dataclasses.replace(sampling, **{
+        k: jnp.where(valid, getattr(sampling, k), jnp.asarray(v, getattr(sampling, k).dtype))
+        for k, v in neutral.items()})
     num_drafts = jnp.where(valid, sched.num_drafts[slot_rows], 0)
     W = ec.window
 
@@ -767,8 +773,11 @@ def _propose(ec: EngineConfig, drafter, num_tokens: int, attention_impl: str | N
             draft_probs = _scatter_slots(draft_probs, ctx.slots, B)
         if ngram_max:   # hybrid_mtp_ngram: n-gram tokens extend the M MTP drafts up to K
             mtp_drafts = jnp.where(jnp.arange(K)[None] < draft_budget[:, None], drafts, -1)
-            drafts = extend_with_ngram(state.input_ids, new_seq_len, mtp_drafts, draft_budget,
-                                       ngram_max, ngram_min)
+            drafts = jax.lax.cond(      # skipped when no slot may draft past the M MTP drafts
+                jnp.any(draft_budget > M),
+                lambda: extend_with_ngram(state.input_ids, new_seq_len, mtp_drafts, draft_budget,
+                                          ngram_max, ngram_min),
+                lambda: mtp_drafts)
             if draft_probs is not None:   # n-gram drafts are deterministic: one-hot q
                 from_ngram = (jnp.arange(K)[None] >= ec.m) & (drafts >= 0)
                 one_hot = jax.nn.one_hot(jnp.maximum(drafts, 0), draft_probs.shape[-1],

@@ -494,7 +494,13 @@ def target_hidden_states(cfg: ModelConfig, params: dict, tokens: Sequence[int],
 
     The ids are padded to a multiple of ``bucket`` (causality keeps the first ``n`` rows exact) so
     that few shapes are compiled.
+
+    Raises:
+      ValueError: a target ``jmtp.train`` cannot train a head for
+        (:func:`jmtp.train.dense.check_trainable`), before any forward runs.
     """
+    from jmtp.train.dense import check_trainable
+    check_trainable(cfg, "target_hidden_states")
     n = len(tokens)
     padded = np.zeros(-(-n // bucket) * bucket, np.int32)
     padded[:n] = tokens

@@ -80,6 +80,22 @@ def _pass_mask(segment_ids: jax.Array, i: int) -> jax.Array:
     return mask | own[None]
 
 
+def check_trainable(cfg: ModelConfig, where: str) -> None:
+    """Refuse, early, targets whose MTP heads ``jmtp.train`` cannot train.
+
+    Raises:
+      ValueError: the MiMo MTP layout (``cfg.mtp_layout == "mimo"``: its head takes the target's
+        pre-norm hidden state and zeroes position 0's embedding, which the training data path
+        does not provide) or an MLA target (``cfg.attention_type == "mla"``).
+    """
+    if cfg.mtp_layout == "mimo":
+        raise ValueError(f"{where}: MTP training for ModelConfig.mtp_layout='mimo' is not "
+                         "implemented (the head takes the target's pre-norm hidden state)")
+    if cfg.is_mla:
+        raise ValueError(f"{where}: MTP training on a multi-head latent attention target "
+                         "(ModelConfig.attention_type='mla') is not implemented")
+
+
 def dense_mtp_forward(
     cfg: ModelConfig,
     params: dict,
@@ -107,12 +123,7 @@ def dense_mtp_forward(
         the target's pre-norm hidden state and zeroes position 0's embedding, which the training
         data path does not provide).
     """
-    if cfg.mtp_layout == "mimo":
-        raise ValueError("dense_mtp_forward: MTP training for ModelConfig.mtp_layout='mimo' is not "
-                         "implemented (the head takes the target's pre-norm hidden state)")
-    if cfg.is_mla:
-        raise ValueError("dense_mtp_forward: MTP training on a multi-head latent attention target "
-                         "(ModelConfig.attention_type='mla') is not implemented")
+    check_trainable(cfg, "dense_mtp_forward")
     if num_passes < 1:
         raise ValueError(f"num_passes must be >= 1, got {num_passes}")
     b, w = ids.shape

@@ -54,7 +54,7 @@ from jmtp.model.mtp_head import (HEAD_FORMAT, export_mtp_head, head_metadata, lo
                                  load_mtp_head, save_token_freq)
 from jmtp.model.params import init_mtp_params
 from jmtp.train.data import MTPData, make_batch, pack_rows
-from jmtp.train.dense import dense_mtp_forward
+from jmtp.train.dense import check_trainable, dense_mtp_forward
 
 log = logging.getLogger(__name__)
 
@@ -391,6 +391,7 @@ class MTPTrainer:
     def __init__(self, cfg: ModelConfig, params: dict, train_data: MTPData,
                  eval_data: MTPData | None, tcfg: TrainConfig, workdir: str,
                  draft_vocab: np.ndarray | None = None, extra_config: dict | None = None):
+        check_trainable(cfg, "MTPTrainer")
         self.cfg, self.tcfg, self.workdir = cfg, tcfg, os.path.abspath(workdir)
         self.train_data, self.eval_data = train_data, eval_data
         self.frozen = {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}

@@ -361,3 +361,7 @@ def test_training_a_mimo_head_is_refused():
     z = jnp.zeros((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="mtp_layout='mimo'"):
         dense_mtp_forward(cfg, params, z, jnp.zeros((1, 4, 32)), z, z)
+    # and before any target forward is spent collecting training data
+    from jmtp.train.data import target_hidden_states
+    with pytest.raises(ValueError, match="target_hidden_states: .*mtp_layout='mimo'"):
+        target_hidden_states(cfg, params, [1, 2, 3])
