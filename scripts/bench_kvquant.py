@@ -20,7 +20,9 @@ against the unquantised cache (the model dtype, f32 on CPU):
 
 It also measures why the scales are per token per head and not per block per head: the K/V of a
 prefill of the first evaluation prompts are captured (unquantised) and quantised both ways; the
-relative RMS reconstruction error ``||x̂ - x|| / ||x||`` is printed for each format.
+relative RMS reconstruction error ``||x̂ - x|| / ||x||`` is printed for each format (also with the
+Hadamard rotation, and for keys with the rotation and the key shift of ``jmtp.model.kv_shift``,
+what an int8 cache stores). The teacher-forced int8 figures use the engine's key shift.
 
 Prints markdown tables; ``--snippet FILE`` also writes them, with the command, as a markdown
 section (``docs/kvquant.md`` holds the curated results).
@@ -365,8 +367,9 @@ and 8-bit rounding can turn that into a whole quantisation step. Measured here: 
 
 int8 caches store K and V rotated by an orthonormal Hadamard matrix (the query is rotated alike
 and the attention output rotated back: `jmtp.pallas.kv_quant.hadamard_rotation`), which spreads
-outlier channels over the whole head and so lowers int8's per-token error; fp8 is stored
-unrotated.
+outlier channels over the whole head and so lowers int8's per-token error, and the keys minus a
+calibrated mean key per layer and KV head (`jmtp.model.kv_shift`, exact under softmax); fp8 is
+stored unrotated and unshifted.
 
 ### KV-cache quantisation: measured {date}
 
@@ -387,8 +390,8 @@ KV-cache bytes of the MTP engines ({cfg.num_layers} target layers + 1 MTP layer,
 
 Scale granularity, measured on the K/V of {len(gran_prompts)} prompts' prefills (all layers): one
 f32 scale per token per KV head (FastDeploy's `block_wise_fp8` layout `[num_blocks, kv_heads,
-block_size]`), with and without the Hadamard rotation, against one per 16-token block per head
-(bold: what jmtp stores):
+block_size]`), with and without the Hadamard rotation (and for int8 keys the key shift),
+against one per 16-token block per head (bold: what jmtp stores):
 
 {gtable}
 
