@@ -23,6 +23,11 @@ asymmetric V, and the key shift (the calibrated mean key subtracted, ``jmtp.mode
 Calibration statistics come from the first ``--calib-prompts`` training-split prompts (never
 evaluation prompts) or, for the shipped shift, from random token ids.
 ``--layers`` adds a per-layer attribution: KL with only one layer's keys quantised.
+``--noise N`` measures how much the free-running agreement (``scripts/bench_kvquant.py``'s
+position-wise figure) varies between int8 quantisers of the same quality: N plain int8 engines
+whose key shift is a tiny random vector (1e-3 of the mean key's element size: as good as no
+shift, but some values land on the other side of a rounding boundary) and N with the shift
+calibrated from other seeds, each generating greedily over the same prompts.
 
     python scripts/bench_kvquant_candidates.py                  # 24 prompts, all variants
     python scripts/bench_kvquant_candidates.py --step 1 --variants int8,shift
@@ -47,6 +52,9 @@ def parse_args(argv=None):
     ap.add_argument("--calib-prompts", type=int, default=16)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--layers", action="store_true", help="per-layer attribution of the shift")
+    ap.add_argument("--noise", type=int, default=0,
+                    help="free-running spread: N plain int8 engines unshifted (tiny random shifts) "
+                         "and N shifted (calibration seeds), position-wise agreement of each")
     args = ap.parse_args(argv)
     args.variants = args.variants.split(",")
     bad = [v for v in args.variants if v not in VARIANTS]
@@ -233,6 +241,29 @@ def main(argv=None) -> int:
                                 idx=idx)[2])
         lines += ["", f"KL x 1e6 with only one layer's keys quantised (shifted), layers 0..{L - 1}, "
                   f"{len(idx)} prompts: {[round(1e6 * x, 1) for x in per]}"]
+    if args.noise:
+        from bench_kvquant import agreement
+        mu = np.asarray(shift_rand)
+        size = float(np.linalg.norm(mu, axis=-1).mean() / np.sqrt(D))
+        lines += ["", f"Free-running, plain int8 engines, {len(prompts)} prompts:", "",
+                  "| quantiser | seed | position-wise | prefix | identical outputs |",
+                  "|---|---|---|---|---|"]
+        for label, make in (
+                ("unshifted (tiny random shift)", lambda sd: 1e-3 * size * np.random.default_rng(
+                    sd + 1).standard_normal(mu.shape)),
+                ("shifted", lambda sd: np.asarray(calibrate_k_shift(cfg, params, seed=sd)))):
+            for sd in range(args.noise):
+                llm = LLM(model_config=cfg, params={**params, "k_shift": j(make(sd))},
+                          tokenizer=tok, max_num_seqs=8, compile="lazy", kv_cache_dtype="int8",
+                          max_model_len=max(map(len, prompts)) + args.max_tokens + 16)
+                got = [o.token_ids for o in llm.generate(
+                    prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0),
+                    use_tqdm=False)]
+                del llm
+                ag = agreement(outs, got)
+                lines.append(f"| {label} | {sd} | {100 * ag['positionwise']:.1f} % | "
+                             f"{100 * ag['prefix']:.1f} % | {ag['identical']}/{ag['prompts']} |")
+                print(lines[-1], flush=True)
     print("\n" + "\n".join(lines))
     return 0
 
