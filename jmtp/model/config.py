@@ -10,7 +10,7 @@ from typing import Literal
 
 from jmtp.checks import check_one_of
 
-MTP_LAYOUTS = ("deepseek", "ernie")
+MTP_LAYOUTS = ("deepseek", "ernie", "mimo")
 ATTENTION_TYPES = ("gqa", "mla")
 MLA_PATHS = ("absorbed", "expanded")
 MOE_SCORING = ("softmax", "sigmoid")
@@ -165,8 +165,13 @@ class ModelConfig:
       max_position_embeddings: informational upper bound on positions.
       bos_token_id / eos_token_ids: special ids (eos_token_ids may hold several ids).
       num_mtp_layers: number of MTP modules in the checkpoint (0: none; a fresh head is made).
-      mtp_layout: "deepseek" (own final norm ``shared_head.norm``, pre-norm hidden fed back) or
-        "ernie" (target final norm shared, post-norm hidden fed back).
+      mtp_layout: how the MTP modules are wired (:func:`jmtp.model.llama.mtp_forward`):
+
+        * ``"deepseek"``: own final norm ``shared_head.norm``, the pre-norm hidden fed back;
+        * ``"ernie"``: the target's final norm shared, the post-norm hidden fed back;
+        * ``"mimo"`` (MiMo-7B, ``model.mtp_layers.{j}``): own ``final_layernorm``, the post-norm
+          hidden fed back, the embedding zeroed at MTP position 0, and the head takes the
+          target's *pre*-final-norm hidden (:attr:`mtp_takes_prenorm_hidden`).
       draft_vocab_size: FR-Spec draft vocabulary the checkpoint's MTP head was trained for (Zhao et
         al. 2025, arXiv 2502.14856; EAGLE-3's ``draft_vocab_size``): its drafts score only the N most
         frequent tokens, ranked in ``params["draft_vocab"] i32[V]``. 0 = the full vocabulary.
@@ -206,7 +211,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     num_mtp_layers: int = 1
-    mtp_layout: Literal["deepseek", "ernie"] = "deepseek"
+    mtp_layout: Literal["deepseek", "ernie", "mimo"] = "deepseek"
     draft_vocab_size: int = 0
     attention_type: Literal["gqa", "mla"] = "gqa"
     q_lora_rank: int | None = None
@@ -266,6 +271,19 @@ class ModelConfig:
             raise ValueError("ModelConfig.attention_bias / qk_norm are not supported with "
                              "attention_type='mla'")
         check_one_of("ModelConfig.mla_path", self.mla_path, MLA_PATHS)
+
+    @property
+    def mtp_takes_prenorm_hidden(self) -> bool:
+        """Whether the MTP head takes the target's last hidden state *before* its final norm
+        (MiMo: vLLM ``models/mimo.py`` returns ``hidden_states + residual`` un-normed and applies
+        ``model.norm`` in ``compute_logits`` only) instead of the post-norm one (DeepSeek, ERNIE)."""
+        return self.mtp_layout == "mimo"
+
+    @property
+    def mtp_feeds_back_prenorm(self) -> bool:
+        """Whether a chained MTP substep gets the previous substep's hidden before the module's
+        final norm (DeepSeek) or after it (ERNIE, MiMo)."""
+        return self.mtp_layout == "deepseek"
 
     @property
     def is_mla(self) -> bool:

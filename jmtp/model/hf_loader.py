@@ -5,6 +5,9 @@ Supported architectures (``config.json`` ``architectures[0]``):
 * ``LlamaForCausalLM`` (Llama 2/3, SmolLM2; optional ``attention_bias``; llama3 ``rope_scaling``),
 * ``MistralForCausalLM`` without sliding window (same tensors as Llama),
 * ``Qwen2ForCausalLM`` (q/k/v biases),
+* ``MiMoForCausalLM`` (Xiaomi MiMo-7B, ``model_type: mimo``): a Qwen2 decoder (q/k/v biases)
+  plus ``num_nextn_predict_layers`` MTP layers ``model.mtp_layers.{j}`` (the ``mimo`` MTP layout
+  below),
 * ``Qwen3ForCausalLM`` (per-head ``q_norm``/``k_norm``, ``head_dim`` from the config),
 * ``Ernie4_5ForCausalLM`` (dense ERNIE-4.5). ERNIE applies RoPE to *interleaved* pairs
   ``(2i, 2i+1)`` (transformers ``models/ernie4_5/modeling_ernie4_5.py``: ``rotate_half`` on
@@ -40,8 +43,8 @@ Supported architectures (``config.json`` ``architectures[0]``):
   ``mtp_block``) is taken from its tensors (``mlp.gate.weight`` present or not) and recorded as
   ``ModelConfig.moe.mtp_moe``.
 
-Multi-token-prediction (MTP) tensors are picked up in two layouts (see
-``shared/docs/fastdeploy_mtp_spec.md`` §7):
+Multi-token-prediction (MTP) tensors are picked up in three layouts (see
+``shared/docs/fastdeploy_mtp_spec.md`` §7 for the first two):
 
 * ``deepseek`` (DeepSeek-V3 / GLM-4.5 "NextN"): ``model.layers.{N+j}.{enorm,hnorm,eh_proj,
   shared_head.norm,input_layernorm,post_attention_layernorm,self_attn.*,mlp.*}`` for MTP module
@@ -54,6 +57,18 @@ Multi-token-prediction (MTP) tensors are picked up in two layouts (see
   convention. The block may use fused ``qkv_proj`` (``[q; k; v]`` along the output axis) and
   ``up_gate_proj`` (``[gate; up]`` along the output axis, as FastDeploy's ``swiglu`` splits it) or
   split projections. There is no MTP final norm: the target's final norm is copied.
+* ``mimo`` (MiMo-7B): ``model.mtp_layers.{j}.{token_layernorm,hidden_layernorm,input_proj,
+  final_layernorm}.weight`` and, under the *same* prefix (no ``mtp_block.`` in the checkpoint;
+  vLLM and SGLang insert it when renaming), the Qwen2 block's ``input_layernorm``,
+  ``post_attention_layernorm``, ``self_attn.{q,k,v}_proj.{weight,bias}``, ``self_attn.o_proj``,
+  ``mlp.{gate,up,down}_proj``. ``token_layernorm`` → ``enorm``, ``hidden_layernorm`` →
+  ``hnorm``, ``final_layernorm`` → the module's own final norm. ``input_proj`` is a torch Linear
+  ``[H, 2H]`` over ``[hidden_layernorm(h); token_layernorm(e)]`` (hidden first, the reverse of
+  DeepSeek's ``eh_proj``), so the loader swaps the two halves of its input rows to get jmtp's
+  ``eh_proj`` over ``[enorm(e); hnorm(h)]``. Sources, facts only: vLLM
+  ``vllm/model_executor/models/mimo_mtp.py`` / ``mimo.py``, SGLang
+  ``python/sglang/srt/models/mimo_mtp.py``, the hub's ``modeling_mimo.py`` (``MiMoMTPLayers``);
+  details in :mod:`jmtp.model.llama` ``mtp_forward`` and ``docs/mimo.md``.
 
 A checkpoint without MTP tensors gets a fresh head from :func:`jmtp.model.params.init_mtp_params`.
 MTP tensors are also looked for in an ``mtp/`` sub-directory (where ERNIE ships them).
@@ -86,8 +101,10 @@ log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
     "Ernie4_5ForCausalLM", "Qwen3MoeForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeForCausalLM",
-    "DeepseekV3ForCausalLM",
+    "DeepseekV3ForCausalLM", "MiMoForCausalLM",
 )
+# Qwen2Attention's q/k/v projections always carry biases (MiMo's decoder is Qwen2's).
+QKV_BIAS_ARCHITECTURES = ("Qwen2ForCausalLM", "MiMoForCausalLM")
 INTERLEAVED_ROPE_ARCHITECTURES = ("Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM")
 MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Ernie4_5_MoeForCausalLM", "Glm4MoeForCausalLM",
                      "DeepseekV3ForCausalLM")
@@ -369,7 +386,7 @@ def hf_config(hf: dict, where: str, generation_config: dict | None = None) -> Mo
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(tie),
-        attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        attention_bias=bool(hf.get("attention_bias", arch in QKV_BIAS_ARCHITECTURES)),
         qk_norm=(arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
                  or (arch == "Glm4MoeForCausalLM" and bool(hf.get("use_qk_norm")))),
         partial_rotary_factor=1.0 if prf is None else float(prf),
@@ -671,14 +688,17 @@ def _np_dtype(dtype) -> np.dtype:
 def detect_mtp(names: Iterable[str], num_layers: int, where: str) -> tuple[str | None, list, str]:
     """Find MTP modules among checkpoint tensor names.
 
-    Returns ``(layout, prefixes, extra)``: ``layout`` is ``"deepseek"``, ``"ernie"`` or ``None``;
+    Returns ``(layout, prefixes, extra)``: ``layout`` is ``"deepseek"``, ``"ernie"``, ``"mimo"``
+    or ``None``;
     ``prefixes[j]`` the name prefix of module ``j``; ``extra`` the ERNIE top-level prefix
     (``"ernie."`` or ``"model."``).
 
     Raises:
-      ValueError: if both layouts are present or module indices are not contiguous from N (or 0).
+      ValueError: if two layouts are present or module indices are not contiguous from N (or 0).
     """
     names = list(names)
+    mi = sorted({int(m.group(1)) for n in names
+                 if (m := re.match(r"model\.mtp_layers\.(\d+)\.", n))})
     ds = sorted({int(m.group(1)) for n in names
                  if (m := re.match(r"model\.layers\.(\d+)\.(enorm|hnorm|eh_proj)\.weight$", n))
                  and int(m.group(1)) >= num_layers})
@@ -687,9 +707,16 @@ def detect_mtp(names: Iterable[str], num_layers: int, where: str) -> tuple[str |
         m = re.match(r"(ernie|model)\.mtp_emb_norm\.(\d+)\.weight$", n)
         if m:
             er.setdefault(m.group(1), set()).add(int(m.group(2)))
-    if ds and er:
-        raise ValueError(f"{where}: checkpoint holds MTP tensors in both the DeepSeek "
-                         "(model.layers.N.eh_proj) and the ERNIE (mtp_linear_proj) layouts")
+    found = [k for k, v in (("DeepSeek (model.layers.N.eh_proj)", ds),
+                            ("ERNIE (mtp_linear_proj)", er), ("MiMo (model.mtp_layers)", mi)) if v]
+    if len(found) > 1:
+        raise ValueError(f"{where}: checkpoint holds MTP tensors in both the {found[0]} and the "
+                         f"{found[1]} layouts")
+    if mi:
+        if mi != list(range(len(mi))):
+            raise ValueError(f"{where}: MiMo MTP layers model.mtp_layers.{mi} must be numbered "
+                             f"0..{len(mi) - 1}")
+        return "mimo", [f"model.mtp_layers.{j}." for j in mi], ""
     if ds:
         if ds != list(range(num_layers, num_layers + len(ds))):
             raise ValueError(f"{where}: DeepSeek-style MTP layers {ds} must be numbered "
@@ -718,7 +745,8 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
       dtype: parameter dtype (e.g. ``jnp.float32``).
       interleaved_rope: the checkpoint's attention uses interleaved RoPE pairs (ERNIE): permute
         q/k rows (:func:`deinterleave_rows`).
-      num_mtp_hint: MTP modules announced by the config (only used in the log message).
+      num_mtp_hint: MTP modules announced by the config (the log message; for the MiMo layout it
+        must equal the layers found).
 
     Returns:
       ``(cfg, params)`` with params checked by :func:`jmtp.model.params.check_params`.
@@ -755,8 +783,13 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
                  f" (config announces {num_mtp_hint} MTP layers)" if num_mtp_hint else "")
     else:
         n = len(prefixes)
+        if layout == "mimo" and num_mtp_hint and n != num_mtp_hint:
+            raise ValueError(f"{where}: config field 'num_nextn_predict_layers' = {num_mtp_hint} "
+                             f"but the checkpoint holds MiMo MTP layers model.mtp_layers.0..{n - 1}"
+                             + (f" (missing tensors under 'model.mtp_layers.{n}.')"
+                                if num_mtp_hint > n else ""))
         cfg = cfg.replace(num_mtp_layers=n, mtp_layout=layout)
-        block_prefix = [p if layout == "deepseek" else f"{top}mtp_block.{p}." for p in prefixes]
+        block_prefix = [f"{top}mtp_block.{p}." if layout == "ernie" else p for p in prefixes]
         mtp_kinds = {rd.has(bp + "mlp.gate.weight") for bp in block_prefix}
         if len(mtp_kinds) > 1:
             raise ValueError(f"{where}: some MTP blocks are MoE (mlp.gate.weight) and some dense")
@@ -773,6 +806,14 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
                 hnorm.append(rd.get(p + "hnorm.weight", (h,)))
                 eh.append(rd.linear(p + "eh_proj.weight", 2 * h, h, paddle=False))
                 fnorm.append(rd.get(p + "shared_head.norm.weight", (h,)))
+                mblocks.append(_read_block(rd, p, cfg, paddle=False, interleaved=interleaved_rope,
+                                           moe=mtp_moe))
+            elif layout == "mimo":
+                enorm.append(rd.get(p + "token_layernorm.weight", (h,)))
+                hnorm.append(rd.get(p + "hidden_layernorm.weight", (h,)))
+                w = rd.linear(p + "input_proj.weight", 2 * h, h, paddle=False)  # f[2H, H]
+                eh.append(np.concatenate([w[h:], w[:h]]))   # [hidden; embed] -> [embed; hidden]
+                fnorm.append(rd.get(p + "final_layernorm.weight", (h,)))
                 mblocks.append(_read_block(rd, p, cfg, paddle=False, interleaved=interleaved_rope,
                                            moe=mtp_moe))
             else:

@@ -254,7 +254,7 @@ def decoder_layer(
     attn = ragged_paged_attention(
         q, pool.k, pool.v, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
         sm_scale=1.0 / math.sqrt(cfg.head_dim), implementation=attention_impl,
-        k_scale=pool.k_scale, v_scale=pool.v_scale)
+        k_scale=pool.k_scale, v_scale=pool.v_scale, rows_per_seq=meta.rows_per_seq)
     if rot is not None:
         attn = (attn.astype(jnp.float32) @ rot.T).astype(attn.dtype)
     x = x + attn.reshape(t, cfg.q_size) @ p["wo"]
@@ -335,18 +335,28 @@ def forward(
     meta: AttentionMetadata,
     cache: KVCache,            # target cache, L layers
     attention_impl: str | None = None,
+    pre_norm: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Target forward over a ragged packed batch.
 
+    Args:
+      pre_norm: return the hidden states before the final norm (what a MiMo-layout MTP head takes,
+        ``ModelConfig.mtp_takes_prenorm_hidden``; :func:`final_norm` then gives the logits' input).
+
     Returns:
       hidden: f[T, H] post-final-norm hidden states of every row (input to :func:`compute_logits`
-        and to the MTP head);
+        and to the MTP head), or the pre-norm ones with ``pre_norm``;
       cache: the cache with this step's K/V written at ``meta.slot_mapping``.
     """
     x = params["embed"][ids]
     x, cache = _run_layers(cfg, params["layers"], x, positions, meta, cache, attention_impl,
                            params.get("k_shift"))
-    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), cache
+    return (x if pre_norm else final_norm(cfg, params, x)), cache
+
+
+def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
+    """The target's final RMSNorm of pre-norm hidden rows ``x f[T, H]`` (the LM head's input)."""
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
 def compute_logits(params: dict, h: jax.Array) -> jax.Array:
@@ -370,16 +380,25 @@ def mtp_forward(
     cache: KVCache,              # MTP cache, N layers
     attention_impl: str | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
-    """One MTP module (DeepSeek-V3 §2.2 / FastDeploy ``ernie4_5_mtp``):
+    """One MTP module (DeepSeek-V3 §2.2 / FastDeploy ``ernie4_5_mtp`` / MiMo-7B ``mtp_layers``):
     ``h' = Block(eh_proj([enorm(embed(x_{t+1})) ; hnorm(h_t)]))``, then the final norm.
+
+    The MiMo layout (vLLM ``models/mimo_mtp.py`` ``MiMoMultiTokenPredictorLayer``) zeroes the
+    embedding of the rows at MTP position 0 before ``enorm`` (its ``token_layernorm``); its
+    ``input_proj`` takes ``[hnorm(h_t); enorm(e)]``, which the loader turns into this ``eh_proj``
+    order by swapping the two row halves (exact), and ``h_t`` is the target's pre-norm state
+    (``ModelConfig.mtp_takes_prenorm_hidden``: the caller's business).
 
     Returns ``(h_logits f[T,H], h_next f[T,H], cache)``: ``h_logits`` goes to the shared LM head;
     ``h_next`` is fed to the next recursive substep (pre-norm for the DeepSeek layout, post-norm for
-    ERNIE, see ``ModelConfig.mtp_layout``).
+    ERNIE and MiMo, ``ModelConfig.mtp_feeds_back_prenorm``).
     """
     m = params["mtp"]
     pick = lambda a: a[layer_idx]
-    e = rms_norm(params["embed"][ids], pick(m["enorm"]), cfg.rms_norm_eps)
+    emb = params["embed"][ids]
+    if cfg.mtp_layout == "mimo":      # "masking inputs at position 0, as not needed by MTP"
+        emb = jnp.where((positions == 0)[:, None], jnp.zeros_like(emb), emb)
+    e = rms_norm(emb, pick(m["enorm"]), cfg.rms_norm_eps)
     hn = rms_norm(hidden.astype(e.dtype), pick(m["hnorm"]), cfg.rms_norm_eps)
     x = jnp.concatenate([e, hn], axis=-1) @ pick(m["eh_proj"])
     layer = jax.tree_util.tree_map(pick, m["layer"])
@@ -387,7 +406,7 @@ def mtp_forward(
                             _flat_cache(cache), attention_impl)
     cache = _unflat_cache(pool, cache)
     h = rms_norm(x, pick(m["final_norm"]), cfg.rms_norm_eps)
-    return h, (x if cfg.mtp_layout == "deepseek" else h), cache
+    return h, (x if cfg.mtp_feeds_back_prenorm else h), cache
 
 
 def unstack_layers(params: dict) -> dict:

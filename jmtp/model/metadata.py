@@ -1,4 +1,4 @@
-"""Attention metadata for one ragged batch: a pytree of device arrays (no static fields)."""
+"""Attention metadata for one ragged batch: a pytree of device arrays (and one static hint)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,12 +18,17 @@ class AttentionMetadata:
       kv_lens: i32[S]        keys per sequence after this step's tokens are written.
       cu_q_lens: i32[S+1]    exclusive prefix sums of per-sequence query counts.
       block_tables: i32[S, P] physical block id of each logical block (-1 = absent).
+      rows_per_seq: static hint (not an array): most sequences have at most this many query rows
+                             (speculative verify windows), so attention may visit the rows
+                             sequence by sequence (``ragged_paged_attention_xla``'s
+                             ``rows_per_seq``); None = no hint. Any value is correct.
     """
 
     slot_mapping: jax.Array
     kv_lens: jax.Array
     cu_q_lens: jax.Array
     block_tables: jax.Array
+    rows_per_seq: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def packed_row_seq(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -42,12 +47,14 @@ def ragged_batch(
     block_tables: jax.Array,  # i32[S, P]
     block_size: int,
     num_tokens: int,
+    rows_per_seq: int | None = None,
 ) -> tuple[jax.Array, AttentionMetadata]:
     """Positions ``i32[T]`` and :class:`AttentionMetadata` for a packed batch of ``num_tokens`` rows.
 
     Sequence ``s`` owns rows ``cu[s]:cu[s]+q_lens[s]`` at positions ``context_lens[s] + j``.
     Padding rows get position 0 and slot -1. Requires ``sum(q_lens) <= num_tokens`` (the caller's
-    token budget; checked on the host by the scheduler).
+    token budget; checked on the host by the scheduler). ``rows_per_seq``: the static hint of
+    :class:`AttentionMetadata`.
     """
     q_lens = q_lens.astype(jnp.int32)
     context_lens = context_lens.astype(jnp.int32)
@@ -64,5 +71,6 @@ def ragged_batch(
         kv_lens=jnp.where(q_lens > 0, context_lens + q_lens, context_lens).astype(jnp.int32),
         cu_q_lens=cu,
         block_tables=block_tables.astype(jnp.int32),
+        rows_per_seq=rows_per_seq,
     )
     return jnp.where(valid, pos, 0).astype(jnp.int32), meta

@@ -391,13 +391,23 @@ class LlamaForCausalLM(nnx.Module):
     def __call__(self, ids: jax.Array, positions: jax.Array, meta: AttentionMetadata,
                  cache: llama.KVCache, attention_impl: str | None = None):
         """Target forward over a packed ragged batch (``ids, positions i32[T]``): returns
-        ``(hidden f[T, H] post-final-norm, cache with this step's K/V)``; see
-        :func:`jmtp.model.llama.forward`."""
-        return llama.forward(self.cfg, self.to_params(), ids, positions, meta, cache, attention_impl)
+        ``(hidden f[T, H], cache with this step's K/V)``; see :func:`jmtp.model.llama.forward`.
+        ``hidden`` is the state the MTP head takes: post-final-norm, or pre-norm when
+        ``cfg.mtp_takes_prenorm_hidden`` (MiMo). :meth:`target_logits` scores it either way."""
+        return llama.forward(self.cfg, self.to_params(), ids, positions, meta, cache, attention_impl,
+                             pre_norm=self.cfg.mtp_takes_prenorm_hidden)
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """``f32[T, V]`` logits of post-norm hidden states ``h f[T, H]``."""
+        """``f32[T, V]`` logits of post-norm hidden states ``h f[T, H]`` (the target's final norm
+        or an MTP module's)."""
         return llama.compute_logits(self.to_params(), h)
+
+    def target_logits(self, hidden: jax.Array) -> jax.Array:
+        """``f32[T, V]`` logits of rows ``hidden f[T, H]`` of :meth:`__call__`'s output: the final
+        norm first when those rows are pre-norm (``cfg.mtp_takes_prenorm_hidden``)."""
+        if self.cfg.mtp_takes_prenorm_hidden:
+            hidden = llama.final_norm(self.cfg, self.to_params(), hidden)
+        return self.logits(hidden)
 
     def mtp_forward(self, layer_idx, ids, hidden, positions, meta, cache, attention_impl=None):
         """One MTP module; see :func:`jmtp.model.llama.mtp_forward`. Raises ``ValueError``

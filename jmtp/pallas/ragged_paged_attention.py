@@ -20,8 +20,8 @@ Semantics (defined by :func:`ragged_paged_attention_reference`):
 
 Other implementations of the same contract behind ``implementation=``:
 :func:`ragged_paged_attention_xla` (``"xla"``: plain jnp like the reference, but each query row
-gathers only its own sequence's pages, so its cost is O(T · pages·block_size) instead of the
-reference's O(T · S · pages·block_size); the CPU default), and the Pallas kernels
+gathers only its own sequence's pages, and only the chunks of them its keys lie in, so its cost is
+O(T · keys in use) instead of the reference's O(T · S · pages·block_size); the CPU default), and the Pallas kernels
 :mod:`jmtp.pallas.ragged_paged_attention_tpu` (Mosaic TPU) and
 :mod:`jmtp.pallas.ragged_paged_attention_gpu` (Triton); they only read the cache, :func:`write_kv`
 stays the companion op that writes this step's keys and values.
@@ -180,28 +180,55 @@ def ragged_paged_attention_xla(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     q_tile: int = 32,
+    kv_chunk: int = 256,
+    rows_per_seq: int | None = None,
     k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
     v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
 ) -> jax.Array:               # f[T, Nq, D]
     """Plain-XLA ragged paged attention for backends without a kernel (the CPU default).
 
-    Same contract as :func:`ragged_paged_attention_reference`, different schedule: the query rows
-    are processed ``q_tile`` at a time (``lax.map``). A tile whose rows all belong to one sequence
-    (prefill chunks) gathers that sequence's pages once; a mixed tile (decode rows of several
-    sequences) lets each row gather its own sequence's pages. Cost O(T · pages·block_size · Nq · D)
-    and O(q_tile · pages·block_size · Nkv · D) scratch memory, independent of the number of
-    sequences S. (One gather per tile instead of per row made a 582-token batch-1 prefill on a
-    2-core CPU take 5.9 s instead of 22 s.) A quantised cache's pages are dequantised right after
-    their gather.
+    Same contract as :func:`ragged_paged_attention_reference`, different schedule:
+
+    * the query rows are processed ``q_tile`` at a time (``lax.map``). A tile whose rows all belong
+      to one sequence (prefill chunks) gathers that sequence's pages once; a mixed tile (decode rows
+      of several sequences) lets each row gather its own sequence's pages. (One gather per tile
+      instead of per row made a 582-token batch-1 prefill on a 2-core CPU take 5.9 s instead of
+      22 s.)
+    * the keys are visited ``kv_chunk`` positions (rounded down to whole pages, at least one) at a
+      time with an online softmax (FlashAttention's running max and sum, Dao et al. 2022), in a
+      loop whose bounds are *data*: a tile visits only the chunks holding keys some of its rows
+      see (``[lo, hi)`` from ``kv_lens``, the causal position and the sliding window). The cost
+      therefore follows the context actually in use, not the block table's width
+      (``max_model_len``), and nothing recompiles when contexts grow.
+
+    * with ``rows_per_seq = R`` (a static hint: most sequences have at most R query rows, e.g.
+      the K+1 rows of speculative verify windows) the rows are visited *sequence by sequence*
+      instead, R at a time (a loop of ``ceil(q_len / R)`` tiles per sequence, so any q_len is
+      still right): each sequence's pages are gathered once per R rows, and its rows multiply
+      them as one small matrix, where the mixed tiles above gather the pages once per row.
+
+    Cost O(T · used keys · Nq · D); scratch O(q_tile · kv_chunk · Nkv · D), independent of the
+    number of sequences S and of ``max_model_len``. A quantised cache's pages are dequantised right
+    after their gather.
+
+    Raises:
+      ValueError: ``q_tile``, ``kv_chunk`` or ``rows_per_seq`` below 1.
     """
+    if q_tile < 1 or kv_chunk < 1 or (rows_per_seq is not None and rows_per_seq < 1):
+        raise ValueError(f"q_tile, kv_chunk and rows_per_seq must be >= 1, got {q_tile}, "
+                         f"{kv_chunk} and {rows_per_seq}")
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs, pages = block_tables.shape
     group = num_q_heads // num_kv_heads
-    max_kv = pages * block_size
     tile = max(1, min(q_tile, num_tokens))
     n_tiles = -(-num_tokens // tile)
     padded = n_tiles * tile
+    chunk_pages = max(1, min(pages, kv_chunk // block_size))
+    chunk = chunk_pages * block_size                                     # keys per loop step
+    n_chunks = -(-pages // chunk_pages)
+    tables_all = jnp.clip(block_tables, 0, num_blocks - 1)
+    tables_all = jnp.pad(tables_all, ((0, 0), (0, n_chunks * chunk_pages - pages)))
 
     t = jnp.arange(padded, dtype=jnp.int32)
     seq = jnp.minimum(token_seq_ids(cu_q_lens, padded), num_seqs - 1)   # padding rows: masked
@@ -210,64 +237,116 @@ def ragged_paged_attention_xla(
     q_pos = kv_lens[seq] - q_lens[seq] + (t - cu_q_lens[seq])             # i32[T']
     hi = jnp.where(valid_tok, jnp.minimum(q_pos + 1, kv_lens[seq]), 0)   # keys [lo, hi) visible
     lo = jnp.zeros_like(hi) if sliding_window is None else jnp.maximum(q_pos - sliding_window + 1, 0)
+    lo = jnp.minimum(lo, hi)
     qf = jnp.pad(q, ((0, padded - num_tokens), (0, 0), (0, 0))).astype(jnp.float32)
     qf = qf.reshape(n_tiles, tile, num_kv_heads, group, head_dim)
-    kv_pos = jnp.arange(max_kv, dtype=jnp.int32)
-
-    def softmax(scores, mask):                                         # f[tile, Nkv, G, Lk]
-        if soft_cap is not None:
-            scores = soft_cap * jnp.tanh(scores / soft_cap)
-        m4 = mask[:, None, None, :]
-        scores = jnp.where(m4, scores, -jnp.inf)
-        mx = jnp.max(scores, axis=-1, keepdims=True)
-        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-        p = jnp.where(m4, jnp.exp(scores - mx), 0.0)
-        den = jnp.sum(p, axis=-1, keepdims=True)
-        return p / jnp.where(den > 0, den, 1.0)
+    offs = jnp.arange(chunk, dtype=jnp.int32)
 
     def gather(tables, lead):
-        """K and V (f32, dequantised) of the pages ``tables i32[*lead, pages]``."""
-        k = k_cache[tables].reshape(lead + (max_kv, num_kv_heads, head_dim)).astype(jnp.float32)
-        v = v_cache[tables].reshape(lead + (max_kv, num_kv_heads, head_dim)).astype(jnp.float32)
+        """K and V (f32, dequantised) of the pages ``tables i32[*lead, chunk_pages]``."""
+        k = k_cache[tables].reshape(lead + (chunk, num_kv_heads, head_dim)).astype(jnp.float32)
+        v = v_cache[tables].reshape(lead + (chunk, num_kv_heads, head_dim)).astype(jnp.float32)
         if k_scale is not None:
-            k = k * gather_scales(k_scale, tables).reshape(lead + (max_kv, num_kv_heads, 1))
-            v = v * gather_scales(v_scale, tables).reshape(lead + (max_kv, num_kv_heads, 1))
+            k = k * gather_scales(k_scale, tables).reshape(lead + (chunk, num_kv_heads, 1))
+            v = v * gather_scales(v_scale, tables).reshape(lead + (chunk, num_kv_heads, 1))
         return k, v
 
-    def rows_mask(lo_t, hi_t):
-        return (kv_pos[None, :] >= lo_t[:, None]) & (kv_pos[None, :] < hi_t[:, None])  # [tile, Lk]
+    def chunk_of(qt, seq_t, lo_t, hi_t, c, one_seq):
+        """Masked scores ``f32[tile, Nkv, G, chunk]``, the mask and V of key chunk ``c``."""
+        kv_pos = c * chunk + offs                                        # i32[chunk]
+        mask = (kv_pos[None, :] >= lo_t[:, None]) & (kv_pos[None, :] < hi_t[:, None])
+        if one_seq:       # one sequence: its chunk of pages is gathered once for the tile
+            table = jax.lax.dynamic_slice_in_dim(tables_all[seq_t[0]], c * chunk_pages, chunk_pages)
+            used = jnp.any(mask, axis=0)                                 # keys some row sees
+            k, v = gather(table, ())
+            k = jnp.where(used[:, None, None], k, 0)   # unowned slots may hold NaN
+            v = jnp.where(used[:, None, None], v, 0)
+            s = jnp.einsum("tkgd,jkd->tkgj", qt, k)
+        else:             # rows of several sequences: each row gathers its own pages
+            tables = jax.lax.dynamic_slice_in_dim(tables_all[seq_t], c * chunk_pages, chunk_pages,
+                                                  axis=1)
+            k, v = gather(tables, (qt.shape[0],))
+            k = jnp.where(mask[..., None, None], k, 0)
+            v = jnp.where(mask[..., None, None], v, 0)
+            s = jnp.einsum("tkgd,tjkd->tkgj", qt, k)
+        s = s * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        return jnp.where(mask[:, None, None, :], s, -jnp.inf), mask, v
 
-    def per_row_tile(args):
-        """Rows of several sequences: each row gathers its own sequence's pages."""
-        qt, seq_t, lo_t, hi_t = args                                   # [tile, Nkv, G, D], i32[tile]
-        tables = jnp.clip(block_tables[seq_t], 0, num_blocks - 1)      # i32[tile, pages]
-        mask = rows_mask(lo_t, hi_t)
-        k, v = gather(tables, (tile,))
-        k = jnp.where(mask[..., None, None], k, 0)
-        v = jnp.where(mask[..., None, None], v, 0)
-        p = softmax(jnp.einsum("tkgd,tjkd->tkgj", qt, k) * sm_scale, mask)
-        return jnp.einsum("tkgj,tjkd->tkgd", p, v)
+    def run_tile(args, one_seq):
+        qt, seq_t, lo_t, hi_t = args                                    # [tile, Nkv, G, D], i32[tile]
+        first = jnp.min(jnp.where(hi_t > lo_t, lo_t, jnp.iinfo(jnp.int32).max)) // chunk
+        last = -(-jnp.max(hi_t) // chunk)                               # chunks [first, last)
 
-    def one_seq_tile(args):
-        """Rows of one sequence (prefill chunks, padding): its pages are gathered once."""
-        qt, seq_t, lo_t, hi_t = args
-        table = jnp.clip(block_tables[seq_t[0]], 0, num_blocks - 1)   # i32[pages]
-        mask = rows_mask(lo_t, hi_t)
-        used = (kv_pos >= jnp.min(lo_t)) & (kv_pos < jnp.max(hi_t))   # keys some row sees
-        k, v = gather(table, ())
-        k = jnp.where(used[:, None, None], k, 0)
-        v = jnp.where(used[:, None, None], v, 0)
-        p = softmax(jnp.einsum("tkgd,jkd->tkgj", qt, k) * sm_scale, mask)
-        return jnp.einsum("tkgj,jkd->tkgd", p, v)
+        def body(c, carry):
+            m, den, acc = carry
+            s, mask, v = chunk_of(qt, seq_t, lo_t, hi_t, c, one_seq)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+            p = jnp.where(mask[:, None, None, :], jnp.exp(s - m_safe[..., None]), 0.0)
+            alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+            pv = (jnp.einsum("tkgj,jkd->tkgd", p, v) if one_seq
+                  else jnp.einsum("tkgj,tjkd->tkgd", p, v))
+            return m_new, alpha * den + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv
+
+        n = qt.shape[0]
+        init = (jnp.full((n, num_kv_heads, group), -jnp.inf, jnp.float32),
+                jnp.zeros((n, num_kv_heads, group), jnp.float32),
+                jnp.zeros((n, num_kv_heads, group, head_dim), jnp.float32))
+        if n_chunks == 1:   # the whole table is one chunk: no loop (tight tables, short models)
+            _, den, acc = body(0, init)
+        else:
+            _, den, acc = jax.lax.fori_loop(jnp.minimum(first, last), last, body, init)
+        return acc / jnp.where(den > 0, den, 1.0)[..., None]
+
+    if rows_per_seq is not None:
+        return _by_sequence(q, kv_lens, cu_q_lens, run_tile, rows_per_seq, sliding_window,
+                            (num_kv_heads, group, head_dim))
 
     def one_tile(args):
         seq_t = args[1]
-        return jax.lax.cond(jnp.all(seq_t == seq_t[0]), one_seq_tile, per_row_tile, args)
+        return jax.lax.cond(jnp.all(seq_t == seq_t[0]), lambda a: run_tile(a, True),
+                            lambda a: run_tile(a, False), args)
 
     out = jax.lax.map(one_tile, (qf, seq.reshape(n_tiles, tile), lo.reshape(n_tiles, tile),
                                  hi.reshape(n_tiles, tile)))
     out = out.reshape(padded, num_q_heads, head_dim)[:num_tokens]
     return out.astype(q.dtype)
+
+
+def _by_sequence(q, kv_lens, cu_q_lens, run_tile, rows: int, sliding_window, head_shape):
+    """The sequence-major schedule of :func:`ragged_paged_attention_xla` (``rows_per_seq``):
+    for each sequence, its query rows ``rows`` at a time through ``run_tile`` (one-sequence
+    tiles); rows past ``cu_q_lens[S]`` stay 0."""
+    num_tokens = q.shape[0]
+    num_seqs = kv_lens.shape[0]
+    qf = jnp.pad(q.astype(jnp.float32), ((0, rows), (0, 0), (0, 0)))   # tiles may run past T
+    qf = qf.reshape((num_tokens + rows,) + head_shape)
+    r = jnp.arange(rows, dtype=jnp.int32)
+
+    def seq_body(s, out):
+        q_len = cu_q_lens[s + 1] - cu_q_lens[s]
+        kv_len = kv_lens[s]
+
+        def tile_body(j, out):
+            start = cu_q_lens[s] + j * rows
+            local = j * rows + r
+            valid = local < q_len
+            q_pos = kv_len - q_len + local
+            hi = jnp.where(valid, jnp.minimum(q_pos + 1, kv_len), 0)
+            lo = (jnp.zeros_like(hi) if sliding_window is None
+                  else jnp.maximum(q_pos - sliding_window + 1, 0))
+            qt = jax.lax.dynamic_slice_in_dim(qf, start, rows)
+            o = run_tile((qt, jnp.full((rows,), s, jnp.int32), jnp.minimum(lo, hi), hi), True)
+            old = jax.lax.dynamic_slice_in_dim(out, start, rows)
+            return jax.lax.dynamic_update_slice_in_dim(
+                out, jnp.where(valid[:, None, None, None], o, old), start, 0)
+
+        return jax.lax.fori_loop(0, -(-q_len // rows), tile_body, out)
+
+    out = jax.lax.fori_loop(0, num_seqs, seq_body, jnp.zeros_like(qf))
+    return out[:num_tokens].reshape(q.shape).astype(q.dtype)
 
 
 def default_implementation() -> str:
@@ -297,6 +376,7 @@ def ragged_paged_attention(
     interpret: Any = None,
     k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
     v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
+    rows_per_seq: int | None = None,
 ) -> jax.Array:               # f[T, Nq, D]
     """Attention of a ragged batch of queries over a paged KV cache (see module docstring).
 
@@ -304,6 +384,8 @@ def ragged_paged_attention(
       implementation: one of :data:`IMPLEMENTATIONS`, or None for :func:`default_implementation`.
       k_scale / v_scale: the per-slot, per-head scales of an int8 / float8_e4m3fn cache (required
         for those dtypes, not allowed for others); see :mod:`jmtp.pallas.kv_quant`.
+      rows_per_seq: ``"xla"`` only (the others ignore it): a static schedule hint, see
+        :func:`ragged_paged_attention_xla`.
       interpret: kernels only (ignored by ``"reference"`` and ``"xla"``): None = Pallas interpret mode iff the
         default backend is CPU; a bool; or, for ``"pallas_tpu"``, a ``pltpu.InterpretParams``.
 
@@ -316,7 +398,7 @@ def ragged_paged_attention(
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
     run = functools.partial(_dispatch, impl, sm_scale=sm_scale, sliding_window=sliding_window,
-                            soft_cap=soft_cap, interpret=interpret)
+                            soft_cap=soft_cap, interpret=interpret, rows_per_seq=rows_per_seq)
     from jmtp.runtime import sharding
     tp = sharding.model_axis_size()
     if tp > 1 and k_cache.shape[2] % tp == 0:
@@ -335,7 +417,7 @@ def ragged_paged_attention(
 
 
 def _dispatch(impl, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale=None,
-              v_scale=None, *, sm_scale, sliding_window, soft_cap, interpret):
+              v_scale=None, *, sm_scale, sliding_window, soft_cap, interpret, rows_per_seq=None):
     """Call implementation ``impl`` (arguments as :func:`ragged_paged_attention`)."""
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               k_scale=k_scale, v_scale=v_scale)
@@ -343,7 +425,7 @@ def _dispatch(impl, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_sca
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kw)
     if impl == "xla":
-        return ragged_paged_attention_xla(*args, **kw)
+        return ragged_paged_attention_xla(*args, **kw, rows_per_seq=rows_per_seq)
     if impl == "pallas_tpu":
         from jmtp.pallas import ragged_paged_attention_tpu as tpu
         return tpu.ragged_paged_attention_tpu(*args, **kw, interpret=interpret)

@@ -298,17 +298,19 @@ def import_slot(ec: EngineConfig, state: EngineState, cache: KVCache,
 
     Returns:
       ``(state, cache, mtp_cache, ok bool[])``; ``ok`` is False when the allocator could not give
-      the slot its blocks (the host checks the free count first, so this means a bug).
+      the slot its blocks (the host checks the free count first, so this means a bug); the state's
+      row and the caches are then unchanged.
     """
     B = state.stop_flags.shape[0]
     N = state.blocks.free_stack.shape[0]
     need = jnp.where(jnp.arange(B) == slot, num_pages, 0).astype(jnp.int32)
     blocks, paused = state.blocks.allocate(jnp.zeros((B,), bool), need,
                                            implementation=ec.block_allocator)
+    ok = ~paused[slot]          # all or nothing: a failed import writes no page and no row
     ids = blocks.block_tables[slot]                                      # i32[P]
     pb = kv["target_k"].shape[1]
     j = jnp.arange(pb, dtype=jnp.int32)
-    dst = jnp.where(j < num_pages, ids[jnp.minimum(j, ids.shape[0] - 1)], N)   # N: dropped
+    dst = jnp.where(ok & (j < num_pages), ids[jnp.minimum(j, ids.shape[0] - 1)], N)  # N: dropped
 
     def scatter(c: KVCache | None, prefix: str):
         if c is None:
@@ -323,9 +325,14 @@ def import_slot(ec: EngineConfig, state: EngineState, cache: KVCache,
         value = getattr(state, name)
         if name == "sampling":
             fields[name] = dataclasses.replace(value, **{
-                f.name: getattr(value, f.name).at[slot].set(row[f"sampling.{f.name}"])
+                f.name: _set_row(getattr(value, f.name), slot, row[f"sampling.{f.name}"], ok)
                 for f in dataclasses.fields(value)})
         elif value is not None:
-            fields[name] = value.at[slot].set(row[name].astype(value.dtype))
+            fields[name] = _set_row(value, slot, row[name], ok)
     state = dataclasses.replace(state, blocks=blocks, **fields)
-    return state, scatter(cache, "target"), scatter(mtp_cache, "mtp"), ~paused[slot]
+    return state, scatter(cache, "target"), scatter(mtp_cache, "mtp"), ok
+
+
+def _set_row(value: jax.Array, slot, new, ok) -> jax.Array:
+    """``value`` with row ``slot`` set to ``new`` when ``ok`` (else unchanged)."""
+    return value.at[slot].set(jnp.where(ok, new.astype(value.dtype), value[slot]))

@@ -28,7 +28,8 @@ from jmtp.model.config import ModelConfig
 from jmtp.model.kv_shift import with_k_shift
 from jmtp.model.llama import init_kv_cache
 from jmtp.model.modules import LlamaForCausalLM
-from jmtp.runtime.buckets import choose_bucket, step_buckets
+from jmtp.runtime.buckets import (StepBucket, choose_bucket, decode_buckets, slot_buckets,
+                                  step_buckets)
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.detokenizer import IncrementalDetokenizer
 from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetrics
@@ -346,6 +347,8 @@ class LLMEngine:
         if compile == "eager":
             with shd.mesh_context(self.mesh):
                 self.compile_seconds = self._compile_ahead()
+            if self.spec_policy is not None:
+                self.calibrate_speculation()
         else:
             self.compile_seconds = {}
 
@@ -466,6 +469,50 @@ class LLMEngine:
         p_total, p_local = shd.per_device_bytes(self.params)
         c_total, c_local = shd.per_device_bytes((self.cache, self.mtp_cache))
         return {"params": (p_local, p_total), "kv_cache": (c_local, c_total)}
+
+    def calibrate_speculation(self, repeats: int = 3) -> dict[StepBucket, float]:
+        """Time every decode step bucket on the idle engine and seed the dynamic speculation
+        policy's cost table with the times (:meth:`DynamicSpeculation.seed_costs`).
+
+        Called by the constructor when ``speculation_policy="dynamic"`` and ``compile="eager"``
+        (with ``compile="lazy"`` call it yourself, or the policy learns costs from live steps,
+        which costs the first requests speed). A step with no request scheduled changes no state
+        (``tests/runtime/test_spec_policy.py`` checks it), so the timed steps run on the real
+        engine state. Its attention reads no keys, so the times are the row-dependent part of
+        a step's cost; live timings refine them (EMA).
+
+        Args:
+          repeats: timed runs per bucket after one untimed run; the fastest is kept.
+
+        Returns:
+          ``{StepBucket: seconds}`` as seeded.
+
+        Raises:
+          ValueError: no dynamic policy, or ``repeats < 1``.
+          RuntimeError: requests are in the engine.
+        """
+        if self.spec_policy is None:
+            raise ValueError("calibrate_speculation needs SpeculativeConfig(speculation_policy="
+                             "'dynamic')")
+        if repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {repeats}")
+        if self.has_unfinished_requests() or any(s is not None for s in self._slots):
+            raise RuntimeError("calibrate_speculation runs on an idle engine only")
+        sec, B = self._shard_ec, self.engine_config.max_num_seqs
+        zeros = np.zeros((B,), np.int32)
+        buckets = sorted({StepBucket(t, a) for a in slot_buckets(sec)
+                          for t in decode_buckets(sec, a)})
+        seconds = {}
+        for bk in buckets:
+            times = []
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                self._run_step(bk, zeros, zeros)
+                if i:
+                    times.append(time.perf_counter() - t0)
+            seconds[bk] = min(times)
+        self.spec_policy.seed_costs(seconds)
+        return seconds
 
     def _compile_ahead(self) -> dict:
         """Compile every step bucket and the request insert/release; ``{label: seconds}``."""

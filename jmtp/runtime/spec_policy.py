@@ -112,6 +112,22 @@ class DynamicSpeculation:
             return (1 - f) * sec(a) + f * sec(b)
         return sec(lo[-1] if lo else hi[0])
 
+    def seed_costs(self, seconds: dict[StepBucket, float]) -> None:
+        """Start the cost table from measured step times (``LLMEngine.calibrate_speculation``
+        times every decode bucket on the idle engine before serving), so the policy never spends
+        live steps learning what a bucket costs. Seeded buckets count as seen: their next live
+        timing enters the EMA.
+
+        Raises:
+          ValueError: a time that is not a positive finite number.
+        """
+        for bucket, sec in seconds.items():
+            if not np.isfinite(sec) or sec <= 0:
+                raise ValueError(f"seed_costs: seconds for {bucket} must be positive and finite, "
+                                 f"got {sec}")
+            self.step_seconds[bucket] = float(sec)
+            self._seen.add(bucket)
+
     # ------------------------------------------------------------------ decisions
     def draft_limits(self, active: np.ndarray) -> np.ndarray:
         """i32[B] drafts each slot may propose this step (0 for inactive slots).

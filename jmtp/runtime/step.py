@@ -140,10 +140,15 @@ class TargetOutput:
     """Output of :func:`target_forward`.
 
     Attributes:
-      hidden: f[T, H]              target hidden state of every packed row.
+      hidden: f[T, H]              target hidden state of every packed row, as the MTP head
+                                   takes it (post-final-norm; pre-norm for MiMo,
+                                   ``ModelConfig.mtp_takes_prenorm_hidden``).
       cu_q_lens: i32[B+1]          packed-row offsets of the slots.
-      logits: f32[A, K+1, V]       logits of the window rows of the A compacted slots (a prefill
-                                   chunk's last row in column 0; its other columns repeat row 0).
+      logit_rows: f32[R, V]        target logits of R rows: every packed row (R = T) when
+                                   ``T < A·(K+1)``, else the window rows (R = A·(K+1)).
+      window_rows: i32[A, K+1]     row of ``logit_rows`` holding each window position of the A
+                                   compacted slots (a prefill chunk's last row in column 0).
+                                   Columns past a slot's window are unused.
       slots: i32[A]                compacted slot ids, ascending, padding = B
                                    (:func:`~jmtp.runtime.buckets.active_slots`).
       valid: bool[A]               row holds a slot.
@@ -151,9 +156,16 @@ class TargetOutput:
 
     hidden: jax.Array
     cu_q_lens: jax.Array
-    logits: jax.Array
+    logit_rows: jax.Array
+    window_rows: jax.Array
     slots: jax.Array
     valid: jax.Array
+
+    def window_logits(self, width: int) -> jax.Array:
+        """``f32[A, width, V]``: the first ``width`` window positions' logits."""
+        A = self.window_rows.shape[0]
+        rows = self.window_rows[:, :width].reshape(-1)
+        return _take_rows(self.logit_rows, rows).reshape(A, width, -1)
 
 
 @_pytree
@@ -340,10 +352,21 @@ def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedu
         prefilling=sched.prefilling & ~paused, decoding=sched.decoding & ~paused, paused=paused)
 
 
+def window_rows_hint(ec: EngineConfig, bucket: StepBucket) -> int | None:
+    """The attention schedule hint (``AttentionMetadata.rows_per_seq``) of a step in ``bucket``:
+    K+1 when its rows are mostly verify windows of several rows (``A < T <= A·(K+1)``), so
+    attention gathers each sequence's pages once per window instead of once per row; None (the
+    row-tile schedule) otherwise: one row per slot, or prefill chunks."""
+    T, A = bucket.num_tokens, bucket.num_slots
+    return ec.window if A < T <= A * ec.window else None
+
+
 def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | None,
                    model: LlamaForCausalLM, state: EngineState, sched: Schedule,
                    block_tables: jax.Array, cache: KVCache) -> tuple[TargetOutput, KVCache]:
-    """Target forward over the packed ragged batch, then the logits of the window rows only.
+    """Target forward over the packed ragged batch, then the logits of the window rows only
+    (``min(T, A·(K+1))`` LM-head rows: a step of slots that drafted nothing costs the LM head of
+    a plain step).
 
     Row ``t`` of the packed batch is query ``local`` of slot ``seq``: a prompt token
     (``input_ids[seq, seq_lens_decoder[seq] + local]``) for a prefill chunk and for position 0 of a verify window
@@ -362,7 +385,8 @@ def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | N
     num_tokens, A = bucket.num_tokens, bucket.num_slots
     query_lens, prefill_lens = sched.seq_lens_this_time, sched.seq_lens_encoder
     decoded = state.seq_lens_decoder
-    positions, meta = ragged_batch(query_lens, decoded, block_tables, ec.block_size, num_tokens)
+    positions, meta = ragged_batch(query_lens, decoded, block_tables, ec.block_size, num_tokens,
+                                   window_rows_hint(ec, bucket))
     cu_q_lens = meta.cu_q_lens
     seq, local = packed_row_seq(cu_q_lens, num_tokens)
     from_prompt = sched.prefilling[seq] | (local == 0)
@@ -382,9 +406,15 @@ def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | N
     start = cu_q_lens[slot_rows, None]
     rows = jnp.where(sched.prefilling[slot_rows, None], start + prefill_lens[slot_rows, None] - 1,
                      start + w[None])                                    # i32[A, W]
-    logits = model.logits(_take_rows(hidden, rows.reshape(-1))).reshape(A, W, -1)
-    return TargetOutput(hidden=hidden, cu_q_lens=cu_q_lens, logits=logits, slots=slots,
-                        valid=valid), cache
+    if num_tokens < A * W:
+        # Fewer packed rows than window rows (decode steps whose slots drafted little or
+        # nothing): the LM head runs over the T packed rows; the windows index into them.
+        logit_rows, window_rows = model.target_logits(hidden), jnp.clip(rows, 0, num_tokens - 1)
+    else:
+        logit_rows = model.target_logits(_take_rows(hidden, rows.reshape(-1)))
+        window_rows = jnp.arange(A * W, dtype=jnp.int32).reshape(A, W)
+    return TargetOutput(hidden=hidden, cu_q_lens=cu_q_lens, logit_rows=logit_rows,
+                        window_rows=window_rows, slots=slots, valid=valid), cache
 
 
 def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sched: Schedule,
@@ -400,14 +430,35 @@ def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sche
     prev = state   # the state the step started from
     slots, valid = target.slots, target.valid
     slot_rows = jnp.minimum(slots, B - 1)
-    result = verify(target.logits, prev.draft_tokens[slot_rows, 1:],
-                    jnp.where(valid, sched.num_drafts[slot_rows], 0),
-                    None if prev.draft_probs is None else prev.draft_probs[slot_rows],
-                    _gather_slots(prev.sampling, slot_rows), prev.step_idx[slot_rows],
-                    jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32),
-                    strategy=ec.spec.verify_strategy, max_candidate_len=ec.spec.max_candidate_len,
-                    verify_window=ec.spec.verify_window, num_logprobs=ec.max_logprobs,
-                    truncate_at_stop=False)
+    sampling = _gather_slots(prev.sampling, slot_rows)
+    # Padding rows (results dropped) count as greedy, so an all-greedy batch skips the sampled
+    # path of verify whatever the slot their rows were gathered from holds.
+    sampling = dataclasses.replace(sampling, temperature=jnp.where(valid, sampling.temperature,
+                                                                   0.0))
+    num_drafts = jnp.where(valid, sched.num_drafts[slot_rows], 0)
+    W = ec.window
+
+    def verify_width(width: int):
+        """verify over the first ``width`` window positions, padded back to K+1 columns."""
+        probs = None if prev.draft_probs is None else prev.draft_probs[slot_rows, :width - 1]
+        res = verify(target.window_logits(width), prev.draft_tokens[slot_rows, 1:width],
+                     jnp.minimum(num_drafts, width - 1), probs, sampling,
+                     prev.step_idx[slot_rows], jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32),
+                     strategy=ec.spec.verify_strategy,
+                     max_candidate_len=ec.spec.max_candidate_len,
+                     verify_window=ec.spec.verify_window, num_logprobs=ec.max_logprobs,
+                     truncate_at_stop=False)
+        pad = lambda x, fill: None if x is None else jnp.pad(  # noqa: E731
+            x, [(0, 0), (0, W - width)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return dataclasses.replace(
+            res, accept_tokens=pad(res.accept_tokens, -1), logprobs=pad(res.logprobs, 0.0),
+            top_logprob_ids=pad(res.top_logprob_ids, 0), top_logprobs=pad(res.top_logprobs, 0.0))
+
+    if W == 1:
+        result = verify_width(1)
+    else:   # no window holds a draft (e.g. the dynamic policy chose 0): verify one row per slot
+        result = jax.lax.cond(jnp.any(num_drafts > 0), lambda: verify_width(W),
+                              lambda: verify_width(1))
     result = jax.tree_util.tree_map(lambda x: _scatter_slots(x, slots, B), result)
     target_tok = jnp.maximum(result.accept_tokens, 0)
     num_accepted = result.accept_num - 1
@@ -551,7 +602,8 @@ def draft_model_preprocess(mc: ModelConfig, ec: EngineConfig, num_tokens: int, s
         sampling=_gather_slots(state.sampling, slot_rows), step_idx=state.step_idx[slot_rows])
     query_lens = jnp.where(state.stop_flags, 0, jnp.where(state.seq_lens_encoder > 0,
                                                           state.seq_lens_encoder, state.accept_num))
-    positions, meta = ragged_batch(query_lens, decoded, tables, bs, num_tokens)
+    positions, meta = ragged_batch(query_lens, decoded, tables, bs, num_tokens,
+                                   window_rows_hint(ec, StepBucket(num_tokens, slots.shape[0])))
     cu_q_lens = meta.cu_q_lens
     seq, local = packed_row_seq(cu_q_lens, num_tokens)
     ids = state.input_ids[seq, jnp.clip(positions + 1, 0, ec.seq_buffer_len - 1)]
@@ -582,7 +634,9 @@ def mtp_substep(ec: EngineConfig, attention_impl: str | None, sub: int,
                 ) -> tuple[DraftPick, MtpBatch, KVCache]:
     """One MTP propose substep ``sub`` (static, 0-based): the MTP layer ``sub % num_mtp_layers``
     over ``batch``, a draft per active slot from its pick row (skipped at run time with
-    ``lax.cond`` when no slot is active: saves the draft LM head), then the inputs of substep
+    ``lax.cond`` when no slot is active: saves the draft LM head, and for ``sub >= 1`` the MTP
+    layer too, e.g. when the dynamic policy allows every slot at most ``sub`` drafts), then the
+    inputs of substep
     ``sub + 1`` (FastDeploy ``draft_model_update`` + ``eagle_get_self_hidden_states``): the
     slots whose budget exceeds ``sub + 1`` feed their draft and the MTP's own hidden row at
     position ``start_pos + sub``, one row each in compacted-slot order.
@@ -595,9 +649,19 @@ def mtp_substep(ec: EngineConfig, attention_impl: str | None, sub: int,
     num_layers = max(model.cfg.num_mtp_layers, 1)
     # h_norm: post-final-norm rows (drafts are picked from them); h_out: the hidden input of the
     # next substep (eagle_get_self_hidden_states; pre- or post-norm by ModelConfig.mtp_layout).
-    h_norm, h_out, mtp_cache = model.mtp_forward(sub % num_layers, batch.ids, batch.hidden,
-                                                 batch.positions, batch.meta, mtp_cache,
-                                                 attention_impl)
+    def forward(cache):
+        return model.mtp_forward(sub % num_layers, batch.ids, batch.hidden, batch.positions,
+                                 batch.meta, cache, attention_impl)
+
+    def no_forward(cache):     # no slot drafts this substep: it would write no cache row
+        h_norm, h_out, _ = jax.eval_shape(forward, cache)
+        return jnp.zeros(h_norm.shape, h_norm.dtype), jnp.zeros(h_out.shape, h_out.dtype), cache
+
+    if sub == 0:   # substep 0 also fills the MTP cache for the committed tokens: always runs
+        h_norm, h_out, mtp_cache = forward(mtp_cache)
+    else:
+        h_norm, h_out, mtp_cache = jax.lax.cond(jnp.any(batch.active), forward, no_forward,
+                                                mtp_cache)
 
     def run(h_rows):
         return _pick(ec, model, ctx, h_rows, sub)
@@ -711,7 +775,12 @@ def _propose(ec: EngineConfig, drafter, num_tokens: int, attention_impl: str | N
                                          dtype=draft_probs.dtype)
                 draft_probs = jnp.where(from_ngram[..., None], one_hot, draft_probs)
     elif ec.spec.method == "ngram" and K > 0:
-        drafts, _ = ngram_match(state.input_ids, new_seq_len, draft_budget, ngram_max, ngram_min, K)
+        # skipped at run time when no slot may draft (e.g. the dynamic policy chose 0 everywhere)
+        drafts = jax.lax.cond(
+            jnp.any(draft_budget > 0),
+            lambda: ngram_match(state.input_ids, new_seq_len, draft_budget, ngram_max, ngram_min,
+                                K)[0],
+            lambda: drafts)
     elif K > 0:
         drafts = drafter(state).astype(jnp.int32)
     return drafts, draft_probs, mtp_cache

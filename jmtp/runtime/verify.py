@@ -123,6 +123,20 @@ def _leading_true(acc: jax.Array) -> jax.Array:
 
 
 def _rejection(pen, d, valid, nd, draft_probs, sampling, u, greedy_row):
+    """Rejection sampling for sampled rows, exact match for greedy rows; when every row is greedy
+    the target distributions are never formed (``lax.cond``), the same result for less work."""
+    W = pen.shape[1]
+
+    def all_greedy(_):
+        argmax_t = jnp.argmax(pen, axis=-1).astype(jnp.int32)                # [B, W]
+        a = _leading_true(valid & (d == argmax_t[:, :W - 1]))
+        return a, _take_row(argmax_t[..., None], a)[:, 0]
+
+    return jax.lax.cond(jnp.all(greedy_row), all_greedy, lambda _: _rejection_sampled(
+        pen, d, valid, nd, draft_probs, sampling, u, greedy_row), None)
+
+
+def _rejection_sampled(pen, d, valid, nd, draft_probs, sampling, u, greedy_row):
     B, W, V = pen.shape
     K = W - 1
     argmax_t = jnp.argmax(pen, axis=-1).astype(jnp.int32)                    # [B, W]

@@ -103,8 +103,13 @@ def dense_mtp_forward(
     Raises:
       ValueError: on mismatched shapes, ``num_passes < 1``, or an MLA target
         (``cfg.attention_type == "mla"``: training an MTP head on DeepSeek-style latent attention
-        is not implemented).
+        is not implemented), or the MiMo MTP layout (``cfg.mtp_layout == "mimo"``: its head takes
+        the target's pre-norm hidden state and zeroes position 0's embedding, which the training
+        data path does not provide).
     """
+    if cfg.mtp_layout == "mimo":
+        raise ValueError("dense_mtp_forward: MTP training for ModelConfig.mtp_layout='mimo' is not "
+                         "implemented (the head takes the target's pre-norm hidden state)")
     if cfg.is_mla:
         raise ValueError("dense_mtp_forward: MTP training on a multi-head latent attention target "
                          "(ModelConfig.attention_type='mla') is not implemented")
@@ -147,7 +152,7 @@ def dense_mtp_forward(
         hm = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
         x = x + ffn(cfg, layer, hm.reshape(-1, hm.shape[-1])).reshape(hm.shape)  # dense or MoE
         h = rms_norm(x, pick(m["final_norm"]), cfg.rms_norm_eps)
-        outs.append((h, x if cfg.mtp_layout == "deepseek" else h, valid))
+        outs.append((h, x if cfg.mtp_feeds_back_prenorm else h, valid))
     return outs
 
 

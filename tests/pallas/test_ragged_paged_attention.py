@@ -54,12 +54,56 @@ class TestXLA(RaggedPagedAttentionTestBase):
 
     implementation = "xla"
 
-    def test_small_tiles_cross_sequences(self):
-        """A 3-row query tile: tiles straddle sequence boundaries and the padding rows."""
+    @pytest.mark.parametrize("kv_chunk", [8, 24, 256])
+    def test_small_tiles_cross_sequences(self, kv_chunk):
+        """A 3-row query tile: tiles straddle sequence boundaries and the padding rows; key chunks
+        of 1 page, 3 pages (the last one partly past the table) and the whole table."""
         cfg = Config(8, 2, 3, 64, num_tokens=40, num_seqs=5, max_kv=60)
         case = build_case(cfg, [5, 17, 0, 1, 9], [30, 60, 44, 1, 9], stale_tables=True, seed=3)
-        out = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), q_tile=3)
+        out = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), q_tile=3,
+                                             kv_chunk=kv_chunk)
         check_output(case, out, self.expected(case))
+
+    @pytest.mark.parametrize("rows", [1, 3, 4, 64])
+    @pytest.mark.parametrize("window,cap", [(None, None), (6, 20.0)])
+    def test_sequence_major_schedule(self, rows, window, cap):
+        """``rows_per_seq``: rows visited sequence by sequence, ``rows`` at a time; sequences
+        with more rows (a 30-row prefill chunk) loop over several tiles, idle sequences over
+        none; key chunks of 2 pages."""
+        cfg = Config(8, 2, 3, 64, num_tokens=48, num_seqs=5, max_kv=60, sliding_window=window,
+                     soft_cap=cap)
+        case = build_case(cfg, [4, 30, 0, 1, 3], [33, 60, 44, 1, 9], stale_tables=True, seed=13)
+        out = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), kv_chunk=16,
+                                             rows_per_seq=rows)
+        check_output(case, out, self.expected(case))
+
+    def test_wide_block_table_reads_only_used_chunks(self):
+        """A block table 64x wider than any context (max_model_len far above the keys in use),
+        whose unused entries point at NaN-filled blocks: same output as the tight table, since the
+        key loop stops at the last chunk some row sees."""
+        cfg = Config(8, 2, 3, 64, num_tokens=24, num_seqs=3, max_kv=40)
+        case = build_case(cfg, [1, 4, 16], [33, 40, 16], stale_tables=True, seed=9)
+        args = list(case.jax_args())
+        kc, vc = args[1], args[2]
+        nan_blocks = 4
+        pad = jnp.full((nan_blocks,) + kc.shape[1:], jnp.nan, kc.dtype)
+        args[1], args[2] = jnp.concatenate([kc, pad]), jnp.concatenate([vc, pad])
+        wide = np.full((3, 64 * case.block_tables.shape[1]), kc.shape[0], np.int32)  # NaN blocks
+        wide[:, :case.block_tables.shape[1]] = case.block_tables
+        args[4] = jnp.asarray(wide)
+        out = rpa.ragged_paged_attention_xla(*args, **case.kwargs(), q_tile=8, kv_chunk=16)
+        check_output(case, out, self.expected(case))
+        tight = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), q_tile=8,
+                                               kv_chunk=16)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(tight))
+
+    def test_bad_sizes(self):
+        cfg = Config(8, 2, 3, 64, num_tokens=8, num_seqs=2, max_kv=16)
+        case = build_case(cfg, [1, 1], [4, 9], stale_tables=False, seed=1)
+        with pytest.raises(ValueError, match="kv_chunk"):
+            rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), kv_chunk=0)
+        with pytest.raises(ValueError, match="rows_per_seq"):
+            rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), rows_per_seq=0)
 
 
     @pytest.mark.parametrize("window,cap", [(None, None), (6, 20.0)])
@@ -69,8 +113,10 @@ class TestXLA(RaggedPagedAttentionTestBase):
         cfg = Config(8, 2, 3, 64, num_tokens=40, num_seqs=3, max_kv=60, sliding_window=window,
                      soft_cap=cap)
         case = build_case(cfg, [30, 3, 0], [45, 3, 7], stale_tables=True, seed=5)
-        out = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), q_tile=4)
-        check_output(case, out, self.expected(case))
+        for kv_chunk in (8, 256):      # key chunks of one page (window spans several), all
+            out = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), q_tile=4,
+                                                 kv_chunk=kv_chunk)
+            check_output(case, out, self.expected(case))
 
 
 class TestPallasTPU(RaggedPagedAttentionTestBase):

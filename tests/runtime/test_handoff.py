@@ -188,3 +188,25 @@ def test_int8_cache_waiting_imports_and_preemption():
         for r, o in zip(ref, outs):
             assert o.token_ids == r.token_ids
         assert b._free_count == 16
+
+
+def test_failed_device_import_writes_nothing():
+    """If the device allocator cannot give an imported request its blocks (the host believed it
+    could: a bug, simulated here by emptying the device's free stack), ``import_slot`` must leave
+    the state and both caches untouched: no row written, no page scattered (a stale block-table
+    row of -1 must not wrap around to the last block)."""
+    import jax
+    import jax.numpy as jnp
+
+    a, _ = pair(1)
+    st = a.prefill(PROMPTS[:1], GREEDY)[0]
+    eng = make(1, max_num_seqs=2, num_blocks=30).llm_engine
+    eng.state = dataclasses.replace(eng.state, blocks=dataclasses.replace(
+        eng.state.blocks, free_count=jnp.int32(0)))
+    before = jax.device_get((eng.state, eng.cache, eng.mtp_cache))
+    eng.import_request(st)
+    with pytest.raises(RuntimeError, match="allocator"):
+        eng.step()
+    after = jax.device_get((eng.state, eng.cache, eng.mtp_cache))
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(x, y)

@@ -157,3 +157,55 @@ def test_costs_keyed_by_step_bucket():
     one = np.zeros(8, bool)
     one[0] = True
     assert p.draft_limits(one)[0] == 1
+
+
+def test_seed_costs_prices_buckets_before_any_step():
+    """Seeded costs are used as measured ones: with 2 rows costing 3x one row and acceptance 0.5,
+    one draft would give 1.5 tokens for 3x the time, so the policy drafts nothing on its very
+    first step (unseeded, every bucket costs the same and it drafts K)."""
+    p = policy(1, 1, [1, 2], prior_acceptance=0.5)
+    assert p.draft_limits(np.array([True])).tolist() == [1]
+    p.seed_costs(by_rows({1: 0.01, 2: 0.03}))
+    assert p.draft_limits(np.array([True])).tolist() == [0]
+    p.observe(np.array([0]), np.array([0]), StepBucket(1, 0), 0.02)   # seeded: enters the EMA
+    assert p.step_seconds[StepBucket(1, 0)] == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)
+    with pytest.raises(ValueError, match="positive"):
+        p.seed_costs(by_rows({1: 0.0}))
+
+
+def test_engine_calibration_times_every_decode_bucket_and_idle_steps_change_nothing():
+    """``LLMEngine.calibrate_speculation`` runs every decode bucket on the idle engine: the
+    policy's cost table then holds exactly those buckets, the engine state and both KV caches are
+    bit-identical afterwards (the idle step is a no-op), and the engine still decodes greedily
+    like the non-paged reference."""
+    import jax
+
+    from jmtp import LLMEngine
+    from jmtp.runtime.buckets import decode_buckets, slot_buckets
+    from jmtp.runtime.engine import SamplingParams
+    from tests.runtime.conftest import reference_greedy, tiny_model
+
+    cfg, params = tiny_model(0)
+    spec = SpeculativeConfig("mtp", num_speculative_tokens=2, speculation_policy="dynamic")
+    eng = LLMEngine(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=2,
+                    max_model_len=32, block_size=4, compile="lazy")
+    assert eng.spec_policy.step_seconds == {}                 # lazy: not calibrated yet
+    before = jax.device_get((eng.state, eng.cache, eng.mtp_cache))
+    seconds = eng.calibrate_speculation(repeats=1)
+    ec = eng.engine_config
+    expected = {StepBucket(t, a) for a in slot_buckets(ec) for t in decode_buckets(ec, a)}
+    assert set(seconds) == expected == {StepBucket(t, a) for a, t in
+                                        [(1, 1), (1, 2), (1, 3), (2, 2), (2, 4), (2, 6)]}
+    assert eng.spec_policy.step_seconds == seconds
+    after = jax.device_get((eng.state, eng.cache, eng.mtp_cache))
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(x, y)
+    prompt = [5, 9, 2, 7]
+    eng.add_request("a", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    with pytest.raises(RuntimeError, match="idle"):
+        eng.calibrate_speculation()
+    out = None
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o
+    assert out.outputs[0].token_ids == reference_greedy(cfg, params, prompt, 8, stop_ids=())

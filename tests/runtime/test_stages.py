@@ -193,6 +193,15 @@ def _prefilled(cfg, params, prompts):
     return s, sched, blocks, cache
 
 
+def _target(hidden, cu_q_lens, logits, slots):
+    """A TargetOutput holding window logits ``f32[A, K+1, V]`` one row per window position."""
+    A, W, V = logits.shape
+    return stp.TargetOutput(hidden=hidden, cu_q_lens=cu_q_lens,
+                            logit_rows=logits.reshape(A * W, V),
+                            window_rows=jnp.arange(A * W, dtype=jnp.int32).reshape(A, W),
+                            slots=slots, valid=jnp.ones((A,), bool))
+
+
 def test_target_forward_matches_full_forward(tiny):
     cfg, params = tiny
     prompts = [[5, 6, 7, 8, 9], [3, 4, 11]]
@@ -202,14 +211,14 @@ def test_target_forward_matches_full_forward(tiny):
     fwd = jax.jit(chex.assert_max_traces(stp.target_forward, n=1), static_argnums=(0, 1, 2))
     out, cache = fwd(EC, bucket, None, model, s, sched, blocks.block_tables, cache)
     chex.assert_shape(out.hidden, (16, cfg.hidden_size))
-    chex.assert_shape(out.logits, (2, K + 1, cfg.vocab_size))
+    chex.assert_shape(out.window_logits(K + 1), (2, K + 1, cfg.vocab_size))
     np.testing.assert_array_equal(out.cu_q_lens, [0, 5, 8, 8])
     np.testing.assert_array_equal(out.slots, [0, 1])
     assert out.valid.all()
     for a, p in enumerate(prompts):       # a prefill chunk's last row, in every column
         for col in range(K + 1):
-            chex.assert_trees_all_close(out.logits[a, col], _ref_logits(cfg, params, p)[-1],
-                                        atol=1e-4, rtol=1e-4)
+            chex.assert_trees_all_close(out.window_logits(K + 1)[a, col],
+                                        _ref_logits(cfg, params, p)[-1], atol=1e-4, rtol=1e-4)
     # Next step: slot 1 verifies the window [last, d1, d2] on top of the cache just written.
     s2 = dataclasses.replace(s, seq_lens_decoder=i32([5, 3, 0]), step_idx=i32([1, 1, 0]),
                              stop_flags=jnp.asarray([True, False, True]),
@@ -221,7 +230,13 @@ def test_target_forward_matches_full_forward(tiny):
     np.testing.assert_array_equal(out2.slots, [1, B])
     np.testing.assert_array_equal(out2.valid, [True, False])
     ref = _ref_logits(cfg, params, [3, 4, 11, 20, 21, 22])[3:]
-    chex.assert_trees_all_close(out2.logits[0], ref, atol=1e-4, rtol=1e-4)
+    chex.assert_trees_all_close(out2.window_logits(K + 1)[0], ref, atol=1e-4, rtol=1e-4)
+    # The same window in a bucket with fewer rows than window rows (T=4 < A*(K+1)=6): the LM head
+    # runs over the 4 packed rows and the window indexes into them.
+    fwd_small = jax.jit(stp.target_forward, static_argnums=(0, 1, 2))
+    out3, _ = fwd_small(EC, StepBucket(4, 2), None, model, s2, sched2, blocks2.block_tables, cache)
+    chex.assert_shape(out3.logit_rows, (4, cfg.vocab_size))
+    chex.assert_trees_all_close(out3.window_logits(K + 1)[0], ref, atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------ speculate_verify
@@ -241,9 +256,8 @@ def test_speculate_verify_hand_case(tiny):
                    stop_flags=[False, False, False],
                    draft_tokens=[[8, 5, 9], [-1, -1, -1], [42, -1, -1]])
     sched = sched_of([3, 3, 3], [0, 3, 3], [2, 0, 0], [False, True, True], [True, False, False])
-    target = stp.TargetOutput(hidden=jnp.zeros((16, 4)), cu_q_lens=i32([0, 3, 6, 9]),
-                              logits=_one_hot_logits([[5, 7, 2], [13, 13, 13], [30, 30, 30]]),
-                              slots=i32([0, 1, 2]), valid=jnp.ones((3,), bool))
+    target = _target(jnp.zeros((16, 4)), i32([0, 3, 6, 9]),
+                     _one_hot_logits([[5, 7, 2], [13, 13, 13], [30, 30, 30]]), i32([0, 1, 2]))
     fn = jax.jit(chex.assert_max_traces(stp.speculate_verify, n=1), static_argnums=(0, 1))
     out = fn(cfg, EC, s, sched, target)
     chex.assert_shape(out.accept_tokens, (B, K + 1))
@@ -376,9 +390,7 @@ def test_draft_model_preprocess_hand_case():
                    stop_flags=[False, True, False])
     hidden = jnp.arange(16, dtype=jnp.float32)[:, None] * jnp.ones((1, 4))
     # the target's packed rows this step: slot 0 at rows 0..2, slot 1 at 3..5, slot 2 at 6..8
-    target = stp.TargetOutput(hidden=hidden, cu_q_lens=i32([0, 3, 6, 9]),
-                              logits=jnp.zeros((3, K + 1, V)), slots=i32([0, 1, 2]),
-                              valid=jnp.ones((3,), bool))
+    target = _target(hidden, i32([0, 3, 6, 9]), jnp.zeros((3, K + 1, V)), i32([0, 1, 2]))
     ctx, batch = stp.draft_model_preprocess(TINY_CFG, EC, 16, s, i32([6, 6, 0]), target,
                                             i32([2, 0, 0]))
     np.testing.assert_array_equal(batch.ids[:5], [17, 18, 31, 32, 33])

@@ -528,3 +528,30 @@ def test_bad_values_name_the_argument():
     with pytest.raises(ValueError, match="sampling"):
         vf.verify(jnp.zeros((1, K + 1, V + 2)), d, one, None, a, one, one)
     assert vf.check_strategy("topp") == "topp"
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.booleans())
+def test_all_greedy_shortcut_equals_the_sampled_path(seed, penalties):
+    """An all-greedy batch skips the target distributions (``lax.cond`` in ``_rejection``) and,
+    without penalties, the history counts (``penalize``): the result must equal what the full
+    sampled path gives for the same greedy rows, and penalising with neutral values."""
+    rng = np.random.default_rng(seed)
+    extra = dict(repetition_penalty=1.3, presence_penalty=0.4) if penalties else {}
+    params = [SamplingParams(temperature=0.0, seed=i, **extra) for i in range(B)]
+    a = pack(params, B, V, prompts=[[1, 2]] * B)
+    logits = jnp.asarray(rng.normal(size=(B, K + 1, V)), jnp.float32)
+    d = jnp.asarray(np.where(rng.random((B, K)) < 0.5, logits.argmax(-1)[:, :K],
+                             rng.integers(0, V, (B, K))), jnp.int32)
+    nd = jnp.asarray(rng.integers(0, K + 1, B), jnp.int32)
+    ng = jnp.asarray(rng.integers(0, 4, B), jnp.int32)
+    eos = jnp.asarray([-1], jnp.int32)
+    valid = jnp.arange(K)[None] < nd[:, None]
+    pen = smp.penalize(logits, a, jnp.where(valid, d, 0), nd, ng, eos)
+    u = jnp.zeros((B, K + 1, 2), jnp.float32)
+    greedy = jnp.ones((B,), bool)
+    fast = vf._rejection(pen, jnp.where(valid, d, 0), valid, nd, None, a, u, greedy)
+    full = vf._rejection_sampled(pen, jnp.where(valid, d, 0), valid, nd, None, a, u, greedy)
+    chex.assert_trees_all_equal(fast, full)
+    if not penalties:     # neutral penalties: the skipped branch would give the logits unchanged
+        np.testing.assert_array_equal(np.asarray(pen), np.asarray(logits))

@@ -114,15 +114,23 @@ def penalize(logits: jax.Array, sampling: SamplingArrays, draft_tokens: jax.Arra
     if draft_tokens.shape != (B, K):
         raise ValueError(f"draft_tokens: shape {draft_tokens.shape} != (B, K) = {(B, K)}")
     num_drafts = jnp.clip(num_drafts.astype(jnp.int32), 0, K)
-    counts = window_history(sampling, draft_tokens.astype(jnp.int32), num_drafts)   # [B, W, V]
-    seen = counts > 0
-    rep_penalty = sampling.repetition_penalty[:, None, None]
-    in_history = seen | sampling.prompt_mask[:, None, :]
-    rep_penalized = jnp.where(logits > 0, logits / rep_penalty, logits * rep_penalty)
-    penalized = jnp.where(in_history, rep_penalized, logits)
-    penalized = (penalized
-                 - sampling.frequency_penalty[:, None, None] * counts.astype(jnp.float32)
-                 - sampling.presence_penalty[:, None, None] * seen.astype(jnp.float32))
+
+    def apply_penalties(logits):
+        counts = window_history(sampling, draft_tokens.astype(jnp.int32), num_drafts)  # [B,W,V]
+        seen = counts > 0
+        rep_penalty = sampling.repetition_penalty[:, None, None]
+        in_history = seen | sampling.prompt_mask[:, None, :]
+        rep_penalized = jnp.where(logits > 0, logits / rep_penalty, logits * rep_penalty)
+        penalized = jnp.where(in_history, rep_penalized, logits)
+        return (penalized
+                - sampling.frequency_penalty[:, None, None] * counts.astype(jnp.float32)
+                - sampling.presence_penalty[:, None, None] * seen.astype(jnp.float32))
+
+    # Skipped at run time when no row has a penalty (the result would equal the logits exactly:
+    # x / 1, x * 1 and x - 0 are exact), which saves the [B, W, V] history counts.
+    any_penalty = jnp.any((sampling.repetition_penalty != 1.0) | (sampling.frequency_penalty != 0.0)
+                          | (sampling.presence_penalty != 0.0))
+    penalized = jax.lax.cond(any_penalty, apply_penalties, lambda x: x, logits)
     w = jnp.arange(W, dtype=jnp.int32)[None, :]
     too_early = (num_generated.astype(jnp.int32)[:, None] + w) < sampling.min_tokens[:, None]
     ban = (too_early[:, :, None] & stop_mask(sampling, eos_token_ids)[:, None, :])
