@@ -20,7 +20,9 @@ against the unquantised cache (the model dtype, f32 on CPU):
 
 It also measures why the scales are per token per head and not per block per head: the K/V of a
 prefill of the first evaluation prompts are captured (unquantised) and quantised both ways; the
-relative RMS reconstruction error ``||x̂ - x|| / ||x||`` is printed for each format.
+relative RMS reconstruction error ``||x̂ - x|| / ||x||`` is printed for each format (also with the
+Hadamard rotation, and for keys with the rotation and the key shift of ``jmtp.model.kv_shift``,
+what an int8 cache stores). The teacher-forced int8 figures use the engine's key shift.
 
 Prints markdown tables; ``--snippet FILE`` also writes them, with the command, as a markdown
 section (``docs/kvquant.md`` holds the curated results).
@@ -89,6 +91,9 @@ def granularity_errors(cfg, params, prompts, block_size: int = 16) -> dict:
     from jmtp.model import forward, init_kv_cache, ragged_batch
     from jmtp.pallas import kv_quant
 
+    from jmtp.model.kv_shift import calibrate_k_shift
+
+    mu = np.asarray(calibrate_k_shift(cfg, params))                # f32[L, Nkv, D]
     ks, vs = [], []
     for ids in prompts:
         t = len(ids)
@@ -105,10 +110,15 @@ def granularity_errors(cfg, params, prompts, block_size: int = 16) -> dict:
     for name in ("int8", "fp8_e4m3"):
         q8 = kv_quant.storage_dtype(name)
         for kind, store in (("K", ks), ("V", vs)):
-            err_tok = err_rot = err_blk = norm = 0.0
+            err_tok = err_rot = err_blk = err_shift = norm = 0.0
             r = np.asarray(kv_quant.hadamard_rotation(cfg.head_dim))
             for c, t in store:
                 x = c[:, :t]                                           # [L, t, Nkv, D]
+                if kind == "K":   # keys minus the calibrated mean (jmtp.model.kv_shift), rotated
+                    xs = x - mu[:, None]
+                    q, s = kv_quant.quantize(jnp.asarray(xs @ r), q8)
+                    err_shift += float(np.sum((np.asarray(kv_quant.dequantize(q, s)) @ r.T
+                                               - xs) ** 2))
                 q, s = kv_quant.quantize(jnp.asarray(x), q8)
                 err_tok += float(np.sum((np.asarray(kv_quant.dequantize(q, s)) - x) ** 2))
                 q, s = kv_quant.quantize(jnp.asarray(x @ r), q8)       # rotated, rotated back
@@ -126,7 +136,7 @@ def granularity_errors(cfg, params, prompts, block_size: int = 16) -> dict:
                 err_blk += float(np.sum((deq[:, :t] - x) ** 2))
                 norm += float(np.sum(x ** 2))
             out[name, kind] = (np.sqrt(err_tok / norm), np.sqrt(err_rot / norm),
-                               np.sqrt(err_blk / norm))
+                               np.sqrt(err_blk / norm), np.sqrt(err_shift / norm))
     return out
 
 
@@ -169,7 +179,9 @@ def teacher_forced(cfg, params, prompts, outputs, kv_cache_dtype, cache_dtype=No
     import numpy as np
 
     from jmtp.model import compute_logits, forward, init_kv_cache, ragged_batch
+    from jmtp.model.kv_shift import with_k_shift
 
+    shifted = with_k_shift(cfg, params, kv_cache_dtype)     # what the engine runs an int8 cache with
     same = total = 0
     for p, o in zip(prompts, outputs):
         ids = list(p) + list(o)
@@ -179,9 +191,10 @@ def teacher_forced(cfg, params, prompts, outputs, kv_cache_dtype, cache_dtype=No
         pos, meta = ragged_batch(jnp.array([t], jnp.int32), jnp.zeros((1,), jnp.int32), tables,
                                  block_size, t)
         top = []
-        for kv, cd in ((None, jnp.float32), (kv_cache_dtype, cache_dtype or jnp.float32)):
+        for kv, cd, pr in ((None, jnp.float32, params),
+                           (kv_cache_dtype, cache_dtype or jnp.float32, shifted)):
             cache = init_kv_cache(cfg, cfg.num_layers, pages, block_size, cd, kv)
-            h, _ = forward(cfg, params, jnp.asarray(ids, jnp.int32), pos, meta, cache)
+            h, _ = forward(cfg, pr, jnp.asarray(ids, jnp.int32), pos, meta, cache)
             top.append(np.asarray(jnp.argmax(compute_logits(params, h[len(p) - 1: t - 1]), -1)))
         same += int((top[0] == top[1]).sum())
         total += len(o)
@@ -295,11 +308,15 @@ def main(argv=None) -> int:
     btable = "\n".join(blines)
 
     glines = ["| format | tensor | rel. RMS error, per token per head | same, Hadamard-rotated | "
-              "per block (16 tokens) per head |", "|---|---|---|---|---|"]
-    for (name, kind), (e_tok, e_rot, e_blk) in gran.items():
+              "rotated, keys minus the calibrated mean | per block (16 tokens) per head |",
+              "|---|---|---|---|---|---|"]
+    for (name, kind), (e_tok, e_rot, e_blk, e_shift) in gran.items():
         used = (lambda v: f"**{v:.4f}**")
-        a, b = (f"{e_tok:.4f}", used(e_rot)) if name == "int8" else (used(e_tok), f"{e_rot:.4f}")
-        glines.append(f"| {name} | {kind} | {a} | {b} | {e_blk:.4f} |")
+        a, b = (f"{e_tok:.4f}", f"{e_rot:.4f}") if name == "int8" else (used(e_tok), f"{e_rot:.4f}")
+        if name == "int8" and kind == "V":
+            b = used(e_rot)
+        c = "-" if kind == "V" else (used(e_shift) if name == "int8" else f"{e_shift:.4f}")
+        glines.append(f"| {name} | {kind} | {a} | {b} | {c} | {e_blk:.4f} |")
     gtable = "\n".join(glines)
 
     diff, n_diff = window_vs_rows(cfg, params, gran_prompts[0])
@@ -350,8 +367,9 @@ and 8-bit rounding can turn that into a whole quantisation step. Measured here: 
 
 int8 caches store K and V rotated by an orthonormal Hadamard matrix (the query is rotated alike
 and the attention output rotated back: `jmtp.pallas.kv_quant.hadamard_rotation`), which spreads
-outlier channels over the whole head and so lowers int8's per-token error; fp8 is stored
-unrotated.
+outlier channels over the whole head and so lowers int8's per-token error, and the keys minus a
+calibrated mean key per layer and KV head (`jmtp.model.kv_shift`, exact under softmax); fp8 is
+stored unrotated and unshifted.
 
 ### KV-cache quantisation: measured {date}
 
@@ -372,8 +390,8 @@ KV-cache bytes of the MTP engines ({cfg.num_layers} target layers + 1 MTP layer,
 
 Scale granularity, measured on the K/V of {len(gran_prompts)} prompts' prefills (all layers): one
 f32 scale per token per KV head (FastDeploy's `block_wise_fp8` layout `[num_blocks, kv_heads,
-block_size]`), with and without the Hadamard rotation, against one per 16-token block per head
-(bold: what jmtp stores):
+block_size]`), with and without the Hadamard rotation (and for int8 keys the key shift),
+against one per 16-token block per head (bold: what jmtp stores):
 
 {gtable}
 

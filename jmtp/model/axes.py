@@ -50,6 +50,7 @@ Parameters (``[...]`` = only for some architectures; ``L`` = ``layers``)::
   mtp.layer.*             as ``layers.*`` with N stacked
   draft_head (Buffer)     f[N', H]         (vocab, embed)       FR-Spec draft LM head
   draft_ids / draft_vocab (Buffer) i32[N'] / i32[V]  (vocab,)
+  [k_shift] (Buffer)      f32[L, Nkv, D]   (layers, kv_heads, head_dim)  int8 KV caches' key shift
 
 KV cache ``k, v: f[L, num_blocks, block_size, Nkv, D]``: :data:`KV_CACHE_AXES`.
 """
@@ -94,6 +95,7 @@ LAYER_AXES: dict[str, tuple[str, ...]] = {
 TOP_AXES: dict[str, tuple[str, ...]] = {
     "embed": (VOCAB, EMBED), "lm_head": (EMBED, VOCAB), "final_norm": (EMBED,),
     "draft_head": (VOCAB, EMBED), "draft_ids": (VOCAB,), "draft_vocab": (VOCAB,),
+    "k_shift": (LAYERS, KV_HEADS, HEAD_DIM),
 }
 MTP_AXES: dict[str, tuple[str, ...]] = {
     "enorm": (EMBED,), "hnorm": (EMBED,), "final_norm": (EMBED,), "eh_proj": (EMBED2, EMBED),

@@ -18,6 +18,7 @@ leading layer axis L so that the layers run under one ``lax.scan``)::
                see jmtp.model.moe; a model mixing dense and MoE layers holds ``layers`` as a
                tuple of L per-layer dicts, jmtp.model.params.layers_stacked)
   mtp:         enorm,hnorm f[N,H]  eh_proj f[N,2H,H]  final_norm f[N,H]  layer: {as `layers`, N stacked}
+  [k_shift     f32[L,Nkv,D]]        (int8 KV caches only: key shift, jmtp.model.kv_shift)
 
 The KV cache of a stack of ``L`` layers is :class:`KVCache` with ``k, v: f[L, num_blocks, block_size,
 Nkv, D]`` (8-bit values plus ``k_scale, v_scale: f32[L, num_blocks, Nkv, block_size]`` when
@@ -208,13 +209,19 @@ def decoder_layer(
                                #   Nkv, block_size]): the cache pool holding this layer's blocks
                                #   (``meta`` addresses them; see _layer_view)
     attention_impl: str | None = None,
+    k_shift: jax.Array | None = None,  # f32[Nkv, D] subtracted from the keys of an int8 cache
 ) -> tuple[jax.Array, KVCache]:
     """Pre-norm Llama block: GQA attention over the paged cache (writing this step's K/V,
     quantised when the pool is) + the FFN (SwiGLU, or the MoE block when ``p`` holds one,
     :func:`jmtp.model.moe.ffn`). Returns ``(x, pool)``.
 
     With ``cfg.attention_type == "mla"`` the attention is DeepSeek's multi-head latent attention
-    (:func:`jmtp.model.mla.mla_attention`, latent pool in ``pool.k``)."""
+    (:func:`jmtp.model.mla.mla_attention`, latent pool in ``pool.k``).
+
+    ``k_shift f32[Nkv, D]`` (this layer's row of ``params["k_shift"]``, :mod:`jmtp.model.kv_shift`)
+    is subtracted from the post-RoPE keys before an int8 cache stores them; other caches ignore
+    it. Exact: it changes every score of a query by the same ``q·k_shift``, which softmax
+    cancels."""
     t = x.shape[0]
     if cfg.is_mla:
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
@@ -230,6 +237,8 @@ def decoder_layer(
     # The rotation is applied in f32 (1/sqrt(n) is not exact in bf16 for every head dim).
     rot = kv_quant.rotation_for(pool.k.dtype, cfg.head_dim, jnp.float32)
     if rot is not None:
+        if k_shift is not None:
+            k = (k.astype(jnp.float32) - k_shift.astype(jnp.float32)).astype(k.dtype)
         q, k, v = ((a.astype(jnp.float32) @ rot).astype(a.dtype) for a in (q, k, v))
     slots = meta.slot_mapping
     if t == 1:
@@ -291,8 +300,10 @@ def _unflat_cache(pool: KVCache, like: KVCache) -> KVCache:
     return KVCache(*(None if a is None else a.reshape(b.shape) for a, b in zip(pool, like)))
 
 
-def _run_layers(cfg, layers, x, positions, meta, cache: KVCache, attention_impl):
-    """Run the layers over the flat cache (:func:`_layer_view`), updated in place.
+def _run_layers(cfg, layers, x, positions, meta, cache: KVCache, attention_impl,
+                k_shift: jax.Array | None = None):
+    """Run the layers over the flat cache (:func:`_layer_view`), updated in place; layer ``i``
+    gets ``k_shift[i]`` (``f32[L, Nkv, D]`` or None, see :func:`decoder_layer`).
 
     ``layers`` stacked (a dict of ``f[L, ...]``): one ``lax.scan``. ``layers`` a list of per-layer
     dicts (:func:`unstack_layers`): a Python loop (unrolled), so that no weight is sliced out of a
@@ -302,7 +313,7 @@ def _run_layers(cfg, layers, x, positions, meta, cache: KVCache, attention_impl)
 
     def layer(x, pool, i, p):
         return decoder_layer(cfg, p, x, positions, _layer_view(meta, cache, i), pool,
-                             attention_impl)
+                             attention_impl, None if k_shift is None else k_shift[i])
 
     if isinstance(layers, (list, tuple)):
         for i, p in enumerate(layers):
@@ -338,7 +349,8 @@ def forward(
       cache: the cache with this step's K/V written at ``meta.slot_mapping``.
     """
     x = params["embed"][ids]
-    x, cache = _run_layers(cfg, params["layers"], x, positions, meta, cache, attention_impl)
+    x, cache = _run_layers(cfg, params["layers"], x, positions, meta, cache, attention_impl,
+                           params.get("k_shift"))
     return (x if pre_norm else final_norm(cfg, params, x)), cache
 
 

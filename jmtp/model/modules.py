@@ -288,7 +288,8 @@ class LlamaForCausalLM(nnx.Module):
     Attributes: ``embed f[V, H]``, ``lm_head f[H, V]`` (None when tied), ``final_norm f[H]``,
     ``layers`` (:class:`DecoderStack`), ``mtp`` (:class:`MTPHead` or None), and the
     FR-Spec's token ranking ``draft_vocab i32[V]`` (a :class:`Buffer`, from an MTP head file; None
-    unless set) and ``draft_head`` (a :class:`DraftHead` derived from it at load time, or None:
+    unless set), the int8 KV cache's key shift ``k_shift f32[L, Nkv, D]`` (a :class:`Buffer`,
+    :mod:`jmtp.model.kv_shift`; None unless set) and ``draft_head`` (a :class:`DraftHead` derived from it at load time, or None:
     drafts are then scored over the full vocabulary). ``cfg`` is static (part of the graph definition).
 
     Args:
@@ -315,6 +316,7 @@ class LlamaForCausalLM(nnx.Module):
         self.mtp = nnx.data(MTPHead(cfg, n, rngs=rngs, dtype=dtype, std=std) if n else None)
         self.draft_vocab = nnx.data(None)   # Buffer, set by set_buffer
         self.draft_head = nnx.data(None)    # DraftHead, set by set_draft_head
+        self.k_shift = nnx.data(None)       # Buffer, set by set_buffer
 
     # -- the parameter dict of jmtp.model.llama ------------------------------------------------
     def variables(self) -> dict:
@@ -331,6 +333,8 @@ class LlamaForCausalLM(nnx.Module):
         if self.draft_head is not None:
             out["draft_ids"] = self.draft_head.token_ids
             out["draft_head"] = self.draft_head.weight
+        if self.k_shift is not None:
+            out["k_shift"] = self.k_shift
         return out
 
     def to_params(self) -> dict:
@@ -339,10 +343,11 @@ class LlamaForCausalLM(nnx.Module):
 
     def set_buffer(self, name: str, value: jax.Array | None) -> None:
         """Set (or with None remove) the :class:`Buffer` ``draft_vocab`` (FR-Spec token ranking
-        ``i32[V]``). Raises ``ValueError`` for another name."""
-        if name != "draft_vocab":
+        ``i32[V]``) or ``k_shift`` (int8 KV caches' key shift ``f32[L, Nkv, D]``,
+        :mod:`jmtp.model.kv_shift`). Raises ``ValueError`` for another name."""
+        if name not in ("draft_vocab", "k_shift"):
             raise ValueError(f"unknown buffer {name!r} (draft_ids / draft_head: set_draft_head)")
-        self.draft_vocab = nnx.data(None if value is None else _buffer(value, ax.TOP_AXES[name]))
+        setattr(self, name, nnx.data(None if value is None else _buffer(value, ax.TOP_AXES[name])))
 
     def set_draft_head(self, token_ids: jax.Array | None, weight: jax.Array | None = None) -> None:
         """Set the FR-Spec :class:`DraftHead` (``token_ids i32[N]``, ``weight f[N, H]``), or with
@@ -362,7 +367,7 @@ class LlamaForCausalLM(nnx.Module):
           ValueError: a tensor missing, of the wrong shape, or an unknown top-level key.
         """
         extra = set(params) - {"embed", "lm_head", "final_norm", "layers", "mtp", "draft_vocab",
-                               "draft_ids", "draft_head"}
+                               "draft_ids", "draft_head", "k_shift"}
         if extra:
             raise ValueError(f"params: unknown entries {sorted(extra)}")
         n = int(params["mtp"]["enorm"].shape[0]) if "mtp" in params else 0
@@ -370,10 +375,12 @@ class LlamaForCausalLM(nnx.Module):
         dtype = params["embed"].dtype
         model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, num_mtp=n,
                                            stacked=stacked, lm_head="lm_head" in params))
-        core = {k: v for k, v in params.items() if k not in ("draft_vocab", "draft_ids", "draft_head")}
+        bufs = ("draft_vocab", "draft_ids", "draft_head", "k_shift")
+        core = {k: v for k, v in params.items() if k not in bufs}
         _fill({k: v for k, v in model.variables().items() if k in core}, core, "")
-        if "draft_vocab" in params:
-            model.set_buffer("draft_vocab", params["draft_vocab"])
+        for name in ("draft_vocab", "k_shift"):
+            if name in params:
+                model.set_buffer(name, params[name])
         if ("draft_ids" in params) != ("draft_head" in params):
             raise ValueError("params: draft_ids and draft_head come together (FR-Spec draft head)")
         if "draft_ids" in params:

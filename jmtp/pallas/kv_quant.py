@@ -33,7 +33,9 @@ and head. We chose this over one scale per block per head because:
 
 Quantisation happens in the KV write (:func:`write_kv_quantized`, called where the step writes
 this step's K/V into the paged cache); every attention implementation dequantises on read
-(:mod:`jmtp.pallas.ragged_paged_attention` and its kernels).
+(:mod:`jmtp.pallas.ragged_paged_attention` and its kernels). Before the write, an int8 cache's
+K/V are Hadamard-rotated (:func:`hadamard_rotation`) and its keys shifted by a calibrated mean key
+(:mod:`jmtp.model.kv_shift`), both in :func:`jmtp.model.llama.decoder_layer`.
 """
 from __future__ import annotations
 

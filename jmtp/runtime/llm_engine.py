@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from jmtp.model.config import ModelConfig
+from jmtp.model.kv_shift import with_k_shift
 from jmtp.model.llama import init_kv_cache
 from jmtp.model.modules import LlamaForCausalLM
 from jmtp.runtime.buckets import (StepBucket, choose_bucket, decode_buckets, slot_buckets,
@@ -264,6 +265,8 @@ class LLMEngine:
         self.draft_vocab_size = 0
         if spec.method == "mtp":
             params, self.draft_vocab_size = with_draft_vocab(model_config, params, spec.draft_vocab_size)
+        # An int8 cache stores keys minus a calibrated per-layer mean (jmtp.model.kv_shift).
+        params = with_k_shift(model_config, params, kv_cache_dtype)
         # The model as an NNX module, split once: the jitted step takes the pure state (arrays with
         # their logical-axis metadata) and merges it with the static graph definition inside.
         model = LlamaForCausalLM.from_params(model_config, params)

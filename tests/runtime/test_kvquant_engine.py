@@ -40,6 +40,15 @@ def test_mtp_equals_plain_on_int8_cache(runs):
     assert sum(x.num_draft_tokens for x in m) > 0          # the MTP head drafted (and was verified)
     for llm in (plain, spec):
         assert llm._free_count == llm.engine_config.num_blocks
+    # The int8 engines run with the calibrated key shift (jmtp.model.kv_shift) of their model.
+    from flax import nnx
+
+    from jmtp.model.kv_shift import calibrate_k_shift
+    for llm in (plain, spec):
+        model = nnx.merge(llm.graphdef, llm.params)
+        want = calibrate_k_shift(llm.model_config, tiny_model(0)[1])
+        assert model.k_shift is not None
+        assert jnp.array_equal(model.k_shift[...], want)
     # Both caches hold int8 values with f32 scales, and decoding wrote them.
     for c in (spec.cache, spec.mtp_cache):
         assert c.k.dtype == c.v.dtype == jnp.int8 and c.k_scale.dtype == jnp.float32
