@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from jmtp.model import (compute_logits, forward, forward_logits, init_kv_cache, load_checkpoint,
-                        mtp_forward, ragged_batch)
+from jmtp.model import forward_logits, init_kv_cache, load_checkpoint, mtp_forward, ragged_batch
+from tests.model.paged_logits import chunked_paged_logits
 
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
@@ -111,27 +111,12 @@ def test_prefill_logits_match_transformers(checkpoint, impl):
     np.testing.assert_allclose(ours, ref, rtol=0, atol=1e-4)
 
 
-_fwd = jax.jit(forward, static_argnums=0)
-
-
 def test_chunked_prefill_and_paged_decode_match_transformers(checkpoint):
     """Prefill 20 tokens in chunks of 7 (the last one shorter), then decode the rest one token
     per step, over shuffled KV blocks poisoned with NaN; every row's logits = transformers'."""
     _, _, cfg, params, ids, ref = checkpoint
-    bs, num_blocks, width = 4, 12, 8
-    cache = init_kv_cache(cfg, cfg.num_layers, num_blocks, bs)
-    cache = type(cache)(jnp.full_like(cache.k, jnp.nan), jnp.full_like(cache.v, jnp.nan))
-    pages = -(-len(ids) // bs)
-    tables = jnp.asarray(np.random.default_rng(3).permutation(num_blocks)[:pages][None], jnp.int32)
-    steps = [(s, min(s + 7, 20)) for s in range(0, 20, 7)] + [(t, t + 1) for t in range(20, len(ids))]
-    got = []
-    for a, b in steps:
-        chunk = ids[a:b]
-        pos, meta = ragged_batch(jnp.array([len(chunk)]), jnp.array([a]), tables, bs, width)
-        h, cache = _fwd(cfg, params, jnp.asarray(chunk + [0] * (width - len(chunk)), jnp.int32),
-                        pos, meta, cache)
-        got.append(np.asarray(compute_logits(params, h))[: len(chunk)])
-    np.testing.assert_allclose(np.concatenate(got), ref, rtol=0, atol=1e-4)
+    got = chunked_paged_logits(cfg, params, ids, prefill=20, chunk=7)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
