@@ -26,7 +26,7 @@ from flax import nnx
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.kv_shift import with_k_shift
-from jmtp.model.llama import init_kv_cache
+from jmtp.model.llama import init_kv_cache, unstack_layers
 from jmtp.model.modules import LlamaForCausalLM
 from jmtp.runtime.buckets import (StepBucket, choose_bucket, decode_buckets, slot_buckets,
                                   step_buckets)
@@ -46,6 +46,9 @@ from jmtp.runtime.handoff import (HANDOFF_VERSION, RequestState, compat_diff, en
                                   fingerprint_hash, gather_slot, import_slot, page_bucket)
 
 log = logging.getLogger(__name__)
+
+#: ``LLMEngine(layer_loop=...)`` values.
+LAYER_LOOPS = ("scan", "unrolled")
 
 
 def default_dtype():
@@ -199,6 +202,13 @@ class LLMEngine:
       enable_prefix_caching: reuse the target and MTP KV of full blocks of earlier requests'
         prompts and outputs (vLLM's option name; :mod:`jmtp.runtime.prefix_cache`). One device
         only for now (no mesh).
+      layer_loop: how the step runs the target's decoder layers: ``"scan"`` (default: one
+        ``lax.scan`` over the stacked layers, compiles fastest) or ``"unrolled"`` (a Python loop
+        over per-layer weights, :func:`jmtp.model.llama.unstack_layers`). On XLA:CPU the scan
+        copies each layer's weights out of the stack before its matmuls (about a third of a
+        SmolLM2 decode step in a profile), which ``"unrolled"`` avoids, at the price of a compile
+        several times as long (the persistent compilation cache keeps it to the first start).
+        One device only for now.
 
     Raises:
       TypeError: an unknown keyword.
@@ -215,10 +225,16 @@ class LLMEngine:
                  compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto",
                  kv_cache_dtype: str | None = None, moe_backend: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, layer_loop: str = "scan"):
+        from jmtp.checks import check_one_of
         from jmtp.pallas.kv_quant import check_kv_cache_dtype
         from jmtp.runtime import compile as jc
         check_kv_cache_dtype(kv_cache_dtype)   # before anything is loaded
+        check_one_of("layer_loop", layer_loop, LAYER_LOOPS)
+        if layer_loop == "unrolled" and (mesh is not None or (tensor_parallel_size,
+                                                              data_parallel_size) != (1, 1)):
+            raise ValueError("layer_loop='unrolled' with a device mesh is not supported yet: use "
+                             "layer_loop='scan'")
         if enable_prefix_caching and (mesh is not None or (tensor_parallel_size,
                                                            data_parallel_size) != (1, 1)):
             raise ValueError("enable_prefix_caching=True with a device mesh (mesh, "
@@ -267,6 +283,8 @@ class LLMEngine:
             params, self.draft_vocab_size = with_draft_vocab(model_config, params, spec.draft_vocab_size)
         # An int8 cache stores keys minus a calibrated per-layer mean (jmtp.model.kv_shift).
         params = with_k_shift(model_config, params, kv_cache_dtype)
+        if layer_loop == "unrolled":
+            params = unstack_layers(params)
         # The model as an NNX module, split once: the jitted step takes the pure state (arrays with
         # their logical-axis metadata) and merges it with the static graph definition inside.
         model = LlamaForCausalLM.from_params(model_config, params)

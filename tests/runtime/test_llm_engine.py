@@ -2,6 +2,7 @@
 seeded requests that survive preemption."""
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -261,3 +262,22 @@ def test_chat_equals_generate_on_templated_prompt(smollm2_tokenizer, hf_smollm2_
     assert [o.token_ids for o in chat] == [o.token_ids for o in gen]
     assert [o.text for o in chat] == [tok.decode(o.token_ids) for o in gen]
     assert llm.chat(conv, sp, use_tqdm=False)[0].token_ids == chat[0].token_ids
+
+
+def test_unrolled_layer_loop_decodes_like_the_reference():
+    """``layer_loop="unrolled"`` (per-layer weights, a Python loop over the layers) gives the
+    non-paged reference's greedy tokens, plain and with MTP K=2; bad values are refused early."""
+    cfg, params = tiny_model(0)
+    prompt = [5, 9, 2, 7, 11]
+    ref = reference_greedy(cfg, params, prompt, 10, stop_ids=())
+    for spec in (None, SpeculativeConfig("mtp", 2)):
+        llm = LLM(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=2,
+                  max_model_len=MAX_LEN, block_size=4, compile="lazy", layer_loop="unrolled")
+        paths = [jax.tree_util.keystr(p) for p, _ in
+                 jax.tree_util.tree_leaves_with_path(llm.llm_engine.params)]
+        assert "['layers']['layers'][1]['attn']['wq'].value" in paths     # per-layer weights
+        out = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True),
+                           use_tqdm=False)[0]
+        assert out.token_ids == ref
+    with pytest.raises(ValueError, match="layer_loop"):
+        LLM(model_config=cfg, params=params, layer_loop="unroll")
