@@ -35,6 +35,8 @@ def parse_args(argv=None):
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per set (0 = all)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--layer-loop", default="scan", choices=["scan", "unrolled"],
+                    help="LLM(layer_loop=...) of every engine")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.batches = [int(x) for x in args.batches.split(",")]
@@ -102,7 +104,7 @@ def main(argv=None) -> int:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     longest = max(len(p) for ps in sets.values() for p in ps)
     print(f"# {platform.machine()} | SmolLM2-135M-Instruct + shipped head | greedy, max_tokens "
-          f"{args.max_tokens} | rounds {args.rounds} | "
+          f"{args.max_tokens} | rounds {args.rounds} | layer_loop {args.layer_loop} | "
           + ", ".join(f"{k}: {len(v)} prompts" for k, v in sets.items()), flush=True)
     rows = []
     for b in args.batches:
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
             t0 = time.perf_counter()
             llm = LLM(model_config=cfg, params=params, tokenizer=tok, max_num_seqs=b,
                       max_model_len=longest + args.max_tokens + 16, speculative_config=spec_for(name),
-                      compile="eager")
+                      compile="eager", layer_loop=args.layer_loop)
             warm_up(llm, [p for ps in sets.values() for p in ps])
             engines[name] = llm
             print(f"# batch {b} {name}: built and warmed in {time.perf_counter() - t0:.1f} s",
