@@ -44,6 +44,7 @@ import logging
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -285,6 +286,20 @@ def auto_axes() -> set[str]:
             if t != jax.sharding.AxisType.Manual}
 
 
+def uniform_any(x: jax.Array) -> jax.Array:
+    """``jnp.any(x)`` (bool[]), the same on every data shard: the predicate of a run-time
+    ``lax.cond`` in the engine step. Inside the data-parallel ``shard_map`` each shard sees only
+    its own slots; a branch taken by some shards and not others would run the collectives GSPMD
+    puts inside it (tensor parallelism) on some devices only, a deadlock. So there the shards'
+    predicates are OR-ed (``psum`` over ``data``); anywhere else this is ``jnp.any``."""
+    p = jnp.any(x)
+    mesh = jax.sharding.get_abstract_mesh()
+    if (not mesh.empty and DATA in mesh.axis_names and mesh.shape[DATA] > 1
+            and DATA not in auto_axes()):
+        p = jax.lax.psum(p.astype(jnp.int32), DATA) > 0
+    return p
+
+
 def model_axis_size() -> int:
     """Size of the ``model`` axis of the mesh set by :func:`mesh_context` (1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -297,4 +312,4 @@ __all__ = ["DATA", "MODEL", "MESH_AXES", "SLOTS", "DATA_SHARD", "state_sharding"
            "LOGICAL_TO_MESH", "make_mesh", "mesh_devices", "check_mesh",
            "mesh_sizes", "check_tensor_parallel", "logical_spec", "param_shardings",
            "kv_cache_sharding", "kv_cache_shardings", "replicated", "attention_specs", "mesh_context",
-           "per_device_bytes", "model_axis_size", "auto_axes"]
+           "per_device_bytes", "model_axis_size", "auto_axes", "uniform_any"]

@@ -64,6 +64,7 @@ from jmtp.model.metadata import AttentionMetadata, packed_row_seq, ragged_batch
 from jmtp.model.modules import LlamaForCausalLM
 from jmtp.runtime.buckets import StepBucket, active_slots
 from jmtp.runtime.config import EngineConfig
+from jmtp.runtime.sharding import uniform_any
 from jmtp.runtime.ngram import extend_with_ngram, ngram_match
 from jmtp.runtime.sampling import SamplingArrays, draft_sample, update_history
 from jmtp.runtime.state import (FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState,
@@ -463,7 +464,7 @@ def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sche
     if W == 1:
         result = verify_width(1)
     else:   # no window holds a draft (e.g. the dynamic policy chose 0): verify one row per slot
-        result = jax.lax.cond(jnp.any(num_drafts > 0), lambda: verify_width(W),
+        result = jax.lax.cond(uniform_any(num_drafts > 0), lambda: verify_width(W),
                               lambda: verify_width(1))
     result = jax.tree_util.tree_map(lambda x: _scatter_slots(x, slots, B), result)
     target_tok = jnp.maximum(result.accept_tokens, 0)
@@ -666,7 +667,7 @@ def mtp_substep(ec: EngineConfig, attention_impl: str | None, sub: int,
     if sub == 0:   # substep 0 also fills the MTP cache for the committed tokens: always runs
         h_norm, h_out, mtp_cache = forward(mtp_cache)
     else:
-        h_norm, h_out, mtp_cache = jax.lax.cond(jnp.any(batch.active), forward, no_forward,
+        h_norm, h_out, mtp_cache = jax.lax.cond(uniform_any(batch.active), forward, no_forward,
                                                 mtp_cache)
 
     def run(h_rows):
@@ -678,7 +679,7 @@ def mtp_substep(ec: EngineConfig, attention_impl: str | None, sub: int,
             return tokens, None
         return tokens, jnp.zeros((h_rows.shape[0], vocab_size), jnp.float32)
 
-    draft, probs = jax.lax.cond(jnp.any(batch.active), run, skip,
+    draft, probs = jax.lax.cond(uniform_any(batch.active), run, skip,
                                 _take_rows(h_norm, batch.pick_rows))
     h_prev = _take_rows(h_out, batch.pick_rows)
     pick = DraftPick(tokens=jnp.where(batch.active, draft, -1), probs=probs)
@@ -774,7 +775,7 @@ def _propose(ec: EngineConfig, drafter, num_tokens: int, attention_impl: str | N
         if ngram_max:   # hybrid_mtp_ngram: n-gram tokens extend the M MTP drafts up to K
             mtp_drafts = jnp.where(jnp.arange(K)[None] < draft_budget[:, None], drafts, -1)
             drafts = jax.lax.cond(      # skipped when no slot may draft past the M MTP drafts
-                jnp.any(draft_budget > M),
+                uniform_any(draft_budget > M),
                 lambda: extend_with_ngram(state.input_ids, new_seq_len, mtp_drafts, draft_budget,
                                           ngram_max, ngram_min),
                 lambda: mtp_drafts)
@@ -786,7 +787,7 @@ def _propose(ec: EngineConfig, drafter, num_tokens: int, attention_impl: str | N
     elif ec.spec.method == "ngram" and K > 0:
         # skipped at run time when no slot may draft (e.g. the dynamic policy chose 0 everywhere)
         drafts = jax.lax.cond(
-            jnp.any(draft_budget > 0),
+            uniform_any(draft_budget > 0),
             lambda: ngram_match(state.input_ids, new_seq_len, draft_budget, ngram_max, ngram_min,
                                 K)[0],
             lambda: drafts)

@@ -72,6 +72,7 @@ import jax.numpy as jnp
 from jmtp.runtime import sampling as smp
 from jmtp.runtime.sampling import SamplingArrays
 from jmtp.runtime.sampling.processors import safe_softmax
+from jmtp.runtime.sharding import uniform_any
 
 STRATEGIES = ("auto", "greedy", "rejection", "topp", "target_match")
 LOGPROBS_MODES = ("penalized", "raw", "final")
@@ -132,7 +133,7 @@ def _rejection(pen, d, valid, nd, draft_probs, sampling, u, greedy_row):
         a = _leading_true(valid & (d == argmax_t[:, :W - 1]))
         return a, _take_row(argmax_t[..., None], a)[:, 0]
 
-    return jax.lax.cond(jnp.all(greedy_row), all_greedy, lambda _: _rejection_sampled(
+    return jax.lax.cond(~uniform_any(~greedy_row), all_greedy, lambda _: _rejection_sampled(
         pen, d, valid, nd, draft_probs, sampling, u, greedy_row), None)
 
 

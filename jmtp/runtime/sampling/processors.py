@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from jmtp.runtime.sampling.arrays import SamplingArrays
 from jmtp.runtime.sampling.params import GREEDY_EPS
+from jmtp.runtime.sharding import uniform_any
 
 
 def stop_mask(sampling: SamplingArrays, eos_token_ids: jax.Array) -> jax.Array:
@@ -128,8 +129,9 @@ def penalize(logits: jax.Array, sampling: SamplingArrays, draft_tokens: jax.Arra
 
     # Skipped at run time when no row has a penalty (the result would equal the logits exactly:
     # x / 1, x * 1 and x - 0 are exact), which saves the [B, W, V] history counts.
-    any_penalty = jnp.any((sampling.repetition_penalty != 1.0) | (sampling.frequency_penalty != 0.0)
-                          | (sampling.presence_penalty != 0.0))
+    any_penalty = uniform_any((sampling.repetition_penalty != 1.0)
+                              | (sampling.frequency_penalty != 0.0)
+                              | (sampling.presence_penalty != 0.0))
     penalized = jax.lax.cond(any_penalty, apply_penalties, lambda x: x, logits)
     w = jnp.arange(W, dtype=jnp.int32)[None, :]
     too_early = (num_generated.astype(jnp.int32)[:, None] + w) < sampling.min_tokens[:, None]
@@ -207,7 +209,7 @@ def filter_logits(z: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.A
         raise ValueError(f"method={method!r}: must be 'auto', 'sort' or 'pairwise'")
     pairwise = method == "pairwise" or (method == "auto" and V <= PAIRWISE_MAX_V)
     k = jnp.where((top_k > 0) & (top_k < V), top_k, V).astype(jnp.int32)     # V = top-k off
-    any_row_filters = jnp.any((k < V) | (top_p < 1.0) | (min_p > 0.0))
+    any_row_filters = uniform_any((k < V) | (top_p < 1.0) | (min_p > 0.0))
 
     def apply_filters(z):
         z = jnp.where(z == 0, 0.0, z)      # -0.0 == +0.0 must also tie in the sort order
