@@ -15,10 +15,15 @@ speculation-length heuristics, reduced to what the host measures anyway):
   ``prod_{j<=k} a_j``, never grows with ``k``.
 * **Cost**: seconds per step as a function of the step bucket the step runs in (the engine's
   :func:`~jmtp.runtime.buckets.choose_bucket`: token rows ``T`` and compacted slots ``A``), an EMA
-  of the host's own step timings per bucket. A bucket not yet measured is estimated by linear
-  interpolation in ``T`` between measured buckets with the same ``A``, or, past the largest
-  measured, optimistically as equal to it, so the policy tries it once and learns its price.
-  Prefill steps run in buckets of their own and never price a decode step.
+  of the host's own step timings per bucket. Buckets can be seeded before serving
+  (:meth:`DynamicSpeculation.seed_costs`, timed on the idle engine); an idle step does less than a
+  live one of the same bucket (no keys to read, no drafts to verify), so a seeded bucket that has
+  no live timing yet is priced at its seed times the live/seed ratio measured on the buckets of
+  the same ``A`` that have both (the relative cost of wider buckets comes from the seeds, the
+  level from live steps). A bucket neither seeded nor measured is estimated by linear
+  interpolation in ``T`` between priced buckets with the same ``A``, or, past the largest,
+  optimistically as equal to it, so the policy tries it once and learns its price. Prefill steps
+  run in buckets of their own and never price a decode step.
 * **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain; the
   policy takes the ``x`` best candidates (a prefix per slot, since gains fall with position) for
   the ``x`` in ``0..n·K`` maximising ``(n + sum of their gains) / time(bucket(n + x))``.
@@ -78,7 +83,8 @@ class DynamicSpeculation:
         self.succ = np.zeros((num_slots, k))
         self.pool_trials = np.full((k,), prior_weight)  # pooled counts, seeded with the prior
         self.pool_succ = np.full((k,), prior_weight * prior_acceptance)
-        self.step_seconds: dict[StepBucket, float] = {}  # bucket -> EMA seconds
+        self.step_seconds: dict[StepBucket, float] = {}  # bucket -> EMA of live step seconds
+        self.seed_seconds: dict[StepBucket, float] = {}  # bucket -> idle-engine seconds (seeds)
         self.zero_streak = np.zeros((num_slots,), np.int64)
         self._seen: set[StepBucket] = set()              # buckets run once (compiled)
 
@@ -93,17 +99,37 @@ class DynamicSpeculation:
         """f64[B, K]: expected extra tokens from each slot's i-th draft, ``prod_{j<=i} a_j``."""
         return np.cumprod(self.acceptance(), axis=1)
 
-    def step_time(self, rows: int, num_slots: int) -> float:
-        """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots (measured,
-        interpolated in T among buckets of the same A, or optimistic); 1.0 before any measurement
-        of that A (every bucket then costs the same)."""
-        key = self.bucket(rows, num_slots)
+    def live_ratio(self, num_slots: int) -> float:
+        """Mean live/seed time ratio over the buckets of slot bucket ``num_slots`` that have both
+        a seed and a live timing (over every slot bucket when that one has none; 1.0 when no
+        bucket has both)."""
+        both = [b for b in self.step_seconds if b in self.seed_seconds]
+        same = [b for b in both if b.num_slots == num_slots] or both
+        if not same:
+            return 1.0
+        return float(np.mean([self.step_seconds[b] / self.seed_seconds[b] for b in same]))
+
+    def _priced(self, key: StepBucket) -> float | None:
         if key in self.step_seconds:
             return self.step_seconds[key]
-        known = sorted(b.num_tokens for b in self.step_seconds if b.num_slots == key.num_slots)
+        if key in self.seed_seconds:
+            return self.seed_seconds[key] * self.live_ratio(key.num_slots)
+        return None
+
+    def step_time(self, rows: int, num_slots: int) -> float:
+        """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots: the
+        live EMA of its bucket, else its seed scaled by :meth:`live_ratio`, else interpolated in
+        T among priced buckets of the same A, or optimistic past them; 1.0 before anything of
+        that A is priced (every bucket then costs the same)."""
+        key = self.bucket(rows, num_slots)
+        price = self._priced(key)
+        if price is not None:
+            return price
+        known = sorted(b.num_tokens for b in set(self.step_seconds) | set(self.seed_seconds)
+                       if b.num_slots == key.num_slots)
         if not known:
             return 1.0
-        t, sec = key.num_tokens, lambda t: self.step_seconds[StepBucket(t, key.num_slots)]
+        t, sec = key.num_tokens, lambda t: self._priced(StepBucket(t, key.num_slots))
         lo = [b for b in known if b < t]
         hi = [b for b in known if b > t]
         if lo and hi:
@@ -113,10 +139,11 @@ class DynamicSpeculation:
         return sec(lo[-1] if lo else hi[0])
 
     def seed_costs(self, seconds: dict[StepBucket, float]) -> None:
-        """Start the cost table from measured step times (``LLMEngine.calibrate_speculation``
-        times every decode bucket on the idle engine before serving), so the policy never spends
-        live steps learning what a bucket costs. Seeded buckets count as seen: their next live
-        timing enters the EMA.
+        """Seed the cost table with step times measured before serving
+        (``LLMEngine.calibrate_speculation`` times every decode bucket on the idle engine), so
+        the policy never spends live steps learning what a bucket costs. Seeds are kept apart
+        from the live EMAs: a seeded bucket without live timings is priced at its seed times
+        :meth:`live_ratio`. Seeded buckets count as compiled: their first live timing is kept.
 
         Raises:
           ValueError: a time that is not a positive finite number.
@@ -125,7 +152,8 @@ class DynamicSpeculation:
             if not np.isfinite(sec) or sec <= 0:
                 raise ValueError(f"seed_costs: seconds for {bucket} must be positive and finite, "
                                  f"got {sec}")
-            self.step_seconds[bucket] = float(sec)
+        for bucket, sec in seconds.items():
+            self.seed_seconds[bucket] = float(sec)
             self._seen.add(bucket)
 
     # ------------------------------------------------------------------ decisions

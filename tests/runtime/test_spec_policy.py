@@ -167,10 +167,37 @@ def test_seed_costs_prices_buckets_before_any_step():
     assert p.draft_limits(np.array([True])).tolist() == [1]
     p.seed_costs(by_rows({1: 0.01, 2: 0.03}))
     assert p.draft_limits(np.array([True])).tolist() == [0]
-    p.observe(np.array([0]), np.array([0]), StepBucket(1, 0), 0.02)   # seeded: enters the EMA
-    assert p.step_seconds[StepBucket(1, 0)] == pytest.approx(0.8 * 0.01 + 0.2 * 0.02)
+    p.observe(np.array([0]), np.array([0]), StepBucket(1, 0), 0.02)   # seeded: first timing kept
+    assert p.step_seconds == {StepBucket(1, 0): 0.02}
+    assert p.seed_seconds == by_rows({1: 0.01, 2: 0.03})
     with pytest.raises(ValueError, match="positive"):
-        p.seed_costs(by_rows({1: 0.0}))
+        p.seed_costs(by_rows({1: 0.02, 2: 0.0}))
+    assert p.seed_seconds == by_rows({1: 0.01, 2: 0.03})                 # nothing half-seeded
+
+
+def test_seeded_buckets_scale_by_the_live_to_seed_ratio():
+    """Idle seeds understate live steps (no keys to read, no drafts to verify): a seeded bucket
+    without live timings is priced at seed x the mean live/seed ratio of the same slot bucket's
+    live buckets (the seeds give the relative cost, live steps the level). Hand-worked with a
+    pinned acceptance of 1/2 (gains 1/2, 1/4, 1/8) and seeds 10 / 12 / 15 ms for 1 / 2 / 4 rows."""
+    p = policy(1, 3, [1, 2, 4], prior_acceptance=0.5, prior_weight=1e6)
+    p.seed_costs({StepBucket(1, 0): 0.010, StepBucket(2, 0): 0.012, StepBucket(4, 0): 0.015,
+                  StepBucket(1, 1): 0.5})
+    # Seeds alone: 0 drafts 1 tok / 10 ms = 100 tok/s; 1 draft 1.5 / 12 ms = 125 -> drafts.
+    assert p.step_time(2, 0) == pytest.approx(0.012)
+    assert p.draft_limits(np.array([True])).tolist() == [1]
+    # Live: 1 row 30 ms (3x its seed), 2 rows 48 ms (4x): ratio 3.5 prices 4 rows at 52.5 ms.
+    p.observe(np.array([0]), np.array([0]), StepBucket(1, 0), 0.030)
+    p.observe(np.array([1]), np.array([0]), StepBucket(2, 0), 0.048)
+    assert p.live_ratio(0) == pytest.approx(3.5)
+    assert p.live_ratio(1) == pytest.approx(3.5)              # no live step at A=1: every A
+    assert p.step_time(1, 0) == pytest.approx(0.030)          # live timings win over seeds
+    assert p.step_time(2, 0) == pytest.approx(0.048)
+    assert p.step_time(4, 0) == pytest.approx(0.015 * 3.5)    # seeded only: scaled
+    # 0 drafts 33.3 tok/s; 1: 1.5 / 48 ms = 31.3; 3: 1.875 / 52.5 ms = 35.7 -> 3 drafts.
+    assert p.draft_limits(np.array([True])).tolist() == [3]
+    p.observe(np.array([0]), np.array([0]), StepBucket(4, 0), 0.2)   # 4 rows live: 200 ms
+    assert p.draft_limits(np.array([True])).tolist() == [0]
 
 
 def test_engine_calibration_times_every_decode_bucket_and_idle_steps_change_nothing():
@@ -196,7 +223,7 @@ def test_engine_calibration_times_every_decode_bucket_and_idle_steps_change_noth
     expected = {StepBucket(t, a) for a in slot_buckets(ec) for t in decode_buckets(ec, a)}
     assert set(seconds) == expected == {StepBucket(t, a) for a, t in
                                         [(1, 1), (1, 2), (1, 3), (2, 2), (2, 4), (2, 6)]}
-    assert eng.spec_policy.step_seconds == seconds
+    assert eng.spec_policy.seed_seconds == seconds and eng.spec_policy.step_seconds == {}
     after = jax.device_get((eng.state, eng.cache, eng.mtp_cache))
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(x, y)
