@@ -59,11 +59,11 @@ def compile_all(llm):
     """AOT-compile every bucket of ``step_buckets`` and print each compile time."""
     ec = llm.engine_config
     total = 0.0
+    zeros = jnp.zeros((ec.max_num_seqs,), jnp.int32)     # prefill chunks, draft limits
     for bucket in step_buckets(ec):
         t0 = time.perf_counter()
         llm._step.lower(llm.graphdef, ec, llm.speculative_config.drafter, bucket, llm.attention_backend,
-                        llm.params, llm.state, llm.cache, llm.mtp_cache,
-                        jnp.zeros((ec.max_num_seqs,), jnp.int32)).compile()
+                        llm.params, llm.state, llm.cache, llm.mtp_cache, zeros, zeros).compile()
         dt = time.perf_counter() - t0
         total += dt
         print(f"  compile T={bucket.num_tokens:4d} A={bucket.num_slots}: {dt:5.1f} s", flush=True)
