@@ -1062,8 +1062,10 @@ class LLMEngine:
         out = self._run_step(bucket, chunks, limits)
         self._next_drafts = np.asarray(out.num_next_drafts)
         if self.spec_policy is not None:
+            # the proposing depth prices the drafting; prefill steps only price their own bucket
             self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket,
-                                     time.perf_counter() - t_step)
+                                     time.perf_counter() - t_step,
+                                     depth=0 if chunks.any() else int(limits.max()))
         self._num_steps += 1
         self._free_counts = [int(x) for x in out.free_count]
         touched: dict[str, _Group] = {}

@@ -13,17 +13,21 @@ speculation-length heuristics, reduced to what the host measures anyway):
   trials), which itself starts at ``prior_acceptance``. A slot drafting ``k`` is expected to
   commit ``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j`` tokens; the gain of its ``k``-th draft,
   ``prod_{j<=k} a_j``, never grows with ``k``.
-* **Cost**: seconds per step as a function of the step bucket the step runs in (the engine's
-  :func:`~jmtp.runtime.buckets.choose_bucket`: token rows ``T`` and compacted slots ``A``), an EMA
-  of the host's own step timings per bucket. Buckets can be seeded before serving
-  (:meth:`DynamicSpeculation.seed_costs`, timed on the idle engine); an idle step does less than a
-  live one of the same bucket (no keys to read, no drafts to verify), so a seeded bucket that has
-  no live timing yet is priced at its seed times the live/seed ratio measured on the buckets of
-  the same ``A`` that have both (the relative cost of wider buckets comes from the seeds, the
-  level from live steps). A bucket neither seeded nor measured is estimated by linear
-  interpolation in ``T`` between priced buckets with the same ``A``, or, past the largest,
-  optimistically as equal to it, so the policy tries it once and learns its price. Prefill steps
-  run in buckets of their own and never price a decode step.
+* **Cost**: seconds per step, ``base(T, A) + draft(A, d)``. ``base`` depends on the step bucket
+  (the engine's :func:`~jmtp.runtime.buckets.choose_bucket`: token rows ``T`` verified, compacted
+  slots ``A``); ``draft`` on the proposing depth ``d``, the largest draft limit of the step (MTP
+  substeps and draft LM heads, the n-gram matcher: all skipped at run time when ``d = 0``).
+  ``base`` is an EMA of the live steps of that bucket that proposed nothing; buckets can be seeded
+  before serving (:meth:`DynamicSpeculation.seed_costs`, timed on the idle engine), and since an
+  idle step does less than a live one (no keys to read) a seeded bucket without such live steps
+  is priced at its seed times the live/seed ratio of the same ``A``'s measured buckets; a bucket
+  neither seeded nor measured is interpolated in ``T`` between priced buckets of the same ``A``,
+  or priced as the nearest one past them. ``draft(A, d)`` is an EMA of (live time - ``base``) over
+  the steps that proposed at depth ``d``; it also absorbs what verifying drafts adds to a wide
+  bucket (a step verifies the drafts the previous one proposed). A depth not yet measured is
+  priced as the nearest measured depth of that ``A``, or 0 (optimistic: the policy tries it once
+  and learns its price). Prefill steps run in buckets of their own and never price a decode
+  step.
 * **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain; the
   policy takes the ``x`` best candidates (a prefix per slot, since gains fall with position) for
   the ``x`` in ``0..n·K`` maximising ``(n + sum of their gains) / time(bucket(n + x))``.
@@ -83,8 +87,9 @@ class DynamicSpeculation:
         self.succ = np.zeros((num_slots, k))
         self.pool_trials = np.full((k,), prior_weight)  # pooled counts, seeded with the prior
         self.pool_succ = np.full((k,), prior_weight * prior_acceptance)
-        self.step_seconds: dict[StepBucket, float] = {}  # bucket -> EMA of live step seconds
+        self.step_seconds: dict[StepBucket, float] = {}  # bucket -> EMA of live steps, depth 0
         self.seed_seconds: dict[StepBucket, float] = {}  # bucket -> idle-engine seconds (seeds)
+        self.draft_seconds: dict[tuple[int, int], float] = {}   # (A, depth) -> EMA extra seconds
         self.zero_streak = np.zeros((num_slots,), np.int64)
         self._seen: set[StepBucket] = set()              # buckets run once (compiled)
 
@@ -116,12 +121,28 @@ class DynamicSpeculation:
             return self.seed_seconds[key] * self.live_ratio(key.num_slots)
         return None
 
-    def step_time(self, rows: int, num_slots: int) -> float:
-        """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots: the
-        live EMA of its bucket, else its seed scaled by :meth:`live_ratio`, else interpolated in
-        T among priced buckets of the same A, or optimistic past them; 1.0 before anything of
-        that A is priced (every bucket then costs the same)."""
+    def draft_time(self, num_slots: int, depth: int) -> float:
+        """Estimated extra seconds of proposing at ``depth`` (the step's largest draft limit) in
+        slot bucket ``num_slots`` (an A of :meth:`bucket`): measured, else the nearest measured
+        depth of that A, else 0; 0 for ``depth = 0``."""
+        if depth <= 0:
+            return 0.0
+        known = [d for a, d in self.draft_seconds if a == num_slots]
+        if not known:
+            return 0.0
+        nearest = min(known, key=lambda d: (abs(d - depth), -d))
+        return self.draft_seconds[(num_slots, nearest)]
+
+    def step_time(self, rows: int, num_slots: int, depth: int = 0) -> float:
+        """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots that
+        proposes at ``depth``: ``base + draft_time``. ``base``: the live EMA of the bucket, else
+        its seed scaled by :meth:`live_ratio`, else interpolated in T among priced buckets of the
+        same A, or the nearest past them; 1.0 before anything of that A is priced (every bucket
+        then costs the same)."""
         key = self.bucket(rows, num_slots)
+        return self._base_time(key) + self.draft_time(key.num_slots, depth)
+
+    def _base_time(self, key: StepBucket) -> float:
         price = self._priced(key)
         if price is not None:
             return price
@@ -172,10 +193,11 @@ class DynamicSpeculation:
         slots = np.nonzero(active)[0]
         cand = [(-g[b, i], i, b) for b in slots for i in range(self.k)]
         cand.sort()
-        best_x, best_rate, tok = 0, n / self.step_time(n, n), float(n)
-        for x, (neg_gain, _, _) in enumerate(cand, start=1):
+        best_x, best_rate, tok, depth = 0, n / self.step_time(n, n), float(n), 0
+        for x, (neg_gain, i, _) in enumerate(cand, start=1):
             tok -= neg_gain
-            rate = tok / self.step_time(n + x, n)
+            depth = max(depth, i + 1)
+            rate = tok / self.step_time(n + x, n, depth)
             if rate > best_rate * (1 + 1e-9):
                 best_x, best_rate = x, rate
         for _, i, b in cand[:best_x]:
@@ -187,10 +209,13 @@ class DynamicSpeculation:
         return limits
 
     def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray,
-                bucket: StepBucket, seconds: float) -> None:
+                bucket: StepBucket, seconds: float, depth: int = 0) -> None:
         """Record one step: per-slot drafts verified / accepted (``StepOutput.num_drafts`` /
-        ``num_accepted``, i32[B]), the :class:`StepBucket` the step ran in and its wall ``seconds``. The first timing of each bucket is discarded (it
-        includes the bucket's compilation)."""
+        ``num_accepted``, i32[B]), the :class:`StepBucket` the step ran in, its wall ``seconds``
+        and its proposing ``depth`` (the largest draft limit it was given; 0: it proposed
+        nothing). A depth-0 step updates its bucket's base EMA, a deeper one the EMA of
+        ``draft(A, depth)`` (seconds above the bucket's base). The first timing of each bucket
+        is discarded (it includes the bucket's compilation)."""
         nd = np.asarray(num_drafts, np.int64)[:, None]
         na = np.asarray(num_accepted, np.int64)[:, None]
         i = np.arange(1, self.k + 1)[None]
@@ -206,9 +231,13 @@ class DynamicSpeculation:
         if bucket not in self._seen:     # a bucket's first step includes its compilation: not a cost
             self._seen.add(bucket)
             return
-        old = self.step_seconds.get(bucket)
-        self.step_seconds[bucket] = seconds if old is None else (
-            (1 - self.cost_ema) * old + self.cost_ema * seconds)
+        if depth > 0:
+            key = (bucket.num_slots, int(depth))
+            table, value = self.draft_seconds, max(seconds - self._base_time(bucket), 0.0)
+        else:
+            key, table, value = bucket, self.step_seconds, seconds
+        old = table.get(key)
+        table[key] = value if old is None else (1 - self.cost_ema) * old + self.cost_ema * value
 
     def reset_slot(self, slot: int) -> None:
         """A new request took ``slot``: forget its acceptance (the pooled estimate remains)."""

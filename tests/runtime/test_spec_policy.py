@@ -236,3 +236,29 @@ def test_engine_calibration_times_every_decode_bucket_and_idle_steps_change_noth
         for o in eng.step():
             out = o
     assert out.outputs[0].token_ids == reference_greedy(cfg, params, prompt, 8, stop_ids=())
+
+
+def test_drafting_depth_is_priced_on_top_of_the_bucket():
+    """A step's cost is base(bucket) + draft(A, depth): proposing (MTP substeps, draft LM heads,
+    the n-gram matcher) is skipped when no slot drafts, so a step with drafts costs more than its
+    bucket's no-draft time. Hand-worked, acceptance pinned at 1/2 (gains 1/2, 1/4), seeds 10 /
+    11 / 12 ms for 1 / 2 / 4 rows."""
+    p = policy(1, 2, [1, 2, 4], prior_acceptance=0.5, prior_weight=1e6)
+    p.seed_costs(by_rows({1: 0.010, 2: 0.011, 4: 0.012}))
+    # Nothing known about drafting: 0 drafts 100 tok/s, 1: 1.5 / 11 ms = 136, 2: 1.75 / 12 = 146.
+    assert p.draft_limits(np.array([True])).tolist() == [2]
+    p.observe(np.array([0]), np.array([0]), StepBucket(1, 0), 0.010)             # base(1) live
+    p.observe(np.array([1]), np.array([0]), StepBucket(2, 0), 0.020, depth=1)    # 9 ms above base
+    assert p.draft_seconds == {(0, 1): pytest.approx(0.009)}
+    assert p.step_time(2, 0, depth=1) == pytest.approx(0.020)
+    assert p.step_time(4, 0, depth=2) == pytest.approx(0.012 + 0.009)   # nearest depth measured
+    assert p.step_time(2, 0) == pytest.approx(0.011)                     # the depth-0 base
+    # 1 draft 1.5 / 20 ms = 75 tok/s, 2 drafts 1.75 / 21 ms = 83 < 100 at 0 drafts.
+    assert p.draft_limits(np.array([True])).tolist() == [0]
+    # Depth 2 turns out cheap (a step at 14 ms over a 12 ms base): 1.75 / 14 ms = 125 -> 2 drafts.
+    p.observe(np.array([2]), np.array([1]), StepBucket(4, 0), 0.014, depth=2)
+    assert p.draft_seconds[(0, 2)] == pytest.approx(0.002)
+    assert p.draft_limits(np.array([True])).tolist() == [2]
+    # A step faster than its base (noise) prices its depth at 0, not below.
+    p.observe(np.array([2]), np.array([1]), StepBucket(4, 0), 0.005, depth=2)
+    assert p.draft_seconds[(0, 2)] == pytest.approx(0.8 * 0.002)
