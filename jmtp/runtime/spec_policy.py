@@ -30,8 +30,8 @@ speculation-length heuristics, reduced to what the host measures anyway):
   step.
 * **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain; the
   policy takes the ``x`` best candidates (a prefix per slot, since gains fall with position) for
-  the ``x`` in ``0..n·K`` maximising ``(n + sum of their gains) / time(bucket(n + x))``.
-  Slots whose drafts cannot pay get 0.
+  the ``x`` in ``0..n·K`` maximising ``(n + sum of gains) / (base(bucket(n + x)) + draft(A, d))``,
+  ``d`` the largest draft position among them. Slots whose drafts cannot pay get 0.
 * **Probing**: a slot held at 0 drafts for ``probe_every`` consecutive steps gets one draft, so a
   change in its acceptance (e.g. the text turns to copying) is noticed.
 
