@@ -51,6 +51,8 @@ def parse_args(argv=None):
     ap.add_argument("--sets", default="general,copy", help="prompt sets to run")
     ap.add_argument("--mtp-k", type=int, default=1, help="K of plain MTP (the shipped head)")
     ap.add_argument("--ngram-k", type=int, default=4, help="K of n-gram and hybrid drafting")
+    ap.add_argument("--policy", default="fixed", choices=("fixed", "dynamic"),
+                    help="jmtp speculation_policy of the MTP / n-gram / hybrid engines")
     ap.add_argument("--pld-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch / llama.cpp threads")
     ap.add_argument("--skip", default="", help="comma-separated system names to skip "
@@ -113,7 +115,7 @@ def jmtp_methods(args) -> dict[str, object]:
 
     def make(**kw):
         try:
-            return SpeculativeConfig(**kw)
+            return SpeculativeConfig(**kw, speculation_policy=args.policy)
         except (TypeError, ValueError) as e:
             return f"not in this jmtp ({type(e).__name__}: {e})"
 
@@ -361,6 +363,7 @@ def main(argv=None) -> int:
     head = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs | "
             f"SmolLM2-135M-Instruct ({Path(gguf_path).name}) | greedy, {args.max_tokens} tokens, "
             + ", ".join(f"{len(v)} {k} prompts" for k, v in sets.items())
+            + f" | jmtp: MTP K={args.mtp_k}, n-gram/hybrid K={args.ngram_k}, {args.policy} policy"
             + " | load average at start %.1f" % os.getloadavg()[0])
     print("# " + head, flush=True)
     rows: list[Row] = []
