@@ -2,6 +2,7 @@
 loaded once per session by jmtp and, as the independent reference, by transformers."""
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 
@@ -20,9 +21,18 @@ os.environ["JMTP_CACHE_DIR"] = "off"
 # tests' time as it was (measured). Results do not depend on it: every exactness test compares
 # two computations compiled the same way, or allows a tolerance.
 # XLA:CPU's older (non-MLIR) fusion emitters halve the compile time of a tiny engine's step
-# buckets again (measured 2026-12-01: 16 buckets of a K=3 engine, backend compile 41 s -> 20 s);
-# most of a step's compile is code generation for its ~700 fusions, not HLO passes.
-for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+# buckets again (measured 2026-12-01 with jaxlib 0.10.2: 16 buckets of a K=3 engine, backend
+# compile 41 s -> 20 s); most of a step's compile is code generation for its ~700 fusions, not HLO
+# passes. XLA aborts on a flag it does not know, so this one is set only for the jaxlib versions
+# it was measured on (0.10.x); JMTP_TEST_DEFAULT_EMITTERS=1 leaves XLA's default.
+_FLAGS = ["--xla_backend_optimization_level=0"]
+try:
+    _jaxlib = tuple(int(x) for x in importlib.metadata.version("jaxlib").split(".")[:2])
+except (importlib.metadata.PackageNotFoundError, ValueError):
+    _jaxlib = (0, 0)
+if _jaxlib == (0, 10) and os.environ.get("JMTP_TEST_DEFAULT_EMITTERS") != "1":
+    _FLAGS.append("--xla_cpu_use_fusion_emitters=false")
+for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 

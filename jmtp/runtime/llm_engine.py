@@ -499,7 +499,9 @@ class LLMEngine:
         ``tests/runtime/test_spec_policy.py`` checks a fresh engine bit for bit), so the timed
         steps run on the real engine state. Idle steps read no keys and take the no-draft
         branches (one-row verification, no MTP substeps past the first), so the seeds understate
-        wide buckets' cost; live timings refine each bucket the policy uses (EMA).
+        live steps: the policy scales them by the live/seed ratio it measures, replaces them by
+        the live EMA of each bucket it uses and prices proposing apart
+        (:class:`~jmtp.runtime.spec_policy.DynamicSpeculation`).
 
         Args:
           repeats: timed runs per bucket after one untimed run; the fastest is kept.
@@ -1062,10 +1064,11 @@ class LLMEngine:
         out = self._run_step(bucket, chunks, limits)
         self._next_drafts = np.asarray(out.num_next_drafts)
         if self.spec_policy is not None:
-            # the proposing depth prices the drafting; prefill steps only price their own bucket
+            # the proposing depth prices the drafting; a step with a prefill chunk is not timed
+            # (its token bucket can coincide with a decode bucket)
             self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket,
-                                     time.perf_counter() - t_step,
-                                     depth=0 if chunks.any() else int(limits.max()))
+                                     time.perf_counter() - t_step, depth=int(limits.max()),
+                                     timed=not chunks.any())
         self._num_steps += 1
         self._free_counts = [int(x) for x in out.free_count]
         touched: dict[str, _Group] = {}

@@ -16,18 +16,20 @@ speculation-length heuristics, reduced to what the host measures anyway):
 * **Cost**: seconds per step, ``base(T, A) + draft(A, d)``. ``base`` depends on the step bucket
   (the engine's :func:`~jmtp.runtime.buckets.choose_bucket`: token rows ``T`` verified, compacted
   slots ``A``); ``draft`` on the proposing depth ``d``, the largest draft limit of the step (MTP
-  substeps and draft LM heads, the n-gram matcher: all skipped at run time when ``d = 0``).
+  substeps past the first and the draft LM heads, the n-gram matcher: skipped at run time when
+  ``d = 0``; MTP substep 0 always runs, it fills the MTP cache).
   ``base`` is an EMA of the live steps of that bucket that proposed nothing; buckets can be seeded
   before serving (:meth:`DynamicSpeculation.seed_costs`, timed on the idle engine), and since an
   idle step does less than a live one (no keys to read) a seeded bucket without such live steps
-  is priced at its seed times the live/seed ratio of the same ``A``'s measured buckets; a bucket
+  is priced at its seed times the live/seed ratio of the same ``A``'s measured buckets (of every
+  ``A``'s while that one has none); a bucket
   neither seeded nor measured is interpolated in ``T`` between priced buckets of the same ``A``,
   or priced as the nearest one past them. ``draft(A, d)`` is an EMA of (live time - ``base``) over
   the steps that proposed at depth ``d``; it also absorbs what verifying drafts adds to a wide
   bucket (a step verifies the drafts the previous one proposed). A depth not yet measured is
-  priced as the nearest measured depth of that ``A``, or 0 (optimistic: the policy tries it once
-  and learns its price). Prefill steps run in buckets of their own and never price a decode
-  step.
+  priced as the deepest measured depth below it of that ``A``, or 0 (optimistic: the policy
+  tries it once and learns its price). Steps with a prefill chunk are not timed (their token
+  buckets can coincide with decode buckets).
 * **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain; the
   policy takes the ``x`` best candidates (a prefix per slot, since gains fall with position) for
   the ``x`` in ``0..n·K`` maximising ``(n + sum of gains) / (base(bucket(n + x)) + draft(A, d))``,
@@ -61,7 +63,8 @@ class DynamicSpeculation:
       prior_acceptance: initial pooled per-position acceptance ``a_i`` (before any measurement).
       prior_weight: pseudo-trials of the pooled estimate in each slot's estimate.
       halflife: steps after which a count has half its weight.
-      cost_ema: weight of a new step timing in its bucket's EMA.
+      cost_ema: weight of a new step timing in its bucket's EMA (and of a new proposing cost in
+        the EMA of its depth).
       probe_every: a slot at 0 drafts this many steps in a row drafts once (0 = never probe).
 
     Raises:
@@ -90,6 +93,7 @@ class DynamicSpeculation:
         self.step_seconds: dict[StepBucket, float] = {}  # bucket -> EMA of live steps, depth 0
         self.seed_seconds: dict[StepBucket, float] = {}  # bucket -> idle-engine seconds (seeds)
         self.draft_seconds: dict[tuple[int, int], float] = {}   # (A, depth) -> EMA extra seconds
+        self._ratio_memo: dict[int, float] | None = None  # A -> live_ratio(A) within draft_limits
         self.zero_streak = np.zeros((num_slots,), np.int64)
         self._seen: set[StepBucket] = set()              # buckets run once (compiled)
 
@@ -108,11 +112,16 @@ class DynamicSpeculation:
         """Mean live/seed time ratio over the buckets of slot bucket ``num_slots`` that have both
         a seed and a live timing (over every slot bucket when that one has none; 1.0 when no
         bucket has both)."""
+        memo = self._ratio_memo
+        if memo is not None and num_slots in memo:
+            return memo[num_slots]
         both = [b for b in self.step_seconds if b in self.seed_seconds]
         same = [b for b in both if b.num_slots == num_slots] or both
-        if not same:
-            return 1.0
-        return float(np.mean([self.step_seconds[b] / self.seed_seconds[b] for b in same]))
+        ratio = float(np.mean([self.step_seconds[b] / self.seed_seconds[b] for b in same])
+                      ) if same else 1.0
+        if memo is not None:
+            memo[num_slots] = ratio
+        return ratio
 
     def _priced(self, key: StepBucket) -> float | None:
         if key in self.step_seconds:
@@ -123,15 +132,13 @@ class DynamicSpeculation:
 
     def draft_time(self, num_slots: int, depth: int) -> float:
         """Estimated extra seconds of proposing at ``depth`` (the step's largest draft limit) in
-        slot bucket ``num_slots`` (an A of :meth:`bucket`): measured, else the nearest measured
-        depth of that A, else 0; 0 for ``depth = 0``."""
+        slot bucket ``num_slots`` (an A of :meth:`bucket`): measured, else that of the deepest
+        measured depth below it, else 0 (optimistic: an untried depth is tried once); 0 for
+        ``depth = 0``."""
         if depth <= 0:
             return 0.0
-        known = [d for a, d in self.draft_seconds if a == num_slots]
-        if not known:
-            return 0.0
-        nearest = min(known, key=lambda d: (abs(d - depth), -d))
-        return self.draft_seconds[(num_slots, nearest)]
+        below = [d for a, d in self.draft_seconds if a == num_slots and d <= depth]
+        return self.draft_seconds[(num_slots, max(below))] if below else 0.0
 
     def step_time(self, rows: int, num_slots: int, depth: int = 0) -> float:
         """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots that
@@ -143,13 +150,17 @@ class DynamicSpeculation:
         return self._base_time(key) + self.draft_time(key.num_slots, depth)
 
     def _base_time(self, key: StepBucket) -> float:
+        price = self._priced_or_interpolated(key)
+        return 1.0 if price is None else price
+
+    def _priced_or_interpolated(self, key: StepBucket) -> float | None:
         price = self._priced(key)
         if price is not None:
             return price
         known = sorted(b.num_tokens for b in set(self.step_seconds) | set(self.seed_seconds)
                        if b.num_slots == key.num_slots)
         if not known:
-            return 1.0
+            return None
         t, sec = key.num_tokens, lambda t: self._priced(StepBucket(t, key.num_slots))
         lo = [b for b in known if b < t]
         hi = [b for b in known if b > t]
@@ -189,6 +200,13 @@ class DynamicSpeculation:
         limits = np.zeros((self.num_slots,), np.int32)
         if n == 0:
             return limits
+        self._ratio_memo = {}            # the tables do not change within one call
+        try:
+            return self._draft_limits(active, n, limits)
+        finally:
+            self._ratio_memo = None
+
+    def _draft_limits(self, active: np.ndarray, n: int, limits: np.ndarray) -> np.ndarray:
         g = self.gains()
         slots = np.nonzero(active)[0]
         cand = [(-g[b, i], i, b) for b in slots for i in range(self.k)]
@@ -209,13 +227,16 @@ class DynamicSpeculation:
         return limits
 
     def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray,
-                bucket: StepBucket, seconds: float, depth: int = 0) -> None:
+                bucket: StepBucket, seconds: float, depth: int = 0, timed: bool = True) -> None:
         """Record one step: per-slot drafts verified / accepted (``StepOutput.num_drafts`` /
         ``num_accepted``, i32[B]), the :class:`StepBucket` the step ran in, its wall ``seconds``
         and its proposing ``depth`` (the largest draft limit it was given; 0: it proposed
         nothing). A depth-0 step updates its bucket's base EMA, a deeper one the EMA of
-        ``draft(A, depth)`` (seconds above the bucket's base). The first timing of each bucket
-        is discarded (it includes the bucket's compilation)."""
+        ``draft(A, depth)`` (seconds above the bucket's base; while nothing of that slot bucket
+        is priced yet, the whole time becomes the bucket's base). The first timing of each
+        bucket is discarded (it includes the bucket's compilation). ``timed=False`` (the engine
+        passes it for steps with a prefill chunk, whose token buckets can coincide with decode
+        buckets) records acceptance only."""
         nd = np.asarray(num_drafts, np.int64)[:, None]
         na = np.asarray(num_accepted, np.int64)[:, None]
         i = np.arange(1, self.k + 1)[None]
@@ -228,12 +249,13 @@ class DynamicSpeculation:
         # Pooled estimate: decayed sums over every slot, seeded with the prior.
         self.pool_trials = self.pool_trials * self.decay + tried.sum(0)
         self.pool_succ = self.pool_succ * self.decay + (tried & ok).sum(0)
-        if bucket not in self._seen:     # a bucket's first step includes its compilation: not a cost
+        if bucket not in self._seen or not timed:   # a bucket's first step includes its compilation
             self._seen.add(bucket)
             return
-        if depth > 0:
+        base = self._priced_or_interpolated(bucket)
+        if depth > 0 and base is not None:
             key = (bucket.num_slots, int(depth))
-            table, value = self.draft_seconds, max(seconds - self._base_time(bucket), 0.0)
+            table, value = self.draft_seconds, max(seconds - base, 0.0)
         else:
             key, table, value = bucket, self.step_seconds, seconds
         old = table.get(key)

@@ -143,7 +143,7 @@ def test_costs_keyed_by_step_bucket():
     prefill = choose_bucket(ec, 4, 8, True)             # a 4-row prefill chunk over all 8 slots
     assert prefill.num_slots == 8
     for seconds in (9.0, 5.0):                          # (the first timing is compilation)
-        p.observe(np.zeros(8), np.zeros(8), prefill, seconds)
+        p.observe(np.zeros(8), np.zeros(8), prefill, seconds, timed=False)
     assert p.step_time(4, 1) == 1.0                     # nothing measured at A=1: all equal
     for bucket, seconds in ((StepBucket(1, 1), 0.10), (StepBucket(4, 1), 0.16)):
         p.observe(np.zeros(8), np.zeros(8), bucket, 9.0)
@@ -179,22 +179,25 @@ def test_seeded_buckets_scale_by_the_live_to_seed_ratio():
     """Idle seeds understate live steps (no keys to read, no drafts to verify): a seeded bucket
     without live timings is priced at seed x the mean live/seed ratio of the same slot bucket's
     live buckets (the seeds give the relative cost, live steps the level). Hand-worked with a
-    pinned acceptance of 1/2 (gains 1/2, 1/4, 1/8) and seeds 10 / 12 / 15 ms for 1 / 2 / 4 rows."""
+    pinned acceptance of 1/2 (gains 1/2, 1/4, 1/8) and seeds 10 / 12 / 15.5 ms for 1 / 2 / 4
+    rows."""
     p = policy(1, 3, [1, 2, 4], prior_acceptance=0.5, prior_weight=1e6)
-    p.seed_costs({StepBucket(1, 0): 0.010, StepBucket(2, 0): 0.012, StepBucket(4, 0): 0.015,
+    p.seed_costs({StepBucket(1, 0): 0.010, StepBucket(2, 0): 0.012, StepBucket(4, 0): 0.0155,
                   StepBucket(1, 1): 0.5})
-    # Seeds alone: 0 drafts 1 tok / 10 ms = 100 tok/s; 1 draft 1.5 / 12 ms = 125 -> drafts.
+    # Seeds alone: 0 drafts 1 tok / 10 ms = 100 tok/s; 1 draft 1.5 / 12 ms = 125; 3 drafts
+    # 1.875 / 15.5 ms = 121 -> 1 draft.
     assert p.step_time(2, 0) == pytest.approx(0.012)
     assert p.draft_limits(np.array([True])).tolist() == [1]
-    # Live: 1 row 30 ms (3x its seed), 2 rows 48 ms (4x): ratio 3.5 prices 4 rows at 52.5 ms.
+    # Live: 1 row 30 ms (3x its seed), 2 rows 48 ms (4x): ratio 3.5 prices 4 rows at 54.25 ms.
     p.observe(np.array([0]), np.array([0]), StepBucket(1, 0), 0.030)
     p.observe(np.array([1]), np.array([0]), StepBucket(2, 0), 0.048)
     assert p.live_ratio(0) == pytest.approx(3.5)
     assert p.live_ratio(1) == pytest.approx(3.5)              # no live step at A=1: every A
     assert p.step_time(1, 0) == pytest.approx(0.030)          # live timings win over seeds
     assert p.step_time(2, 0) == pytest.approx(0.048)
-    assert p.step_time(4, 0) == pytest.approx(0.015 * 3.5)    # seeded only: scaled
-    # 0 drafts 33.3 tok/s; 1: 1.5 / 48 ms = 31.3; 3: 1.875 / 52.5 ms = 35.7 -> 3 drafts.
+    assert p.step_time(4, 0) == pytest.approx(0.0155 * 3.5)   # seeded only: scaled
+    # 0 drafts 33.3 tok/s; 1: 1.5 / 48 ms = 31.3; 2: 1.75 / 54.25 = 32.3; 3: 1.875 / 54.25 ms =
+    # 34.6 -> 3 drafts.
     assert p.draft_limits(np.array([True])).tolist() == [3]
     p.observe(np.array([0]), np.array([0]), StepBucket(4, 0), 0.2)   # 4 rows live: 200 ms
     assert p.draft_limits(np.array([True])).tolist() == [0]
@@ -251,7 +254,7 @@ def test_drafting_depth_is_priced_on_top_of_the_bucket():
     p.observe(np.array([1]), np.array([0]), StepBucket(2, 0), 0.020, depth=1)    # 9 ms above base
     assert p.draft_seconds == {(0, 1): pytest.approx(0.009)}
     assert p.step_time(2, 0, depth=1) == pytest.approx(0.020)
-    assert p.step_time(4, 0, depth=2) == pytest.approx(0.012 + 0.009)   # nearest depth measured
+    assert p.step_time(4, 0, depth=2) == pytest.approx(0.012 + 0.009)   # deepest measured below
     assert p.step_time(2, 0) == pytest.approx(0.011)                     # the depth-0 base
     # 1 draft 1.5 / 20 ms = 75 tok/s, 2 drafts 1.75 / 21 ms = 83 < 100 at 0 drafts.
     assert p.draft_limits(np.array([True])).tolist() == [0]
@@ -259,6 +262,44 @@ def test_drafting_depth_is_priced_on_top_of_the_bucket():
     p.observe(np.array([2]), np.array([1]), StepBucket(4, 0), 0.014, depth=2)
     assert p.draft_seconds[(0, 2)] == pytest.approx(0.002)
     assert p.draft_limits(np.array([True])).tolist() == [2]
+    # A step with a prefill chunk is not timed: its bucket may be a decode bucket.
+    before = (dict(p.step_seconds), dict(p.draft_seconds))
+    p.observe(np.array([1]), np.array([1]), StepBucket(2, 0), 0.5, depth=2, timed=False)
+    assert (p.step_seconds, p.draft_seconds) == before
     # A step faster than its base (noise) prices its depth at 0, not below.
     p.observe(np.array([2]), np.array([1]), StepBucket(4, 0), 0.005, depth=2)
     assert p.draft_seconds[(0, 2)] == pytest.approx(0.8 * 0.002)
+
+
+def test_untried_shallower_depth_is_priced_optimistically():
+    """The policy measures depth K first (nothing is known, so it drafts K); a shallower depth
+    is then priced at the deepest measured depth below it, here none (0 s), so it gets tried
+    once rather than inheriting depth K's cost. Gains 1/2, 1/4, 1/8 (pinned), base 10 ms for
+    1-4 rows (seeded and live alike)."""
+    p = policy(1, 3, [1, 2, 4], prior_acceptance=0.5, prior_weight=1e6)
+    p.seed_costs(by_rows({1: 0.010, 2: 0.010, 4: 0.010}))
+    p.observe(np.array([0]), np.array([0]), StepBucket(1, 0), 0.010)
+    p.observe(np.array([3]), np.array([0]), StepBucket(4, 0), 0.022, depth=3)     # 12 ms to draft 3
+    assert p.step_time(4, 0, depth=3) == pytest.approx(0.022)
+    assert p.step_time(2, 0, depth=1) == pytest.approx(0.010)                     # untried: base
+    # Untried depths 1 and 2 cost the base only: 1.5 / 10 ms = 150, 1.75 / 10 ms = 175 tok/s,
+    # against 100 at none and 1.875 / 22 ms = 85 at depth 3 -> 2 drafts.
+    assert p.draft_limits(np.array([True])).tolist() == [2]
+    p.observe(np.array([2]), np.array([0]), StepBucket(4, 0), 0.020, depth=2)     # 10 ms to draft 2
+    # depth 1 is still untried (no measured depth below it): 150 tok/s -> 1 draft
+    assert p.draft_limits(np.array([True])).tolist() == [1]
+    p.observe(np.array([1]), np.array([0]), StepBucket(2, 0), 0.020, depth=1)     # 10 ms as well
+    assert p.step_time(2, 0, depth=1) == pytest.approx(0.020)
+    # now 1: 75, 2: 87.5, 3: 85 tok/s, all below 100 at none
+    assert p.draft_limits(np.array([True])).tolist() == [0]
+
+
+def test_draft_time_needs_a_priced_base():
+    """With nothing of a slot bucket priced (no seeds, lazy compile), a proposing step's whole
+    time becomes its bucket's base instead of a draft cost measured against a placeholder."""
+    p = policy(1, 2, [1, 2, 4])
+    p.observe(np.array([0]), np.array([0]), StepBucket(4, 0), 9.0, depth=2)       # compile: dropped
+    p.observe(np.array([2]), np.array([1]), StepBucket(4, 0), 0.03, depth=2)
+    assert p.step_seconds == {StepBucket(4, 0): 0.03} and p.draft_seconds == {}
+    p.observe(np.array([2]), np.array([1]), StepBucket(4, 0), 0.04, depth=2)      # now priced
+    assert p.draft_seconds == {(0, 2): pytest.approx(0.01)}
