@@ -35,7 +35,8 @@ from typing import AsyncIterator, Callable
 log = logging.getLogger(__name__)
 
 #: Signature of the per-step observer: ``(stats, outputs, step_seconds)``, called on the engine
-#: thread after every step (``outputs`` empty and ``step_seconds`` None after a command-only pass).
+#: thread after every step, before the step's outputs reach the streams (``outputs`` empty and
+#: ``step_seconds`` None after a command-only pass). Keep it cheap: it delays every stream.
 StepObserver = Callable[[dict, list, "float | None"], None]
 
 
@@ -67,6 +68,9 @@ class AsyncLLMEngine:
     Attributes:
       stats: the latest ``engine.get_stats()`` snapshot (a new dict after every step or command
         pass; safe to read from any thread). Adds ``num_requests_in_flight`` (streams open here).
+        It is taken before the step's outputs (or an abort's end of stream, or a failed step's
+        error) are handed to the streams, so a caller that has its final output reads stats
+        that already count that request as finished and its KV blocks as freed.
     """
 
     def __init__(self, engine, *, on_step: StepObserver | None = None, start: bool = True):
@@ -244,6 +248,7 @@ class AsyncLLMEngine:
                 if stream is None:
                     continue        # unknown, already finished, or rejected
                 self.engine.abort_request(cmd[1])
+                self._snapshot()        # the stream's end is seen after its blocks are freed
                 self._deliver(stream, None)
 
     def _snapshot(self) -> dict:
@@ -261,8 +266,7 @@ class AsyncLLMEngine:
     def _fail_all(self, exc: BaseException) -> None:
         """``step()`` raised: fail and abort every in-flight request."""
         ids = list(self._streams)
-        for rid in ids:
-            self._deliver(self._forget(rid), exc)
+        streams = [self._forget(rid) for rid in ids]
         try:
             if ids:
                 self.engine.abort_request(ids)
@@ -271,6 +275,11 @@ class AsyncLLMEngine:
         except Exception as e:  # noqa: BLE001
             log.exception("engine unusable after a failed step")
             self._dead = e
+        try:
+            self._snapshot()
+        finally:                # every failed stream hears of it, whatever get_stats does
+            for stream in streams:
+                self._deliver(stream, exc)
 
     def _run(self) -> None:
         try:
@@ -291,18 +300,22 @@ class AsyncLLMEngine:
                     log.exception("engine step failed; failing the %d in-flight requests",
                                   len(self._streams))
                     self._fail_all(e)
-                    self._snapshot()
                     continue
                 dt = time.perf_counter() - t0
+                deliveries = []
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is None:
                         continue        # aborted in the meantime
-                    self._deliver(stream, out)
                     if out.finished:
                         self._forget(out.request_id)
+                    deliveries.append((stream, out))
+                # Snapshot and observer first: a caller that got its final output reads stats
+                # (and server metrics) that include this step, its blocks freed.
                 self._snapshot()
                 self._notify(outputs, dt)
+                for stream, out in deliveries:
+                    self._deliver(stream, out)
         except BaseException as e:  # noqa: BLE001 -- report, then end every stream below
             log.exception("engine thread crashed")
             self._dead = e

@@ -20,13 +20,20 @@ PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 10, 12, 14, 2], [7, 2, 30, 31
 
 
 class CountingEngine:
-    """Forwards to a real LLMEngine, counts ``step`` calls, and can make one step raise."""
+    """Forwards to a real LLMEngine, counts ``step`` calls, can make one step raise, and can make
+    ``get_stats`` slow (``stats_delay`` seconds) to widen any window between a stream getting its
+    item and the stats snapshot."""
 
     def __init__(self, engine):
         self.engine = engine
         self.steps = 0
         self.fail_next_step = False
+        self.stats_delay = 0.0
         self.lock = threading.Lock()
+
+    def get_stats(self):
+        time.sleep(self.stats_delay)
+        return self.engine.get_stats()
 
     def step(self):
         with self.lock:
@@ -154,6 +161,42 @@ def test_failing_request_does_not_stop_the_loop(aengine, tiny):
                                                              stop_ids=())
     assert not aengine.is_dead
     assert aengine.stats["num_free_blocks"] == aengine.stats["num_blocks"]
+
+
+def test_stats_are_current_when_a_stream_gets_its_item(aengine, tiny):
+    """CI (stop 22) saw 32 of 34 blocks free right after a request's final output: outputs were
+    handed to the streams before the stats snapshot. With a slow ``get_stats`` that ordering
+    fails every time; the snapshot now comes first, for finished outputs, aborts and failed
+    steps alike."""
+    cfg, params = tiny
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    aengine.counting.stats_delay = 0.3
+
+    async def main():
+        outs = await collect(aengine, "done", PROMPTS[0], sp)
+        after_finish = dict(aengine.stats)
+        stream = await aengine.add_request("cut", PROMPTS[2], SamplingParams(max_tokens=40,
+                                                                             ignore_eos=True))
+        await stream.__anext__()
+        await aengine.abort("cut")
+        _ = [o async for o in stream]
+        after_abort = dict(aengine.stats)
+        s3 = await aengine.add_request("boom", PROMPTS[1], sp)
+        aengine.counting.fail_next_step = True
+        with pytest.raises(RuntimeError, match="injected"):
+            async for _ in s3:
+                pass
+        return outs, after_finish, after_abort, dict(aengine.stats)
+
+    try:
+        outs, *snaps = run(main())
+    finally:
+        aengine.counting.stats_delay = 0.0
+    assert outs[-1].outputs[0].token_ids == reference_greedy(cfg, params, PROMPTS[0], 5,
+                                                             stop_ids=())
+    for st in snaps:
+        assert st["num_free_blocks"] == st["num_blocks"], st
+        assert st["num_running"] == 0 and st["num_requests_in_flight"] == 0, st
 
 
 def test_duplicate_request_id_rejected(aengine):
