@@ -236,7 +236,11 @@ class EngineConfig:
         """Static token counts T a step may be compiled for: the decode buckets ``W, 2W, 4W, ...``
         below ``B*W`` and ``B*W`` itself (W = K+1: a decode-only step of ``a`` slots runs
         ``a*W`` rows rounded up to a power-of-two slot count, see :mod:`jmtp.runtime.buckets`), then
-        the powers of two from 8 above ``B*W``, then ``max_num_batched_tokens``.
+        the powers of two from 8 above ``B*W`` and, from 48 on, the midpoints ``1.5·2^j`` (48,
+        96, 192, ...) between them, then ``max_num_batched_tokens``.
+
+        The midpoints bound a prefill chunk's padding at a third of its bucket instead of half:
+        a 136-token prompt runs 192 rows, not 256 (prefill on a CPU costs about its rows).
 
         The smallest bucket is one decode window, not ``B*W`` rows, so one request on a
         ``max_num_seqs=8`` engine runs the rows of one request (on CPU a one-row matmul also takes
@@ -252,6 +256,9 @@ class EngineConfig:
         while t < self.max_num_batched_tokens:
             if t > lo:
                 out.append(t)
+            mid = t * 3 // 2
+            if t >= 32 and lo < mid < self.max_num_batched_tokens:
+                out.append(mid)
             t *= 2
         out.append(self.max_num_batched_tokens)
         return tuple(sorted(set(out)))

@@ -12,16 +12,21 @@ B8K3 = EngineConfig(max_num_seqs=8, spec=SpeculativeConfig("mtp", 3), max_num_ba
 
 
 def test_token_buckets_hand_worked():
-    # W, 2W, 4W, ... below B*W, B*W, then powers of two from 8 above B*W, then the budget.
+    # W, 2W, 4W, ... below B*W, B*W, then powers of two from 8 above B*W with the midpoints
+    # 48, 96, 192, ... between them, then the budget.
     buckets = lambda **kw: EngineConfig(**kw).token_buckets()
-    assert buckets(max_num_seqs=1, max_num_batched_tokens=256) == (1, 8, 16, 32, 64, 128, 256)
-    assert buckets(max_num_seqs=8, max_num_batched_tokens=256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    assert B8K3.token_buckets() == (4, 8, 16, 32, 64, 128)
+    assert buckets(max_num_seqs=1, max_num_batched_tokens=256) == (1, 8, 16, 32, 48, 64, 96, 128,
+                                                                   192, 256)
+    assert buckets(max_num_seqs=8, max_num_batched_tokens=256) == (1, 2, 4, 8, 16, 32, 48, 64, 96,
+                                                                   128, 192, 256)
+    assert B8K3.token_buckets() == (4, 8, 16, 32, 48, 64, 96, 128)
+    assert buckets(max_num_seqs=16, spec=SpeculativeConfig("mtp", 3),
+                   max_num_batched_tokens=100) == (4, 8, 16, 32, 64, 96, 100)   # 48 <= B*W
     assert buckets(max_num_seqs=3, max_num_batched_tokens=20) == (1, 2, 3, 8, 16, 20)
     assert buckets(max_num_seqs=5, spec=SpeculativeConfig("custom", 1, drafter=len),
                    max_num_batched_tokens=10) == (2, 4, 8, 10)
     assert buckets(max_num_seqs=1, spec=SpeculativeConfig("mtp", 1),
-                   max_num_batched_tokens=64) == (2, 8, 16, 32, 64)
+                   max_num_batched_tokens=64) == (2, 8, 16, 32, 48, 64)
 
 
 def test_choose_bucket_hand_worked():
@@ -45,7 +50,9 @@ def test_choose_bucket_hand_worked():
         choose_bucket(ec, 5, 1, False)
     # With a prefill chunk: A = B, T = the smallest token bucket >= rows.
     assert choose_bucket(ec, 3, 1, True) == StepBucket(4, 8)
-    assert choose_bucket(ec, 4 + 37, 2, True) == StepBucket(64, 8)
+    assert choose_bucket(ec, 4 + 37, 2, True) == StepBucket(48, 8)
+    assert choose_bucket(ec, 4 + 50, 2, True) == StepBucket(64, 8)
+    assert choose_bucket(ec, 97, 2, True) == StepBucket(128, 8)
     assert choose_bucket(ec, 128, 8, True) == StepBucket(128, 8)
     # B not a power of two: the slot buckets end at B.
     ec3 = EngineConfig(max_num_seqs=3, spec=SpeculativeConfig("mtp", 1), max_num_batched_tokens=16)
@@ -75,11 +82,11 @@ def test_step_buckets_list_every_choice():
                         chosen.add(choose_bucket(ec, rows, n_dec + n_pre, True))
         assert chosen == listed
     # Hand-worked: decode (A, T) for A in 1, 2, 4, 8 and T in A, 2A, 4A; prefill (T, 8) for the
-    # token buckets 4..128.
+    # token buckets 4..128 (48 and 96 included).
     S = StepBucket
     assert step_buckets(B8K3) == (S(1, 1), S(2, 1), S(2, 2), S(4, 1), S(4, 2), S(4, 4), S(4, 8),
-                                  S(8, 2), S(8, 4), S(8, 8), S(16, 4), S(16, 8), S(32, 8), S(64, 8),
-                                  S(128, 8))
+                                  S(8, 2), S(8, 4), S(8, 8), S(16, 4), S(16, 8), S(32, 8), S(48, 8),
+                                  S(64, 8), S(96, 8), S(128, 8))
 
 
 def test_active_slots_compaction():
