@@ -2,7 +2,7 @@
 """Speculation variants against plain decoding, in one process, on two prompt sets (jmtp issue 11).
 
 Variants (``--variants``, comma-separated): ``plain``, ``mtpK`` (MTP, K drafts), ``ngramK``
-(prompt-lookup, K drafts, n = 5..1), ``hybridK.M`` (M MTP drafts extended by n-gram matches to K),
+(prompt-lookup, K drafts, n = 5..1; ``ngramK.N``: n = 5..N), ``hybridK.M`` (M MTP drafts extended by n-gram matches to K),
 ``dynngramK`` / ``dynmtpK`` / ``dynhybridK.M`` (the same with ``speculation_policy="dynamic"``).
 Prompt sets: the held-out general chat prompts (the shipped head's evaluation split) and the
 copy-heavy set ``jmtp/data/prompts_copy.jsonl``. Greedy, chat template applied.
@@ -55,8 +55,10 @@ def spec_for(name: str):
         return None
     if base.startswith("mtp"):
         return SpeculativeConfig("mtp", int(base[3:]), speculation_policy=policy)
-    if base.startswith("ngram"):
-        return SpeculativeConfig("ngram", int(base[5:]), speculation_policy=policy)
+    if base.startswith("ngram"):      # ngramK, or ngramK.N: n-grams of N..5 tokens only
+        k, _, n = base[5:].partition(".")
+        return SpeculativeConfig("ngram", int(k), min_ngram_size=int(n) if n else None,
+                                 speculation_policy=policy)
     if base.startswith("hybrid"):
         k, m = (int(x) for x in base[6:].split("."))
         return SpeculativeConfig("mtp", k, m, mtp_strategy="with_ngram", speculation_policy=policy)
