@@ -9,9 +9,14 @@ Public API::
 On the CPU, importing jmtp first sets glibc's malloc to keep XLA's per-step scratch memory mapped
 between steps (:mod:`jmtp.runtime.host_malloc`; ``JMTP_MALLOC_TUNING=0`` opts out).
 """
+import warnings as _warnings
+
 from jmtp.runtime import host_malloc as _host_malloc
 
-_host_malloc.configure()   # before any XLA thread exists: see the module docstring
+try:
+    _host_malloc.configure()   # before any XLA thread exists: see the module docstring
+except ValueError as _e:        # a mistyped JMTP_MALLOC_TUNING must not make jmtp unimportable
+    _warnings.warn(f"{_e}; malloc settings left alone", stacklevel=2)
 
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from jmtp.runtime.engine import LLM  # noqa: E402

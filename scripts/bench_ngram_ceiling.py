@@ -60,10 +60,11 @@ def oracle_drafts(hist: list[int], future: list[int], k: int) -> int:
     return best
 
 
-def simulate(prompts, outputs, k: int, drafter: str):
+def simulate(prompts, outputs, k: int, drafter: str, max_tokens: int):
     """``(tokens, steps, rows)``: decode steps after the prefill's first token, each drafting
-    with ``drafter`` (``"jmtp"`` or ``"oracle"``) and verified greedily; ``rows`` = 1 + drafts
-    of each step (the verify window)."""
+    with ``drafter`` (``"jmtp"`` or ``"oracle"``) at most ``max_tokens - generated - 1`` tokens
+    (the engine's cap) and verified greedily; ``rows`` = 1 + drafts of each step (the verify
+    window)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -75,9 +76,9 @@ def simulate(prompts, outputs, k: int, drafter: str):
         hist, pos = list(prompt) + [out[0]], 1
         while pos < len(out):
             future = out[pos:]
-            budget = min(k, len(future) - 1)     # the engine never drafts past max_tokens
+            budget = max(0, min(k, max_tokens - pos - 1))   # the engine's draft budget
             if drafter == "oracle":
-                a = oracle_drafts(hist, future, budget)
+                a = oracle_drafts(hist, future, min(budget, len(future) - 1))
                 drafted = a
             else:
                 d, c = ngram_match(jnp.asarray([hist], jnp.int32),
@@ -85,8 +86,8 @@ def simulate(prompts, outputs, k: int, drafter: str):
                                    jnp.asarray([budget], jnp.int32), 5, 1, k)
                 d = np.asarray(d)[0, :int(c[0])]
                 a = 0
-                while a < len(d) and d[a] == future[a]:
-                    a += 1
+                while a < min(len(d), len(future) - 1) and d[a] == future[a]:
+                    a += 1       # (the answer's last token is the final step's correction/bonus)
                 drafted = len(d)
             rows.append(1 + drafted)
             hist += future[:a + 1]
@@ -97,15 +98,21 @@ def simulate(prompts, outputs, k: int, drafter: str):
 
 
 def bucket_cost(cost: dict[int, float], rows: int, buckets: list[int]) -> float:
+    """Seconds of the decode bucket holding ``rows``: measured, else interpolated linearly in T
+    between the measured buckets around it.
+
+    Raises:
+      ValueError: the bucket lies outside the measured ones (raise ``--live-k``)."""
     t = next(b for b in buckets if b >= rows)
     if t in cost:
         return cost[t]
-    known = sorted(cost)
-    lo = max([b for b in known if b < t], default=known[0])
-    hi = min([b for b in known if b > t], default=known[-1])
-    if lo == hi:
-        return cost[lo]
-    return cost[lo] + (cost[hi] - cost[lo]) * (t - lo) / (hi - lo)
+    lo = [b for b in cost if b < t]
+    hi = [b for b in cost if b > t]
+    if not lo or not hi:
+        raise ValueError(f"no live cost around a {t}-row step (measured: {sorted(cost)}); run "
+                         f"with a larger --live-k")
+    a, b = max(lo), min(hi)
+    return cost[a] + (cost[b] - cost[a]) * (t - a) / (b - a)
 
 
 def main(argv=None):
@@ -176,7 +183,8 @@ def main(argv=None):
         for k in args.ks:
             buckets = sorted({min(2 ** i, k + 1) for i in range(k.bit_length() + 1)} | {k + 1})
             for drafter in ("jmtp", "oracle"):
-                n_tok, n_steps, rows = simulate(prompts, outputs["plain"], k, drafter)
+                n_tok, n_steps, rows = simulate(prompts, outputs["plain"], k, drafter,
+                                                args.max_tokens)
                 t_spec = sum(bucket_cost(cost, r, buckets) for r in rows)
                 print(f"| {'jmtp n-gram (n=5..1)' if drafter == 'jmtp' else 'oracle lookup'} | "
                       f"{k} | {n_tok / n_steps:.2f} | {(sum(rows) - n_steps) / n_steps:.2f} | "

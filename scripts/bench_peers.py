@@ -9,9 +9,11 @@ Systems (greedy, chat template applied, the same prompt token ids for all):
 * jmtp plain / MTP (the shipped head) / n-gram / hybrid MTP+n-gram, at batch 1 and 8 (engines with
   ``max_num_seqs`` 1 and 8 given all prompts at once).
 
-Every system is warmed first: jmtp compiles all its buckets at ``LLM(...)`` (reported in the
-"compile s" column) and every system runs a short untimed pass over the same prompts. Then one
-timed pass: tok/s = generated tokens / wall seconds. Every jmtp output is checked identical to jmtp
+Every system is built and warmed first: jmtp compiles all its buckets at ``LLM(...)`` (reported in
+the "compile s" column) and every system runs a short untimed pass over the same prompts. Then
+``--rounds`` timed rounds, each running every system once, one after the other (interleaved, so a
+VM's drift in speed over the run hits all systems alike): tok/s = generated tokens / wall seconds
+over all rounds. All systems stay loaded together (about 6 GB for SmolLM2 with the defaults). Every jmtp output is checked identical to jmtp
 plain at the same batch size; peers' outputs are compared with jmtp plain for information (fp32
 kernels differ in rounding, llama.cpp quantizes activations). A peer that is not installed, or a
 jmtp method the installed jmtp does not have, is reported as skipped.
@@ -54,6 +56,8 @@ def parse_args(argv=None):
     ap.add_argument("--policy", default="fixed", choices=("fixed", "dynamic"),
                     help="jmtp speculation_policy of the MTP / n-gram / hybrid engines")
     ap.add_argument("--pld-tokens", type=int, default=10, help="HF prompt_lookup_num_tokens")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="timed rounds; each round runs every system once, interleaved")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch / llama.cpp threads")
     ap.add_argument("--skip", default="", help="comma-separated system names to skip "
                     "(hf, hf-pld, llama.cpp, plain, mtp, ngram, hybrid)")
@@ -64,8 +68,8 @@ def parse_args(argv=None):
     args.batches = [int(x) for x in args.batches.split(",")]
     args.sets = [s for s in args.sets.split(",") if s]
     args.skip = {s for s in args.skip.split(",") if s}
-    if args.num_prompts < 1 or args.max_tokens < 1 or min(args.batches) < 1:
-        ap.error("--num-prompts, --max-tokens and --batches must be >= 1")
+    if args.num_prompts < 1 or args.max_tokens < 1 or min(args.batches) < 1 or args.rounds < 1:
+        ap.error("--num-prompts, --max-tokens, --batches and --rounds must be >= 1")
     return args
 
 
@@ -129,17 +133,31 @@ def jmtp_methods(args) -> dict[str, object]:
     }
 
 
-def run_jmtp(args, cfg, params, tok, sets, rows):
+@dataclasses.dataclass
+class Runner:
+    """One system ready to time: ``gen(prompts, max_new) -> (ids per prompt, mean acceptance
+    length or None)``; ``setup_s`` = jmtp's ahead-of-time compile, or a peer's load time."""
+    label: str
+    batch: int
+    gen: object
+    setup_s: float
+    tokens: dict = dataclasses.field(default_factory=dict)       # set -> generated tokens
+    seconds: dict = dataclasses.field(default_factory=dict)      # set -> wall seconds
+    warmup_s: dict = dataclasses.field(default_factory=dict)
+    ids: dict = dataclasses.field(default_factory=dict)          # set -> last round's ids
+    acc_len: dict = dataclasses.field(default_factory=dict)
+
+
+def jmtp_runners(args, cfg, params, tok, sets, rows) -> list[Runner]:
+    """Build every jmtp engine (``compile="eager"``: no timed pass compiles)."""
     from jmtp import LLM, SamplingParams
     from jmtp.runtime.outputs import SpecDecodeMetrics
 
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    warm_sp = SamplingParams(max_tokens=4, temperature=0.0)
     longest = max(len(p) for ps in sets.values() for p in ps)
     # Rounded up so that runs over other prompt subsets reuse the persistent compilation cache.
     max_model_len = -(-(longest + args.max_tokens + 16) // 256) * 256
+    runners = []
     for b in args.batches:
-        plain: dict[str, list[list[int]]] = {}
         for name, spec in jmtp_methods(args).items():
             label = f"jmtp {name}"
             if name in args.skip:
@@ -150,37 +168,24 @@ def run_jmtp(args, cfg, params, tok, sets, rows):
                 continue
             try:
                 llm = LLM(model_config=cfg, params=params, tokenizer=tok, speculative_config=spec,
-                          max_num_seqs=b, max_model_len=max_model_len,
-                          compile="eager")
+                          max_num_seqs=b, max_model_len=max_model_len, compile="eager")
             except (TypeError, ValueError) as e:
                 rows += [Row(s, label, b, skipped=f"{type(e).__name__}: {e}") for s in sets]
                 print(f"# {label}: skipped ({e})", flush=True)
                 continue
-            compile_s = sum(llm.compile_seconds.values())
-            for sname, prompts in sets.items():
-                t0 = time.perf_counter()
-                llm.generate(prompts, warm_sp, use_tqdm=False)
-                warm = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, sp, use_tqdm=False)
-                dt = time.perf_counter() - t0
-                ids = [o.token_ids for o in outs]
-                n = sum(len(x) for x in ids)
+
+            def gen(prompts, max_new, llm=llm, spec=spec):
+                outs = llm.generate(prompts, SamplingParams(max_tokens=max_new, temperature=0.0),
+                                    use_tqdm=False)
                 tot = SpecDecodeMetrics(accepted_per_position=[0] * (spec.k if spec else 0))
                 for o in outs:
                     tot.merge(o.metrics)
-                if name == "plain":
-                    plain[sname] = ids
-                same = (f"{sum(a == c for a, c in zip(ids, plain[sname]))}/{len(ids)}"
-                        if sname in plain else "-")
-                rows.append(Row(sname, label, b, n / dt, n, dt, compile_s, warm, same,
-                                tot.mean_acceptance_length if spec else None))
-                print(f"# {label} b={b} {sname}: {n / dt:.1f} tok/s ({n} tokens, {dt:.1f}s; "
-                      f"compile {compile_s:.1f}s, warm-up {warm:.1f}s; identical {same})",
-                      flush=True)
-            del llm
-        if b == 1:
-            args.plain_b1 = plain
+                return ([list(o.token_ids) for o in outs],
+                        tot.mean_acceptance_length if spec else None)
+
+            runners.append(Runner(label, b, gen, sum(llm.compile_seconds.values())))
+            print(f"# {label} b={b}: compiled in {runners[-1].setup_s:.1f}s", flush=True)
+    return runners
 
 
 # ---------------------------------------------------------------------------------- peers
@@ -188,15 +193,15 @@ def _missing(mod: str) -> bool:
     return importlib.util.find_spec(mod) is None
 
 
-def run_hf(args, gguf_dir: str, gguf_name: str, sets, rows):
+def hf_runners(args, gguf_dir: str, gguf_name: str, sets, rows) -> list[Runner]:
     systems = [s for s in ("hf", "hf-pld") if s not in args.skip]
     if not systems:
-        return
+        return []
     if _missing("torch") or _missing("transformers"):
         for s in systems:
             rows += [Row(n, "HF " + s, 1, skipped="torch/transformers not installed") for n in sets]
         print("# HF transformers: skipped (not installed; pip install -e '.[test]')")
-        return
+        return []
     import torch
     import transformers
 
@@ -207,11 +212,12 @@ def run_hf(args, gguf_dir: str, gguf_name: str, sets, rows):
         gguf_dir, gguf_file=gguf_name, dtype=torch.float32).eval()
     load_s = time.perf_counter() - t0
     eos = model.generation_config.eos_token_id
+    runners = []
     for system in systems:
         extra = {"prompt_lookup_num_tokens": args.pld_tokens} if system == "hf-pld" else {}
         label = "HF greedy" if system == "hf" else f"HF prompt-lookup ({args.pld_tokens})"
 
-        def gen(prompts, max_new):
+        def gen(prompts, max_new, extra=extra):
             outs = []
             for p in prompts:
                 x = torch.tensor([p])
@@ -219,36 +225,18 @@ def run_hf(args, gguf_dir: str, gguf_name: str, sets, rows):
                     y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                                        max_new_tokens=max_new, pad_token_id=eos, **extra)
                 outs.append(y[0, len(p):].tolist())
-            return outs
-        time_peer(args, label, gen, sets, rows, load_s)
-    del model
+            return outs, None
+        runners.append(Runner(label, 1, gen, load_s))
+    return runners
 
 
-def time_peer(args, label: str, gen, sets, rows, load_s: float) -> None:
-    """Time a batch-1 peer on every prompt set: a 4-token warm-up, then ``args.max_tokens`` per
-    prompt; compares its ids with jmtp plain batch 1 (``args.plain_b1``) and appends a Row."""
-    for sname, prompts in sets.items():
-        t0 = time.perf_counter()
-        gen(prompts, 4)
-        warm = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        ids = gen(prompts, args.max_tokens)
-        dt = time.perf_counter() - t0
-        n = sum(len(x) for x in ids)
-        ref = getattr(args, "plain_b1", {}).get(sname)
-        same = f"{sum(a == c for a, c in zip(ids, ref))}/{len(ids)}" if ref else "-"
-        rows.append(Row(sname, label, 1, n / dt, n, dt, load_s, warm, same))
-        print(f"# {label} {sname}: {n / dt:.1f} tok/s ({n} tokens, {dt:.1f}s; same as jmtp "
-              f"plain {same})", flush=True)
-
-
-def run_llamacpp(args, gguf_path: str, sets, rows):
+def llamacpp_runners(args, gguf_path: str, sets, rows) -> list[Runner]:
     if "llama.cpp" in args.skip:
-        return
+        return []
     if _missing("llama_cpp"):
         rows += [Row(n, "llama.cpp", 1, skipped="llama-cpp-python not installed") for n in sets]
         print("# llama.cpp: skipped (pip install -e '.[peers]')")
-        return
+        return []
     from llama_cpp import Llama
 
     longest = max(len(p) for ps in sets.values() for p in ps)
@@ -271,8 +259,50 @@ def run_llamacpp(args, gguf_path: str, sets, rows):
                 if len(out) >= max_new:
                     break
             outs.append(out)
-        return outs
-    time_peer(args, "llama.cpp (Q4_1)", gen, sets, rows, load_s)
+        return outs, None
+    return [Runner("llama.cpp (Q4_1)", 1, gen, load_s)]
+
+
+def time_interleaved(args, runners: list[Runner], sets) -> None:
+    """Warm every runner on every set (4 tokens), then ``args.rounds`` rounds in which every
+    runner generates ``args.max_tokens`` per prompt of every set, one after the other, so that
+    the machine's drift over the run hits every system alike."""
+    for r in runners:
+        for sname, prompts in sets.items():
+            t0 = time.perf_counter()
+            r.gen(prompts, 4)
+            r.warmup_s[sname] = time.perf_counter() - t0
+    for rnd in range(args.rounds):
+        for sname, prompts in sets.items():
+            for r in runners:
+                t0 = time.perf_counter()
+                ids, acc = r.gen(prompts, args.max_tokens)
+                dt = time.perf_counter() - t0
+                r.seconds[sname] = r.seconds.get(sname, 0.0) + dt
+                r.tokens[sname] = r.tokens.get(sname, 0) + sum(len(x) for x in ids)
+                r.ids[sname], r.acc_len[sname] = ids, acc
+                print(f"# round {rnd} {sname} {r.label} b={r.batch}: "
+                      f"{sum(len(x) for x in ids) / dt:.1f} tok/s", flush=True)
+
+
+def runner_rows(runners: list[Runner], sets) -> list[Row]:
+    """Rows from the timed rounds; jmtp outputs are compared with jmtp plain at the same batch,
+    the peers' with jmtp plain at batch 1."""
+    rows = []
+    for r in runners:
+        ref_b = r.batch if r.label.startswith("jmtp") else 1
+        ref = next((x for x in runners if x.label == "jmtp plain" and x.batch == ref_b), None)
+        for sname in sets:
+            if sname not in r.seconds:
+                continue
+            same = "-"
+            if ref is not None and sname in ref.ids:
+                same = f"{sum(a == c for a, c in zip(r.ids[sname], ref.ids[sname]))}/" \
+                       f"{len(r.ids[sname])}"
+            n, dt = r.tokens[sname], r.seconds[sname]
+            rows.append(Row(sname, r.label, r.batch, n / dt, n, dt, r.setup_s,
+                            r.warmup_s.get(sname, 0.0), same, r.acc_len.get(sname)))
+    return rows
 
 
 # ---------------------------------------------------------------------------------- report
@@ -342,8 +372,7 @@ def report(rows: list[Row], sets: dict, head: str, args, out: Path) -> str:
     md = table(rows)
     (out / "peers.md").write_text(f"{head}\n\n{md}\n", encoding="utf-8")
     (out / "peers.json").write_text(json.dumps({"header": head, "args": {
-        k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()
-        if k != "plain_b1"}, "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
+        k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()}, "rows": [dataclasses.asdict(r) for r in rows]}, indent=2))
     plot(rows, out / "peers.png", head)
     return md
 
@@ -370,14 +399,13 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    md = ""
-    # The report is rewritten after each group of systems, so an interrupted run keeps its rows.
-    for run in (lambda: run_jmtp(args, cfg, params, tok, sets, rows),
-                lambda: run_llamacpp(args, gguf_path, sets, rows),
-                lambda: run_hf(args, os.path.dirname(gguf_path), os.path.basename(gguf_path),
-                               sets, rows)):
-        run()
-        md = report(rows, sets, head, args, out)
+    runners = (jmtp_runners(args, cfg, params, tok, sets, rows)
+               + llamacpp_runners(args, gguf_path, sets, rows)
+               + hf_runners(args, os.path.dirname(gguf_path), os.path.basename(gguf_path),
+                            sets, rows))
+    time_interleaved(args, runners, sets)
+    rows += runner_rows(runners, sets)
+    md = report(rows, sets, head, args, out)
     print(md)
     print(f"# total {time.perf_counter() - t_all:.0f}s")
     bad = [r for r in rows if r.system.startswith("jmtp") and r.identical not in ("", "-")

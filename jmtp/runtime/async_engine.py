@@ -247,9 +247,12 @@ class AsyncLLMEngine:
                 stream = self._forget(cmd[1])
                 if stream is None:
                     continue        # unknown, already finished, or rejected
-                self.engine.abort_request(cmd[1])
-                self._snapshot()        # the stream's end is seen after its blocks are freed
-                self._deliver(stream, None)
+                try:
+                    self.engine.abort_request(cmd[1])
+                    self._snapshot()    # the stream's end is seen after its blocks are freed
+                    self._notify([], None)
+                finally:                # the stream ends whatever the engine does
+                    self._deliver(stream, None)
 
     def _snapshot(self) -> dict:
         self.stats = dict(self.engine.get_stats(), num_requests_in_flight=len(self._streams))
@@ -277,6 +280,7 @@ class AsyncLLMEngine:
             self._dead = e
         try:
             self._snapshot()
+            self._notify([], None)
         finally:                # every failed stream hears of it, whatever get_stats does
             for stream in streams:
                 self._deliver(stream, exc)
@@ -312,10 +316,12 @@ class AsyncLLMEngine:
                     deliveries.append((stream, out))
                 # Snapshot and observer first: a caller that got its final output reads stats
                 # (and server metrics) that include this step, its blocks freed.
-                self._snapshot()
-                self._notify(outputs, dt)
-                for stream, out in deliveries:
-                    self._deliver(stream, out)
+                try:
+                    self._snapshot()
+                    self._notify(outputs, dt)
+                finally:        # forgotten streams must get their items even if stats fail
+                    for stream, out in deliveries:
+                        self._deliver(stream, out)
         except BaseException as e:  # noqa: BLE001 -- report, then end every stream below
             log.exception("engine thread crashed")
             self._dead = e

@@ -237,7 +237,8 @@ class EngineConfig:
         below ``B*W`` and ``B*W`` itself (W = K+1: a decode-only step of ``a`` slots runs
         ``a*W`` rows rounded up to a power-of-two slot count, see :mod:`jmtp.runtime.buckets`), then
         the powers of two from 8 above ``B*W`` and, from 48 on, the midpoints ``1.5·2^j`` (48,
-        96, 192, ...) between them, then ``max_num_batched_tokens``.
+        96, 192, ...) between them (not one within 1/8 below the budget), then
+        ``max_num_batched_tokens``.
 
         The midpoints bound a prefill chunk's padding at a third of its bucket instead of half:
         a 136-token prompt runs 192 rows, not 256 (prefill on a CPU costs about its rows).
@@ -256,8 +257,8 @@ class EngineConfig:
         while t < self.max_num_batched_tokens:
             if t > lo:
                 out.append(t)
-            mid = t * 3 // 2
-            if t >= 32 and lo < mid < self.max_num_batched_tokens:
+            mid = t * 3 // 2   # not when the budget itself is within 1/8 above it
+            if t >= 32 and lo < mid and mid * 9 // 8 <= self.max_num_batched_tokens:
                 out.append(mid)
             t *= 2
         out.append(self.max_num_batched_tokens)

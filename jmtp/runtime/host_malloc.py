@@ -32,6 +32,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import pkgutil
 import sys
 
 log = logging.getLogger(__name__)
@@ -45,19 +46,32 @@ SETTINGS = ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 1 << 30), (M_ARENA_MAX, 1))
 ENV = "JMTP_MALLOC_TUNING"
 
 
+#: True once :func:`configure` applied the settings in this process.
+applied = False
+
+
 def runs_xla_on_cpu() -> bool:
     """True when this process will run XLA on the CPU: ``JAX_PLATFORMS`` names ``cpu`` first, or
-    it is unset and no accelerator plugin (a ``jax_plugins`` entry point, ``libtpu``) is
-    installed. Does not initialise any JAX backend."""
+    it is unset and no accelerator plugin is installed (JAX's two discovery routes: a
+    ``jax_plugins`` entry point or a ``jax_plugins.*`` module; and ``libtpu``). Does not
+    initialise any JAX backend."""
     platforms = os.environ.get("JAX_PLATFORMS", "").strip()
     if platforms:
-        return platforms.split(",")[0].strip() == "cpu"
+        return platforms.split(",")[0].strip().lower() == "cpu"
     if importlib.util.find_spec("libtpu") is not None:
         return False
     try:
-        return not list(importlib.metadata.entry_points(group="jax_plugins"))
+        if list(importlib.metadata.entry_points(group="jax_plugins")):
+            return False
+        ns = importlib.util.find_spec("jax_plugins")
+        return ns is None or not list(pkgutil.iter_modules(ns.submodule_search_locations or []))
     except Exception:  # noqa: BLE001 -- unreadable metadata: assume an accelerator may exist
         return False
+
+
+def _jax_backend_started() -> bool:
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    return bool(getattr(bridge, "_backends", None))
 
 
 def _glibc_mallopt():
@@ -83,21 +97,28 @@ def configure(force: bool | None = None) -> bool:
       refused one (logged).
 
     Raises:
-      ValueError: ``JMTP_MALLOC_TUNING`` set to something other than ``0`` or ``1``.
+      ValueError: ``JMTP_MALLOC_TUNING`` set to something other than ``0`` or ``1``
+        (``import jmtp`` turns this into a warning and applies nothing).
     """
+    global applied
     if force is None:
         env = os.environ.get(ENV, "").strip()
         if env not in ("", "0", "1"):
-            raise ValueError(f"{ENV}={env!r}: must be 0 or 1")
+            raise ValueError(f"{ENV}={env!r}: must be 0 or 1 (unset: automatic)")
         force = (env == "1") if env else runs_xla_on_cpu()
     if not force:
         return False
     mallopt = _glibc_mallopt()
     if mallopt is None:
         return False
+    if _jax_backend_started():
+        log.warning("jmtp.runtime.host_malloc: a JAX backend was already running when the malloc "
+                    "settings were applied; its threads keep their own arenas, so XLA:CPU scratch "
+                    "above 64 MiB may still be mapped afresh every step (import jmtp first)")
     failed = [param for param, value in SETTINGS if mallopt(param, value) != 1]
     if failed:
         log.warning("mallopt refused parameters %s: XLA:CPU scratch above 32 MiB may be "
                     "mapped afresh every step", failed)
         return False
+    applied = True
     return True

@@ -29,10 +29,14 @@ class CountingEngine:
         self.steps = 0
         self.fail_next_step = False
         self.stats_delay = 0.0
+        self.fail_stats_when_done = False
         self.lock = threading.Lock()
 
     def get_stats(self):
         time.sleep(self.stats_delay)
+        if self.fail_stats_when_done and not self.engine.has_unfinished_requests():
+            self.fail_stats_when_done = False
+            raise RuntimeError("injected get_stats failure")
         return self.engine.get_stats()
 
     def step(self):
@@ -197,6 +201,30 @@ def test_stats_are_current_when_a_stream_gets_its_item(aengine, tiny):
     for st in snaps:
         assert st["num_free_blocks"] == st["num_blocks"], st
         assert st["num_running"] == 0 and st["num_requests_in_flight"] == 0, st
+
+
+def test_final_output_reaches_the_stream_even_if_stats_fail(llm, tiny):
+    """The finished request leaves the stream table before the stats snapshot; if taking it
+    raises (the engine thread then dies), the request must still get its final output rather
+    than wait forever."""
+    cfg, params = tiny
+    counting = CountingEngine(llm.llm_engine)
+    eng = AsyncLLMEngine(counting)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+
+    async def main():
+        stream = await eng.add_request("s", PROMPTS[0], sp)
+        counting.fail_stats_when_done = True
+        return [o async for o in stream]
+
+    try:
+        outs = run(main(), timeout=120)
+    finally:
+        eng.shutdown()
+    assert outs[-1].finished
+    assert outs[-1].outputs[0].token_ids == reference_greedy(cfg, params, PROMPTS[0], 3,
+                                                             stop_ids=())
+    assert eng.is_dead
 
 
 def test_duplicate_request_id_rejected(aengine):

@@ -21,7 +21,9 @@ def test_token_buckets_hand_worked():
                                                                    128, 192, 256)
     assert B8K3.token_buckets() == (4, 8, 16, 32, 48, 64, 96, 128)
     assert buckets(max_num_seqs=16, spec=SpeculativeConfig("mtp", 3),
-                   max_num_batched_tokens=100) == (4, 8, 16, 32, 64, 96, 100)   # 48 <= B*W
+                   max_num_batched_tokens=100) == (4, 8, 16, 32, 64, 100)  # 48 <= B*W; 96 ~ 100
+    assert buckets(max_num_seqs=1, max_num_batched_tokens=108) == (1, 8, 16, 32, 48, 64, 96, 108)
+    assert buckets(max_num_seqs=1, max_num_batched_tokens=48) == (1, 8, 16, 32, 48)
     assert buckets(max_num_seqs=3, max_num_batched_tokens=20) == (1, 2, 3, 8, 16, 20)
     assert buckets(max_num_seqs=5, spec=SpeculativeConfig("custom", 1, drafter=len),
                    max_num_batched_tokens=10) == (2, 4, 8, 10)
