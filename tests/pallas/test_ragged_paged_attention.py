@@ -118,6 +118,26 @@ class TestXLA(RaggedPagedAttentionTestBase):
                                                  kv_chunk=kv_chunk)
             check_output(case, out, self.expected(case))
 
+    @pytest.mark.parametrize("window,cap", [(None, None), (6, 20.0)])
+    def test_statically_one_sequence_batches(self, window, cap):
+        """The schedules chosen at trace time when every tile holds one sequence: a single row
+        (a decode step of one slot among four, the row owned by the third sequence; no tile
+        map) and a one-sequence batch of 40 rows in 4-row tiles with 11 padding rows (no
+        per-tile test)."""
+        one_row = Config(8, 2, 3, 64, num_tokens=1, num_seqs=4, max_kv=60,
+                         sliding_window=window, soft_cap=cap)
+        case = build_case(one_row, [0, 0, 1, 0], [9, 0, 37, 5], stale_tables=True, seed=21)
+        for kv_chunk in (8, 256):
+            out = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(),
+                                                 kv_chunk=kv_chunk)
+            check_output(case, out, self.expected(case))
+        one_seq = Config(8, 2, 3, 64, num_tokens=40, num_seqs=1, max_kv=60,
+                         sliding_window=window, soft_cap=cap)
+        case = build_case(one_seq, [29], [50], stale_tables=True, seed=22)
+        out = rpa.ragged_paged_attention_xla(*case.jax_args(), **case.kwargs(), q_tile=4,
+                                             kv_chunk=16)
+        check_output(case, out, self.expected(case))
+
 
 class TestPallasTPU(RaggedPagedAttentionTestBase):
     """Mosaic TPU kernel in TPU interpret mode, race detector on, OOB reads raise."""
