@@ -332,14 +332,15 @@ def ragged_paged_attention_xla(
         return _by_sequence(q, kv_lens, cu_q_lens, run_tile, rows_per_seq, sliding_window,
                             (num_kv_heads, group, head_dim))
 
-    def one_tile(args):
-        seq_t = args[1]
-        return jax.lax.cond(jnp.all(seq_t == seq_t[0]), lambda a: run_tile(a, True),
-                            lambda a: run_tile(a, False), args)
-
-    tiles = (qf, seq.reshape(n_tiles, tile), lo.reshape(n_tiles, tile), hi.reshape(n_tiles, tile))
     if tile == 1 or num_seqs == 1:      # every tile holds one sequence (statically known)
         one_tile = functools.partial(run_tile, one_seq=True)
+    else:
+        def one_tile(args):
+            seq_t = args[1]
+            return jax.lax.cond(jnp.all(seq_t == seq_t[0]), lambda a: run_tile(a, True),
+                                lambda a: run_tile(a, False), args)
+
+    tiles = (qf, seq.reshape(n_tiles, tile), lo.reshape(n_tiles, tile), hi.reshape(n_tiles, tile))
     if n_tiles == 1:                    # e.g. a batch-1 decode row: no map around the tile
         out = one_tile(jax.tree.map(lambda a: a[0], tiles))[None]
     else:
