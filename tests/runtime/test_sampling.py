@@ -414,3 +414,44 @@ def test_dataclass_is_a_pytree_of_data():
     assert len(leaves) == len(dataclasses.fields(SamplingArrays))
     b = jax.jit(lambda x: x)(a)
     assert _tree_equal(a, b)
+
+
+# ------------------------------------------------------------------------------ vocab_argmax
+@pytest.mark.parametrize("shape", [(3, 49152), (2, 3, 8192), (2, 4099), (1, 5000), (4, 100),
+                                   (2, 4096)])
+def test_vocab_argmax_equals_argmax_with_ties_nan_and_inf(shape):
+    """The two-level argmax gives ``np.argmax``'s index: the first maximum among ties, the first
+    NaN when a row has one (also after a +inf), the first +inf, 0 for an all -inf row; for
+    block-divisible vocabularies (49,152 = 48 x 1024), a prime one (4,099: padded) and short rows
+    (plain argmax)."""
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal(shape).astype(np.float32)
+    flat = x.reshape(-1, shape[-1])
+    v = shape[-1]
+    flat[0, [v // 3, v - 1]] = 50.0                      # tie across blocks: first one wins
+    if flat.shape[0] > 1:
+        flat[1, :] = -np.inf                             # all -inf: index 0
+    if flat.shape[0] > 2:
+        flat[2, [7, v // 2]] = np.nan                    # NaN counts as the maximum
+    if flat.shape[0] > 4:
+        flat[3, [v - 2, 9]] = np.inf                     # +inf: its first occurrence
+        flat[4, [v // 2, v - 1]] = [np.inf, np.nan]      # NaN wins over an earlier +inf
+    want = np.argmax(flat, -1)
+    assert want[0] == v // 3
+    got = np.asarray(jax.jit(smp.vocab_argmax)(jnp.asarray(flat.reshape(shape))))
+    assert got.dtype == np.int32 and got.shape == shape[:-1]
+    np.testing.assert_array_equal(got.reshape(-1), want)
+    # bf16 logits (TPU/GPU): the same as jnp.argmax on the same array
+    xb = jnp.asarray(flat, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(smp.vocab_argmax(xb)),
+                                  np.asarray(jnp.argmax(xb, -1)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(4096, 20000), st.integers(0, 2**31 - 1))
+def test_vocab_argmax_property_random_lengths(v, seed):
+    """Any row length (divisible by a block size or padded): equal to ``np.argmax``, also with
+    many exact ties (values drawn from a few integers)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-3, 4, (2, v)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(smp.vocab_argmax(jnp.asarray(x))), np.argmax(x, -1))

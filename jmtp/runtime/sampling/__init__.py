@@ -15,7 +15,7 @@ from jmtp.runtime.sampling.draft import draft_sample
 from jmtp.runtime.sampling.params import GREEDY_EPS, PENALTY_LIMIT, SamplingParams
 from jmtp.runtime.sampling.processors import (PAIRWISE_MAX_V, filter_logits, penalize,
                                               safe_softmax, stop_mask, target_probs,
-                                              window_history)
+                                              vocab_argmax, window_history)
 from jmtp.runtime.sampling.rng import (NUM_PURPOSES, PURPOSE_ACCEPT, PURPOSE_DRAFT,
                                        PURPOSE_SAMPLE, request_keys, sample_from_probs,
                                        uniform_draws, uniform_from_keys)
@@ -25,5 +25,5 @@ __all__ = [
     "PURPOSE_DRAFT", "PURPOSE_SAMPLE", "SamplingArrays", "SamplingParams", "clear_slot",
     "draft_sample", "filter_logits", "make_row", "pack_sampling", "penalize", "request_keys",
     "safe_softmax", "sample_from_probs", "set_slot", "stop_mask", "target_probs",
-    "uniform_draws", "uniform_from_keys", "update_history", "window_history",
+    "uniform_draws", "uniform_from_keys", "update_history", "vocab_argmax", "window_history",
 ]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jmtp.runtime.sampling.arrays import SamplingArrays
 from jmtp.runtime.sampling.params import GREEDY_EPS
-from jmtp.runtime.sampling.processors import filter_logits, safe_softmax
+from jmtp.runtime.sampling.processors import filter_logits, safe_softmax, vocab_argmax
 from jmtp.runtime.sampling.rng import (PURPOSE_DRAFT, sample_from_probs, uniform_draws,
                                        uniform_from_keys)
 
@@ -48,7 +48,7 @@ def draft_sample(logits: jax.Array, sampling: SamplingArrays, positions: jax.Arr
     logits = logits.astype(jnp.float32)
     B, V = logits.shape
     if not draft_sampling:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return vocab_argmax(logits), None
     if positions is None and key is None:
         raise ValueError("draft_sample: positions (i32[B]) or key is required with draft_sampling")
 
@@ -63,7 +63,7 @@ def draft_sample(logits: jax.Array, sampling: SamplingArrays, positions: jax.Arr
     greedy = temperature < GREEDY_EPS
     z = logits / jnp.where(greedy, 1.0, temperature)[:, None]
     q_filtered = safe_softmax(filter_logits(z, top_k, top_p, jnp.zeros((B,), jnp.float32)))
-    argmax_one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), V, dtype=jnp.float32)
+    argmax_one_hot = jax.nn.one_hot(vocab_argmax(logits), V, dtype=jnp.float32)
     q = jnp.where(greedy[:, None] | (jnp.sum(q_filtered, -1, keepdims=True) <= 0),
                   argmax_one_hot, q_filtered)
     draft_positions = (jnp.zeros((B,), jnp.int32) if positions is None

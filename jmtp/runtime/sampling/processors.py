@@ -140,6 +140,60 @@ def penalize(logits: jax.Array, sampling: SamplingArrays, draft_tokens: jax.Arra
     return jnp.where(ban, -jnp.inf, penalized)
 
 
+#: Smallest last-axis length :func:`vocab_argmax` splits into blocks (shorter rows: one argmax).
+ARGMAX_SPLIT_MIN = 4096
+
+
+def _argmax_block(n: int) -> int:
+    """Block length of :func:`vocab_argmax` for rows of ``n`` entries: the largest divisor of
+    ``n`` in [64, 1024] (0: none, the row is padded to a multiple of 512)."""
+    for b in range(1024, 63, -1):
+        if n % b == 0:
+            return b
+    return 0
+
+
+def vocab_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as ``i32[...]`` for long rows (a vocabulary): the same index
+    (the first among ties; a NaN counts as the maximum, its first occurrence wins), computed in
+    two levels: the maximum of each block of ~512-1024 entries, the first block holding the row's
+    maximum, then the first maximum inside that block.
+
+    XLA:CPU lowers ``jnp.argmax`` to a (value, index) reduction that it does not vectorise: over
+    SmolLM2's 49,152 logits it takes 0.28 ms for one row, 1.0 ms for 8 and 3.9 ms for 32, where the
+    two-level form takes about 0.1 / 0.15 / 0.25 ms (a plain ``max`` reduction vectorises; the
+    index search then touches one block per row). Rows shorter than :data:`ARGMAX_SPLIT_MIN`, and
+    non-float arrays, use ``jnp.argmax`` directly; so does a batch in which some row holds
+    ``+inf`` or NaN (``lax.cond``), where the block maxima cannot tell the first NaN.
+
+    Args:
+      x: f[..., V] (V >= 1).
+    Returns:
+      i32[...]: per row, the index of its maximum.
+    """
+    n = x.shape[-1]
+    if n < ARGMAX_SPLIT_MIN or not jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    b = _argmax_block(n)
+    if b == 0:   # no divisor in range: pad with -inf, which never beats a real entry
+        b = 512
+        pad = [(0, 0)] * (x.ndim - 1) + [(0, -n % b)]
+        x = jnp.pad(x, pad, constant_values=-jnp.inf)
+    blocks = x.reshape(x.shape[:-1] + (x.shape[-1] // b, b))
+    # XLA:CPU's vectorised max may drop a NaN: count it as +inf in the block maxima
+    block_max = jnp.max(jnp.where(jnp.isnan(blocks), jnp.inf, blocks), axis=-1)  # [..., nb]
+
+    def two_level(_):
+        first = jnp.argmax(block_max, axis=-1)                                   # i[...]
+        inside = jnp.take_along_axis(blocks, first[..., None, None], axis=-2)[..., 0, :]
+        return (first * b + jnp.argmax(inside, axis=-1)).astype(jnp.int32)
+
+    # A row holding +inf or NaN (a NaN must win over an earlier +inf): the exact argmax. Never
+    # taken for finite logits (-inf entries, i.e. masked tokens, are fine).
+    return jax.lax.cond(uniform_any(block_max == jnp.inf),
+                        lambda _: jnp.argmax(x, axis=-1).astype(jnp.int32), two_level, None)
+
+
 def safe_softmax(z: jax.Array) -> jax.Array:
     """Softmax over the last axis that gives an all-zero row (not NaN) when every entry is
     ``-inf``; callers test ``sum > 0`` to detect such a row."""
@@ -237,7 +291,7 @@ def target_probs(penalized: jax.Array, sampling: SamplingArrays) -> jax.Array:
         repeat_per_window_row(sampling.top_p),
         repeat_per_window_row(sampling.min_p)).reshape(B, W, V)
     p = safe_softmax(z_filtered)
-    argmax_one_hot = jax.nn.one_hot(jnp.argmax(penalized, axis=-1), V, dtype=jnp.float32)
+    argmax_one_hot = jax.nn.one_hot(vocab_argmax(penalized), V, dtype=jnp.float32)
     has_mass = jnp.sum(p, axis=-1, keepdims=True) > 0
     p = jnp.where(has_mass, p, argmax_one_hot)
     return jnp.where(greedy[:, None, None], argmax_one_hot, p)
