@@ -36,7 +36,7 @@ def build_llm(args):
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                data_parallel_size=getattr(args, "data_parallel_size", 1),
                enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
-               layer_loop=getattr(args, "layer_loop", "scan"))
+               layer_loop=getattr(args, "layer_loop", "auto"))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -86,10 +86,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the target and MTP KV of cached full blocks of earlier requests "
                         "(shared prompt prefixes, multi-turn chats); one device only")
-    p.add_argument("--layer-loop", choices=["scan", "unrolled"], default="scan",
+    p.add_argument("--layer-loop", choices=["auto", "scan", "unrolled"], default="auto",
                    help="scan: the target's layers under one lax.scan (fastest compile); "
                         "unrolled: one graph node per layer (faster steps on CPU, where the scan "
-                        "copies each layer's weights; compiles several times longer)")
+                        "copies each layer's weights; compiles about twice as long); auto "
+                        "(default): unrolled on CPU with one device, else scan")
     p.add_argument("--compile", choices=["eager", "lazy"], default=None,
                    help="eager: compile every step bucket at start-up (default, or "
                         "$JMTP_COMPILE); lazy: compile each bucket on first use")

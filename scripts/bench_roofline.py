@@ -71,6 +71,11 @@ def memory_bandwidth(mb: int = 512, reps: int = 5) -> dict:
     return out
 
 
+#: ``--layers`` variant -> ``LLM(layer_loop=...)`` of its engine (the default, ``"auto"``, is
+#: unrolled on CPU).
+LOOPS = {"stacked": "scan", "unstacked": "unrolled"}
+
+
 # ------------------------------------------------------------------------------------ bytes
 def nbytes(tree) -> int:
     return sum(int(np.prod(l.shape)) * l.dtype.itemsize for l in jax.tree_util.tree_leaves(tree))
@@ -175,7 +180,7 @@ def engine_step_ms(cfg, variants: dict, tok, max_tokens, iters):
     llms = {}
     for name, params in variants.items():
         llms[name] = LLM(model_config=cfg, params=params, tokenizer=tok, max_num_seqs=1,
-                         max_model_len=512)
+                         max_model_len=512, layer_loop=LOOPS[name])
         llms[name].generate([prompt], sp, use_tqdm=False)
     times = {name: [] for name in variants}
     for _ in range(iters):
@@ -213,8 +218,8 @@ def vs_hf(cfg, variants, tok, max_tokens, iters, torch_threads):
     from jmtp import LLM, SamplingParams
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in CHAT]
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    llms = {name: LLM(model_config=cfg, params=p, tokenizer=tok, max_num_seqs=1, max_model_len=512)
-            for name, p in variants.items()}
+    llms = {name: LLM(model_config=cfg, params=p, tokenizer=tok, max_num_seqs=1, max_model_len=512,
+                      layer_loop=LOOPS[name]) for name, p in variants.items()}
 
     def run_jmtp(llm):
         t0 = time.perf_counter()

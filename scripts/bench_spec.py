@@ -35,7 +35,7 @@ def parse_args(argv=None):
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per set (0 = all)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--layer-loop", default="scan", choices=["scan", "unrolled"],
+    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unrolled"],
                     help="LLM(layer_loop=...) of every engine")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

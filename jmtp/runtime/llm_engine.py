@@ -48,7 +48,25 @@ from jmtp.runtime.handoff import (HANDOFF_VERSION, RequestState, compat_diff, en
 log = logging.getLogger(__name__)
 
 #: ``LLMEngine(layer_loop=...)`` values.
-LAYER_LOOPS = ("scan", "unrolled")
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+
+
+def resolve_layer_loop(layer_loop: str, one_device: bool, backend: str | None = None) -> str:
+    """The layer loop ``layer_loop="auto"`` stands for: ``"unrolled"`` on XLA:CPU with one device
+    (there the scan copies every layer's weights out of the stack each step: the engine step is
+    ~5-25 % slower under it, measured in README "Measured figures"), else ``"scan"`` (a mesh
+    needs the stacked layers; on TPU/GPU the scan compiles faster). Other values are returned as
+    they are.
+
+    Args:
+      layer_loop: one of :data:`LAYER_LOOPS`.
+      one_device: no device mesh (``tensor_parallel_size == data_parallel_size == 1``).
+      backend: the platform (default ``jax.default_backend()``).
+    """
+    if layer_loop != "auto":
+        return layer_loop
+    backend = backend or jax.default_backend()
+    return "unrolled" if backend == "cpu" and one_device else "scan"
 
 
 def default_dtype():
@@ -202,13 +220,15 @@ class LLMEngine:
       enable_prefix_caching: reuse the target and MTP KV of full blocks of earlier requests'
         prompts and outputs (vLLM's option name; :mod:`jmtp.runtime.prefix_cache`). One device
         only for now (no mesh).
-      layer_loop: how the step runs the target's decoder layers: ``"scan"`` (default: one
-        ``lax.scan`` over the stacked layers, compiles fastest) or ``"unrolled"`` (a Python loop
-        over per-layer weights, :func:`jmtp.model.llama.unstack_layers`). On XLA:CPU the scan
-        copies each layer's weights out of the stack before its matmuls (about a third of a
-        SmolLM2 decode step in a profile), which ``"unrolled"`` avoids, at the price of a compile
-        several times as long (the persistent compilation cache keeps it to the first start).
-        One device only for now.
+      layer_loop: how the step runs the target's decoder layers: ``"scan"`` (one ``lax.scan``
+        over the stacked layers, compiles fastest), ``"unrolled"`` (a Python loop over per-layer
+        weights, :func:`jmtp.model.llama.unstack_layers`; one device only for now) or ``"auto"``
+        (default: :func:`resolve_layer_loop`, unrolled on XLA:CPU with one device, else scan).
+        On XLA:CPU the scan copies each layer's weights out of the stack before its matmuls
+        (in a profile of a SmolLM2 decode step those copies took longer than the matmuls),
+        which ``"unrolled"`` avoids, at the price of a compile about twice as long (SmolLM2,
+        batch 1: 95 s against 52 s cold; the persistent compilation cache keeps it to the first
+        start). The chosen loop is :attr:`layer_loop`.
 
     Raises:
       TypeError: an unknown keyword.
@@ -225,14 +245,15 @@ class LLMEngine:
                  compilation_cache_dir: str | bool | None = "auto", block_allocator: str = "auto",
                  kv_cache_dtype: str | None = None, moe_backend: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
-                 enable_prefix_caching: bool = False, layer_loop: str = "scan"):
+                 enable_prefix_caching: bool = False, layer_loop: str = "auto"):
         from jmtp.checks import check_one_of
         from jmtp.pallas.kv_quant import check_kv_cache_dtype
         from jmtp.runtime import compile as jc
         check_kv_cache_dtype(kv_cache_dtype)   # before anything is loaded
         check_one_of("layer_loop", layer_loop, LAYER_LOOPS)
-        if layer_loop == "unrolled" and (mesh is not None or (tensor_parallel_size,
-                                                              data_parallel_size) != (1, 1)):
+        one_device = mesh is None and (tensor_parallel_size, data_parallel_size) == (1, 1)
+        layer_loop = self.layer_loop = resolve_layer_loop(layer_loop, one_device)
+        if layer_loop == "unrolled" and not one_device:
             raise ValueError("layer_loop='unrolled' with a device mesh is not supported yet: use "
                              "layer_loop='scan'")
         if enable_prefix_caching and (mesh is not None or (tensor_parallel_size,

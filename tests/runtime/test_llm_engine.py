@@ -264,20 +264,41 @@ def test_chat_equals_generate_on_templated_prompt(smollm2_tokenizer, hf_smollm2_
     assert llm.chat(conv, sp, use_tqdm=False)[0].token_ids == chat[0].token_ids
 
 
-def test_unrolled_layer_loop_decodes_like_the_reference():
-    """``layer_loop="unrolled"`` (per-layer weights, a Python loop over the layers) gives the
-    non-paged reference's greedy tokens, plain and with MTP K=2; bad values are refused early."""
+@pytest.mark.parametrize("loop", ["scan", "unrolled"])
+def test_each_layer_loop_decodes_like_the_reference(loop):
+    """``layer_loop="scan"`` (stacked weights under one ``lax.scan``) and ``"unrolled"``
+    (per-layer weights, a Python loop over the layers) both give the non-paged reference's greedy
+    tokens, plain and with MTP K=2; bad values are refused early."""
     cfg, params = tiny_model(0)
     prompt = [5, 9, 2, 7, 11]
     ref = reference_greedy(cfg, params, prompt, 10, stop_ids=())
     for spec in (None, SpeculativeConfig("mtp", 2)):
         llm = LLM(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=2,
-                  max_model_len=MAX_LEN, block_size=4, compile="lazy", layer_loop="unrolled")
+                  max_model_len=MAX_LEN, block_size=4, compile="lazy", layer_loop=loop)
+        assert llm.llm_engine.layer_loop == loop
         paths = [jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_leaves_with_path(llm.llm_engine.params)]
-        assert "['layers']['layers'][1]['attn']['wq'].value" in paths     # per-layer weights
+        per_layer = "['layers']['layers'][1]['attn']['wq'].value" in paths
+        assert per_layer == (loop == "unrolled")
         out = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True),
                            use_tqdm=False)[0]
         assert out.token_ids == ref
     with pytest.raises(ValueError, match="layer_loop"):
         LLM(model_config=cfg, params=params, layer_loop="unroll")
+
+
+def test_auto_layer_loop_is_unrolled_on_one_cpu_device_else_scan():
+    """``layer_loop="auto"`` (the default): unrolled on XLA:CPU without a mesh (the scan copies
+    each layer's weights there), scan with a mesh (unrolled does not support one) and on TPU /
+    GPU; explicit values are kept."""
+    from jmtp.runtime.llm_engine import resolve_layer_loop
+    assert resolve_layer_loop("auto", True, "cpu") == "unrolled"
+    assert resolve_layer_loop("auto", False, "cpu") == "scan"
+    assert resolve_layer_loop("auto", True, "tpu") == "scan"
+    assert resolve_layer_loop("auto", True, "gpu") == "scan"
+    assert resolve_layer_loop("scan", True, "cpu") == "scan"
+    assert resolve_layer_loop("unrolled", True, "tpu") == "unrolled"
+    cfg, params = tiny_model(0)
+    llm = LLM(model_config=cfg, params=params, max_num_seqs=2, max_model_len=MAX_LEN,
+              block_size=4, compile="lazy")
+    assert llm.llm_engine.layer_loop == ("unrolled" if jax.default_backend() == "cpu" else "scan")
