@@ -183,18 +183,43 @@ class RequestState:
 
 
 # ---------------------------------------------------------------------------- fingerprint
+def _layer_index(path) -> int | None:
+    """The layer number of a leaf of unstacked target layers (path ``layers, layers, i, ...``:
+    ``LLM(layer_loop="unrolled")``), else None."""
+    names = [getattr(k, "key", getattr(k, "idx", None)) for k in path[:3]]
+    if len(names) == 3 and names[:2] == ["layers", "layers"] and isinstance(names[2], int):
+        return names[2]
+    return None
+
+
 def params_digest(params) -> str:
     """CRC-32 (hex) over every parameter leaf's path, dtype, shape and a strided sample of at most
     ~4096 of its values: cheap (no full device-to-host copy) and different for any two checkpoints
-    that differ in structure or in the sampled values."""
-    crc = 0
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
+    that differ in structure or in the sampled values.
+
+    Independent of the layer loop: unstacked target layers (a leaf per layer,
+    ``layer_loop="unrolled"``) are digested as the stacked ``f[L, ...]`` leaf they were split from
+    (same path without the layer number, shape ``(L,) + shape``, the same strided sample), so a
+    scan engine and an unrolled one with the same weights have the same digest."""
+    groups: dict[str, list] = {}     # canonical path -> [(layer or None, array)]
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         x = getattr(leaf, "value", leaf)
-        flat = jnp.ravel(x)
-        stride = max(1, flat.size // 4096)
-        sample = np.asarray(jax.device_get(flat[::stride]))
-        head = f"{jax.tree_util.keystr(path)}|{x.dtype}|{tuple(x.shape)}".encode()
+        layer = _layer_index(path)
+        key = jax.tree_util.keystr(path if layer is None else path[:2] + path[3:])
+        groups.setdefault(key, []).append((layer, x))
+    crc = 0
+    for key in sorted(groups):
+        parts = sorted(groups[key], key=lambda lx: -1 if lx[0] is None else lx[0])
+        x0 = parts[0][1]
+        shape = tuple(x0.shape) if parts[0][0] is None else (len(parts),) + tuple(x0.shape)
+        per = int(np.prod(x0.shape))
+        stride = max(1, (per * len(parts)) // 4096)
+        idx = np.arange(0, per * len(parts), stride)
+        sample = np.concatenate([
+            np.asarray(jax.device_get(jnp.ravel(x)[idx[(idx >= i * per) & (idx < (i + 1) * per)]
+                                                   - i * per]))
+            for i, (_, x) in enumerate(parts)])
+        head = f"{key}|{x0.dtype}|{shape}".encode()
         crc = zlib.crc32(sample.tobytes(), zlib.crc32(head, crc))
     return f"{crc:08x}"
 

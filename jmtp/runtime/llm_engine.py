@@ -228,7 +228,8 @@ class LLMEngine:
         (in a profile of a SmolLM2 decode step those copies took longer than the matmuls),
         which ``"unrolled"`` avoids, at the price of a compile about twice as long (SmolLM2,
         batch 1: 95 s against 52 s cold; the persistent compilation cache keeps it to the first
-        start). The chosen loop is :attr:`layer_loop`.
+        start). Unrolled layers are copies of the stacked ones: a caller that passes ``params``
+        and keeps them holds the layer weights twice. The chosen loop is :attr:`layer_loop`.
 
     Raises:
       TypeError: an unknown keyword.
@@ -251,7 +252,8 @@ class LLMEngine:
         from jmtp.runtime import compile as jc
         check_kv_cache_dtype(kv_cache_dtype)   # before anything is loaded
         check_one_of("layer_loop", layer_loop, LAYER_LOOPS)
-        one_device = mesh is None and (tensor_parallel_size, data_parallel_size) == (1, 1)
+        one_device = (mesh.size == 1 if mesh is not None
+                      else (tensor_parallel_size, data_parallel_size) == (1, 1))
         layer_loop = self.layer_loop = resolve_layer_loop(layer_loop, one_device)
         if layer_loop == "unrolled" and not one_device:
             raise ValueError("layer_loop='unrolled' with a device mesh is not supported yet: use "

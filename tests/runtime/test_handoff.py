@@ -210,3 +210,22 @@ def test_failed_device_import_writes_nothing():
     after = jax.device_get((eng.state, eng.cache, eng.mtp_cache))
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def test_hand_off_between_a_scan_and_an_unrolled_engine():
+    """The layer loop is an implementation choice: a request prefilled on a ``layer_loop="scan"``
+    engine (stacked weights, as on TPU/GPU) decodes on an unrolled one (per-layer weights, the
+    CPU default) with the one-engine tokens; the weights' digest is the same for both layouts
+    and differs for other weights."""
+    from jmtp.runtime.handoff import compat_diff, params_digest
+    a = make(2, layer_loop="scan")
+    b = make(2, max_num_seqs=2, num_blocks=30, layer_loop="unrolled")
+    assert (a.llm_engine.layer_loop, b.llm_engine.layer_loop) == ("scan", "unrolled")
+    assert params_digest(a.llm_engine.params) == params_digest(b.llm_engine.params)
+    assert params_digest(make(2, seed=1, layer_loop="unrolled").llm_engine.params) != \
+        params_digest(b.llm_engine.params)
+    ref = a.generate(PROMPTS, GREEDY, use_tqdm=False)
+    states = a.prefill(PROMPTS, GREEDY)
+    assert compat_diff(states[0].compat, b.llm_engine._handoff_compat()) == []
+    outs = b.import_request(_wire(states), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]

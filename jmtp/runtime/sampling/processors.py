@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jmtp.runtime.sampling.arrays import SamplingArrays
 from jmtp.runtime.sampling.params import GREEDY_EPS
-from jmtp.runtime.sharding import uniform_any
+from jmtp.runtime.sharding import model_axis_size, uniform_any
 
 
 def stop_mask(sampling: SamplingArrays, eos_token_ids: jax.Array) -> jax.Array:
@@ -162,9 +162,12 @@ def vocab_argmax(x: jax.Array) -> jax.Array:
     XLA:CPU lowers ``jnp.argmax`` to a (value, index) reduction that it does not vectorise: over
     SmolLM2's 49,152 logits it takes 0.28 ms for one row, 1.0 ms for 8 and 3.9 ms for 32, where the
     two-level form takes about 0.1 / 0.15 / 0.25 ms (a plain ``max`` reduction vectorises; the
-    index search then touches one block per row). Rows shorter than :data:`ARGMAX_SPLIT_MIN`, and
-    non-float arrays, use ``jnp.argmax`` directly; so does a batch in which some row holds
-    ``+inf`` or NaN (``lax.cond``), where the block maxima cannot tell the first NaN.
+    index search then touches one block per row). Rows shorter than :data:`ARGMAX_SPLIT_MIN`,
+    non-float arrays, other backends than XLA:CPU (not measured there; GPU's and TPU's argmax
+    reductions are parallel) and a vocabulary sharded over a tensor-parallel mesh axis (the
+    blocks would need an all-gather of the logits) use ``jnp.argmax`` directly; so does a batch
+    in which some row holds ``+inf`` or NaN (``lax.cond``), where the block maxima cannot tell
+    the first NaN.
 
     Args:
       x: f[..., V] (V >= 1).
@@ -172,7 +175,8 @@ def vocab_argmax(x: jax.Array) -> jax.Array:
       i32[...]: per row, the index of its maximum.
     """
     n = x.shape[-1]
-    if n < ARGMAX_SPLIT_MIN or not jnp.issubdtype(x.dtype, jnp.floating):
+    if (n < ARGMAX_SPLIT_MIN or not jnp.issubdtype(x.dtype, jnp.floating)
+            or jax.default_backend() != "cpu" or model_axis_size() > 1):
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     b = _argmax_block(n)
     if b == 0:   # no divisor in range: pad with -inf, which never beats a real entry
