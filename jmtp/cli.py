@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(s)
-    from jmtp.launch import add_launch_args, run_launch
+    from jmtp.launch import add_launch_args
     la = sub.add_parser("launch", help="run a jmtp subcommand as N processes of one "
                         "jax.distributed job on this host (e.g. jmtp launch -n 2 "
                         "--devices-per-process 2 -- generate --tensor-parallel-size 4)")
@@ -199,6 +199,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "launch":
+            from jmtp.launch import run_launch
             return run_launch(args)
         if args.cmd == "serve":
             from jmtp.runtime import distributed as dist
