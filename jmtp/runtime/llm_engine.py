@@ -60,7 +60,7 @@ def resolve_layer_loop(layer_loop: str, one_device: bool, backend: str | None = 
 
     Args:
       layer_loop: one of :data:`LAYER_LOOPS`.
-      one_device: no device mesh (``tensor_parallel_size == data_parallel_size == 1``).
+      one_device: the engine runs on one device (no mesh, or a mesh of one device).
       backend: the platform (default ``jax.default_backend()``).
     """
     if layer_loop != "auto":

@@ -129,7 +129,7 @@ def _rejection(pen, d, valid, nd, draft_probs, sampling, u, greedy_row):
     W = pen.shape[1]
 
     def all_greedy(_):
-        argmax_t = smp.vocab_argmax(pen)                # [B, W]
+        argmax_t = smp.vocab_argmax(pen)   # i32[B, W]
         a = _leading_true(valid & (d == argmax_t[:, :W - 1]))
         return a, _take_row(argmax_t[..., None], a)[:, 0]
 
@@ -140,7 +140,7 @@ def _rejection(pen, d, valid, nd, draft_probs, sampling, u, greedy_row):
 def _rejection_sampled(pen, d, valid, nd, draft_probs, sampling, u, greedy_row):
     B, W, V = pen.shape
     K = W - 1
-    argmax_t = smp.vocab_argmax(pen)                    # [B, W]
+    argmax_t = smp.vocab_argmax(pen)   # i32[B, W]
     p = smp.target_probs(pen, sampling)                                       # [B, W, V]
     pd = jnp.take_along_axis(p[:, :K], d[..., None], axis=-1)[..., 0]         # [B, K]
     if draft_probs is not None:
@@ -178,7 +178,7 @@ def _rejection_sampled(pen, d, valid, nd, draft_probs, sampling, u, greedy_row):
 def _match(pen, d, valid, sampling, u, greedy_row, sample: bool):
     B, W, V = pen.shape
     K = W - 1
-    t = smp.vocab_argmax(pen)                            # [B, W]
+    t = smp.vocab_argmax(pen)   # i32[B, W]
     if sample:
         p = smp.target_probs(pen, sampling)
         t = jnp.where(greedy_row[:, None], t, smp.sample_from_probs(p, u[..., 1]))

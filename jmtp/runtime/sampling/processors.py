@@ -160,8 +160,8 @@ def vocab_argmax(x: jax.Array) -> jax.Array:
     maximum, then the first maximum inside that block.
 
     XLA:CPU lowers ``jnp.argmax`` to a (value, index) reduction that it does not vectorise: over
-    SmolLM2's 49,152 logits it takes 0.28 ms for one row, 1.0 ms for 8 and 3.9 ms for 32, where the
-    two-level form takes about 0.1 / 0.15 / 0.25 ms (a plain ``max`` reduction vectorises; the
+    SmolLM2's 49,152 logits it takes 0.25 ms for one row, 1.04 ms for 8 and 3.90 ms for 32, where
+    the two-level form takes 0.11 / 0.23 / 0.56 ms (a plain ``max`` reduction vectorises; the
     index search then touches one block per row). Rows shorter than :data:`ARGMAX_SPLIT_MIN`,
     non-float arrays, other backends than XLA:CPU (not measured there; GPU's and TPU's argmax
     reductions are parallel) and a vocabulary sharded over a tensor-parallel mesh axis (the
