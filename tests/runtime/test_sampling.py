@@ -349,6 +349,38 @@ def test_sample_from_probs_never_picks_zero_mass():
     assert int(smp.sample_from_probs(jnp.zeros((1, 4)), jnp.zeros((1,)))[0]) == 0
 
 
+def ref_sample_from_probs(probs, u):
+    """Inverse CDF, one row at a time: the first positive-mass token whose running sum exceeds
+    ``u * total``; the argmax when the row has no mass."""
+    p = np.maximum(np.asarray(probs, np.float64), 0.0)
+    total = p.sum()
+    if not total > 0:
+        return int(np.argmax(p))
+    running = 0.0
+    for i, mass in enumerate(p):
+        running += mass
+        if mass > 0 and running > u * total:
+            return i
+    return int(np.flatnonzero(p)[-1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_sample_from_probs_matches_the_sequential_inverse_cdf(data):
+    # integer masses and u on a 1/64 grid: every running sum and threshold is exact in float32,
+    # so the reference's float64 arithmetic makes the same comparisons
+    V = data.draw(st.sampled_from([3, 17, 4096, 5000]), "V")
+    rows = data.draw(st.integers(1, 4), "rows")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), "seed"))
+    density = data.draw(st.sampled_from([0.002, 0.05, 0.5, 1.0]), "density")
+    probs = np.where(rng.random((rows, V)) < density, rng.integers(-2, 5, (rows, V)), 0)
+    probs = probs.astype(np.float32)
+    u = (rng.integers(0, 64, rows) / 64).astype(np.float32)
+    got = np.asarray(jax.jit(smp.sample_from_probs)(jnp.asarray(probs), jnp.asarray(u)))
+    assert got.dtype == np.int32
+    assert list(got) == [ref_sample_from_probs(probs[r], u[r]) for r in range(rows)]
+
+
 # ----------------------------------------------------------------------------------------------
 # draft sampling, keys, history
 

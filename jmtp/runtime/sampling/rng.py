@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jmtp.runtime.sampling.processors import vocab_argmax
+
 #: RNG purposes folded into the per-position key (:func:`request_keys`).
 PURPOSE_ACCEPT = 0   # acceptance coin of a draft (rejection sampling)
 PURPOSE_SAMPLE = 1   # a token sampled from the target (bonus / correction / target_match / topp)
@@ -74,7 +76,11 @@ def sample_from_probs(probs: jax.Array, u: jax.Array) -> jax.Array:
     positive = probs > 0
     past_threshold = (cumulative > threshold) & positive
     V = probs.shape[-1]
-    last_positive = V - 1 - jnp.argmax(positive[..., ::-1], axis=-1)
-    token = jnp.where(jnp.any(past_threshold, axis=-1), jnp.argmax(past_threshold, axis=-1),
-                      last_positive)
-    return jnp.where(total > 0, token, jnp.argmax(probs, axis=-1)).astype(jnp.int32)
+    # first / last True index as integer min / max reductions: XLA:CPU vectorises those, not the
+    # (value, index) reduction of jnp.argmax (see vocab_argmax), and a vocabulary sharded over a
+    # mesh axis reduces them with one all-reduce
+    index = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
+    first_past = jnp.min(jnp.where(past_threshold, index, V), axis=-1)
+    last_positive = jnp.max(jnp.where(positive, index, -1), axis=-1)
+    token = jnp.where(first_past < V, first_past, last_positive)
+    return jnp.where(total > 0, token, vocab_argmax(probs)).astype(jnp.int32)
