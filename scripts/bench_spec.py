@@ -105,6 +105,9 @@ def main(argv=None) -> int:
     sets = prompt_sets(tok, args.sets, args.num_prompts)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     longest = max(len(p) for ps in sets.values() for p in ps)
+    # rounded up as scripts/bench_peers.py does: the same engine shapes, so the two scripts share
+    # their compiled steps through the persistent compilation cache
+    max_model_len = -(-(longest + args.max_tokens + 16) // 256) * 256
     print(f"# {platform.machine()} | SmolLM2-135M-Instruct + shipped head | greedy, max_tokens "
           f"{args.max_tokens} | rounds {args.rounds} | layer_loop {args.layer_loop} | "
           + ", ".join(f"{k}: {len(v)} prompts" for k, v in sets.items()), flush=True)
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
         for name in args.variants:
             t0 = time.perf_counter()
             llm = LLM(model_config=cfg, params=params, tokenizer=tok, max_num_seqs=b,
-                      max_model_len=longest + args.max_tokens + 16, speculative_config=spec_for(name),
+                      max_model_len=max_model_len, speculative_config=spec_for(name),
                       compile="eager", layer_loop=args.layer_loop)
             warm_up(llm, [p for ps in sets.values() for p in ps])
             engines[name] = llm
