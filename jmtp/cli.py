@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     add_engine_args(g)
-    g.set_defaults(layer_loop="scan")    # one-shot: start-up (loading unrolled executables) dominates
+    g.set_defaults(layer_loop="scan")    # one-shot: start-up (compiling or loading unrolled executables) dominates
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

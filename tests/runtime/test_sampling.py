@@ -349,6 +349,33 @@ def test_sample_from_probs_never_picks_zero_mass():
     assert int(smp.sample_from_probs(jnp.zeros((1, 4)), jnp.zeros((1,)))[0]) == 0
     # a running sum equal to u * total (2 of 4) does not exceed it: the next token with mass
     assert int(smp.sample_from_probs(jnp.asarray([[1.0, 1.0, 0.0, 2.0]]), jnp.asarray([0.5]))[0]) == 3
+    # the total overflows to inf, so no running sum exceeds u * total: the last token with mass
+    assert int(smp.sample_from_probs(jnp.asarray([[0.0, 3e38, 3e38, 0.0]]), jnp.asarray([0.5]))[0]) == 2
+    # a NaN row takes the argmax: the first NaN
+    nan = float("nan")
+    assert int(smp.sample_from_probs(jnp.asarray([[0.0, nan, 1.0, nan]]), jnp.asarray([0.3]))[0]) == 1
+
+
+def test_sample_from_probs_never_picks_zero_mass_under_rounding():
+    # masses spanning ~40 orders of magnitude between zeros: float32 running sums round (XLA:CPU's
+    # cumsum even steps down), and a threshold can fall on a zero-mass position
+    rng = np.random.default_rng(3)
+    probs = np.where(rng.random((32, 5000)) < 0.5, 0.0, np.exp(rng.normal(size=(32, 5000)) * 10))
+    probs = jnp.asarray(probs, jnp.float32)
+    us = [np.full((32,), u, np.float32) for u in (0.0, 0.25, 0.5, 0.999)]
+    # thresholds just past the rise of the running sum (as XLA computes it) at a zero-mass token
+    p, cum = np.asarray(probs), np.asarray(jnp.cumsum(probs, axis=-1))
+    rises = [np.flatnonzero((p[r, 1:] == 0) & (cum[r, 1:] > cum[r, :-1])) + 1 for r in range(32)]
+    for j in range(4):
+        u = np.float32(rng.random(32))
+        for r, at in enumerate(rises):
+            if len(at):
+                i = at[j % len(at)]
+                u[r] = np.nextafter(cum[r, i - 1], np.float32(np.inf)) / cum[r, -1]
+        us.append(u)
+    for u in us:
+        tokens = np.asarray(smp.sample_from_probs(probs, jnp.asarray(u)))
+        assert (p[np.arange(32), tokens] > 0).all(), u
 
 
 def ref_sample_from_probs(probs, u):
