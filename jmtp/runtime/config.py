@@ -37,8 +37,8 @@ class SpeculativeConfig:
       speculation_policy: ``"fixed"`` (every slot drafts up to K each step) or ``"dynamic"``
         (:class:`jmtp.runtime.spec_policy.DynamicSpeculation`: per slot, the host picks the draft
         count 0..K that maximises expected tokens per second from the slot's measured acceptance
-        (EMA) and the step time measured per scheduled row count; 0 where speculation cannot
-        pay). Limits are a data input of the jitted step, so changing them never recompiles.
+        (decayed counts) and the step time measured per step bucket (median of recent live
+        steps, re-timed now and then while drafting); 0 where speculation cannot pay). Limits are a data input of the jitted step, so changing them never recompiles.
         Default ``"fixed"``: output and speed are then reproducible run to run, and with a good
         drafter fixed K is what FastDeploy and vLLM do; choose ``"dynamic"`` for loaded servers
         or weak drafters.

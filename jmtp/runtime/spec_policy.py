@@ -18,7 +18,9 @@ speculation-length heuristics, reduced to what the host measures anyway):
   slots ``A``); ``draft`` on the proposing depth ``d``, the largest draft limit of the step (MTP
   substeps past the first and the draft LM heads, the n-gram matcher: skipped at run time when
   ``d = 0``; MTP substep 0 always runs, it fills the MTP cache).
-  ``base`` is an EMA of the live steps of that bucket that proposed nothing; buckets can be seeded
+  ``base`` is the median of the last :data:`BASE_SAMPLES` live steps of that bucket that proposed
+  nothing (a median, so that one slow step -- a page fault storm in the first steps over fresh KV
+  pages, another process -- cannot set the price); buckets can be seeded
   before serving (:meth:`DynamicSpeculation.seed_costs`, timed on the idle engine), and since an
   idle step does less than a live one (no keys to read) a seeded bucket without such live steps
   is priced at its seed times the live/seed ratio of the same ``A``'s measured buckets (of every
@@ -36,6 +38,13 @@ speculation-length heuristics, reduced to what the host measures anyway):
   ``d`` the largest draft position among them. Slots whose drafts cannot pay get 0.
 * **Probing**: a slot held at 0 drafts for ``probe_every`` consecutive steps gets one draft, so a
   change in its acceptance (e.g. the text turns to copying) is noticed.
+* **Refreshing the no-draft price**: a policy that keeps drafting never runs the no-draft bucket
+  (``n`` rows over ``n`` slots), so a wrong price of it would stand for ever: one slow early step
+  once priced it 3.6x too high at 8 slots, which made drafting look free, and the policy drafted
+  at a loss from then on. When the chosen plan drafts and that bucket has fewer than
+  :data:`BASE_SAMPLES` live timings, or none in the last ``refresh_every`` steps, the policy
+  drafts nothing for two steps: the first verifies the drafts already proposed, the second runs
+  the no-draft bucket and times it.
 
 Expected-throughput maximisation is greedy per step (no look-ahead), and acceptance is treated as
 independent of batch composition.
@@ -47,6 +56,10 @@ from typing import Callable
 import numpy as np
 
 from jmtp.runtime.buckets import StepBucket
+
+#: Live timings per bucket whose median is the bucket's base price (odd: one outlier in three
+#: cannot move it).
+BASE_SAMPLES = 3
 
 #: ``(num_rows, num_slots) -> StepBucket`` of a decode step, e.g. ``choose_bucket(ec, r, n, False)``.
 BucketOf = Callable[[int, int], StepBucket]
@@ -63,9 +76,11 @@ class DynamicSpeculation:
       prior_acceptance: initial pooled per-position acceptance ``a_i`` (before any measurement).
       prior_weight: pseudo-trials of the pooled estimate in each slot's estimate.
       halflife: steps after which a count has half its weight.
-      cost_ema: weight of a new step timing in its bucket's EMA (and of a new proposing cost in
-        the EMA of its depth).
+      cost_ema: weight of a new proposing cost in the EMA of its depth (bucket base prices are
+        medians of the last :data:`BASE_SAMPLES` timings).
       probe_every: a slot at 0 drafts this many steps in a row drafts once (0 = never probe).
+      refresh_every: while drafting, re-time the no-draft bucket when its newest live timing is
+        older than this many steps (0 = never; see the module docstring).
 
     Raises:
       ValueError: ``num_slots < 1``, ``k < 1``, or a parameter outside its range.
@@ -73,24 +88,30 @@ class DynamicSpeculation:
 
     def __init__(self, num_slots: int, k: int, bucket_of: BucketOf, *,
                  prior_acceptance: float = 0.5, prior_weight: float = 4.0, halflife: float = 32.0,
-                 cost_ema: float = 0.2, probe_every: int = 16):
+                 cost_ema: float = 0.2, probe_every: int = 16, refresh_every: int = 64):
         if num_slots < 1 or k < 1:
             raise ValueError(f"DynamicSpeculation: need num_slots >= 1 and k >= 1, got "
                              f"num_slots={num_slots}, k={k}")
         if not 0.0 <= prior_acceptance <= 1.0 or prior_weight < 0 or halflife <= 0:
             raise ValueError("DynamicSpeculation: prior_acceptance must lie in [0, 1], "
                              "prior_weight >= 0, halflife > 0")
-        if not 0.0 < cost_ema <= 1.0 or probe_every < 0:
-            raise ValueError("DynamicSpeculation: cost_ema must lie in (0, 1], probe_every >= 0")
+        if not 0.0 < cost_ema <= 1.0 or probe_every < 0 or refresh_every < 0:
+            raise ValueError("DynamicSpeculation: cost_ema must lie in (0, 1], probe_every >= 0, "
+                             "refresh_every >= 0")
         self.num_slots, self.k = num_slots, k
         self.bucket = bucket_of
         self.prior_weight, self.cost_ema, self.probe_every = prior_weight, cost_ema, probe_every
+        self.refresh_every = refresh_every
         self.decay = 0.5 ** (1.0 / halflife)
         self.trials = np.zeros((num_slots, k))         # decayed per-slot, per-position counts
         self.succ = np.zeros((num_slots, k))
         self.pool_trials = np.full((k,), prior_weight)  # pooled counts, seeded with the prior
         self.pool_succ = np.full((k,), prior_weight * prior_acceptance)
-        self.step_seconds: dict[StepBucket, float] = {}  # bucket -> EMA of live steps, depth 0
+        self.step_seconds: dict[StepBucket, float] = {}  # bucket -> median of live steps, depth 0
+        self._base_samples: dict[StepBucket, list[float]] = {}   # the last BASE_SAMPLES of each
+        self._base_step: dict[StepBucket, int] = {}      # bucket -> step of its newest sample
+        self._step = 0                                   # draft_limits calls with active slots
+        self._refresh_left = 0                           # no-draft steps still to run
         self.seed_seconds: dict[StepBucket, float] = {}  # bucket -> idle-engine seconds (seeds)
         self.draft_seconds: dict[tuple[int, int], float] = {}   # (A, depth) -> EMA extra seconds
         self._ratio_memo: dict[int, float] | None = None  # A -> live_ratio(A) within draft_limits
@@ -142,7 +163,7 @@ class DynamicSpeculation:
 
     def step_time(self, rows: int, num_slots: int, depth: int = 0) -> float:
         """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots that
-        proposes at ``depth``: ``base + draft_time``. ``base``: the live EMA of the bucket, else
+        proposes at ``depth``: ``base + draft_time``. ``base``: the live median of the bucket, else
         its seed scaled by :meth:`live_ratio`, else interpolated in T among priced buckets of the
         same A, or the nearest past them; 1.0 before anything of that A is priced (every bucket
         then costs the same)."""
@@ -174,7 +195,7 @@ class DynamicSpeculation:
         """Seed the cost table with step times measured before serving
         (``LLMEngine.calibrate_speculation`` times every decode bucket on the idle engine), so
         the policy never spends live steps learning what a bucket costs. Seeds are kept apart
-        from the live EMAs: a seeded bucket without live timings is priced at its seed times
+        from the live timings: a seeded bucket without live timings is priced at its seed times
         :meth:`live_ratio`. Seeded buckets count as compiled: their first live timing is kept.
 
         Raises:
@@ -201,6 +222,7 @@ class DynamicSpeculation:
         if n == 0:
             return limits
         self._ratio_memo = {}            # the tables do not change within one call
+        self._step += 1
         try:
             return self._draft_limits(active, n, limits)
         finally:
@@ -218,6 +240,14 @@ class DynamicSpeculation:
             rate = tok / self.step_time(n + x, n, depth)
             if rate > best_rate * (1 + 1e-9):
                 best_x, best_rate = x, rate
+        if best_x and self.refresh_every and not self._refresh_left:
+            none = self.bucket(n, n)
+            if (len(self._base_samples.get(none, ())) < BASE_SAMPLES
+                    or self._step - self._base_step.get(none, 0) > self.refresh_every):
+                self._refresh_left = 2
+        if self._refresh_left:
+            self._refresh_left -= 1
+            return limits
         for _, i, b in cand[:best_x]:
             limits[b] = max(limits[b], i + 1)
         if self.probe_every:
@@ -231,7 +261,8 @@ class DynamicSpeculation:
         """Record one step: per-slot drafts verified / accepted (``StepOutput.num_drafts`` /
         ``num_accepted``, i32[B]), the :class:`StepBucket` the step ran in, its wall ``seconds``
         and its proposing ``depth`` (the largest draft limit it was given; 0: it proposed
-        nothing). A depth-0 step updates its bucket's base EMA, a deeper one the EMA of
+        nothing). A depth-0 step updates its bucket's base (median of the last
+        :data:`BASE_SAMPLES`), a deeper one the EMA of
         ``draft(A, depth)`` (seconds above the bucket's base; while nothing of that slot bucket
         is priced yet, the whole time becomes the bucket's base). The first timing of each
         bucket is discarded (it includes the bucket's compilation). ``timed=False`` (the engine
@@ -255,11 +286,15 @@ class DynamicSpeculation:
         base = self._priced_or_interpolated(bucket)
         if depth > 0 and base is not None:
             key = (bucket.num_slots, int(depth))
-            table, value = self.draft_seconds, max(seconds - base, 0.0)
+            old, value = self.draft_seconds.get(key), max(seconds - base, 0.0)
+            self.draft_seconds[key] = (value if old is None
+                                       else (1 - self.cost_ema) * old + self.cost_ema * value)
         else:
-            key, table, value = bucket, self.step_seconds, seconds
-        old = table.get(key)
-        table[key] = value if old is None else (1 - self.cost_ema) * old + self.cost_ema * value
+            recent = self._base_samples.setdefault(bucket, [])
+            recent.append(float(seconds))
+            del recent[:-BASE_SAMPLES]
+            self.step_seconds[bucket] = float(np.median(recent))
+            self._base_step[bucket] = self._step
 
     def reset_slot(self, slot: int) -> None:
         """A new request took ``slot``: forget its acceptance (the pooled estimate remains)."""

@@ -23,6 +23,7 @@ def by_rows(seconds: dict) -> dict:
 
 def policy(num_slots, k, buckets, **kw):
     kw.setdefault("probe_every", 0)
+    kw.setdefault("refresh_every", 0)
     return DynamicSpeculation(num_slots, k, rows_only(buckets), **kw)
 
 
@@ -99,8 +100,13 @@ def test_cost_learning_and_interpolation():
     p.observe(np.array([0]), np.array([0]), one_row, 9.0)   # first step of a bucket: compilation
     assert p.step_seconds == {}
     p.observe(np.array([0]), np.array([0]), one_row, 0.10)
-    p.observe(np.array([0]), np.array([0]), one_row, 0.20)  # EMA with weight 0.2
-    assert p.step_seconds[StepBucket(1, 0)] == pytest.approx(0.8 * 0.10 + 0.2 * 0.20)
+    p.observe(np.array([0]), np.array([0]), one_row, 0.20)
+    assert p.step_seconds[StepBucket(1, 0)] == pytest.approx(0.15)   # median of 0.10, 0.20
+    p.observe(np.array([0]), np.array([0]), one_row, 0.90)           # one slow step: no effect
+    assert p.step_seconds[StepBucket(1, 0)] == pytest.approx(0.20)
+    for seconds in (0.11, 0.12):                                     # only the last 3 count
+        p.observe(np.array([0]), np.array([0]), one_row, seconds)
+    assert p.step_seconds[StepBucket(1, 0)] == pytest.approx(0.12)
     p.step_seconds = by_rows({1: 0.1, 16: 0.4})
     assert p.step_time(3, 1) == pytest.approx(0.1 + (4 - 1) / 15 * 0.3)   # bucket 4, interpolated
     assert p.bucket(9, 1) == StepBucket(16, 0) and p.bucket(100, 1) == StepBucket(16, 0)
@@ -138,7 +144,7 @@ def test_costs_keyed_by_step_bucket():
     ec = EngineConfig(max_num_seqs=8, max_model_len=64, block_size=4, num_blocks=32,
                       max_num_batched_tokens=32, spec=SpeculativeConfig("mtp", 3))
     p = DynamicSpeculation(8, 3, lambda rows, n: choose_bucket(ec, rows, n, False),
-                           prior_weight=0.0, halflife=1e9, probe_every=0)
+                           prior_weight=0.0, halflife=1e9, probe_every=0, refresh_every=0)
     assert p.bucket(3, 1) == StepBucket(4, 1)
     prefill = choose_bucket(ec, 4, 8, True)             # a 4-row prefill chunk over all 8 slots
     assert prefill.num_slots == 8
@@ -303,3 +309,55 @@ def test_draft_time_needs_a_priced_base():
     assert p.step_seconds == {StepBucket(4, 0): 0.03} and p.draft_seconds == {}
     p.observe(np.array([2]), np.array([1]), StepBucket(4, 0), 0.04, depth=2)      # now priced
     assert p.draft_seconds == {(0, 2): pytest.approx(0.01)}
+
+
+def test_a_slow_no_draft_price_is_refreshed_not_kept():
+    """The trap a probe found at 8 slots. Idle seeds price 1 and 2 rows alike (10 / 10.5 ms) where
+    live steps cost 10 / 15 ms; one slow first live timing of the no-draft bucket (50 ms) scales
+    every seeded price by 5 (the live/seed ratio), so 2 rows look 52.5 ms and drafting looks
+    better than it is. Hand-worked with a pinned acceptance of 0.3: truly 0 drafts give 1 / 10 ms
+    = 100 tok/s and 1 draft 1.3 / 15 ms = 87 tok/s (do not draft); as priced 1 / 50 ms = 20
+    against 1.3 / 52.5 ms = 25 (draft). Drafting steps then price the drafting at max(15 - 52.5,
+    0) = 0, and without re-timing the no-draft bucket the policy drafts for ever."""
+    one, two = StepBucket(1, 0), StepBucket(2, 0)
+
+    def run(refresh_every):
+        p = policy(1, 1, [1, 2], prior_acceptance=0.3, prior_weight=1e6,
+                   refresh_every=refresh_every)
+        p.seed_costs({one: 0.010, two: 0.0105})
+        p.observe(np.array([0]), np.array([0]), one, 0.050)   # the slow first live timing
+        got, verify = [], 0
+        for _ in range(20):
+            limit = int(p.draft_limits(np.array([True]))[0])
+            # this step verifies the previous step's draft (2 rows) and proposes `limit`
+            p.observe(np.array([verify]), np.array([0]), two if verify else one,
+                      0.015 if verify else 0.010, depth=limit)
+            got.append(limit)
+            verify = limit
+        return got
+
+    assert run(0) == [1] * 20                     # trapped
+    got = run(8)
+    # two steps re-time the no-draft bucket (its 3 timings now 50 / 10 / 10 ms: median 10); the
+    # drafting's price (15 - 10.5 ms a step) enters its EMA (weight 0.2) until 1.3 tokens no
+    # longer pay for it (past 2.5 ms, the fifth draft), and drafting stops
+    assert got == [0, 0] + [1] * 5 + [0] * 13
+
+
+def test_refresh_while_drafting_pays_costs_two_steps_in_refresh_every():
+    """Where drafting pays, the policy re-times the no-draft bucket every ``refresh_every`` steps
+    (two steps without drafts) and drafts otherwise."""
+    p = policy(1, 3, [1, 2, 4], prior_acceptance=0.9, prior_weight=1e6, refresh_every=8)
+    one = StepBucket(1, 0)
+    p.seed_costs({one: 0.010, StepBucket(2, 0): 0.011, StepBucket(4, 0): 0.012})
+    for _ in range(3):
+        p.observe(np.array([0]), np.array([0]), one, 0.010)
+    got = []
+    for _ in range(24):
+        got.append(int(p.draft_limits(np.array([True]))[0]))
+        if got[-1] == 0:
+            p.observe(np.array([0]), np.array([0]), one, 0.010)
+    # steps counted 1, 2, ... by draft_limits; the seeds' live timings count as step 0, a
+    # refresh's second step (the no-draft one) as its own: more than 8 steps old at 9, then 19
+    assert [i + 1 for i, d in enumerate(got) if d == 0] == [9, 10, 19, 20]
+    assert all(d == 3 for d in got if d)
