@@ -219,7 +219,7 @@ class LLMEngine:
         from the two sizes (:func:`jmtp.runtime.sharding.make_mesh`).
       enable_prefix_caching: reuse the target and MTP KV of full blocks of earlier requests'
         prompts and outputs (vLLM's option name; :mod:`jmtp.runtime.prefix_cache`). One device
-        only for now (no mesh).
+        only for now (no mesh, or a mesh of one device).
       layer_loop: how the step runs the target's decoder layers: ``"scan"`` (one ``lax.scan``
         over the stacked layers, compiles fastest), ``"unrolled"`` (a Python loop over per-layer
         weights, :func:`jmtp.model.llama.unstack_layers`; one device only for now) or ``"auto"``
@@ -258,11 +258,10 @@ class LLMEngine:
         if layer_loop == "unrolled" and not one_device:
             raise ValueError("layer_loop='unrolled' with a device mesh is not supported yet: use "
                              "layer_loop='scan'")
-        if enable_prefix_caching and (mesh is not None or (tensor_parallel_size,
-                                                           data_parallel_size) != (1, 1)):
-            raise ValueError("enable_prefix_caching=True with a device mesh (mesh, "
-                             "tensor_parallel_size or data_parallel_size > 1) is not supported "
-                             "yet: use one device")
+        if enable_prefix_caching and not one_device:
+            raise ValueError("enable_prefix_caching=True with a device mesh of more than one "
+                             "device (mesh, tensor_parallel_size or data_parallel_size > 1) is "
+                             "not supported yet: use one device")
         compile = jc.resolve_compile_mode(compile)
         self.compilation_cache_dir = jc.setup_compilation_cache(compilation_cache_dir)
         dtype = jnp.dtype(dtype or default_dtype())

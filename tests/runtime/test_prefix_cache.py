@@ -303,6 +303,23 @@ def test_prefix_caching_refused_on_a_mesh():
                   compilation_cache_dir=None, enable_prefix_caching=True)
 
 
+def test_prefix_caching_on_a_mesh_of_one_device():
+    """A one-device mesh is one device: prefix caching is accepted there (it was refused for any
+    ``mesh`` argument) and a shared prefix is served from the cache with the reference's tokens."""
+    from jmtp.runtime.sharding import make_mesh
+    cfg, params = tiny_model(0, vocab_size=VOCAB)
+    engine = _engine(MTP3, True, mesh=make_mesh(1, 1))
+    chats = _chats()[:2]
+    res, _ = _run_chats(engine, chats)
+    hist = {}
+    for (c, t) in sorted(res):
+        prompt = hist.get(c, []) + chats[c][t]
+        ref = reference_greedy(cfg, params, prompt, 10, stop_ids=())
+        assert res[(c, t)] == ref
+        hist[c] = prompt + ref
+    assert engine.get_stats()["prefix_cache_hit_tokens"] > 0
+
+
 def test_handoff_refused_with_prefix_caching():
     """A request whose sequence starts with shared cached blocks cannot be exported yet: the
     hand-off calls raise before anything runs."""
