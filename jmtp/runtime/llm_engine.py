@@ -522,7 +522,7 @@ class LLMEngine:
         steps run on the real engine state. Idle steps read no keys and take the no-draft
         branches (one-row verification, no MTP substeps past the first), so the seeds understate
         live steps: the policy scales them by the live/seed ratio it measures, replaces them by
-        the live EMA of each bucket it uses and prices proposing apart
+        the median of each bucket's last live timings once it runs and prices proposing apart
         (:class:`~jmtp.runtime.spec_policy.DynamicSpeculation`).
 
         Args:

@@ -26,8 +26,10 @@ speculation-length heuristics, reduced to what the host measures anyway):
   is priced at its seed times the live/seed ratio of the same ``A``'s measured buckets (of every
   ``A``'s while that one has none); a bucket
   neither seeded nor measured is interpolated in ``T`` between priced buckets of the same ``A``,
-  or priced as the nearest one past them. ``draft(A, d)`` is an EMA of (live time - ``base``) over
-  the steps that proposed at depth ``d``; it also absorbs what verifying drafts adds to a wide
+  or priced as the nearest one past them. ``draft(A, d)`` is the median of (live time - ``base``)
+  over the last :data:`BASE_SAMPLES` steps that proposed at depth ``d`` (a median for the same
+  reason: one slow step once priced depth 1 at 45 ms over a 34 ms base at 8 slots, where it
+  costs ~0, and an EMA kept it there for tens of steps); it also absorbs what verifying drafts adds to a wide
   bucket (a step verifies the drafts the previous one proposed). A depth not yet measured is
   priced as the deepest measured depth below it of that ``A``, or 0 (optimistic: the policy
   tries it once and learns its price). Steps with a prefill chunk are not timed (their token
@@ -36,8 +38,14 @@ speculation-length heuristics, reduced to what the host measures anyway):
   policy takes the ``x`` best candidates (a prefix per slot, since gains fall with position) for
   the ``x`` in ``0..n·K`` maximising ``(n + sum of gains) / (base(bucket(n + x)) + draft(A, d))``,
   ``d`` the largest draft position among them. Slots whose drafts cannot pay get 0.
-* **Probing**: a slot held at 0 drafts for ``probe_every`` consecutive steps gets one draft, so a
-  change in its acceptance (e.g. the text turns to copying) is noticed.
+* **Probing**: a slot held at 0 drafts for its probe gap of consecutive steps gets one draft, so a
+  change in its acceptance (e.g. the text turns to copying) is noticed. The gap starts at
+  ``probe_every``; it doubles after each probe (up to ``probe_every * MAX_PROBE_BACKOFF``) and
+  falls back to ``probe_every`` when the plan itself drafts for the slot, so slots whose drafts
+  keep failing cost fewer and fewer probe steps. A probe widens the step's token bucket; the plan
+  is then chosen again with the probes fixed, so other slots' drafts that pay within the wider
+  bucket ride along (at 8 slots, one slot's probe turns 8 rows into a 16-row bucket, and the
+  other slots' first drafts then cost only their proposing).
 * **Refreshing the no-draft price**: a policy that keeps drafting never runs the no-draft bucket
   (``n`` rows over ``n`` slots), so a wrong price of it would stand for ever: one slow early step
   once priced it 3.6x too high at 8 slots, which made drafting look free, and the policy drafted
@@ -61,6 +69,9 @@ from jmtp.runtime.buckets import StepBucket
 #: cannot move it).
 BASE_SAMPLES = 3
 
+#: A slot's probe gap grows to at most ``probe_every`` times this (see "Probing" above).
+MAX_PROBE_BACKOFF = 8
+
 #: ``(num_rows, num_slots) -> StepBucket`` of a decode step, e.g. ``choose_bucket(ec, r, n, False)``.
 BucketOf = Callable[[int, int], StepBucket]
 
@@ -76,9 +87,8 @@ class DynamicSpeculation:
       prior_acceptance: initial pooled per-position acceptance ``a_i`` (before any measurement).
       prior_weight: pseudo-trials of the pooled estimate in each slot's estimate.
       halflife: steps after which a count has half its weight.
-      cost_ema: weight of a new proposing cost in the EMA of its depth (bucket base prices are
-        medians of the last :data:`BASE_SAMPLES` timings).
-      probe_every: a slot at 0 drafts this many steps in a row drafts once (0 = never probe).
+      probe_every: a slot at 0 drafts this many steps in a row drafts once (0 = never probe);
+        the gap doubles after each probe the plan does not take up (see "Probing").
       refresh_every: while drafting, re-time the no-draft bucket when its newest live timing is
         older than this many steps (0 = never; see the module docstring).
 
@@ -88,19 +98,19 @@ class DynamicSpeculation:
 
     def __init__(self, num_slots: int, k: int, bucket_of: BucketOf, *,
                  prior_acceptance: float = 0.5, prior_weight: float = 4.0, halflife: float = 32.0,
-                 cost_ema: float = 0.2, probe_every: int = 16, refresh_every: int = 64):
+                 probe_every: int = 16, refresh_every: int = 64):
         if num_slots < 1 or k < 1:
             raise ValueError(f"DynamicSpeculation: need num_slots >= 1 and k >= 1, got "
                              f"num_slots={num_slots}, k={k}")
         if not 0.0 <= prior_acceptance <= 1.0 or prior_weight < 0 or halflife <= 0:
             raise ValueError("DynamicSpeculation: prior_acceptance must lie in [0, 1], "
                              "prior_weight >= 0, halflife > 0")
-        if not 0.0 < cost_ema <= 1.0 or probe_every < 0 or refresh_every < 0:
-            raise ValueError("DynamicSpeculation: cost_ema must lie in (0, 1], probe_every >= 0, "
-                             "refresh_every >= 0")
+        if probe_every < 0 or refresh_every < 0:
+            raise ValueError(f"DynamicSpeculation: need probe_every >= 0 and refresh_every >= 0, "
+                             f"got probe_every={probe_every}, refresh_every={refresh_every}")
         self.num_slots, self.k = num_slots, k
         self.bucket = bucket_of
-        self.prior_weight, self.cost_ema, self.probe_every = prior_weight, cost_ema, probe_every
+        self.prior_weight, self.probe_every = prior_weight, probe_every
         self.refresh_every = refresh_every
         self.decay = 0.5 ** (1.0 / halflife)
         self.trials = np.zeros((num_slots, k))         # decayed per-slot, per-position counts
@@ -113,9 +123,11 @@ class DynamicSpeculation:
         self._step = 0                                   # draft_limits calls with active slots
         self._refresh_left = 0                           # no-draft steps still to run
         self.seed_seconds: dict[StepBucket, float] = {}  # bucket -> idle-engine seconds (seeds)
-        self.draft_seconds: dict[tuple[int, int], float] = {}   # (A, depth) -> EMA extra seconds
+        self.draft_seconds: dict[tuple[int, int], float] = {}   # (A, depth) -> median extra s
+        self._draft_samples: dict[tuple[int, int], list[float]] = {}   # the last BASE_SAMPLES
         self._ratio_memo: dict[int, float] | None = None  # A -> live_ratio(A) within draft_limits
         self.zero_streak = np.zeros((num_slots,), np.int64)
+        self.probe_gap = np.full((num_slots,), probe_every, np.int64)   # per-slot probe gap
         self._seen: set[StepBucket] = set()              # buckets run once (compiled)
 
     # ------------------------------------------------------------------ estimates
@@ -228,18 +240,28 @@ class DynamicSpeculation:
         finally:
             self._ratio_memo = None
 
+    def _best_plan(self, cand: list, n: int, forced: int = 0) -> int:
+        """How many of ``cand`` (``(-gain, position, slot)``, the first ``forced`` taken anyway,
+        the rest by falling gain) maximise expected tokens per second of a step over ``n``
+        slots."""
+        tok, depth = float(n), 0
+        for neg_gain, i, _ in cand[:forced]:
+            tok, depth = tok - neg_gain, max(depth, i + 1)
+        best_x, best_rate = forced, tok / self.step_time(n + forced, n, depth)
+        for x in range(forced + 1, len(cand) + 1):
+            neg_gain, i, _ = cand[x - 1]
+            tok, depth = tok - neg_gain, max(depth, i + 1)
+            rate = tok / self.step_time(n + x, n, depth)
+            if rate > best_rate * (1 + 1e-9):
+                best_x, best_rate = x, rate
+        return best_x
+
     def _draft_limits(self, active: np.ndarray, n: int, limits: np.ndarray) -> np.ndarray:
         g = self.gains()
         slots = np.nonzero(active)[0]
         cand = [(-g[b, i], i, b) for b in slots for i in range(self.k)]
         cand.sort()
-        best_x, best_rate, tok, depth = 0, n / self.step_time(n, n), float(n), 0
-        for x, (neg_gain, i, _) in enumerate(cand, start=1):
-            tok -= neg_gain
-            depth = max(depth, i + 1)
-            rate = tok / self.step_time(n + x, n, depth)
-            if rate > best_rate * (1 + 1e-9):
-                best_x, best_rate = x, rate
+        best_x = self._best_plan(cand, n)
         if best_x and self.refresh_every and not self._refresh_left:
             none = self.bucket(n, n)
             if (len(self._base_samples.get(none, ())) < BASE_SAMPLES
@@ -251,8 +273,20 @@ class DynamicSpeculation:
         for _, i, b in cand[:best_x]:
             limits[b] = max(limits[b], i + 1)
         if self.probe_every:
-            probe = active & (limits == 0) & (self.zero_streak >= self.probe_every)
-            limits[probe] = 1
+            probe = active & (limits == 0) & (self.zero_streak >= self.probe_gap)
+            if probe.any():
+                # The probes' first drafts are fixed; the plan is chosen again around them.
+                first = [c for c in cand if c[1] == 0 and probe[c[2]]]
+                rest = [c for c in cand if not (c[1] == 0 and probe[c[2]])]
+                cand = first + rest
+                best_x = self._best_plan(cand, n, forced=len(first))
+                limits[:] = 0
+                for _, i, b in cand[:best_x]:
+                    limits[b] = max(limits[b], i + 1)
+                self.probe_gap[probe] = np.minimum(self.probe_gap[probe] * 2,
+                                                   self.probe_every * MAX_PROBE_BACKOFF)
+            else:
+                self.probe_gap[limits > 0] = self.probe_every   # the plan drafts for them
             self.zero_streak = np.where(active & (limits == 0), self.zero_streak + 1, 0)
         return limits
 
@@ -261,9 +295,9 @@ class DynamicSpeculation:
         """Record one step: per-slot drafts verified / accepted (``StepOutput.num_drafts`` /
         ``num_accepted``, i32[B]), the :class:`StepBucket` the step ran in, its wall ``seconds``
         and its proposing ``depth`` (the largest draft limit it was given; 0: it proposed
-        nothing). A depth-0 step updates its bucket's base (median of the last
-        :data:`BASE_SAMPLES`), a deeper one the EMA of
-        ``draft(A, depth)`` (seconds above the bucket's base; while nothing of that slot bucket
+        nothing). A depth-0 step updates its bucket's base, a deeper one ``draft(A, depth)``
+        (seconds above the bucket's base), each the median of its last :data:`BASE_SAMPLES`
+        samples (while nothing of that slot bucket
         is priced yet, the whole time becomes the bucket's base). The first timing of each
         bucket is discarded (it includes the bucket's compilation). ``timed=False`` (the engine
         passes it for steps with a prefill chunk, whose token buckets can coincide with decode
@@ -286,14 +320,10 @@ class DynamicSpeculation:
         base = self._priced_or_interpolated(bucket)
         if depth > 0 and base is not None:
             key = (bucket.num_slots, int(depth))
-            old, value = self.draft_seconds.get(key), max(seconds - base, 0.0)
-            self.draft_seconds[key] = (value if old is None
-                                       else (1 - self.cost_ema) * old + self.cost_ema * value)
+            self.draft_seconds[key] = _push_median(self._draft_samples, key,
+                                                   max(seconds - base, 0.0))
         else:
-            recent = self._base_samples.setdefault(bucket, [])
-            recent.append(float(seconds))
-            del recent[:-BASE_SAMPLES]
-            self.step_seconds[bucket] = float(np.median(recent))
+            self.step_seconds[bucket] = _push_median(self._base_samples, bucket, seconds)
             self._base_step[bucket] = self._step
 
     def reset_slot(self, slot: int) -> None:
@@ -301,3 +331,13 @@ class DynamicSpeculation:
         self.trials[slot] = 0.0
         self.succ[slot] = 0.0
         self.zero_streak[slot] = 0
+        self.probe_gap[slot] = self.probe_every
+
+
+def _push_median(samples: dict, key, value: float) -> float:
+    """Append ``value`` to ``samples[key]``, keep its last :data:`BASE_SAMPLES`, return their
+    median."""
+    recent = samples.setdefault(key, [])
+    recent.append(float(value))
+    del recent[:-BASE_SAMPLES]
+    return float(np.median(recent))

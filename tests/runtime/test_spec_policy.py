@@ -114,12 +114,47 @@ def test_cost_learning_and_interpolation():
     assert p.step_time(8, 1) == 0.1                     # past the measured: optimistic
 
 
-def test_probe_after_a_zero_streak():
+def test_probe_after_a_zero_streak_with_backoff():
+    """A slot whose drafts never pay probes after 3 zero steps, then after 6, 12, 24 (the gap
+    doubles up to 8 x probe_every) and stays at 24; a slot the plan drafts for again resets its
+    gap to probe_every."""
     p = policy(1, 2, [1, 2, 3], probe_every=3, prior_weight=0.0, halflife=1e9)
     p.trials[0] = [10, 0]
     p.step_seconds = by_rows({1: 1.0, 2: 2.0, 3: 3.0})
-    got = [int(p.draft_limits(np.array([True]))[0]) for _ in range(8)]
-    assert got == [0, 0, 0, 1, 0, 0, 0, 1]
+    got = [int(p.draft_limits(np.array([True]))[0]) for _ in range(100)]
+    probes = [i for i, g in enumerate(got) if g]
+    assert set(got) == {0, 1}
+    # probe at 3; then gaps 6, 12, 24, 24: each probe follows that many zero steps
+    assert probes == [3, 10, 23, 48, 73, 98]
+    assert p.probe_gap[0] == 24
+    # the slot's drafts start to pay: the plan drafts for it and its gap is back at 3
+    p.succ[0], p.trials[0] = [10, 10], [10, 10]
+    p.step_seconds = by_rows({1: 1.0, 2: 1.2, 3: 1.4})
+    assert p.draft_limits(np.array([True]))[0] > 0
+    assert p.probe_gap[0] == 3
+    p.reset_slot(0)
+    assert p.probe_gap[0] == 3 and p.zero_streak[0] == 0
+
+
+def test_drafts_that_pay_in_a_probe_widened_bucket_ride_along():
+    """Two slots, K=1, acceptance pinned at 1/2, 2 rows cost 10 ms and 3-4 rows 16 ms.
+    Without a probe: none 2 / 10 ms = 200 tok/s, one draft 2.5 / 16 = 156, two 3 / 16 = 188 ->
+    none. Slot 0's probe forces the 16 ms bucket; there slot 1's draft is worth taking
+    (187.5 > 156), so it rides along: [1, 1], not [1, 0]. Only the probed slot's gap doubles."""
+    p = policy(2, 1, [2, 4], probe_every=4, prior_acceptance=0.5, prior_weight=1e6)
+    p.step_seconds = by_rows({2: 0.010, 4: 0.016})
+    both = np.array([True, True])
+    assert p.draft_limits(both).tolist() == [0, 0]
+    p.zero_streak[:] = [4, 1]
+    assert p.draft_limits(both).tolist() == [1, 1]
+    assert p.probe_gap.tolist() == [8, 4] and p.zero_streak.tolist() == [0, 0]
+    # Riders only fill what pays: three slots, 3 rows 10 ms, 4 rows 16 ms, 5-6 rows 40 ms.
+    # Slot 0's probe: 3.5 / 16 ms = 219 tok/s; one rider needs the 40 ms bucket: 4 / 40 = 100,
+    # two riders 4.5 / 40 = 112 -> no riders.
+    p = policy(3, 1, [3, 4, 6], probe_every=4, prior_acceptance=0.5, prior_weight=1e6)
+    p.step_seconds = by_rows({3: 0.010, 4: 0.016, 6: 0.040})
+    p.zero_streak[:] = [4, 0, 0]
+    assert p.draft_limits(np.ones(3, bool)).tolist() == [1, 0, 0]
 
 
 def test_reset_slot_falls_back_to_the_pool():
@@ -272,9 +307,13 @@ def test_drafting_depth_is_priced_on_top_of_the_bucket():
     before = (dict(p.step_seconds), dict(p.draft_seconds))
     p.observe(np.array([1]), np.array([1]), StepBucket(2, 0), 0.5, depth=2, timed=False)
     assert (p.step_seconds, p.draft_seconds) == before
-    # A step faster than its base (noise) prices its depth at 0, not below.
+    # A step faster than its base (noise) prices its depth at 0, not below; the price is the
+    # median of the depth's last three samples (2 ms and 0 ms so far).
     p.observe(np.array([2]), np.array([1]), StepBucket(4, 0), 0.005, depth=2)
-    assert p.draft_seconds[(0, 2)] == pytest.approx(0.8 * 0.002)
+    assert p.draft_seconds[(0, 2)] == pytest.approx(0.001)
+    # One slow step (50 ms over the base) cannot set the price: median(2, 0, 38 ms) = 2 ms.
+    p.observe(np.array([2]), np.array([1]), StepBucket(4, 0), 0.050, depth=2)
+    assert p.draft_seconds[(0, 2)] == pytest.approx(0.002)
 
 
 def test_untried_shallower_depth_is_priced_optimistically():
@@ -338,10 +377,12 @@ def test_a_slow_no_draft_price_is_refreshed_not_kept():
 
     assert run(0) == [1] * 20                     # trapped
     got = run(8)
-    # two steps re-time the no-draft bucket (its 3 timings now 50 / 10 / 10 ms: median 10); the
-    # drafting's price (15 - 10.5 ms a step) enters its EMA (weight 0.2) until 1.3 tokens no
-    # longer pay for it (past 2.5 ms, the fifth draft), and drafting stops
-    assert got == [0, 0] + [1] * 5 + [0] * 13
+    # two steps re-time the no-draft bucket (its 3 timings now 50 / 10 / 10 ms: median 10, so
+    # 2 rows are priced 10.5 ms); drafting's samples are then 0 ms (the first drafting step
+    # verifies nothing: 10 - 10), 4.5 ms (15 - 10.5), 4.5 ms: after the second the median is
+    # 2.25 ms (1.3 / 12.75 ms = 102 tok/s, still drafts), after the third 4.5 ms (1.3 / 15 ms =
+    # 87 < 100), and drafting stops
+    assert got == [0, 0] + [1] * 3 + [0] * 15
 
 
 def test_refresh_while_drafting_pays_costs_two_steps_in_refresh_every():
