@@ -29,7 +29,8 @@ speculation-length heuristics, reduced to what the host measures anyway):
   or priced as the nearest one past them. ``draft(A, d)`` is the median of (live time - ``base``)
   over the last :data:`BASE_SAMPLES` steps that proposed at depth ``d`` (a median for the same
   reason: one slow step once priced depth 1 at 45 ms over a 34 ms base at 8 slots, where it
-  costs ~0, and an EMA kept it there for tens of steps); it also absorbs what verifying drafts adds to a wide
+  costs ~0, and an EMA kept it there for tens of steps; the median drops such a step once two
+  more samples are in); it also absorbs what verifying drafts adds to a wide
   bucket (a step verifies the drafts the previous one proposed). A depth not yet measured is
   priced as the deepest measured depth below it of that ``A``, or 0 (optimistic: the policy
   tries it once and learns its price). Steps with a prefill chunk are not timed (their token
@@ -38,14 +39,17 @@ speculation-length heuristics, reduced to what the host measures anyway):
   policy takes the ``x`` best candidates (a prefix per slot, since gains fall with position) for
   the ``x`` in ``0..n·K`` maximising ``(n + sum of gains) / (base(bucket(n + x)) + draft(A, d))``,
   ``d`` the largest draft position among them. Slots whose drafts cannot pay get 0.
-* **Probing**: a slot held at 0 drafts for its probe gap of consecutive steps gets one draft, so a
-  change in its acceptance (e.g. the text turns to copying) is noticed. The gap starts at
-  ``probe_every``; it doubles after each probe (up to ``probe_every * MAX_PROBE_BACKOFF``) and
-  falls back to ``probe_every`` when the plan itself drafts for the slot, so slots whose drafts
-  keep failing cost fewer and fewer probe steps. A probe widens the step's token bucket; the plan
-  is then chosen again with the probes fixed, so other slots' drafts that pay within the wider
-  bucket ride along (at 8 slots, one slot's probe turns 8 rows into a 16-row bucket, and the
-  other slots' first drafts then cost only their proposing).
+* **Probing**: a slot held at 0 drafts for its probe gap of consecutive steps gets at least one
+  draft, so a change in its acceptance (e.g. the text turns to copying) is noticed. The gap
+  starts at ``probe_every``. It doubles (up to ``probe_every * MAX_PROBE_BACKOFF``) when the
+  probe's first draft is verified and rejected, so slots whose drafts keep failing cost fewer and
+  fewer probe steps; a probe that proposed nothing (no n-gram match, the ``max_tokens`` cap)
+  leaves it as it was. It falls back to ``probe_every`` when the plan drafts for the slot without
+  being made to (and when a new request takes the slot). The probes' first drafts are forced
+  into the plan, which is then chosen again around them: drafts of other slots that pay in the
+  wider token bucket a probe opens ride along (at 8 slots, one probe turns 8 rows into a 16-row
+  bucket, where the other slots' first drafts cost only their proposing), drafts that do not pay
+  there any more are dropped, and a probing slot may get more drafts where they pay.
 * **Refreshing the no-draft price**: a policy that keeps drafting never runs the no-draft bucket
   (``n`` rows over ``n`` slots), so a wrong price of it would stand for ever: one slow early step
   once priced it 3.6x too high at 8 slots, which made drafting look free, and the policy drafted
@@ -65,8 +69,8 @@ import numpy as np
 
 from jmtp.runtime.buckets import StepBucket
 
-#: Live timings per bucket whose median is the bucket's base price (odd: one outlier in three
-#: cannot move it).
+#: Live timings per bucket (and drafting samples per (A, depth)) whose median is the price (odd:
+#: once three are in, one outlier cannot move it; before that, the median of one or two).
 BASE_SAMPLES = 3
 
 #: A slot's probe gap grows to at most ``probe_every`` times this (see "Probing" above).
@@ -87,8 +91,8 @@ class DynamicSpeculation:
       prior_acceptance: initial pooled per-position acceptance ``a_i`` (before any measurement).
       prior_weight: pseudo-trials of the pooled estimate in each slot's estimate.
       halflife: steps after which a count has half its weight.
-      probe_every: a slot at 0 drafts this many steps in a row drafts once (0 = never probe);
-        the gap doubles after each probe the plan does not take up (see "Probing").
+      probe_every: a slot at 0 drafts this many steps in a row gets a probe draft (0 = never
+        probe); the gap doubles after each rejected probe (see "Probing").
       refresh_every: while drafting, re-time the no-draft bucket when its newest live timing is
         older than this many steps (0 = never; see the module docstring).
 
@@ -128,6 +132,7 @@ class DynamicSpeculation:
         self._ratio_memo: dict[int, float] | None = None  # A -> live_ratio(A) within draft_limits
         self.zero_streak = np.zeros((num_slots,), np.int64)
         self.probe_gap = np.full((num_slots,), probe_every, np.int64)   # per-slot probe gap
+        self._probe_pending = np.zeros((num_slots,), bool)   # probed, first draft not yet verified
         self._seen: set[StepBucket] = set()              # buckets run once (compiled)
 
     # ------------------------------------------------------------------ estimates
@@ -275,7 +280,7 @@ class DynamicSpeculation:
         if self.probe_every:
             probe = active & (limits == 0) & (self.zero_streak >= self.probe_gap)
             if probe.any():
-                # The probes' first drafts are fixed; the plan is chosen again around them.
+                # The probes' first drafts are forced; the plan is chosen again around them.
                 first = [c for c in cand if c[1] == 0 and probe[c[2]]]
                 rest = [c for c in cand if not (c[1] == 0 and probe[c[2]])]
                 cand = first + rest
@@ -283,10 +288,10 @@ class DynamicSpeculation:
                 limits[:] = 0
                 for _, i, b in cand[:best_x]:
                     limits[b] = max(limits[b], i + 1)
-                self.probe_gap[probe] = np.minimum(self.probe_gap[probe] * 2,
-                                                   self.probe_every * MAX_PROBE_BACKOFF)
-            else:
-                self.probe_gap[limits > 0] = self.probe_every   # the plan drafts for them
+            planned = (limits > 0) & ~probe            # the plan drafts for them unforced
+            self.probe_gap[planned] = self.probe_every
+            self._probe_pending[planned] = False
+            self._probe_pending[probe] = True
             self.zero_streak = np.where(active & (limits == 0), self.zero_streak + 1, 0)
         return limits
 
@@ -314,6 +319,12 @@ class DynamicSpeculation:
         # Pooled estimate: decayed sums over every slot, seeded with the prior.
         self.pool_trials = self.pool_trials * self.decay + tried.sum(0)
         self.pool_succ = self.pool_succ * self.decay + (tried & ok).sum(0)
+        # A probe's first draft verified: rejected -> the slot's probe gap doubles.
+        verified = self._probe_pending & (nd[:, 0] >= 1)
+        rejected = verified & (na[:, 0] == 0)
+        self.probe_gap[rejected] = np.minimum(self.probe_gap[rejected] * 2,
+                                              self.probe_every * MAX_PROBE_BACKOFF)
+        self._probe_pending[verified] = False
         if bucket not in self._seen or not timed:   # a bucket's first step includes its compilation
             self._seen.add(bucket)
             return
@@ -332,6 +343,7 @@ class DynamicSpeculation:
         self.succ[slot] = 0.0
         self.zero_streak[slot] = 0
         self.probe_gap[slot] = self.probe_every
+        self._probe_pending[slot] = False
 
 
 def _push_median(samples: dict, key, value: float) -> float:

@@ -114,40 +114,77 @@ def test_cost_learning_and_interpolation():
     assert p.step_time(8, 1) == 0.1                     # past the measured: optimistic
 
 
+def _probe_run(p, steps, accept):
+    """Drive one slot for ``steps`` steps; each step verifies the previous step's drafts, of which
+    ``accept(drafts)`` are accepted (acceptance only: ``timed=False``). Returns the limits."""
+    got, prev = [], 0
+    for _ in range(steps):
+        limit = int(p.draft_limits(np.array([True]))[0])
+        p.observe(np.array([prev]), np.array([accept(prev)]), StepBucket(1, 0), 1.0, timed=False)
+        got.append(limit)
+        prev = limit
+    return got
+
+
 def test_probe_after_a_zero_streak_with_backoff():
-    """A slot whose drafts never pay probes after 3 zero steps, then after 6, 12, 24 (the gap
-    doubles up to 8 x probe_every) and stays at 24; a slot the plan drafts for again resets its
-    gap to probe_every."""
+    """A slot whose drafts never pay probes after 3 zero steps; each rejected probe doubles the
+    gap (6, 12, 24 = 8 x probe_every, then it stays); a slot the plan drafts for again resets
+    its gap to probe_every."""
     p = policy(1, 2, [1, 2, 3], probe_every=3, prior_weight=0.0, halflife=1e9)
     p.trials[0] = [10, 0]
     p.step_seconds = by_rows({1: 1.0, 2: 2.0, 3: 3.0})
-    got = [int(p.draft_limits(np.array([True]))[0]) for _ in range(100)]
-    probes = [i for i, g in enumerate(got) if g]
+    got = _probe_run(p, 100, accept=lambda drafts: 0)
     assert set(got) == {0, 1}
-    # probe at 3; then gaps 6, 12, 24, 24: each probe follows that many zero steps
-    assert probes == [3, 10, 23, 48, 73, 98]
+    # probe at 3; then each probe follows 6, 12, 24, 24 zero steps
+    assert [i for i, g in enumerate(got) if g] == [3, 10, 23, 48, 73, 98]
     assert p.probe_gap[0] == 24
     # the slot's drafts start to pay: the plan drafts for it and its gap is back at 3
     p.succ[0], p.trials[0] = [10, 10], [10, 10]
     p.step_seconds = by_rows({1: 1.0, 2: 1.2, 3: 1.4})
     assert p.draft_limits(np.array([True]))[0] > 0
     assert p.probe_gap[0] == 3
+
+
+def test_probe_that_proposed_nothing_or_was_accepted_keeps_its_gap():
+    """The gap doubles only when the probe's first draft is verified and rejected: a probe that
+    proposed nothing (no n-gram match: 0 drafts verified) or whose draft was accepted leaves it."""
+    for accept in (None, 1):
+        p = policy(1, 2, [1, 2, 3], probe_every=3, prior_weight=0.0, halflife=1e9)
+        p.trials[0] = [1e6, 0]          # acceptance ~0 at position 1 even after a success
+        p.step_seconds = by_rows({1: 1.0, 2: 2.0, 3: 3.0})
+        if accept is None:              # the probe's draft never materialises: 0 verified
+            got = []
+            for _ in range(12):
+                got.append(int(p.draft_limits(np.array([True]))[0]))
+                p.observe(np.array([0]), np.array([0]), StepBucket(1, 0), 1.0, timed=False)
+        else:
+            got = _probe_run(p, 12, accept=lambda drafts: min(drafts, 1))
+        assert [i for i, g in enumerate(got) if g] == [3, 7, 11]
+        assert p.probe_gap[0] == 3
+
+
+def test_reset_slot_resets_probing():
+    p = policy(2, 1, [2], probe_every=3)
+    p.probe_gap[0], p.zero_streak[0], p._probe_pending[0] = 24, 5, True
     p.reset_slot(0)
-    assert p.probe_gap[0] == 3 and p.zero_streak[0] == 0
+    assert p.probe_gap[0] == 3 and p.zero_streak[0] == 0 and not p._probe_pending[0]
 
 
 def test_drafts_that_pay_in_a_probe_widened_bucket_ride_along():
     """Two slots, K=1, acceptance pinned at 1/2, 2 rows cost 10 ms and 3-4 rows 16 ms.
     Without a probe: none 2 / 10 ms = 200 tok/s, one draft 2.5 / 16 = 156, two 3 / 16 = 188 ->
     none. Slot 0's probe forces the 16 ms bucket; there slot 1's draft is worth taking
-    (187.5 > 156), so it rides along: [1, 1], not [1, 0]. Only the probed slot's gap doubles."""
+    (187.5 > 156), so it rides along: [1, 1], not [1, 0]. The rider's gap resets (the plan
+    drafted for it unforced); the probed slot's gap waits for its verification."""
     p = policy(2, 1, [2, 4], probe_every=4, prior_acceptance=0.5, prior_weight=1e6)
     p.step_seconds = by_rows({2: 0.010, 4: 0.016})
     both = np.array([True, True])
     assert p.draft_limits(both).tolist() == [0, 0]
-    p.zero_streak[:] = [4, 1]
+    p.zero_streak[:], p.probe_gap[:] = [4, 1], [4, 32]
     assert p.draft_limits(both).tolist() == [1, 1]
-    assert p.probe_gap.tolist() == [8, 4] and p.zero_streak.tolist() == [0, 0]
+    assert p.probe_gap.tolist() == [4, 4] and p.zero_streak.tolist() == [0, 0]
+    p.observe(np.array([1, 1]), np.array([0, 0]), StepBucket(4, 0), 1.0, timed=False)
+    assert p.probe_gap.tolist() == [8, 4]           # only the probe's rejection doubles a gap
     # Riders only fill what pays: three slots, 3 rows 10 ms, 4 rows 16 ms, 5-6 rows 40 ms.
     # Slot 0's probe: 3.5 / 16 ms = 219 tok/s; one rider needs the 40 ms bucket: 4 / 40 = 100,
     # two riders 4.5 / 40 = 112 -> no riders.
@@ -155,6 +192,34 @@ def test_drafts_that_pay_in_a_probe_widened_bucket_ride_along():
     p.step_seconds = by_rows({3: 0.010, 4: 0.016, 6: 0.040})
     p.zero_streak[:] = [4, 0, 0]
     assert p.draft_limits(np.ones(3, bool)).tolist() == [1, 0, 0]
+
+
+def test_a_probe_can_displace_a_draft_that_no_longer_pays():
+    """The re-plan around a probe is the best plan that holds it, which may drop another slot's
+    draft. Two slots, K=1, acceptance 0.1 (slot 0) and 0.9 (slot 1); 2 / 3 / 4 rows cost
+    10 / 11 / 30 ms. Without a probe: none 200 tok/s, slot 1 drafting 2.9 / 11 = 264, both
+    3.0 / 30 = 100 -> [0, 1]. Slot 0 probing: alone 2.1 / 11 = 191, with slot 1 100 -> [1, 0]."""
+    p = policy(2, 1, [2, 3, 4], probe_every=4, prior_weight=0.0, halflife=1e9)
+    p.trials[:], p.succ[:] = [[10], [10]], [[1], [9]]
+    p.step_seconds = by_rows({2: 0.010, 3: 0.011, 4: 0.030})
+    both = np.array([True, True])
+    assert p.draft_limits(both).tolist() == [0, 1]
+    p.zero_streak[0] = 4
+    assert p.draft_limits(both).tolist() == [1, 0]
+
+
+def test_a_probing_slot_gets_the_drafts_that_pay_with_its_proposing_priced():
+    """One slot, K=2, gains 1/2 and 1/4; 1-3 rows cost 10 ms and proposing (depth 1 or 2) 8 ms.
+    Without a probe: none 100 tok/s, one draft 1.5 / 18 ms = 83, two 1.75 / 18 = 97 -> none.
+    Probing, the first draft is forced and its proposing paid, so the second one pays: [2] (a
+    plan that forgot the forced draft's depth would price one draft at 1.5 / 10 ms and stop at
+    [1])."""
+    p = policy(1, 2, [1, 2, 3], probe_every=2, prior_acceptance=0.5, prior_weight=1e6)
+    p.step_seconds = by_rows({1: 0.010, 2: 0.010, 3: 0.010})
+    p.draft_seconds = {(0, 1): 0.008, (0, 2): 0.008}
+    assert p.draft_limits(np.array([True])).tolist() == [0]
+    p.zero_streak[0] = 2
+    assert p.draft_limits(np.array([True])).tolist() == [2]
 
 
 def test_reset_slot_falls_back_to_the_pool():
