@@ -38,7 +38,12 @@ speculation-length heuristics, reduced to what the host measures anyway):
 * **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain; the
   policy takes the ``x`` best candidates (a prefix per slot, since gains fall with position) for
   the ``x`` in ``0..n·K`` maximising ``(n + sum of gains) / (base(bucket(n + x)) + draft(A, d))``,
-  ``d`` the largest draft position among them. Slots whose drafts cannot pay get 0.
+  ``d`` the largest draft position among them. Slots whose drafts cannot pay get 0. A (bucket,
+  depth) pair that has run live is priced by its own live steps (median of the last
+  :data:`BASE_SAMPLES` whole step times) rather than ``base + draft``: the split into the two
+  is only an estimate (a drafting step's ``draft`` sample is its time minus the bucket's base
+  *as priced then*, and that base moves as live timings replace seeds), and the pairs a busy
+  engine cycles through are few.
 * **Probing**: a slot held at 0 drafts for its probe gap of consecutive steps gets at least one
   draft, so a change in its acceptance (e.g. the text turns to copying) is noticed. The gap
   starts at ``probe_every``. It doubles (up to ``probe_every * MAX_PROBE_BACKOFF``) when the
@@ -129,6 +134,9 @@ class DynamicSpeculation:
         self.seed_seconds: dict[StepBucket, float] = {}  # bucket -> idle-engine seconds (seeds)
         self.draft_seconds: dict[tuple[int, int], float] = {}   # (A, depth) -> median extra s
         self._draft_samples: dict[tuple[int, int], list[float]] = {}   # the last BASE_SAMPLES
+        # (bucket, depth > 0) -> median of its last BASE_SAMPLES live steps, whole step times
+        self.plan_seconds: dict[tuple[StepBucket, int], float] = {}
+        self._plan_samples: dict[tuple[StepBucket, int], list[float]] = {}
         self._ratio_memo: dict[int, float] | None = None  # A -> live_ratio(A) within draft_limits
         self.zero_streak = np.zeros((num_slots,), np.int64)
         self.probe_gap = np.full((num_slots,), probe_every, np.int64)   # per-slot probe gap
@@ -180,11 +188,15 @@ class DynamicSpeculation:
 
     def step_time(self, rows: int, num_slots: int, depth: int = 0) -> float:
         """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots that
-        proposes at ``depth``: ``base + draft_time``. ``base``: the live median of the bucket, else
+        proposes at ``depth``: the median of the last live steps of that bucket and depth when
+        there are some (:attr:`plan_seconds`), else ``base + draft_time``. ``base``: the live
+        median of the bucket, else
         its seed scaled by :meth:`live_ratio`, else interpolated in T among priced buckets of the
         same A, or the nearest past them; 1.0 before anything of that A is priced (every bucket
         then costs the same)."""
         key = self.bucket(rows, num_slots)
+        if depth > 0 and (key, depth) in self.plan_seconds:
+            return self.plan_seconds[(key, depth)]
         return self._base_time(key) + self.draft_time(key.num_slots, depth)
 
     def _base_time(self, key: StepBucket) -> float:
@@ -329,6 +341,9 @@ class DynamicSpeculation:
             self._seen.add(bucket)
             return
         base = self._priced_or_interpolated(bucket)
+        if depth > 0:
+            self.plan_seconds[(bucket, int(depth))] = _push_median(
+                self._plan_samples, (bucket, int(depth)), seconds)
         if depth > 0 and base is not None:
             key = (bucket.num_slots, int(depth))
             self.draft_seconds[key] = _push_median(self._draft_samples, key,

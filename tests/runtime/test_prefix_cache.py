@@ -71,6 +71,18 @@ def _run_chats(engine, chats, max_tokens=10, record_windows=False):
     return results, windows
 
 
+def _assert_reference_tokens(results, chats, max_tokens=10):
+    """Each turn's tokens (``_run_chats``' results) equal the full-forward reference's greedy
+    continuation of that turn's prompt (earlier turns' prompts and outputs + its new tokens)."""
+    cfg, params = tiny_model(0, vocab_size=VOCAB)
+    hist = {}
+    for (c, t) in sorted(results):
+        prompt = hist.get(c, []) + chats[c][t]
+        ref = reference_greedy(cfg, params, prompt, max_tokens, stop_ids=())
+        assert results[(c, t)] == ref, (c, t)
+        hist[c] = prompt + ref
+
+
 @pytest.mark.parametrize("spec", [None, MTP3], ids=["plain", "mtp3"])
 def test_greedy_identical_with_and_without_prefix_caching(spec):
     """Multi-turn chats sharing prefixes: the same greedy tokens (and the independent
@@ -81,13 +93,7 @@ def test_greedy_identical_with_and_without_prefix_caching(spec):
     res_off, win_off = _run_chats(off, chats, record_windows=True)
     res_on, win_on = _run_chats(on, chats, record_windows=True)
     assert res_on == res_off
-    cfg, params = tiny_model(0, vocab_size=VOCAB)
-    hist = {}
-    for (c, t) in sorted(res_off):
-        prompt = hist.get(c, []) + chats[c][t]
-        ref = reference_greedy(cfg, params, prompt, 10, stop_ids=())
-        assert res_off[(c, t)] == ref
-        hist[c] = prompt + ref
+    _assert_reference_tokens(res_off, chats)
     st_off, st_on = off.get_stats(), on.get_stats()
     for key in ("num_draft_tokens", "num_accepted_tokens", "accepted_per_position",
                 "num_decode_steps", "num_decode_tokens"):
@@ -307,16 +313,10 @@ def test_prefix_caching_on_a_mesh_of_one_device():
     """A one-device mesh is one device: prefix caching is accepted there (it was refused for any
     ``mesh`` argument) and a shared prefix is served from the cache with the reference's tokens."""
     from jmtp.runtime.sharding import make_mesh
-    cfg, params = tiny_model(0, vocab_size=VOCAB)
     engine = _engine(MTP3, True, mesh=make_mesh(1, 1))
     chats = _chats()[:2]
     res, _ = _run_chats(engine, chats)
-    hist = {}
-    for (c, t) in sorted(res):
-        prompt = hist.get(c, []) + chats[c][t]
-        ref = reference_greedy(cfg, params, prompt, 10, stop_ids=())
-        assert res[(c, t)] == ref
-        hist[c] = prompt + ref
+    _assert_reference_tokens(res, chats)
     assert engine.get_stats()["prefix_cache_hit_tokens"] > 0
 
 

@@ -381,6 +381,27 @@ def test_drafting_depth_is_priced_on_top_of_the_bucket():
     assert p.draft_seconds[(0, 2)] == pytest.approx(0.002)
 
 
+def test_a_bucket_and_depth_that_ran_is_priced_by_its_own_steps():
+    """``base + draft`` is a split of a drafting step's time that goes stale when the base moves:
+    here the draft sample (4-row steps at depth 2 took 30 ms) was taken against a seeded base of
+    12 ms (18 ms of drafting); the bucket's base then turns out to be 25 ms live. The split now
+    says 25 + 18 = 43 ms; the pair's own live steps say 30 ms. One slot, gains 1/2, 1/4
+    (pinned): 1.75 / 30 ms = 58 tok/s beats 1 / 20 ms = 50 at 1 row (and 1.5 / 32 ms = 46 for one
+    draft: 2 rows seeded at 21 ms x the live/seed ratio 1.54); 1.75 / 43 ms = 41 would not."""
+    p = policy(1, 2, [1, 2, 4], prior_acceptance=0.5, prior_weight=1e6)
+    p.seed_costs(by_rows({1: 0.020, 2: 0.021, 4: 0.012}))
+    for _ in range(3):
+        p.observe(np.array([0]), np.array([0]), StepBucket(1, 0), 0.020)
+    p.observe(np.array([2]), np.array([1]), StepBucket(4, 0), 0.030, depth=2)
+    assert p.draft_seconds[(0, 2)] == pytest.approx(0.018)
+    p.observe(np.array([2]), np.array([0]), StepBucket(4, 0), 0.025)             # base, live
+    assert p.step_seconds[StepBucket(4, 0)] == pytest.approx(0.025)
+    assert p.step_time(4, 0, depth=2) == pytest.approx(0.030)                    # its own steps
+    # never ran: the split, its seed scaled by the live/seed ratio (20/20 and 25/12 ms: mean)
+    assert p.step_time(2, 0, depth=2) == pytest.approx(0.021 * (1 + 25 / 12) / 2 + 0.018)
+    assert p.draft_limits(np.array([True])).tolist() == [2]
+
+
 def test_untried_shallower_depth_is_priced_optimistically():
     """The policy measures depth K first (nothing is known, so it drafts K); a shallower depth
     is then priced at the deepest measured depth below it, here none (0 s), so it gets tried
@@ -443,11 +464,11 @@ def test_a_slow_no_draft_price_is_refreshed_not_kept():
     assert run(0) == [1] * 20                     # trapped
     got = run(8)
     # two steps re-time the no-draft bucket (its 3 timings now 50 / 10 / 10 ms: median 10, so
-    # 2 rows are priced 10.5 ms); drafting's samples are then 0 ms (the first drafting step
-    # verifies nothing: 10 - 10), 4.5 ms (15 - 10.5), 4.5 ms: after the second the median is
-    # 2.25 ms (1.3 / 12.75 ms = 102 tok/s, still drafts), after the third 4.5 ms (1.3 / 15 ms =
-    # 87 < 100), and drafting stops
-    assert got == [0, 0] + [1] * 3 + [0] * 15
+    # 2 rows are priced 10.5 ms, and drafting 0: 1.3 / 10.5 ms = 124 tok/s); the first drafting
+    # step verifies nothing (1 row, 10 ms), the second verifies 2 rows while drafting and takes
+    # 15 ms: that (bucket, depth) pair is now priced by its own live time, 1.3 / 15 ms = 87 <
+    # 100, and drafting stops
+    assert got == [0, 0] + [1] * 2 + [0] * 16
 
 
 def test_refresh_while_drafting_pays_costs_two_steps_in_refresh_every():
