@@ -1078,8 +1078,11 @@ class LLMEngine:
             active[d] = len(decoding) + int(np.count_nonzero(chunks[r.start:r.stop]))
         # One (T, A) bucket for every shard: the busiest one's.
         bucket = choose_bucket(sec, max(rows), max(active), bool(chunks.any()))
+        # Slots that propose in this step: decoding ones and those whose prefill ends in it.
+        proposing = np.array([s is not None and s.prefilled + int(chunks[b]) >= len(s.context_ids)
+                              for b, s in enumerate(slots)])
         limits = (np.full((B,), ec.k, np.int32) if self.spec_policy is None else
-                  self.spec_policy.draft_limits(np.array([s is not None for s in slots])))
+                  self.spec_policy.draft_limits(proposing))
         if self.prefix_cache is not None:
             self._ensure_free(self._step_block_bound(chunks))
         t_step = time.perf_counter()

@@ -8,7 +8,9 @@ Model (in the spirit of "SpecDec++" (Huang et al. 2024) and vLLM's / TensorRT-LL
 speculation-length heuristics, reduced to what the host measures anyway):
 
 * **Acceptance**, per slot and draft position ``i`` (1-based): ``a_i = P(draft i accepted | draft
-  i-1 accepted)``, estimated from decayed counts (half-life ``halflife`` steps) of the slot's own
+  i-1 accepted)``, where a draft position the policy allowed but the drafter left empty (no n-gram
+  match, a ``max_tokens`` cap) counts as rejected: the plan pays for allowed drafts, so it must
+  expect only the tokens they really bring. Estimated from decayed counts (half-life ``halflife`` steps) of the slot's own
   verify steps, shrunk towards the pooled estimate over all slots (weight ``prior_weight``
   trials), which itself starts at ``prior_acceptance``. A slot drafting ``k`` is expected to
   commit ``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j`` tokens; the gain of its ``k``-th draft,
@@ -141,6 +143,8 @@ class DynamicSpeculation:
         self.zero_streak = np.zeros((num_slots,), np.int64)
         self.probe_gap = np.full((num_slots,), probe_every, np.int64)   # per-slot probe gap
         self._probe_pending = np.zeros((num_slots,), bool)   # probed, first draft not yet verified
+        self._given = np.zeros((num_slots,), np.int32)       # limits of the last draft_limits call
+        self._verifying = np.zeros((num_slots,), np.int32)   # limits of the step before it
         self._seen: set[StepBucket] = set()              # buckets run once (compiled)
 
     # ------------------------------------------------------------------ estimates
@@ -243,17 +247,22 @@ class DynamicSpeculation:
         """i32[B] drafts each slot may propose this step (0 for inactive slots).
 
         Args:
-          active: bool[B] slots holding a request (decoding next step, or prefilling).
+          active: bool[B] slots that propose in this step: decoding, or finishing their prefill
+            in it (a slot still prefilling after this step proposes nothing).
         """
         active = np.asarray(active, bool)
         n = int(active.sum())
         limits = np.zeros((self.num_slots,), np.int32)
+        # the step about to run verifies what the previous one proposed under these limits
+        self._verifying = self._given
         if n == 0:
+            self._given = limits
             return limits
         self._ratio_memo = {}            # the tables do not change within one call
         self._step += 1
         try:
-            return self._draft_limits(active, n, limits)
+            self._given = self._draft_limits(active, n, limits).copy()
+            return self._given.copy()
         finally:
             self._ratio_memo = None
 
@@ -322,7 +331,11 @@ class DynamicSpeculation:
         nd = np.asarray(num_drafts, np.int64)[:, None]
         na = np.asarray(num_accepted, np.int64)[:, None]
         i = np.arange(1, self.k + 1)[None]
-        tried = (nd >= i) & (na >= i - 1)
+        # A position counts as tried when it was allowed (the limits the proposing step got), not
+        # only when a draft was proposed: an allowed n-gram draft without a match yields nothing.
+        allowed = self._verifying.astype(np.int64)[:, None]
+        tried = ((allowed >= i) | (nd >= i)) & (na >= i - 1)
+        self._verifying = np.zeros_like(self._verifying)     # counted once
         ok = na >= i
         self.trials *= self.decay
         self.succ *= self.decay
@@ -359,6 +372,7 @@ class DynamicSpeculation:
         self.zero_streak[slot] = 0
         self.probe_gap[slot] = self.probe_every
         self._probe_pending[slot] = False
+        self._given[slot] = self._verifying[slot] = 0
 
 
 def _push_median(samples: dict, key, value: float) -> float:
