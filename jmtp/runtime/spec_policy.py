@@ -8,9 +8,7 @@ Model (in the spirit of "SpecDec++" (Huang et al. 2024) and vLLM's / TensorRT-LL
 speculation-length heuristics, reduced to what the host measures anyway):
 
 * **Acceptance**, per slot and draft position ``i`` (1-based): ``a_i = P(draft i accepted | draft
-  i-1 accepted)``, where a draft position the policy allowed but the drafter left empty (no n-gram
-  match, a ``max_tokens`` cap) counts as rejected: the plan pays for allowed drafts, so it must
-  expect only the tokens they really bring. Estimated from decayed counts (half-life ``halflife`` steps) of the slot's own
+  i-1 accepted)``, estimated from decayed counts (half-life ``halflife`` steps) of the slot's own
   verify steps, shrunk towards the pooled estimate over all slots (weight ``prior_weight``
   trials), which itself starts at ``prior_acceptance``. A slot drafting ``k`` is expected to
   commit ``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j`` tokens; the gain of its ``k``-th draft,
@@ -45,7 +43,9 @@ speculation-length heuristics, reduced to what the host measures anyway):
   :data:`BASE_SAMPLES` whole step times) rather than ``base + draft``: the split into the two
   is only an estimate (a drafting step's ``draft`` sample is its time minus the bucket's base
   *as priced then*, and that base moves as live timings replace seeds), and the pairs a busy
-  engine cycles through are few.
+  engine cycles through are few. A pair's own price expires when its newest step is more than
+  ``refresh_every`` steps old (the split prices it again), so one slow step cannot keep a pair
+  out for ever.
 * **Probing**: a slot held at 0 drafts for its probe gap of consecutive steps gets at least one
   draft, so a change in its acceptance (e.g. the text turns to copying) is noticed. The gap
   starts at ``probe_every``. It doubles (up to ``probe_every * MAX_PROBE_BACKOFF``) when the
@@ -139,12 +139,11 @@ class DynamicSpeculation:
         # (bucket, depth > 0) -> median of its last BASE_SAMPLES live steps, whole step times
         self.plan_seconds: dict[tuple[StepBucket, int], float] = {}
         self._plan_samples: dict[tuple[StepBucket, int], list[float]] = {}
+        self._plan_step: dict[tuple[StepBucket, int], int] = {}   # step of its newest sample
         self._ratio_memo: dict[int, float] | None = None  # A -> live_ratio(A) within draft_limits
         self.zero_streak = np.zeros((num_slots,), np.int64)
         self.probe_gap = np.full((num_slots,), probe_every, np.int64)   # per-slot probe gap
         self._probe_pending = np.zeros((num_slots,), bool)   # probed, first draft not yet verified
-        self._given = np.zeros((num_slots,), np.int32)       # limits of the last draft_limits call
-        self._verifying = np.zeros((num_slots,), np.int32)   # limits of the step before it
         self._seen: set[StepBucket] = set()              # buckets run once (compiled)
 
     # ------------------------------------------------------------------ estimates
@@ -199,7 +198,9 @@ class DynamicSpeculation:
         same A, or the nearest past them; 1.0 before anything of that A is priced (every bucket
         then costs the same)."""
         key = self.bucket(rows, num_slots)
-        if depth > 0 and (key, depth) in self.plan_seconds:
+        if depth > 0 and (key, depth) in self.plan_seconds and (
+                not self.refresh_every
+                or self._step - self._plan_step[(key, depth)] <= self.refresh_every):
             return self.plan_seconds[(key, depth)]
         return self._base_time(key) + self.draft_time(key.num_slots, depth)
 
@@ -253,16 +254,12 @@ class DynamicSpeculation:
         active = np.asarray(active, bool)
         n = int(active.sum())
         limits = np.zeros((self.num_slots,), np.int32)
-        # the step about to run verifies what the previous one proposed under these limits
-        self._verifying = self._given
         if n == 0:
-            self._given = limits
             return limits
         self._ratio_memo = {}            # the tables do not change within one call
         self._step += 1
         try:
-            self._given = self._draft_limits(active, n, limits).copy()
-            return self._given.copy()
+            return self._draft_limits(active, n, limits)
         finally:
             self._ratio_memo = None
 
@@ -331,11 +328,7 @@ class DynamicSpeculation:
         nd = np.asarray(num_drafts, np.int64)[:, None]
         na = np.asarray(num_accepted, np.int64)[:, None]
         i = np.arange(1, self.k + 1)[None]
-        # A position counts as tried when it was allowed (the limits the proposing step got), not
-        # only when a draft was proposed: an allowed n-gram draft without a match yields nothing.
-        allowed = self._verifying.astype(np.int64)[:, None]
-        tried = ((allowed >= i) | (nd >= i)) & (na >= i - 1)
-        self._verifying = np.zeros_like(self._verifying)     # counted once
+        tried = (nd >= i) & (na >= i - 1)
         ok = na >= i
         self.trials *= self.decay
         self.succ *= self.decay
@@ -357,6 +350,7 @@ class DynamicSpeculation:
         if depth > 0:
             self.plan_seconds[(bucket, int(depth))] = _push_median(
                 self._plan_samples, (bucket, int(depth)), seconds)
+            self._plan_step[(bucket, int(depth))] = self._step
         if depth > 0 and base is not None:
             key = (bucket.num_slots, int(depth))
             self.draft_seconds[key] = _push_median(self._draft_samples, key,
@@ -372,7 +366,6 @@ class DynamicSpeculation:
         self.zero_streak[slot] = 0
         self.probe_gap[slot] = self.probe_every
         self._probe_pending[slot] = False
-        self._given[slot] = self._verifying[slot] = 0
 
 
 def _push_median(samples: dict, key, value: float) -> float:
