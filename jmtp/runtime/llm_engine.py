@@ -1090,10 +1090,11 @@ class LLMEngine:
         self._next_drafts = np.asarray(out.num_next_drafts)
         if self.spec_policy is not None:
             # the proposing depth prices the drafting; a step with a prefill chunk is not timed
-            # (its token bucket can coincide with a decode bucket)
+            # (its token bucket can coincide with a decode bucket); the committed tokens feed
+            # the policy's guard on the realised rate
             self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket,
                                      time.perf_counter() - t_step, depth=int(limits.max()),
-                                     timed=not chunks.any())
+                                     timed=not chunks.any(), num_tokens=out.num_tokens)
         self._num_steps += 1
         self._free_counts = [int(x) for x in out.free_count]
         touched: dict[str, _Group] = {}

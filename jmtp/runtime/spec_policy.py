@@ -65,6 +65,24 @@ speculation-length heuristics, reduced to what the host measures anyway):
   drafts nothing for two steps: the first verifies the drafts already proposed, the second runs
   the no-draft bucket and times it.
 
+* **Guard on the realised rate**: the estimates above can stay optimistic (acceptance lags by its
+  half-life, an n-gram draft the plan allows but the matcher leaves empty is no trial). So the
+  policy also measures what its drafting delivers. A step is *judged* when it verifies drafts
+  that the plan itself proposed in the step before (not drafts proposed only as probes, and not
+  while drafting is held off); it is timed like the cost samples above (no prefill chunk, not a
+  bucket's first run). Its committed tokens and seconds join a window of ``guard_samples`` judged
+  steps at the same number of active slots ``n`` (a change of ``n`` starts a new window). A full
+  window is judged once and cleared: when its tokens per second (its slowest step left out, as
+  one slow step must not trip it) fall below what plain decoding gives in the no-draft bucket,
+  ``c / base(bucket(n, n))`` with ``c`` the mean number of slots that committed a token in those
+  steps (slots paused for KV blocks commit none in either case),
+  drafting at ``n`` is held off for the guard gap of steps, counted at any ``n`` (every slot
+  gets limit 0 and no probe: plain decoding, after the first held step verifies the drafts
+  proposed before the hold). The gap starts at ``guard_retry`` and doubles (up to ``guard_retry *
+  MAX_PROBE_BACKOFF``) each time a window loses again; a window that keeps up resets it. So
+  drafting that loses costs about one window per gap. The no-draft price is the refreshed base
+  above; with ``refresh_every=0`` it can go stale, and so can the guard's judgement.
+
 Expected-throughput maximisation is greedy per step (no look-ahead), and acceptance is treated as
 independent of batch composition.
 """
@@ -102,6 +120,10 @@ class DynamicSpeculation:
         probe); the gap doubles after each rejected probe (see "Probing").
       refresh_every: while drafting, re-time the no-draft bucket when its newest live timing is
         older than this many steps (0 = never; see the module docstring).
+      guard_samples: judged steps per window whose realised tokens per second are compared with
+        plain decoding's (0 = no guard; see "Guard on the realised rate").
+      guard_retry: steps drafting is held off after a first losing window (doubles after each
+        further losing window, up to ``guard_retry * MAX_PROBE_BACKOFF``).
 
     Raises:
       ValueError: ``num_slots < 1``, ``k < 1``, or a parameter outside its range.
@@ -109,16 +131,19 @@ class DynamicSpeculation:
 
     def __init__(self, num_slots: int, k: int, bucket_of: BucketOf, *,
                  prior_acceptance: float = 0.5, prior_weight: float = 4.0, halflife: float = 32.0,
-                 probe_every: int = 16, refresh_every: int = 64):
+                 probe_every: int = 16, refresh_every: int = 64, guard_samples: int = 16,
+                 guard_retry: int = 16):
         if num_slots < 1 or k < 1:
             raise ValueError(f"DynamicSpeculation: need num_slots >= 1 and k >= 1, got "
                              f"num_slots={num_slots}, k={k}")
         if not 0.0 <= prior_acceptance <= 1.0 or prior_weight < 0 or halflife <= 0:
             raise ValueError("DynamicSpeculation: prior_acceptance must lie in [0, 1], "
                              "prior_weight >= 0, halflife > 0")
-        if probe_every < 0 or refresh_every < 0:
-            raise ValueError(f"DynamicSpeculation: need probe_every >= 0 and refresh_every >= 0, "
-                             f"got probe_every={probe_every}, refresh_every={refresh_every}")
+        if probe_every < 0 or refresh_every < 0 or guard_samples < 0 or guard_retry < 1:
+            raise ValueError(f"DynamicSpeculation: need probe_every >= 0, refresh_every >= 0, "
+                             f"guard_samples >= 0 and guard_retry >= 1, got probe_every="
+                             f"{probe_every}, refresh_every={refresh_every}, guard_samples="
+                             f"{guard_samples}, guard_retry={guard_retry}")
         self.num_slots, self.k = num_slots, k
         self.bucket = bucket_of
         self.prior_weight, self.probe_every = prior_weight, probe_every
@@ -145,6 +170,15 @@ class DynamicSpeculation:
         self.probe_gap = np.full((num_slots,), probe_every, np.int64)   # per-slot probe gap
         self._probe_pending = np.zeros((num_slots,), bool)   # probed, first draft not yet verified
         self._seen: set[StepBucket] = set()              # buckets run once (compiled)
+        # guard on the realised rate, per number of active slots n
+        self.guard_samples, self.guard_retry = guard_samples, guard_retry
+        self._n = 0                                      # active slots of the last plan
+        self._planned = False      # the last step's plan proposed drafts (not only probes)
+        self._judged = False       # this step verifies drafts the plan proposed, not held off
+        self._window: list[tuple[float, float, int]] = []   # (tokens, seconds, slots committing)
+        self._window_n = 0                               # the n of the window's steps
+        self.guard_until: dict[int, int] = {}  # n -> first step drafting may resume at that n
+        self.guard_gap: dict[int, int] = {}    # n -> hold after its next losing window
 
     # ------------------------------------------------------------------ estimates
     def acceptance(self) -> np.ndarray:
@@ -258,6 +292,12 @@ class DynamicSpeculation:
             return limits
         self._ratio_memo = {}            # the tables do not change within one call
         self._step += 1
+        self._n = n
+        held = self._step < self.guard_until.get(n, 0)   # the guard holds drafting off
+        self._judged, self._planned = self._planned and not held, False
+        if held:
+            self._ratio_memo = None
+            return limits                                  # plain decoding
         try:
             return self._draft_limits(active, n, limits)
         finally:
@@ -285,6 +325,7 @@ class DynamicSpeculation:
         cand = [(-g[b, i], i, b) for b in slots for i in range(self.k)]
         cand.sort()
         best_x = self._best_plan(cand, n)
+        self._planned = best_x > 0
         if best_x and self.refresh_every and not self._refresh_left:
             none = self.bucket(n, n)
             if (len(self._base_samples.get(none, ())) < BASE_SAMPLES
@@ -292,6 +333,7 @@ class DynamicSpeculation:
                 self._refresh_left = 2
         if self._refresh_left:
             self._refresh_left -= 1
+            self._planned = False
             return limits
         for _, i, b in cand[:best_x]:
             limits[b] = max(limits[b], i + 1)
@@ -314,7 +356,8 @@ class DynamicSpeculation:
         return limits
 
     def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray,
-                bucket: StepBucket, seconds: float, depth: int = 0, timed: bool = True) -> None:
+                bucket: StepBucket, seconds: float, depth: int = 0, timed: bool = True,
+                num_tokens: np.ndarray | None = None) -> None:
         """Record one step: per-slot drafts verified / accepted (``StepOutput.num_drafts`` /
         ``num_accepted``, i32[B]), the :class:`StepBucket` the step ran in, its wall ``seconds``
         and its proposing ``depth`` (the largest draft limit it was given; 0: it proposed
@@ -324,7 +367,10 @@ class DynamicSpeculation:
         is priced yet, the whole time becomes the bucket's base). The first timing of each
         bucket is discarded (it includes the bucket's compilation). ``timed=False`` (the engine
         passes it for steps with a prefill chunk, whose token buckets can coincide with decode
-        buckets) records acceptance only."""
+        buckets) records acceptance only. ``num_tokens`` (i32[B], ``StepOutput.num_tokens``: the
+        tokens each slot committed) feeds the guard on the realised rate when the step is judged
+        (it verifies drafts the plan proposed in the step before, and it is timed: see the module
+        docstring; None: the guard learns nothing from this step)."""
         nd = np.asarray(num_drafts, np.int64)[:, None]
         na = np.asarray(num_accepted, np.int64)[:, None]
         i = np.arange(1, self.k + 1)[None]
@@ -358,6 +404,31 @@ class DynamicSpeculation:
         else:
             self.step_seconds[bucket] = _push_median(self._base_samples, bucket, seconds)
             self._base_step[bucket] = self._step
+        if num_tokens is not None and self._judged and self.guard_samples:
+            self._judge(np.asarray(num_tokens), seconds)
+
+    def _judge(self, num_tokens: np.ndarray, seconds: float) -> None:
+        """Guard on the realised rate: add one judged step at the plan's ``n``; a full window is
+        compared with plain decoding once and cleared (see the module docstring)."""
+        n = self._n
+        if n != self._window_n:
+            self._window, self._window_n = [], n
+        self._window.append((float(num_tokens.sum()), seconds, int(np.count_nonzero(num_tokens))))
+        off = self._priced_or_interpolated(self.bucket(n, n))
+        if len(self._window) < self.guard_samples or off is None:
+            return
+        # the slowest step is left out: one slow step (a page-fault storm, another process)
+        # must not trip the guard, as it cannot set a price (the base is a median)
+        kept = sorted(self._window, key=lambda step: step[1])[:-1] or self._window
+        tok, sec, committing = (sum(col) for col in zip(*kept))
+        self._window = []
+        gap = self.guard_gap.get(n, self.guard_retry)
+        if tok / sec < committing / len(kept) / off:
+            self.guard_until[n] = self._step + 1 + gap
+            self.guard_gap[n] = min(gap * 2, self.guard_retry * MAX_PROBE_BACKOFF)
+            self._refresh_left = 0          # the hold runs the no-draft bucket anyway
+        else:
+            self.guard_gap[n] = self.guard_retry
 
     def reset_slot(self, slot: int) -> None:
         """A new request took ``slot``: forget its acceptance (the pooled estimate remains)."""

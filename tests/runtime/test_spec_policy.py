@@ -236,6 +236,10 @@ def test_bad_arguments():
         policy(2, 0, [4])
     with pytest.raises(ValueError, match="prior_acceptance"):
         policy(2, 2, [4], prior_acceptance=1.5)
+    with pytest.raises(ValueError, match="guard_retry=0"):
+        policy(2, 2, [4], guard_retry=0)
+    with pytest.raises(ValueError, match="guard_samples=-1"):
+        policy(2, 2, [4], guard_samples=-1)
 
 
 def test_costs_keyed_by_step_bucket():
@@ -364,6 +368,8 @@ def test_engine_asks_for_limits_of_proposing_slots_only_and_mtp_fills_them():
     pol.refresh_every = 0                                      # (no no-draft timing steps)
     seen, real = [], pol.draft_limits
     pol.draft_limits = lambda active: seen.append((np.asarray(active).copy(), real(active))) or seen[-1][1]
+    committed, observe = [], pol.observe
+    pol.observe = lambda *a, **kw: committed.append(kw["num_tokens"].copy()) or observe(*a, **kw)
     prompt = list(range(3, 17))                                # 14 tokens: chunks 6, 6, 2
     eng.add_request("a", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     out, drafts = None, []
@@ -375,6 +381,8 @@ def test_engine_asks_for_limits_of_proposing_slots_only_and_mtp_fills_them():
     assert [int(l[0]) for _, l in seen[:4]] == [0, 0, 2, 2]
     assert drafts[2:4] == [2, 2]                 # the prefill-ending step proposed its limit
     assert out.outputs[0].token_ids == reference_greedy(cfg, params, prompt, 12, stop_ids=())
+    # the guard on the realised rate is fed each step's committed tokens: 12 in all, slot 0 only
+    assert sum(int(c[0]) for c in committed) == 12 and sum(int(c[1]) for c in committed) == 0
 
 
 def test_drafting_depth_is_priced_on_top_of_the_bucket():
@@ -522,3 +530,126 @@ def test_refresh_while_drafting_pays_costs_two_steps_in_refresh_every():
     # refresh's second step (the no-draft one) as its own: more than 8 steps old at 9, then 19
     assert [i + 1 for i, d in enumerate(got) if d == 0] == [9, 10, 19, 20]
     assert all(d == 3 for d in got if d)
+
+
+
+class FakeEngine:
+    """Drives a policy as the engine does: each step proposes the policy's limits and verifies the
+    drafts the step before proposed, ``accepted[b]`` of them accepted (at most what was proposed),
+    and takes the seconds of its row bucket in ``cost`` (or ``seconds``). Paused slots commit
+    nothing and verify nothing."""
+
+    def __init__(self, p, cost):
+        self.p, self.cost = p, cost
+        self.waiting = np.zeros((p.num_slots,), np.int64)
+
+    def step(self, accepted, active=None, paused=(), seconds=None):
+        p = self.p
+        active = np.ones((p.num_slots,), bool) if active is None else np.asarray(active)
+        limits = p.draft_limits(active)
+        live = active.copy()
+        live[list(paused)] = False
+        nd = np.where(live, self.waiting, 0)
+        na = np.minimum(np.asarray(accepted), nd)
+        bucket = p.bucket(int(active.sum() + nd.sum()), 0)
+        sec = self.cost[bucket.num_tokens] if seconds is None else seconds
+        p.observe(nd, na, bucket, sec, depth=int(limits.max()),
+                  num_tokens=np.where(live, 1 + na, 0))
+        self.waiting = np.where(live, limits, self.waiting)
+        return limits.tolist()
+
+
+def guarded(**kw):
+    """Two slots, K=1, a pinned acceptance of 0.9; idle seeds price 2 rows (no drafts) at 1.0 s
+    and 4 rows (one draft each) at 1.2 s, so the plan drafts (2 + 1.8) / 1.2 = 3.17 tok/s against
+    2 / 1.0 = 2 without drafts."""
+    p = policy(2, 1, [2, 4], prior_acceptance=0.9, prior_weight=1e6, **kw)
+    p.seed_costs(by_rows({2: 1.0, 4: 1.2}))
+    return p, FakeEngine(p, {2: 1.0, 4: 1.2})
+
+
+def test_guard_holds_drafting_off_when_its_realised_rate_loses():
+    """The estimates promise 3.17 tok/s; every draft is rejected, so a step verifying one draft
+    per slot delivers 2 tokens in 1.2 s = 1.67 tok/s, below plain's 2 / 1.0 s. Step 1 proposes
+    and verifies nothing (not judged); steps 2-5 are judged: the window of 4 loses and drafting
+    is held off for 3 steps (6-8: step 6 verifies step 5's drafts, not judged), then step 9
+    proposes again, 10-13 lose again and the hold doubles to 6 (14-19). Windows where the drafts
+    are accepted (4 tokens in 1.2 s) keep up and reset the hold to 3."""
+    p, eng = guarded(guard_samples=4, guard_retry=3)
+    got = [eng.step([0, 0]) for _ in range(19)]
+    assert got == [[1, 1]] * 5 + [[0, 0]] * 3 + [[1, 1]] * 5 + [[0, 0]] * 6
+    assert p.guard_until == {2: 20} and p.guard_gap == {2: 12}
+    got = [eng.step([1, 1]) for _ in range(5)]          # steps 20-24: 21-24 judged, keep up
+    assert got == [[1, 1]] * 5 and p.guard_gap == {2: 3}
+    got = [eng.step([0, 0]) for _ in range(8)]          # 25-28 lose: hold 3 (29-31)
+    assert got == [[1, 1]] * 4 + [[0, 0]] * 3 + [[1, 1]]
+    # the hold is capped at guard_retry * MAX_PROBE_BACKOFF = 24 steps
+    for _ in range(200):
+        eng.step([0, 0])
+    assert p.guard_gap == {2: 24}
+
+
+def test_guard_compares_with_the_slots_that_commit_keeps_ties_and_drops_a_slow_step():
+    # one slot paused for KV blocks throughout: plain decoding would commit 1 token per 1.0 s;
+    # slot 0's drafts pay (2 tokens per 1.2 s = 1.67 tok/s), so nothing trips (against n = 2
+    # tokens per step it would)
+    p, eng = guarded(guard_samples=4, guard_retry=3)
+    assert [eng.step([1, 0], paused=[1]) for _ in range(30)] == [[1, 1]] * 30
+    assert p.guard_until == {}
+    # a window exactly as fast as plain decoding (3 tokens per 1.5 s = 2 tok/s) keeps up
+    p, eng = guarded(guard_samples=4, guard_retry=3)
+    assert [eng.step([1, 0], seconds=1.5) for _ in range(30)] == [[1, 1]] * 30
+    assert p.guard_until == {}
+    # one slow step is left out: drafts that pay (4 tokens per 1.2 s) and one 10 s step in each
+    # window (16 tokens in 13.6 s = 1.18 tok/s with it, 3.33 without) do not trip the guard
+    p, eng = guarded(guard_samples=4, guard_retry=3)
+    eng.step([1, 1])
+    got = [eng.step([1, 1], seconds=10.0 if i % 4 == 3 else 1.2) for i in range(40)]
+    assert got == [[1, 1]] * 40 and p.guard_until == {}
+
+
+def test_guard_judges_the_plans_drafts_only_and_windows_per_active_slots():
+    # The plan drafts nothing (pinned acceptance 0); probes draft every third step and lose
+    # (2 tokens in 1.2 s), but probes are not the plan's drafting: nothing is judged.
+    p = policy(2, 1, [2, 4], prior_acceptance=0.0, prior_weight=1e6, probe_every=2)
+    p.seed_costs(by_rows({2: 1.0, 4: 1.2}))
+    eng = FakeEngine(p, {2: 1.0, 4: 1.2})
+    got = [eng.step([0, 0]) for _ in range(60)]
+    assert any(any(x) for x in got) and p.guard_until == {} and p._window == []
+    # A change of active slots starts a new window: 3 losing judged steps at 2 slots (2-4), one
+    # at 1 slot (5, verifying step 4's drafts), then 3 more at 2 slots (6-8) do not fill a
+    # window of 4; the fourth (9) does.
+    p, eng = guarded(guard_samples=4, guard_retry=3)
+    for _ in range(4):                                   # step 1 unjudged, 2-4 judged
+        eng.step([0, 0])
+    eng.step([0, 0], active=[True, False])
+    for _ in range(3):
+        eng.step([0, 0])
+    assert p.guard_until == {}
+    eng.step([0, 0])
+    assert p.guard_until == {2: p._step + 4}
+    # a hold counts steps at any number of active slots: a lone slot still drafts meanwhile
+    assert [eng.step([0, 0], active=[True, False]) for _ in range(3)] == [[1, 0]] * 3
+    assert eng.step([0, 0]) == [1, 1]
+    # without num_tokens (or with guard_samples=0) the guard learns nothing
+    q, eng = guarded(guard_samples=0)
+    assert [eng.step([0, 0]) for _ in range(20)] == [[1, 1]] * 20
+    r, _ = guarded(guard_samples=4)
+    for _ in range(20):
+        r.draft_limits(np.array([True, True]))
+        r.observe(np.array([1, 1]), np.array([0, 0]), r.bucket(4, 2), 1.2, depth=1)
+    assert r.guard_until == {} and r.draft_limits(np.array([True, True])).tolist() == [1, 1]
+
+
+def test_a_trip_ends_a_refresh_in_progress():
+    # refresh_every=1 starts a refresh (two steps without drafts) whenever drafting follows a
+    # stale no-draft timing; the trip that holds drafting off cancels the refresh's second step,
+    # so drafting resumes right after the hold
+    p, eng = guarded(guard_samples=1, guard_retry=2, refresh_every=1)
+    got = [eng.step([0, 0]) for _ in range(12)]
+    drafting = [i + 1 for i, x in enumerate(got) if x == [1, 1]]
+    # steps 1-4 refresh twice (the no-draft bucket needs three live timings), 5 drafts, 6 starts
+    # a refresh (the newest timing is 2 steps old) and verifies step 5's drafts (judged: it
+    # loses), so 7-8 are held off (timed without drafts), and 9 drafts; left to run, the
+    # refresh's second step would take 9 and drafting would resume at 10
+    assert drafting[:2] == [5, 9], got
