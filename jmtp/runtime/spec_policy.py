@@ -72,8 +72,8 @@ speculation-length heuristics, reduced to what the host measures anyway):
   while drafting is held off); it is timed like the cost samples above (no prefill chunk, not a
   bucket's first run). Its committed tokens and seconds join a window of ``guard_samples`` judged
   steps at the same number of active slots ``n`` (a change of ``n`` starts a new window). A full
-  window is judged once and cleared: when its tokens per second (its slowest step left out, as
-  one slow step must not trip it) fall below what plain decoding gives in the no-draft bucket,
+  window is judged once and cleared: when its tokens per second (its slowest step left out when
+  ``guard_samples > 1``, as one slow step must not trip it) fall below what plain decoding gives in the no-draft bucket,
   ``c / base(bucket(n, n))`` with ``c`` the mean number of slots that committed a token in those
   steps (slots paused for KV blocks commit none in either case),
   drafting at ``n`` is held off for the guard gap of steps, counted at any ``n`` (every slot
@@ -289,6 +289,7 @@ class DynamicSpeculation:
         n = int(active.sum())
         limits = np.zeros((self.num_slots,), np.int32)
         if n == 0:
+            self._judged = self._planned = False
             return limits
         self._ratio_memo = {}            # the tables do not change within one call
         self._step += 1
@@ -349,6 +350,7 @@ class DynamicSpeculation:
                 for _, i, b in cand[:best_x]:
                     limits[b] = max(limits[b], i + 1)
             planned = (limits > 0) & ~probe            # the plan drafts for them unforced
+            self._planned = bool(planned.any())        # (the re-plan may drop every draft)
             self.probe_gap[planned] = self.probe_every
             self._probe_pending[planned] = False
             self._probe_pending[probe] = True
@@ -414,6 +416,7 @@ class DynamicSpeculation:
         if n != self._window_n:
             self._window, self._window_n = [], n
         self._window.append((float(num_tokens.sum()), seconds, int(np.count_nonzero(num_tokens))))
+        del self._window[:-self.guard_samples]         # (while the no-draft bucket is unpriced)
         off = self._priced_or_interpolated(self.bucket(n, n))
         if len(self._window) < self.guard_samples or off is None:
             return

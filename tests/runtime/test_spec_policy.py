@@ -571,7 +571,7 @@ def guarded(**kw):
 def test_guard_holds_drafting_off_when_its_realised_rate_loses():
     """The estimates promise 3.17 tok/s; every draft is rejected, so a step verifying one draft
     per slot delivers 2 tokens in 1.2 s = 1.67 tok/s, below plain's 2 / 1.0 s. Step 1 proposes
-    and verifies nothing (not judged); steps 2-5 are judged: the window of 4 loses and drafting
+    but verifies nothing (not judged); steps 2-5 are judged: the window of 4 loses and drafting
     is held off for 3 steps (6-8: step 6 verifies step 5's drafts, not judged), then step 9
     proposes again, 10-13 lose again and the hold doubles to 6 (14-19). Windows where the drafts
     are accepted (4 tokens in 1.2 s) keep up and reset the hold to 3."""
@@ -609,8 +609,9 @@ def test_guard_compares_with_the_slots_that_commit_keeps_ties_and_drops_a_slow_s
 
 
 def test_guard_judges_the_plans_drafts_only_and_windows_per_active_slots():
-    # The plan drafts nothing (pinned acceptance 0); probes draft every third step and lose
-    # (2 tokens in 1.2 s), but probes are not the plan's drafting: nothing is judged.
+    # The plan drafts nothing (pinned acceptance 0); probes draft (at steps 3, 8, 17, ...: the
+    # gap doubles) and lose (2 tokens in 1.2 s), but probes are not the plan's drafting: nothing
+    # is judged.
     p = policy(2, 1, [2, 4], prior_acceptance=0.0, prior_weight=1e6, probe_every=2)
     p.seed_costs(by_rows({2: 1.0, 4: 1.2}))
     eng = FakeEngine(p, {2: 1.0, 4: 1.2})
@@ -653,3 +654,20 @@ def test_a_trip_ends_a_refresh_in_progress():
     # loses), so 7-8 are held off (timed without drafts), and 9 drafts; left to run, the
     # refresh's second step would take 9 and drafting would resume at 10
     assert drafting[:2] == [5, 9], got
+
+
+def test_guard_does_not_judge_a_probe_the_replan_kept_alone():
+    """Slot 0 accepts 9 in 10 drafts, slot 1 none; 2 rows cost 1.0 s, 3 rows 1.1 s, 4 rows 2.0 s.
+    Step 1 drafts for slot 0 ((2 + 0.9) / 1.1 = 2.64 tok/s > 2). In step 2 slot 1 is due a probe:
+    forced, it takes 3 rows, and slot 0's draft would cost the 4-row bucket (2.9 / 2.0 = 1.45 <
+    2 / 1.1 = 1.82), so the re-plan drops it: [0, 1]. Step 2 verifies slot 0's draft (3 tokens in
+    1.1 s, judged: keeps up); step 3 verifies only the probe (2 tokens in 1.1 s), which is not
+    the plan's drafting: with a window of 1 it would trip the guard if judged."""
+    p = policy(2, 1, [2, 3, 4], prior_weight=0.0, halflife=1e9, probe_every=1, guard_samples=1)
+    p.trials[:], p.succ[:] = 100.0, [[90.0], [0.0]]
+    p.seed_costs(by_rows({2: 1.0, 3: 1.1, 4: 2.0}))
+    eng = FakeEngine(p, {2: 1.0, 3: 1.1, 4: 2.0})
+    assert eng.step([1, 0]) == [1, 0]
+    assert eng.step([1, 0]) == [0, 1]
+    eng.step([1, 0])
+    assert p.guard_until == {} and p.guard_gap == {2: 16}
