@@ -73,9 +73,9 @@ speculation-length heuristics, reduced to what the host measures anyway):
   bucket's first run). Its committed tokens and seconds join a window of ``guard_samples`` judged
   steps at the same number of active slots ``n`` (a change of ``n`` starts a new window). A full
   window is judged once and cleared: when its tokens per second (its slowest step left out when
-  ``guard_samples > 1``, as one slow step must not trip it) fall below what plain decoding gives in the no-draft bucket,
-  ``c / base(bucket(n, n))`` with ``c`` the mean number of slots that committed a token in those
-  steps (slots paused for KV blocks commit none in either case),
+  ``guard_samples > 1``, as one slow step must not trip it) fall below what plain decoding gives
+  in the no-draft bucket, ``c / base(bucket(n, n))`` with ``c`` the mean number of slots that
+  committed a token in those steps (slots paused for KV blocks commit none in either case),
   drafting at ``n`` is held off for the guard gap of steps, counted at any ``n`` (every slot
   gets limit 0 and no probe: plain decoding, after the first held step verifies the drafts
   proposed before the hold). The gap starts at ``guard_retry`` and doubles (up to ``guard_retry *
@@ -291,14 +291,13 @@ class DynamicSpeculation:
         if n == 0:
             self._judged = self._planned = False
             return limits
-        self._ratio_memo = {}            # the tables do not change within one call
         self._step += 1
         self._n = n
         held = self._step < self.guard_until.get(n, 0)   # the guard holds drafting off
         self._judged, self._planned = self._planned and not held, False
         if held:
-            self._ratio_memo = None
             return limits                                  # plain decoding
+        self._ratio_memo = {}            # the tables do not change within one call
         try:
             return self._draft_limits(active, n, limits)
         finally:
