@@ -24,8 +24,8 @@ prom_parser = pytest.importorskip("prometheus_client.parser")
 pytestmark = pytest.mark.slow
 
 # Scanned layers: the server compiles its step buckets about 3x faster than with the unrolled
-# default on XLA:CPU (the suite's time is mostly compiling); the loops are compared against each
-# other on this model in test_engine_smollm2, and against the reference on tiny models.
+# default on XLA:CPU (the suite's time is mostly compiling); on CPU the loops are compared against
+# each other on this model in test_engine_smollm2, and against the reference on tiny models.
 SERVER_ARGS = ["--max-num-seqs", "2", "--max-model-len", "256", "--num-speculative-tokens", "2",
                "--max-logprobs", "2", "--layer-loop", "scan"]
 QUESTION = "What is the capital of France?"
