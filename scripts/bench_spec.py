@@ -3,7 +3,9 @@
 
 Variants (``--variants``, comma-separated): ``plain``, ``mtpK`` (MTP, K drafts), ``ngramK``
 (prompt-lookup, K drafts, n = 5..1; ``ngramK.N``: n = 5..N), ``hybridK.M`` (M MTP drafts extended by n-gram matches to K),
-``dynngramK`` / ``dynmtpK`` / ``dynhybridK.M`` (the same with ``speculation_policy="dynamic"``).
+``dynngramK`` / ``dynmtpK`` / ``dynhybridK.M`` (the same with ``speculation_policy="dynamic"``;
+a trailing ``-g``, e.g. ``dynmtp3-g``, turns the policy's guard on the realised rate off:
+``DynamicSpeculation.guard_samples = 0``).
 Prompt sets: the held-out general chat prompts (the shipped head's evaluation split) and the
 copy-heavy set ``jmtp/data/prompts_copy.jsonl``. Greedy, chat template applied.
 
@@ -11,7 +13,9 @@ For each batch size (``--batches``; batch B runs the prompts with ``max_num_seqs
 requests are in flight) every variant's engine is built and warmed once (compilation, reported
 separately), then the timed runs interleave the variants ``--rounds`` times (A, B, C, A, B, C ...)
 and each variant's tokens/s is total tokens / total seconds over its rounds. Printed per row:
-tok/s, ratio to plain, mean acceptance length, whether every output equals plain decoding.
+tok/s, ratio to plain, mean acceptance length, whether every output equals plain decoding, and
+for dynamic variants the share of steps that proposed drafts and how often the guard held
+drafting off (each hold is one losing window; see :mod:`jmtp.runtime.spec_policy`).
 
 Engines are built with ``compile="eager"`` (every step bucket compiled at construction, see
 :mod:`jmtp.runtime.compile`), so no timed run compiles.
@@ -21,6 +25,7 @@ Engines are built with ``compile="eager"`` (every step bucket compiled at constr
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import platform
 import time
@@ -46,9 +51,14 @@ def parse_args(argv=None):
 
 
 def spec_for(name: str):
-    """SpeculativeConfig of a variant name (None for plain)."""
+    """SpeculativeConfig of a variant name (None for plain; a ``-g`` suffix, guard off, is set on
+    the built engine by :func:`build`)."""
     from jmtp import SpeculativeConfig
 
+    if name.endswith("-g"):
+        if not name.startswith("dyn"):
+            raise SystemExit(f"variant {name!r}: '-g' (no guard) needs a dynamic variant (dyn...)")
+        name = name[:-2]
     policy = "dynamic" if name.startswith("dyn") else "fixed"
     base = name[3:] if name.startswith("dyn") else name
     if base == "plain":
@@ -63,6 +73,26 @@ def spec_for(name: str):
         k, m = (int(x) for x in base[6:].split("."))
         return SpeculativeConfig("mtp", k, m, mtp_strategy="with_ngram", speculation_policy=policy)
     raise SystemExit(f"unknown variant {name!r}")
+
+
+def build(name: str, **llm_kwargs):
+    """The engine of variant ``name``: ``LLM(speculative_config=spec_for(name), **llm_kwargs)``,
+    with the dynamic policy's guard turned off for a ``-g`` variant."""
+    from jmtp import LLM
+
+    llm = LLM(speculative_config=spec_for(name), **llm_kwargs)
+    if name.endswith("-g"):
+        llm.llm_engine.spec_policy.guard_samples = 0
+    return llm
+
+
+def policy_counts(llm) -> dict[str, int] | None:
+    """Counters of a dynamic engine's policy (None for other engines): ``steps`` planned,
+    ``drafting`` steps whose limits proposed drafts, ``holds`` by the guard (losing windows)."""
+    pol = llm.llm_engine.spec_policy
+    if pol is None:
+        return None
+    return dict(steps=pol.num_plans, drafting=pol.num_drafting_plans, holds=pol.num_holds)
 
 
 def prompt_sets(tok, names, n):
@@ -96,7 +126,7 @@ def warm_up(llm, prompts):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from jmtp import LLM, SamplingParams
+    from jmtp import SamplingParams
     from jmtp.model import load_checkpoint, load_tokenizer
     from jmtp.runtime.outputs import SpecDecodeMetrics
 
@@ -116,27 +146,33 @@ def main(argv=None) -> int:
         engines = {}
         for name in args.variants:
             t0 = time.perf_counter()
-            llm = LLM(model_config=cfg, params=params, tokenizer=tok, max_num_seqs=b,
-                      max_model_len=max_model_len, speculative_config=spec_for(name),
-                      compile="eager", layer_loop=args.layer_loop)
+            llm = build(name, model_config=cfg, params=params, tokenizer=tok, max_num_seqs=b,
+                        max_model_len=max_model_len, compile="eager",
+                        layer_loop=args.layer_loop)
             warm_up(llm, [p for ps in sets.values() for p in ps])
             engines[name] = llm
             print(f"# batch {b} {name}: built and warmed in {time.perf_counter() - t0:.1f} s",
                   flush=True)
         for set_name, ps in sets.items():
-            acc = {n: dict(sec=0.0, tok=0, outs=None, m=SpecDecodeMetrics()) for n in args.variants}
+            acc = {n: dict(sec=0.0, tok=0, outs=None, m=SpecDecodeMetrics(),
+                           pol=collections.Counter()) for n in args.variants}
             for _ in range(args.rounds):
                 for name in args.variants:          # interleaved
+                    before = policy_counts(engines[name])
                     t0 = time.perf_counter()
                     outs = engines[name].generate(ps, sp, use_tqdm=False)
                     acc[name]["sec"] += time.perf_counter() - t0
+                    if before is not None:
+                        acc[name]["pol"].update(collections.Counter(policy_counts(engines[name]))
+                                                - collections.Counter(before))
                     acc[name]["tok"] += sum(len(o.token_ids) for o in outs)
                     acc[name]["outs"] = outs
                     for o in outs:
                         acc[name]["m"].merge(o.metrics)
             base = acc["plain"] if "plain" in acc else None
             print(f"\n{set_name} prompts, batch {b}\n\n| variant | tok/s | vs plain | mean acc. len "
-                  "| identical | min tokens |\n|---|---|---|---|---|---|")
+                  "| identical | min tokens | drafting steps | guard holds |\n"
+                  "|---|---|---|---|---|---|---|---|")
             for name in args.variants:
                 a = acc[name]
                 rate = a["tok"] / a["sec"]
@@ -145,10 +181,14 @@ def main(argv=None) -> int:
                                            for x, y in zip(base["outs"], a["outs"]))
                 mal = a["m"].mean_acceptance_length
                 mn = min(len(o.token_ids) for o in a["outs"])
+                pol = dict(a["pol"]) if policy_counts(engines[name]) is not None else None
                 rows.append(dict(batch=b, set=set_name, variant=name, tok_s=rate, ratio=ratio,
-                                 mean_acceptance_length=mal, identical=same, min_tokens=mn))
+                                 mean_acceptance_length=mal, identical=same, min_tokens=mn,
+                                 policy=pol))
+                share = (f"{pol.get('drafting', 0)}/{pol.get('steps', 0)} | {pol.get('holds', 0)}"
+                         if pol is not None else "- | -")
                 print(f"| {name} | {rate:.1f} | {ratio:.2f}x | {mal:.2f} | "
-                      f"{'yes' if same else 'NO'} | {mn} |", flush=True)
+                      f"{'yes' if same else 'NO'} | {mn} | {share} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(args=vars(args), rows=rows), f, indent=2)

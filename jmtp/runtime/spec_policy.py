@@ -35,17 +35,24 @@ speculation-length heuristics, reduced to what the host measures anyway):
   priced as the deepest measured depth below it of that ``A``, or 0 (optimistic: the policy
   tries it once and learns its price). Steps with a prefill chunk are not timed (their token
   buckets can coincide with decode buckets).
-* **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain; the
-  policy takes the ``x`` best candidates (a prefix per slot, since gains fall with position) for
-  the ``x`` in ``0..n·K`` maximising ``(n + sum of gains) / (base(bucket(n + x)) + draft(A, d))``,
-  ``d`` the largest draft position among them. Slots whose drafts cannot pay get 0. A (bucket,
+* **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain. For
+  each depth cap ``d = 1..K`` the policy ranks the candidates at positions ``<= d`` by gain and
+  tries the ``x`` best (a prefix per slot, since gains fall with position) for every ``x``; it
+  takes the plan maximising ``(n + sum of gains) / (base(bucket(n + x)) + draft(A, d'))``, ``d'``
+  the largest draft position in it. Slots whose drafts cannot pay get 0. (The caps matter: in
+  one ranking of every position, a good slot's second draft can outrank another slot's first,
+  and the first then only comes with the second's depth. At 8 slots the plan stopped at ~5
+  first drafts in a 16-row bucket where 8 cost the same.) A (bucket,
   depth) pair that has run live is priced by its own live steps (median of the last
   :data:`BASE_SAMPLES` whole step times) rather than ``base + draft``: the split into the two
   is only an estimate (a drafting step's ``draft`` sample is its time minus the bucket's base
   *as priced then*, and that base moves as live timings replace seeds), and the pairs a busy
   engine cycles through are few. A pair's own price expires when its newest step is more than
   ``refresh_every`` steps old (the split prices it again), so one slow step cannot keep a pair
-  out for ever.
+  out for ever. Proposing deeper does more work, so a depth is never priced above a deeper one
+  of the same bucket: at 8 slots a 16-row step at depth 1, rarely run, was once priced at 143-183
+  ms from a few slow timings while depth 2 stood at 101-110 ms, which kept the plan from the
+  cheaper depth.
 * **Probing**: a slot held at 0 drafts for its probe gap of consecutive steps gets at least one
   draft, so a change in its acceptance (e.g. the text turns to copying) is noticed. The gap
   starts at ``probe_every``. It doubles (up to ``probe_every * MAX_PROBE_BACKOFF``) when the
@@ -179,6 +186,14 @@ class DynamicSpeculation:
         self._window_n = 0                               # the n of the window's steps
         self.guard_until: dict[int, int] = {}  # n -> first step drafting may resume at that n
         self.guard_gap: dict[int, int] = {}    # n -> hold after its next losing window
+        # counters for benchmarks and logs: plans with drafts, holds by the guard
+        self.num_drafting_plans = 0     # draft_limits calls that allowed a draft
+        self.num_holds = 0              # losing windows (each starts a hold)
+
+    @property
+    def num_plans(self) -> int:
+        """:meth:`draft_limits` calls with an active slot so far."""
+        return self._step
 
     # ------------------------------------------------------------------ estimates
     def acceptance(self) -> np.ndarray:
@@ -226,13 +241,20 @@ class DynamicSpeculation:
     def step_time(self, rows: int, num_slots: int, depth: int = 0) -> float:
         """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots that
         proposes at ``depth``: the median of the last live steps of that bucket and depth when
-        there are some (:attr:`plan_seconds`), else ``base + draft_time``. ``base``: the live
-        median of the bucket, else
+        there are some (:attr:`plan_seconds`), else ``base + draft_time``; at most the price of
+        any deeper depth of the bucket (proposing deeper does more work, and a rarely run depth's
+        few timings can be high). ``base``: the live median of the bucket, else
         its seed scaled by :meth:`live_ratio`, else interpolated in T among priced buckets of the
         same A, or the nearest past them; 1.0 before anything of that A is priced (every bucket
         then costs the same)."""
         key = self.bucket(rows, num_slots)
-        if depth > 0 and (key, depth) in self.plan_seconds and (
+        if depth <= 0:
+            return self._base_time(key)
+        # proposing deeper does more work: a depth is never priced above a deeper one
+        return min(self._depth_time(key, d) for d in range(depth, self.k + 1))
+
+    def _depth_time(self, key: StepBucket, depth: int) -> float:
+        if (key, depth) in self.plan_seconds and (
                 not self.refresh_every
                 or self._step - self._plan_step[(key, depth)] <= self.refresh_every):
             return self.plan_seconds[(key, depth)]
@@ -299,34 +321,63 @@ class DynamicSpeculation:
             return limits                                  # plain decoding
         self._ratio_memo = {}            # the tables do not change within one call
         try:
-            return self._draft_limits(active, n, limits)
+            limits = self._draft_limits(active, n, limits)
         finally:
             self._ratio_memo = None
+        self.num_drafting_plans += bool(limits.any())
+        return limits
 
-    def _best_plan(self, cand: list, n: int, forced: int = 0) -> int:
-        """How many of ``cand`` (``(-gain, position, slot)``, the first ``forced`` taken anyway,
-        the rest by falling gain) maximise expected tokens per second of a step over ``n``
-        slots."""
-        tok, depth = float(n), 0
-        for neg_gain, i, _ in cand[:forced]:
-            tok, depth = tok - neg_gain, max(depth, i + 1)
-        best_x, best_rate = forced, tok / self.step_time(n + forced, n, depth)
-        for x in range(forced + 1, len(cand) + 1):
-            neg_gain, i, _ = cand[x - 1]
-            tok, depth = tok - neg_gain, max(depth, i + 1)
-            rate = tok / self.step_time(n + x, n, depth)
-            if rate > best_rate * (1 + 1e-9):
-                best_x, best_rate = x, rate
-        return best_x
+    def _best_plan(self, cand: list, n: int, forced: list = ()) -> list:
+        """The drafts maximising expected tokens per second of a step over ``n`` slots: the
+        ``forced`` ones (probes' first drafts), then some of ``cand`` (``(-gain, position,
+        slot)``, by falling gain). For each depth cap ``d = 1..K`` it tries every prefix of the
+        candidates at positions ``< d`` (a prefix per slot, as gains fall with position), and
+        keeps the best over all caps; ``[]`` plus ``forced`` when no draft pays.
+
+        A step's price depends only on its (bucket, depth), so within a run of prefixes that
+        share both, the longest has the most tokens at the same price: only the last prefix of
+        each run is priced. Without the caps (one list of every position) a slot whose second
+        draft outranks another slot's first would make that first draft cost the second
+        draft's depth: at 8 slots the plan then stopped at ~5 first drafts in a 16-row bucket
+        where 8 cost the same."""
+        forced = list(forced)
+        tok0 = n + sum(-neg for neg, _, _ in forced)
+        depth0 = max((i + 1 for _, i, _ in forced), default=0)
+        rows0 = n + len(forced)
+        best, best_rate = forced, tok0 / self.step_time(rows0, n, depth0)
+        paying = [c for c in cand if c[0] < 0]     # a draft of no expected gain never pays
+        buckets: dict[int, StepBucket] = {}
+
+        def bucket(rows: int) -> StepBucket:
+            if rows not in buckets:
+                buckets[rows] = self.bucket(rows, n)
+            return buckets[rows]
+
+        tried = -1
+        for cap in range(1, self.k + 1):
+            plan = [c for c in paying if c[1] < cap]
+            if len(plan) == tried:       # no candidate at position cap - 1: same list as before
+                continue
+            tried = len(plan)
+            tok, depth = tok0, depth0
+            for x, (neg, i, _) in enumerate(plan, 1):
+                tok, depth = tok - neg, max(depth, i + 1)
+                if x < len(plan) and plan[x][1] < depth and (
+                        bucket(rows0 + x + 1) == bucket(rows0 + x)):
+                    continue             # the next prefix costs the same and commits more
+                rate = tok / self.step_time(rows0 + x, n, depth)
+                if rate > best_rate * (1 + 1e-9):
+                    best, best_rate = forced + plan[:x], rate
+        return best
 
     def _draft_limits(self, active: np.ndarray, n: int, limits: np.ndarray) -> np.ndarray:
         g = self.gains()
         slots = np.nonzero(active)[0]
         cand = [(-g[b, i], i, b) for b in slots for i in range(self.k)]
         cand.sort()
-        best_x = self._best_plan(cand, n)
-        self._planned = best_x > 0
-        if best_x and self.refresh_every and not self._refresh_left:
+        plan = self._best_plan(cand, n)
+        self._planned = bool(plan)
+        if plan and self.refresh_every and not self._refresh_left:
             none = self.bucket(n, n)
             if (len(self._base_samples.get(none, ())) < BASE_SAMPLES
                     or self._step - self._base_step.get(none, 0) > self.refresh_every):
@@ -335,7 +386,7 @@ class DynamicSpeculation:
             self._refresh_left -= 1
             self._planned = False
             return limits
-        for _, i, b in cand[:best_x]:
+        for _, i, b in plan:
             limits[b] = max(limits[b], i + 1)
         if self.probe_every:
             probe = active & (limits == 0) & (self.zero_streak >= self.probe_gap)
@@ -343,10 +394,8 @@ class DynamicSpeculation:
                 # The probes' first drafts are forced; the plan is chosen again around them.
                 first = [c for c in cand if c[1] == 0 and probe[c[2]]]
                 rest = [c for c in cand if not (c[1] == 0 and probe[c[2]])]
-                cand = first + rest
-                best_x = self._best_plan(cand, n, forced=len(first))
                 limits[:] = 0
-                for _, i, b in cand[:best_x]:
+                for _, i, b in self._best_plan(rest, n, forced=first):
                     limits[b] = max(limits[b], i + 1)
             planned = (limits > 0) & ~probe            # the plan drafts for them unforced
             self._planned = bool(planned.any())        # (the re-plan may drop every draft)
@@ -428,6 +477,7 @@ class DynamicSpeculation:
         if tok / sec < committing / len(kept) / off:
             self.guard_until[n] = self._step + 1 + gap
             self.guard_gap[n] = min(gap * 2, self.guard_retry * MAX_PROBE_BACKOFF)
+            self.num_holds += 1
             self._refresh_left = 0          # the hold runs the no-draft bucket anyway
         else:
             self.guard_gap[n] = self.guard_retry

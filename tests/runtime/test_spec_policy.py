@@ -1,8 +1,12 @@
 """The dynamic speculation policy on synthetic acceptance and cost sequences (hand-worked)."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jmtp.runtime.buckets import StepBucket, choose_bucket
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
@@ -70,6 +74,77 @@ def test_hand_worked_optimum_one_slot():
     # rows get twice as expensive: 1/1, 1.5/1.2 = 1.25, 1.75/1.4 = 1.25, 1.875/1.6 -> 1 draft
     p.step_seconds = by_rows({1: 1.0, 2: 1.2, 3: 1.4, 4: 1.6})
     assert p.draft_limits(np.array([True]))[0] == 1
+
+
+def test_depth_caps_fill_the_bucket_with_first_drafts():
+    """Slot 0 accepts 9 in 10 drafts (gains 0.9, 0.81), slot 1 3 in 10 (gains 0.3, 0.09). Rows 2 /
+    4 / 6 cost 1.0 / 1.2 / 1.4 s; proposing at depth 2 costs 0.5 s more than at depth 1. Ranked in
+    one list (0.9, 0.81, 0.3, 0.09), the prefixes give 2 / 1.0 = 2.0, 2.9 / 1.2 = 2.42, 3.71 / 1.7
+    = 2.18, 4.01 / 1.9 = 2.11 and 4.1 / 1.9 = 2.16 tok/s: slot 1's first draft comes only after
+    slot 0's second. With the depth capped at 1, both first drafts share the 4-row bucket: 3.2 /
+    1.2 = 2.67 tok/s, the best plan."""
+    p = policy(2, 2, [2, 4, 6], prior_weight=0.0, halflife=1e9)
+    p.trials[:] = [[10, 9], [10, 3]]
+    p.succ[:] = [[9, 8.1], [3, 0.9]]
+    p.step_seconds = by_rows({2: 1.0, 4: 1.2, 6: 1.4})
+    p.draft_seconds = {(0, 1): 0.0, (0, 2): 0.5}
+    np.testing.assert_allclose(p.gains(), [[0.9, 0.81], [0.3, 0.09]])
+    assert p.draft_limits(np.array([True, True])).tolist() == [1, 1]
+    # depth 2 free: [2, 0] gives 3.71 / 1.2 = 3.09 tok/s, more than [1, 1] (2.67), [2, 1] (4.01 /
+    # 1.4 = 2.86) and [2, 2] (4.1 / 1.4 = 2.93)
+    p.draft_seconds = {(0, 1): 0.0, (0, 2): 0.0}
+    assert p.draft_limits(np.array([True, True])).tolist() == [2, 0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 3), k=st.integers(1, 3), data=st.data())
+def test_plan_is_the_brute_force_optimum(n, k, data):
+    """Random per-slot acceptances, row costs increasing with the bucket, random draft costs per
+    depth (``step_time`` makes them non-decreasing in depth): the chosen limits reach the best
+    expected tokens per second over every limit vector in ``{0..K}^n``, priced by the policy's
+    own ``step_time``."""
+    p = policy(n, k, [1, 2, 3, 4, 6, 8, 12, 16], prior_weight=0.0, halflife=1e9)
+    acc = st.floats(0.0, 1.0, allow_nan=False)
+    p.trials[:] = 10.0
+    p.succ[:] = np.array(data.draw(st.lists(st.lists(acc, min_size=k, max_size=k),
+                                            min_size=n, max_size=n))) * 10.0
+    steps = data.draw(st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8))
+    p.step_seconds = by_rows(dict(zip([1, 2, 3, 4, 6, 8, 12, 16], 1.0 + np.cumsum(steps))))
+    extra = data.draw(st.lists(st.floats(0.0, 1.0), min_size=k, max_size=k))
+    p.draft_seconds = {(0, d + 1): float(extra[d]) for d in range(k)}
+    g = p.gains()
+
+    def rate(lim):
+        tok = n + sum(g[b, :lim[b]].sum() for b in range(n))
+        return tok / p.step_time(n + sum(lim), n, max(lim))
+
+    best = max(rate(lim) for lim in itertools.product(range(k + 1), repeat=n))
+    got = p.draft_limits(np.ones((n,), bool))
+    assert rate(got) >= best * (1 - 1e-9), (got.tolist(), rate(got), best)
+
+
+def test_a_depth_is_never_priced_above_a_deeper_one():
+    # 4 rows: depth 1 timed live at 1.8 s (a few slow steps), depth 2 at 1.1 s, depth 3 never
+    # (priced as depth 2: base 1.0 + draft 0.1). Depth 1 is then priced 1.1 s, as is a depth
+    # priced by base + draft above a deeper pair's own timing.
+    p = policy(2, 3, [2, 4, 8])
+    key = p.bucket(4, 2)
+    p.step_seconds = by_rows({2: 1.0, 4: 1.0, 8: 2.0})
+    p.plan_seconds = {(key, 1): 1.8, (key, 2): 1.1}
+    p._plan_step = {(key, 1): 0, (key, 2): 0}
+    p.draft_seconds = {(0, 1): 0.5, (0, 2): 0.1}
+    assert p.step_time(4, 2, 1) == pytest.approx(1.1)
+    assert p.step_time(4, 2, 2) == pytest.approx(1.1)
+    assert p.step_time(4, 2, 3) == pytest.approx(1.1)
+    assert p.step_time(4, 2, 0) == pytest.approx(1.0)
+    # without live pairs: base + draft, depth 1's 0.5 s capped by depth 2's 0.1 s
+    p.plan_seconds = {}
+    assert p.step_time(8, 2, 1) == pytest.approx(2.1)
+    # with the caps, both slots' first drafts (gain 0.5 each) now pay at depth 1:
+    # (2 + 1) / 1.1 = 2.73 tok/s against 2 / 1.0 without drafts
+    p.plan_seconds = {(key, 1): 1.8, (key, 2): 1.1}
+    p.trials[:], p.succ[:], p.prior_weight = 10.0, [[5, 0, 0], [5, 0, 0]], 0.0
+    assert p.draft_limits(np.array([True, True])).tolist() == [1, 1]
 
 
 def test_batch_load_makes_rows_expensive():
@@ -579,6 +654,8 @@ def test_guard_holds_drafting_off_when_its_realised_rate_loses():
     got = [eng.step([0, 0]) for _ in range(19)]
     assert got == [[1, 1]] * 5 + [[0, 0]] * 3 + [[1, 1]] * 5 + [[0, 0]] * 6
     assert p.guard_until == {2: 20} and p.guard_gap == {2: 12}
+    # the counters bench_spec reports: 19 plans, 10 of them drafting, 2 losing windows
+    assert (p.num_plans, p.num_drafting_plans, p.num_holds) == (19, 10, 2)
     got = [eng.step([1, 1]) for _ in range(5)]          # steps 20-24: 21-24 judged, keep up
     assert got == [[1, 1]] * 5 and p.guard_gap == {2: 3}
     got = [eng.step([0, 0]) for _ in range(8)]          # 25-28 lose: hold 3 (29-31)
