@@ -14,7 +14,7 @@ requests are in flight) every variant's engine is built and warmed once (compila
 separately), then the timed runs interleave the variants ``--rounds`` times (A, B, C, A, B, C ...)
 and each variant's tokens/s is total tokens / total seconds over its rounds. Printed per row:
 tok/s, ratio to plain, mean acceptance length, whether every output equals plain decoding, and
-for dynamic variants the share of steps that proposed drafts and how often the guard held
+for dynamic variants the share of steps whose limits allowed a draft and how often the guard held
 drafting off (each hold is one losing window; see :mod:`jmtp.runtime.spec_policy`).
 
 Engines are built with ``compile="eager"`` (every step bucket compiled at construction, see
@@ -56,7 +56,7 @@ def spec_for(name: str):
     from jmtp import SpeculativeConfig
 
     if name.endswith("-g"):
-        if not name.startswith("dyn"):
+        if not name.startswith("dyn") or name == "dynplain-g":
             raise SystemExit(f"variant {name!r}: '-g' (no guard) needs a dynamic variant (dyn...)")
         name = name[:-2]
     policy = "dynamic" if name.startswith("dyn") else "fixed"
@@ -88,7 +88,8 @@ def build(name: str, **llm_kwargs):
 
 def policy_counts(llm) -> dict[str, int] | None:
     """Counters of a dynamic engine's policy (None for other engines): ``steps`` planned,
-    ``drafting`` steps whose limits proposed drafts, ``holds`` by the guard (losing windows)."""
+    ``drafting`` steps whose limits allowed a draft (probes included; an n-gram slot may still
+    find no match), ``holds`` by the guard (losing windows)."""
     pol = llm.llm_engine.spec_policy
     if pol is None:
         return None
@@ -181,12 +182,13 @@ def main(argv=None) -> int:
                                            for x, y in zip(base["outs"], a["outs"]))
                 mal = a["m"].mean_acceptance_length
                 mn = min(len(o.token_ids) for o in a["outs"])
-                pol = dict(a["pol"]) if policy_counts(engines[name]) is not None else None
+                pol = ({key: a["pol"][key] for key in ("steps", "drafting", "holds")}
+                       if policy_counts(engines[name]) is not None else None)
                 rows.append(dict(batch=b, set=set_name, variant=name, tok_s=rate, ratio=ratio,
                                  mean_acceptance_length=mal, identical=same, min_tokens=mn,
                                  policy=pol))
-                share = (f"{pol.get('drafting', 0)}/{pol.get('steps', 0)} | {pol.get('holds', 0)}"
-                         if pol is not None else "- | -")
+                share = (f"{pol['drafting']}/{pol['steps']} | {pol['holds']}" if pol is not None
+                         else "- | -")
                 print(f"| {name} | {rate:.1f} | {ratio:.2f}x | {mal:.2f} | "
                       f"{'yes' if same else 'NO'} | {mn} | {share} |", flush=True)
     if args.json:

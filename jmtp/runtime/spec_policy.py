@@ -49,10 +49,11 @@ speculation-length heuristics, reduced to what the host measures anyway):
   *as priced then*, and that base moves as live timings replace seeds), and the pairs a busy
   engine cycles through are few. A pair's own price expires when its newest step is more than
   ``refresh_every`` steps old (the split prices it again), so one slow step cannot keep a pair
-  out for ever. Proposing deeper does more work, so a depth is never priced above a deeper one
-  of the same bucket: at 8 slots a 16-row step at depth 1, rarely run, was once priced at 143-183
-  ms from a few slow timings while depth 2 stood at 101-110 ms, which kept the plan from the
-  cheaper depth.
+  out for ever. Proposing deeper does more work, so prices never fall with depth (from 1): a depth is
+  never priced above the live price of a deeper one of the same bucket (nor ``draft(A, d)``
+  above a deeper measured depth's), and an estimated depth never below the depth under it. At
+  8 slots a 16-row step at depth 1, rarely run, was once priced at 143-183 ms from a few slow
+  timings while depth 2 ran at 101-110 ms, which kept the plan from the cheaper depth.
 * **Probing**: a slot held at 0 drafts for its probe gap of consecutive steps gets at least one
   draft, so a change in its acceptance (e.g. the text turns to copying) is noticed. The gap
   starts at ``probe_every``. It doubles (up to ``probe_every * MAX_PROBE_BACKOFF``) when the
@@ -187,7 +188,7 @@ class DynamicSpeculation:
         self.guard_until: dict[int, int] = {}  # n -> first step drafting may resume at that n
         self.guard_gap: dict[int, int] = {}    # n -> hold after its next losing window
         # counters for benchmarks and logs: plans with drafts, holds by the guard
-        self.num_drafting_plans = 0     # draft_limits calls that allowed a draft
+        self.num_drafting_plans = 0     # draft_limits calls that allowed a draft (probes too)
         self.num_holds = 0              # losing windows (each starts a hold)
 
     @property
@@ -231,34 +232,47 @@ class DynamicSpeculation:
     def draft_time(self, num_slots: int, depth: int) -> float:
         """Estimated extra seconds of proposing at ``depth`` (the step's largest draft limit) in
         slot bucket ``num_slots`` (an A of :meth:`bucket`): measured, else that of the deepest
-        measured depth below it, else 0 (optimistic: an untried depth is tried once); 0 for
+        measured depth below it, else 0 (optimistic: an untried depth is tried once); at most
+        what any deeper measured depth costs (proposing deeper does more work); 0 for
         ``depth = 0``."""
         if depth <= 0:
             return 0.0
-        below = [d for a, d in self.draft_seconds if a == num_slots and d <= depth]
-        return self.draft_seconds[(num_slots, max(below))] if below else 0.0
+        measured = [d for a, d in self.draft_seconds if a == num_slots]
+        below = [d for d in measured if d <= depth]
+        own = self.draft_seconds[(num_slots, max(below))] if below else 0.0
+        return min([own] + [self.draft_seconds[(num_slots, d)] for d in measured if d > depth])
 
     def step_time(self, rows: int, num_slots: int, depth: int = 0) -> float:
         """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots that
-        proposes at ``depth``: the median of the last live steps of that bucket and depth when
-        there are some (:attr:`plan_seconds`), else ``base + draft_time``; at most the price of
-        any deeper depth of the bucket (proposing deeper does more work, and a rarely run depth's
-        few timings can be high). ``base``: the live median of the bucket, else
-        its seed scaled by :meth:`live_ratio`, else interpolated in T among priced buckets of the
-        same A, or the nearest past them; 1.0 before anything of that A is priced (every bucket
-        then costs the same)."""
+        proposes at ``depth``. ``base`` (depth 0): the live median of the bucket, else its seed
+        scaled by :meth:`live_ratio`, else interpolated in T among priced buckets of the same A,
+        or the nearest past them; 1.0 before anything of that A is priced (every bucket then
+        costs the same). A depth ``d > 0``: the median of the last live steps of that bucket
+        and depth while fresh (:attr:`plan_seconds`), else ``base + draft_time`` but no less
+        than depth ``d - 1``'s price; either way at most the live price of any deeper depth of
+        the bucket (proposing deeper does more work, and a rarely run depth's few timings can be
+        high). So the price never falls with depth ``>= 1`` (a live drafting step may still
+        come out below the bucket's ``base``: no clamp, ``base`` itself can be stale)."""
         key = self.bucket(rows, num_slots)
-        if depth <= 0:
-            return self._base_time(key)
-        # proposing deeper does more work: a depth is never priced above a deeper one
-        return min(self._depth_time(key, d) for d in range(depth, self.k + 1))
+        base = self._base_time(key)
+        live = [None] + [self._live_time(key, d) for d in range(1, self.k + 1)]
+        below = [np.inf] * (self.k + 2)        # below[d]: the least live price at depth >= d
+        for d in range(self.k, 0, -1):
+            below[d] = min(below[d + 1], np.inf if live[d] is None else live[d])
+        price = base
+        for d in range(1, depth + 1):
+            own = live[d] if live[d] is not None else max(
+                base + self.draft_time(key.num_slots, d), price)
+            price = min(own, below[d + 1])
+        return float(price)
 
-    def _depth_time(self, key: StepBucket, depth: int) -> float:
+    def _live_time(self, key: StepBucket, depth: int) -> float | None:
+        """The pair's own live price (:attr:`plan_seconds`) while fresh, else None."""
         if (key, depth) in self.plan_seconds and (
                 not self.refresh_every
                 or self._step - self._plan_step[(key, depth)] <= self.refresh_every):
             return self.plan_seconds[(key, depth)]
-        return self._base_time(key) + self.draft_time(key.num_slots, depth)
+        return None
 
     def _base_time(self, key: StepBucket) -> float:
         price = self._priced_or_interpolated(key)
@@ -330,13 +344,15 @@ class DynamicSpeculation:
     def _best_plan(self, cand: list, n: int, forced: list = ()) -> list:
         """The drafts maximising expected tokens per second of a step over ``n`` slots: the
         ``forced`` ones (probes' first drafts), then some of ``cand`` (``(-gain, position,
-        slot)``, by falling gain). For each depth cap ``d = 1..K`` it tries every prefix of the
-        candidates at positions ``< d`` (a prefix per slot, as gains fall with position), and
-        keeps the best over all caps; ``[]`` plus ``forced`` when no draft pays.
+        slot)``, by falling gain; ``position`` counts from 0). For each depth cap ``d = 1..K``
+        it considers every prefix of the candidates at positions ``< d`` (a prefix per slot, as
+        gains fall with position), and keeps the best over all caps; ``[]`` plus ``forced`` when
+        no draft pays.
 
         A step's price depends only on its (bucket, depth), so within a run of prefixes that
         share both, the longest has the most tokens at the same price: only the last prefix of
-        each run is priced. Without the caps (one list of every position) a slot whose second
+        each run is priced. With prices that do not fall as rows grow this finds the best plan
+        over every choice of per-slot limits (``step_time`` never falls with depth). Without the caps (one list of every position) a slot whose second
         draft outranks another slot's first would make that first draft cost the second
         draft's depth: at 8 slots the plan then stopped at ~5 first drafts in a 16-row bucket
         where 8 cost the same."""

@@ -100,9 +100,10 @@ def test_depth_caps_fill_the_bucket_with_first_drafts():
 @given(n=st.integers(1, 3), k=st.integers(1, 3), data=st.data())
 def test_plan_is_the_brute_force_optimum(n, k, data):
     """Random per-slot acceptances, row costs increasing with the bucket, random draft costs per
-    depth (``step_time`` makes them non-decreasing in depth): the chosen limits reach the best
-    expected tokens per second over every limit vector in ``{0..K}^n``, priced by the policy's
-    own ``step_time``."""
+    depth and random live prices of some (bucket, depth) pairs: ``step_time`` never falls with
+    depth, and the chosen limits reach the best expected tokens per second over every limit
+    vector in ``{0..K}^n``, priced by the policy's own ``step_time`` (exact while prices do not
+    fall as rows grow, which the base costs here ensure)."""
     p = policy(n, k, [1, 2, 3, 4, 6, 8, 12, 16], prior_weight=0.0, halflife=1e9)
     acc = st.floats(0.0, 1.0, allow_nan=False)
     p.trials[:] = 10.0
@@ -112,6 +113,14 @@ def test_plan_is_the_brute_force_optimum(n, k, data):
     p.step_seconds = by_rows(dict(zip([1, 2, 3, 4, 6, 8, 12, 16], 1.0 + np.cumsum(steps))))
     extra = data.draw(st.lists(st.floats(0.0, 1.0), min_size=k, max_size=k))
     p.draft_seconds = {(0, d + 1): float(extra[d]) for d in range(k)}
+    # some (bucket, depth) pairs priced by live steps of their own, at random
+    for t in data.draw(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), max_size=4)):
+        d = data.draw(st.integers(1, k))
+        p.plan_seconds[(p.bucket(t, n), d)] = data.draw(st.floats(0.5, 4.0))
+        p._plan_step[(p.bucket(t, n), d)] = 0
+    for t in (1, 2, 3, 4, 6, 8, 12, 16):    # the price of proposing never falls with depth
+        prices = [p.step_time(t, n, d) for d in range(1, k + 1)]
+        assert prices == sorted(prices), (t, prices)
     g = p.gains()
 
     def rate(lim):
@@ -125,8 +134,8 @@ def test_plan_is_the_brute_force_optimum(n, k, data):
 
 def test_a_depth_is_never_priced_above_a_deeper_one():
     # 4 rows: depth 1 timed live at 1.8 s (a few slow steps), depth 2 at 1.1 s, depth 3 never
-    # (priced as depth 2: base 1.0 + draft 0.1). Depth 1 is then priced 1.1 s, as is a depth
-    # priced by base + draft above a deeper pair's own timing.
+    # (estimated: base 1.0 + draft 0.1, depth 2's draft). Depth 1 is priced 1.1 s, depth 2's live
+    # price.
     p = policy(2, 3, [2, 4, 8])
     key = p.bucket(4, 2)
     p.step_seconds = by_rows({2: 1.0, 4: 1.0, 8: 2.0})
@@ -137,8 +146,15 @@ def test_a_depth_is_never_priced_above_a_deeper_one():
     assert p.step_time(4, 2, 2) == pytest.approx(1.1)
     assert p.step_time(4, 2, 3) == pytest.approx(1.1)
     assert p.step_time(4, 2, 0) == pytest.approx(1.0)
-    # without live pairs: base + draft, depth 1's 0.5 s capped by depth 2's 0.1 s
+    # only live prices of deeper depths cap a live price: with depth 2 at 1.5 s live, the
+    # estimate of depth 3 (1.1 s) moves neither depth 2 (1.5) nor depth 1 (1.5, not 1.1)
+    p.plan_seconds[(key, 2)] = 1.5
+    assert p.step_time(4, 2, 2) == pytest.approx(1.5)
+    assert p.step_time(4, 2, 1) == pytest.approx(1.5)
+    # without live pairs: base + draft, depth 1's draft (0.5 s) capped by depth 2's (0.1 s);
+    # depth 3 unmeasured takes depth 2's
     p.plan_seconds = {}
+    assert p.draft_time(0, 1) == pytest.approx(0.1) and p.draft_time(0, 3) == pytest.approx(0.1)
     assert p.step_time(8, 2, 1) == pytest.approx(2.1)
     # with the caps, both slots' first drafts (gain 0.5 each) now pay at depth 1:
     # (2 + 1) / 1.1 = 2.73 tok/s against 2 / 1.0 without drafts
