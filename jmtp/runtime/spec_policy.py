@@ -33,7 +33,8 @@ speculation-length heuristics, reduced to what the host measures anyway):
   more samples are in); it also absorbs what verifying drafts adds to a wide
   bucket (a step verifies the drafts the previous one proposed). A depth not yet measured is
   priced as the deepest measured depth below it of that ``A``, or 0 (optimistic: the policy
-  tries it once and learns its price). Steps with a prefill chunk are not timed (their token
+  tries it once and learns its price), though never below the price of the depth under it in
+  the same bucket (see below). Steps with a prefill chunk are not timed (their token
   buckets can coincide with decode buckets).
 * **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain. For
   each depth cap ``d = 1..K`` the policy ranks the candidates at positions ``<= d`` by gain and
@@ -174,6 +175,7 @@ class DynamicSpeculation:
         self._plan_samples: dict[tuple[StepBucket, int], list[float]] = {}
         self._plan_step: dict[tuple[StepBucket, int], int] = {}   # step of its newest sample
         self._ratio_memo: dict[int, float] | None = None  # A -> live_ratio(A) within draft_limits
+        self._price_memo: dict | None = None   # (bucket, depth) -> step_time within draft_limits
         self.zero_streak = np.zeros((num_slots,), np.int64)
         self.probe_gap = np.full((num_slots,), probe_every, np.int64)   # per-slot probe gap
         self._probe_pending = np.zeros((num_slots,), bool)   # probed, first draft not yet verified
@@ -253,7 +255,10 @@ class DynamicSpeculation:
         the bucket (proposing deeper does more work, and a rarely run depth's few timings can be
         high). So the price never falls with depth ``>= 1`` (a live drafting step may still
         come out below the bucket's ``base``: no clamp, ``base`` itself can be stale)."""
-        key = self.bucket(rows, num_slots)
+        key, depth = self.bucket(rows, num_slots), min(depth, self.k)
+        memo = self._price_memo
+        if memo is not None and (key, depth) in memo:
+            return memo[(key, depth)]
         base = self._base_time(key)
         live = [None] + [self._live_time(key, d) for d in range(1, self.k + 1)]
         below = [np.inf] * (self.k + 2)        # below[d]: the least live price at depth >= d
@@ -264,6 +269,8 @@ class DynamicSpeculation:
             own = live[d] if live[d] is not None else max(
                 base + self.draft_time(key.num_slots, d), price)
             price = min(own, below[d + 1])
+        if memo is not None:
+            memo[(key, depth)] = float(price)
         return float(price)
 
     def _live_time(self, key: StepBucket, depth: int) -> float | None:
@@ -333,11 +340,11 @@ class DynamicSpeculation:
         self._judged, self._planned = self._planned and not held, False
         if held:
             return limits                                  # plain decoding
-        self._ratio_memo = {}            # the tables do not change within one call
+        self._ratio_memo, self._price_memo = {}, {}   # the tables do not change within one call
         try:
             limits = self._draft_limits(active, n, limits)
         finally:
-            self._ratio_memo = None
+            self._ratio_memo = self._price_memo = None
         self.num_drafting_plans += bool(limits.any())
         return limits
 
@@ -351,11 +358,11 @@ class DynamicSpeculation:
 
         A step's price depends only on its (bucket, depth), so within a run of prefixes that
         share both, the longest has the most tokens at the same price: only the last prefix of
-        each run is priced. With prices that do not fall as rows grow this finds the best plan
-        over every choice of per-slot limits (``step_time`` never falls with depth). Without the caps (one list of every position) a slot whose second
-        draft outranks another slot's first would make that first draft cost the second
-        draft's depth: at 8 slots the plan then stopped at ~5 first drafts in a 16-row bucket
-        where 8 cost the same."""
+        each run is priced. As :meth:`step_time` never falls with depth, this finds the best
+        plan over every choice of per-slot limits whose drafts have a positive gain. Without
+        the caps (one list of every position) a slot whose second draft outranks another slot's
+        first would make that first draft cost the second draft's depth: at 8 slots the plan
+        then stopped at ~5 first drafts in a 16-row bucket where 8 cost the same."""
         forced = list(forced)
         tok0 = n + sum(-neg for neg, _, _ in forced)
         depth0 = max((i + 1 for _, i, _ in forced), default=0)
