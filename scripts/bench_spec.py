@@ -164,8 +164,8 @@ def main(argv=None) -> int:
                     outs = engines[name].generate(ps, sp, use_tqdm=False)
                     acc[name]["sec"] += time.perf_counter() - t0
                     if before is not None:
-                        acc[name]["pol"].update(collections.Counter(policy_counts(engines[name]))
-                                                - collections.Counter(before))
+                        after = policy_counts(engines[name])
+                        acc[name]["pol"].update({k: after[k] - before[k] for k in after})
                     acc[name]["tok"] += sum(len(o.token_ids) for o in outs)
                     acc[name]["outs"] = outs
                     for o in outs:

@@ -110,6 +110,11 @@ BASE_SAMPLES = 3
 #: A slot's probe gap grows to at most ``probe_every`` times this (see "Probing" above).
 MAX_PROBE_BACKOFF = 8
 
+#: A plan replaces the best one found so far only if its expected tokens per second are higher by
+#: more than this relative margin, so near-ties keep the plan with fewer drafts. The chosen plan's
+#: rate is therefore within a factor ``1 + PLAN_RTOL`` of the optimum, not always equal to it.
+PLAN_RTOL = 1e-9
+
 #: ``(num_rows, num_slots) -> StepBucket`` of a decode step, e.g. ``choose_bucket(ec, r, n, False)``.
 BucketOf = Callable[[int, int], StepBucket]
 
@@ -136,6 +141,11 @@ class DynamicSpeculation:
 
     Raises:
       ValueError: ``num_slots < 1``, ``k < 1``, or a parameter outside its range.
+
+    Counters (for benchmarks and logs; ``scripts/bench_spec.py`` prints them): :attr:`num_plans`
+    (``draft_limits`` calls with an active slot), ``num_drafting_plans`` (those whose limits
+    allowed a draft, probes included) and ``num_holds`` (losing windows of the guard, each
+    starting a hold).
     """
 
     def __init__(self, num_slots: int, k: int, bucket_of: BucketOf, *,
@@ -189,9 +199,8 @@ class DynamicSpeculation:
         self._window_n = 0                               # the n of the window's steps
         self.guard_until: dict[int, int] = {}  # n -> first step drafting may resume at that n
         self.guard_gap: dict[int, int] = {}    # n -> hold after its next losing window
-        # counters for benchmarks and logs: plans with drafts, holds by the guard
-        self.num_drafting_plans = 0     # draft_limits calls that allowed a draft (probes too)
-        self.num_holds = 0              # losing windows (each starts a hold)
+        self.num_drafting_plans = 0     # counters (see the class docstring)
+        self.num_holds = 0
 
     @property
     def num_plans(self) -> int:
@@ -359,10 +368,8 @@ class DynamicSpeculation:
         A step's price depends only on its (bucket, depth), so within a run of prefixes that
         share both, the longest has the most tokens at the same price: only the last prefix of
         each run is priced. As :meth:`step_time` never falls with depth, this finds the best
-        plan over every choice of per-slot limits whose drafts have a positive gain. Without
-        the caps (one list of every position) a slot whose second draft outranks another slot's
-        first would make that first draft cost the second draft's depth: at 8 slots the plan
-        then stopped at ~5 first drafts in a 16-row bucket where 8 cost the same."""
+        plan over every choice of per-slot limits whose drafts have a positive gain (why the
+        caps: see "Choice" in the module docstring)."""
         forced = list(forced)
         tok0 = n + sum(-neg for neg, _, _ in forced)
         depth0 = max((i + 1 for _, i, _ in forced), default=0)
@@ -389,7 +396,7 @@ class DynamicSpeculation:
                         bucket(rows0 + x + 1) == bucket(rows0 + x)):
                     continue             # the next prefix costs the same and commits more
                 rate = tok / self.step_time(rows0 + x, n, depth)
-                if rate > best_rate * (1 + 1e-9):
+                if rate > best_rate * (1 + PLAN_RTOL):
                     best, best_rate = forced + plan[:x], rate
         return best
 

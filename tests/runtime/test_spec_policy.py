@@ -5,12 +5,12 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jmtp.runtime.buckets import StepBucket, choose_bucket
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
-from jmtp.runtime.spec_policy import DynamicSpeculation
+from jmtp.runtime.spec_policy import PLAN_RTOL, DynamicSpeculation
 
 
 def rows_only(buckets):
@@ -96,7 +96,26 @@ def test_depth_caps_fill_the_bucket_with_first_drafts():
     assert p.draft_limits(np.array([True, True])).tolist() == [2, 0]
 
 
-@settings(max_examples=200, deadline=None)
+def assert_plan_is_optimal(p: DynamicSpeculation, n: int, k: int) -> None:
+    """``p.draft_limits`` over ``n`` active slots reaches the best expected tokens per second over
+    every limit vector in ``{0..K}^n`` whose drafts have a positive gain, priced by the policy's
+    own ``step_time``, up to the policy's tie margin ``PLAN_RTOL`` (plus float rounding)."""
+    g = p.gains()
+
+    def rate(lim):
+        tok = n + sum(g[b, :lim[b]].sum() for b in range(n))
+        return tok / p.step_time(n + sum(lim), n, max(lim))
+
+    # every limit vector whose drafts have a positive gain (a zero-gain draft is never planned:
+    # it could pay only by reaching a cheaper bucket, i.e. with prices falling as rows grow,
+    # which the random live prices here allow)
+    best = max(rate(lim) for lim in itertools.product(range(k + 1), repeat=n)
+               if all(lim[b] == 0 or g[b, lim[b] - 1] > 0 for b in range(n)))
+    got = p.draft_limits(np.ones((n,), bool))
+    assert rate(got) * (1 + PLAN_RTOL) >= best * (1 - 1e-12), (got.tolist(), rate(got), best)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(n=st.integers(1, 3), k=st.integers(1, 3), data=st.data())
 def test_plan_is_the_brute_force_optimum(n, k, data):
     """Random per-slot acceptances, row costs increasing with the bucket, random draft costs per
@@ -121,19 +140,23 @@ def test_plan_is_the_brute_force_optimum(n, k, data):
     for t in (1, 2, 3, 4, 6, 8, 12, 16):    # the price of proposing never falls with depth
         prices = [p.step_time(t, n, d) for d in range(1, k + 1)]
         assert prices == sorted(prices), (t, prices)
-    g = p.gains()
+    assert_plan_is_optimal(p, n, k)
 
-    def rate(lim):
-        tok = n + sum(g[b, :lim[b]].sum() for b in range(n))
-        return tok / p.step_time(n + sum(lim), n, max(lim))
 
-    # every limit vector whose drafts have a positive gain (a zero-gain draft is never planned:
-    # it could pay only by reaching a cheaper bucket, i.e. with prices falling as rows grow,
-    # which the random live prices here allow)
-    best = max(rate(lim) for lim in itertools.product(range(k + 1), repeat=n)
-               if all(lim[b] == 0 or g[b, lim[b] - 1] > 0 for b in range(n)))
-    got = p.draft_limits(np.ones((n,), bool))
-    assert rate(got) >= best * (1 - 1e-9), (got.tolist(), rate(got), best)
+def test_a_near_tie_may_keep_the_plan_without_drafts():
+    """The draw that failed CI on 2026-12-02 (the brute-force check compared with a margin tighter
+    than the policy's): one slot accepting 1e-9 of its drafts, one row and two rows both priced
+    1.5 s. A draft adds 1e-9 expected tokens, within ``PLAN_RTOL``: either plan is optimal."""
+    p = policy(1, 1, [1, 2, 3, 4, 6, 8, 12, 16], prior_weight=0.0, halflife=1e9)
+    p.trials[:] = 10.0
+    p.succ[:] = 1e-8
+    p.step_seconds = by_rows(dict(zip([1, 2, 3, 4, 6, 8, 12, 16], 1.0 + np.cumsum(
+        [0.5, 0, 0, 0, 0, 0, 0, 0]))))
+    p.draft_seconds = {(0, 1): 0.0}
+    assert_plan_is_optimal(p, 1, 1)
+    # a gain above the margin is taken
+    p.succ[:] = 1e-6
+    assert p.draft_limits(np.ones((1,), bool)).tolist() == [1]
 
 
 def test_a_depth_is_never_priced_above_a_deeper_one():
