@@ -118,6 +118,9 @@ PLAN_RTOL = 1e-9
 #: ``(num_rows, num_slots) -> StepBucket`` of a decode step, e.g. ``choose_bucket(ec, r, n, False)``.
 BucketOf = Callable[[int, int], StepBucket]
 
+#: Draft candidates of a plan: ``(gain f64[m], position i64[m], slot i64[m])``, by falling gain.
+Candidates = tuple[np.ndarray, np.ndarray, np.ndarray]
+
 
 class DynamicSpeculation:
     """Per-slot draft-limit policy (see the module docstring).
@@ -199,6 +202,8 @@ class DynamicSpeculation:
         self._window_n = 0                               # the n of the window's steps
         self.guard_until: dict[int, int] = {}  # n -> first step drafting may resume at that n
         self.guard_gap: dict[int, int] = {}    # n -> hold after its next losing window
+        self._bucket_ids: dict[StepBucket, int] = {}      # bucket -> id, for _bucket_table
+        self._bucket_rows: dict[int, np.ndarray] = {}     # n -> bucket id per row count
         self.num_drafting_plans = 0     # counters (see the class docstring)
         self.num_holds = 0
 
@@ -357,57 +362,79 @@ class DynamicSpeculation:
         self.num_drafting_plans += bool(limits.any())
         return limits
 
-    def _best_plan(self, cand: list, n: int, forced: list = ()) -> list:
+    def _bucket_table(self, n: int, rows: int) -> np.ndarray:
+        """i64[rows + 1]: an id per row count ``0..rows`` at ``n`` slots, equal ids for equal
+        buckets (:attr:`_bucket_ids`; row count 0 gets id -1). Kept across calls (the bucket
+        function is fixed), grown on demand."""
+        table = self._bucket_rows.setdefault(n, np.full((1,), -1, np.int64))
+        if len(table) <= rows:
+            ids = [self._bucket_ids.setdefault(self.bucket(r, n), len(self._bucket_ids))
+                   for r in range(len(table), rows + 1)]
+            table = self._bucket_rows[n] = np.concatenate([table, np.asarray(ids, np.int64)])
+        return table
+
+    def _best_plan(self, cand: Candidates, n: int, forced: Candidates | None = None
+                   ) -> Candidates:
         """The drafts maximising expected tokens per second of a step over ``n`` slots: the
-        ``forced`` ones (probes' first drafts), then some of ``cand`` (``(-gain, position,
-        slot)``, by falling gain; ``position`` counts from 0). For each depth cap ``d = 1..K``
-        it considers every prefix of the candidates at positions ``< d`` (a prefix per slot, as
-        gains fall with position), and keeps the best over all caps; ``[]`` plus ``forced`` when
-        no draft pays.
+        ``forced`` ones (probes' first drafts), then a selection of ``cand``. Candidates are
+        ``(gain, position, slot)`` arrays (``f64``, ``i64``, ``i64``; ``position`` counts from 0)
+        sorted by falling gain. For each depth cap ``d = 1..K`` every prefix of the candidates
+        at positions ``< d`` (a prefix per slot, as gains fall with position) is priced at its
+        (bucket, depth) by :meth:`step_time`; the best over all caps is kept, ``forced`` alone
+        when no draft pays. Near-ties (rates within a factor ``1 + PLAN_RTOL`` of the best) keep
+        the plan with the fewest drafts.
 
-        A step's price depends only on its (bucket, depth), so within a run of prefixes that
-        share both, the longest has the most tokens at the same price: only the last prefix of
-        each run is priced. As :meth:`step_time` never falls with depth, this finds the best
-        plan over every choice of per-slot limits whose drafts have a positive gain (why the
-        caps: see "Choice" in the module docstring)."""
-        forced = list(forced)
-        tok0 = n + sum(-neg for neg, _, _ in forced)
-        depth0 = max((i + 1 for _, i, _ in forced), default=0)
-        rows0 = n + len(forced)
-        best, best_rate = forced, tok0 / self.step_time(rows0, n, depth0)
-        paying = [c for c in cand if c[0] < 0]     # a draft of no expected gain never pays
-        buckets: dict[int, StepBucket] = {}
-
-        def bucket(rows: int) -> StepBucket:
-            if rows not in buckets:
-                buckets[rows] = self.bucket(rows, n)
-            return buckets[rows]
-
-        tried = -1
-        for cap in range(1, self.k + 1):
-            plan = [c for c in paying if c[1] < cap]
-            if len(plan) == tried:       # no candidate at position cap - 1: same list as before
-                continue
-            tried = len(plan)
-            tok, depth = tok0, depth0
-            for x, (neg, i, _) in enumerate(plan, 1):
-                tok, depth = tok - neg, max(depth, i + 1)
-                if x < len(plan) and plan[x][1] < depth and (
-                        bucket(rows0 + x + 1) == bucket(rows0 + x)):
-                    continue             # the next prefix costs the same and commits more
-                rate = tok / self.step_time(rows0 + x, n, depth)
-                if rate > best_rate * (1 + PLAN_RTOL):
-                    best, best_rate = forced + plan[:x], rate
-        return best
+        As :meth:`step_time` never falls with depth, this finds the best plan over every choice
+        of per-slot limits whose drafts have a positive gain (why the caps: see "Choice" in the
+        module docstring). Vectorised over the prefixes: the prices of the few distinct (bucket,
+        depth) pairs are looked up once each, so a plan over 256 slots costs a fraction of a
+        millisecond of host time."""
+        none = np.zeros((0,), np.int64)
+        fg, fpos, fslot = forced if forced is not None else (np.zeros((0,)), none, none)
+        tok0 = n + float(fg.sum())
+        depth0 = int(fpos.max()) + 1 if len(fpos) else 0
+        rows0 = n + len(fpos)
+        rate0 = tok0 / self.step_time(rows0, n, depth0)
+        gain, pos, slot = (c[cand[0] > 0] for c in cand)   # a draft of no gain never pays
+        if not len(gain):
+            return fg, fpos, fslot
+        table = self._bucket_table(n, rows0 + len(gain))
+        # row c - 1 of each [K, m] array: the candidates a depth cap c keeps (pos < c); a prefix
+        # of that ranking ends at each kept column
+        keep = pos[None] < np.arange(1, self.k + 1)[:, None]
+        count = np.cumsum(keep, axis=1)
+        tok = tok0 + np.cumsum(np.where(keep, gain[None], 0.0), axis=1)
+        depth = np.maximum(depth0, np.maximum.accumulate(np.where(keep, pos[None] + 1, 0), axis=1))
+        cap = np.broadcast_to(np.arange(1, self.k + 1)[:, None], keep.shape)
+        count, tok, depth, cap = count[keep], tok[keep], depth[keep], cap[keep]
+        rows = rows0 + count
+        # a step's price depends only on its (bucket, depth), constant over runs of prefixes
+        # (buckets grow with rows, depth never falls within a cap): price each run once
+        pair = table[rows] * (self.k + 1) + depth
+        new_run = np.empty(pair.shape, bool)
+        new_run[0], new_run[1:] = True, pair[1:] != pair[:-1]
+        price = [self.step_time(int(rows[i]), n, int(depth[i])) for i in np.flatnonzero(new_run)]
+        rate = tok / np.asarray(price)[np.cumsum(new_run) - 1]
+        best = max(rate0, float(rate.max()))
+        if rate0 * (1 + PLAN_RTOL) >= best:
+            return fg, fpos, fslot
+        near = np.nonzero(rate * (1 + PLAN_RTOL) >= best)[0]
+        pick = near[np.lexsort((-rate[near], count[near]))[0]]   # fewest drafts, then fastest
+        sel = np.nonzero(pos < cap[pick])[0][:count[pick]]
+        return (np.concatenate([fg, gain[sel]]), np.concatenate([fpos, pos[sel]]),
+                np.concatenate([fslot, slot[sel]]))
 
     def _draft_limits(self, active: np.ndarray, n: int, limits: np.ndarray) -> np.ndarray:
         g = self.gains()
         slots = np.nonzero(active)[0]
-        cand = [(-g[b, i], i, b) for b in slots for i in range(self.k)]
-        cand.sort()
-        plan = self._best_plan(cand, n)
-        self._planned = bool(plan)
-        if plan and self.refresh_every and not self._refresh_left:
+        gain = g[slots].reshape(-1)
+        pos = np.tile(np.arange(self.k), len(slots))
+        slot = np.repeat(slots, self.k)
+        order = np.lexsort((slot, pos, -gain))           # by falling gain, then position, slot
+        cand = (gain[order], pos[order], slot[order])
+        _, plan_pos, plan_slot = self._best_plan(cand, n)
+        self._planned = bool(len(plan_pos))
+        if self._planned and self.refresh_every and not self._refresh_left:
             none = self.bucket(n, n)
             if (len(self._base_samples.get(none, ())) < BASE_SAMPLES
                     or self._step - self._base_step.get(none, 0) > self.refresh_every):
@@ -416,17 +443,17 @@ class DynamicSpeculation:
             self._refresh_left -= 1
             self._planned = False
             return limits
-        for _, i, b in plan:
-            limits[b] = max(limits[b], i + 1)
+        np.maximum.at(limits, plan_slot, (plan_pos + 1).astype(limits.dtype))
         if self.probe_every:
             probe = active & (limits == 0) & (self.zero_streak >= self.probe_gap)
             if probe.any():
                 # The probes' first drafts are forced; the plan is chosen again around them.
-                first = [c for c in cand if c[1] == 0 and probe[c[2]]]
-                rest = [c for c in cand if not (c[1] == 0 and probe[c[2]])]
+                is_first = (cand[1] == 0) & probe[cand[2]]
+                first = tuple(c[is_first] for c in cand)
+                rest = tuple(c[~is_first] for c in cand)
                 limits[:] = 0
-                for _, i, b in self._best_plan(rest, n, forced=first):
-                    limits[b] = max(limits[b], i + 1)
+                _, plan_pos, plan_slot = self._best_plan(rest, n, forced=first)
+                np.maximum.at(limits, plan_slot, (plan_pos + 1).astype(limits.dtype))
             planned = (limits > 0) & ~probe            # the plan drafts for them unforced
             self._planned = bool(planned.any())        # (the re-plan may drop every draft)
             self.probe_gap[planned] = self.probe_every

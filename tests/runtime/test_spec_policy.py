@@ -159,6 +159,30 @@ def test_a_near_tie_may_keep_the_plan_without_drafts():
     assert p.draft_limits(np.ones((1,), bool)).tolist() == [1]
 
 
+def test_bucket_table_matches_the_bucket_function_across_slot_counts():
+    """The plan's cached row -> bucket table (kept across calls, one per number of active slots)
+    gives each row count the bucket the bucket function gives, whatever order the slot counts
+    and row counts come in."""
+    calls = []
+
+    def bucket_of(rows, n):
+        return StepBucket(1 << max(rows - 1, 0).bit_length(), n)
+
+    def counted(rows, n):
+        calls.append((rows, n))
+        return bucket_of(rows, n)
+
+    p = DynamicSpeculation(8, 3, counted)
+    for n, rows in [(3, 5), (8, 20), (3, 12), (1, 4), (8, 32), (3, 2)]:
+        table = p._bucket_table(n, rows)
+        ids = {v: k for k, v in p._bucket_ids.items()}
+        assert len(table) >= rows + 1 and table[0] == -1
+        for r in range(1, len(table)):
+            assert ids[int(table[r])] == bucket_of(r, n), (n, r)
+    # each (rows, n) asked of the bucket function once
+    assert len(calls) == len(set(calls)) == sum(len(p._bucket_rows[n]) - 1 for n in (1, 3, 8))
+
+
 def test_a_depth_is_never_priced_above_a_deeper_one():
     # 4 rows: depth 1 timed live at 1.8 s (a few slow steps), depth 2 at 1.1 s, depth 3 never
     # (estimated: base 1.0 + draft 0.1, depth 2's draft). Depth 1 is priced 1.1 s, depth 2's live
