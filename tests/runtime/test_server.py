@@ -103,7 +103,9 @@ def wait_idle(base: str, timeout: float = 60) -> dict:
 
 @pytest.fixture(scope="module")
 def offline(smollm2, smollm2_tokenizer):
-    """Offline greedy texts of the same engine configuration (the independent reference)."""
+    """Offline greedy texts of the server's engine configuration (the independent reference),
+    except ``max_logprobs``: 0 here, so the server's texts also show that serving logprobs does
+    not change the tokens."""
     from jmtp.runtime.config import SpeculativeConfig
     from jmtp.runtime.engine import LLM
     from jmtp.runtime.sampling import SamplingParams
