@@ -110,15 +110,16 @@ BASE_SAMPLES = 3
 #: A slot's probe gap grows to at most ``probe_every`` times this (see "Probing" above).
 MAX_PROBE_BACKOFF = 8
 
-#: A plan replaces the best one found so far only if its expected tokens per second are higher by
-#: more than this relative margin, so near-ties keep the plan with fewer drafts. The chosen plan's
-#: rate is therefore within a factor ``1 + PLAN_RTOL`` of the optimum, not always equal to it.
+#: Plans whose expected tokens per second lie within this relative margin of the best are near-ties;
+#: of those the plan takes the one with the fewest drafts. The chosen plan's rate is therefore
+#: within a factor ``1 + PLAN_RTOL`` of the optimum, not always equal to it.
 PLAN_RTOL = 1e-9
 
 #: ``(num_rows, num_slots) -> StepBucket`` of a decode step, e.g. ``choose_bucket(ec, r, n, False)``.
 BucketOf = Callable[[int, int], StepBucket]
 
-#: Draft candidates of a plan: ``(gain f64[m], position i64[m], slot i64[m])``, by falling gain.
+#: Draft candidates of a plan: ``(gain f64[m], position i64[m], slot i64[m])`` (the input of
+#: ``_best_plan`` sorted by falling gain; its output lists the forced drafts first).
 Candidates = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
@@ -363,14 +364,17 @@ class DynamicSpeculation:
         return limits
 
     def _bucket_table(self, n: int, rows: int) -> np.ndarray:
-        """i64[rows + 1]: an id per row count ``0..rows`` at ``n`` slots, equal ids for equal
-        buckets (:attr:`_bucket_ids`; row count 0 gets id -1). Kept across calls (the bucket
-        function is fixed), grown on demand."""
-        table = self._bucket_rows.setdefault(n, np.full((1,), -1, np.int64))
+        """i32[>= rows + 1]: an id per row count at ``n`` slots, equal ids for equal buckets
+        (:attr:`_bucket_ids`). Row counts ``0..n`` get -1: a decode step over ``n`` slots has more
+        than ``n`` rows once it drafts, so the bucket function is never asked for them. Kept
+        across calls (the bucket function is fixed) and grown on demand, so the first plan at a
+        new ``n`` asks the bucket function once per row count, later ones not at all (about
+        ``4 n (K + 1)`` bytes per ``n`` seen)."""
+        table = self._bucket_rows.setdefault(n, np.full((n + 1,), -1, np.int32))
         if len(table) <= rows:
             ids = [self._bucket_ids.setdefault(self.bucket(r, n), len(self._bucket_ids))
                    for r in range(len(table), rows + 1)]
-            table = self._bucket_rows[n] = np.concatenate([table, np.asarray(ids, np.int64)])
+            table = self._bucket_rows[n] = np.concatenate([table, np.asarray(ids, np.int32)])
         return table
 
     def _best_plan(self, cand: Candidates, n: int, forced: Candidates | None = None
@@ -386,9 +390,10 @@ class DynamicSpeculation:
 
         As :meth:`step_time` never falls with depth, this finds the best plan over every choice
         of per-slot limits whose drafts have a positive gain (why the caps: see "Choice" in the
-        module docstring). Vectorised over the prefixes: the prices of the few distinct (bucket,
-        depth) pairs are looked up once each, so a plan over 256 slots costs a fraction of a
-        millisecond of host time."""
+        module docstring). Vectorised over the prefixes: a price is looked up once per run of
+        consecutive prefixes that share a (bucket, depth), and repeats of a pair in another cap's
+        ranking hit the per-call memo, so a plan over 256 slots costs a fraction of a millisecond
+        of host time (``scripts/bench_policy.py``)."""
         none = np.zeros((0,), np.int64)
         fg, fpos, fslot = forced if forced is not None else (np.zeros((0,)), none, none)
         tok0 = n + float(fg.sum())
@@ -408,9 +413,8 @@ class DynamicSpeculation:
         cap = np.broadcast_to(np.arange(1, self.k + 1)[:, None], keep.shape)
         count, tok, depth, cap = count[keep], tok[keep], depth[keep], cap[keep]
         rows = rows0 + count
-        # a step's price depends only on its (bucket, depth), constant over runs of prefixes
-        # (buckets grow with rows, depth never falls within a cap): price each run once
-        pair = table[rows] * (self.k + 1) + depth
+        # a step's price depends only on its (bucket, depth): price each run of equal pairs once
+        pair = table[rows].astype(np.int64) * (self.k + 1) + depth
         new_run = np.empty(pair.shape, bool)
         new_run[0], new_run[1:] = True, pair[1:] != pair[:-1]
         price = [self.step_time(int(rows[i]), n, int(depth[i])) for i in np.flatnonzero(new_run)]
