@@ -96,33 +96,33 @@ def test_depth_caps_fill_the_bucket_with_first_drafts():
     assert p.draft_limits(np.array([True, True])).tolist() == [2, 0]
 
 
-def assert_plan_is_optimal(p: DynamicSpeculation, n: int, k: int) -> None:
-    """``p.draft_limits`` over ``n`` active slots reaches the best expected tokens per second over
-    every limit vector in ``{0..K}^n`` whose drafts have a positive gain, priced by the policy's
-    own ``step_time``, up to the policy's tie margin ``PLAN_RTOL`` (plus float rounding)."""
+def assert_plan_is_optimal(p: DynamicSpeculation, n: int, k: int, got: np.ndarray | None = None,
+                           probe: np.ndarray | None = None) -> None:
+    """The limits ``got`` (default: ``p.draft_limits`` over ``n`` active slots) reach the best
+    expected tokens per second over every limit vector in ``{0..K}^n`` whose drafts have a
+    positive gain, priced by the policy's own ``step_time``, up to the policy's tie margin
+    ``PLAN_RTOL`` (plus float rounding). Slots in ``probe`` must get at least one draft, whatever
+    its gain (a probe's forced first draft)."""
     g = p.gains()
+    probe = np.zeros((n,), bool) if probe is None else probe
 
     def rate(lim):
         tok = n + sum(g[b, :lim[b]].sum() for b in range(n))
         return tok / p.step_time(n + sum(lim), n, max(lim))
 
-    # every limit vector whose drafts have a positive gain (a zero-gain draft is never planned:
-    # it could pay only by reaching a cheaper bucket, i.e. with prices falling as rows grow,
-    # which the random live prices here allow)
+    # a zero-gain draft is never planned: it could pay only by reaching a cheaper bucket, i.e.
+    # with prices falling as rows grow, which the random live prices here allow
     best = max(rate(lim) for lim in itertools.product(range(k + 1), repeat=n)
-               if all(lim[b] == 0 or g[b, lim[b] - 1] > 0 for b in range(n)))
-    got = p.draft_limits(np.ones((n,), bool))
+               if all(lim[b] >= probe[b] and (lim[b] <= probe[b] or g[b, lim[b] - 1] > 0)
+                      for b in range(n)))
+    got = p.draft_limits(np.ones((n,), bool)) if got is None else got
+    assert (got[probe] >= 1).all(), got.tolist()
     assert rate(got) * (1 + PLAN_RTOL) >= best * (1 - 1e-12), (got.tolist(), rate(got), best)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(n=st.integers(1, 3), k=st.integers(1, 3), data=st.data())
-def test_plan_is_the_brute_force_optimum(n, k, data):
-    """Random per-slot acceptances, row costs increasing with the bucket, random draft costs per
-    depth and random live prices of some (bucket, depth) pairs: ``step_time`` never falls with
-    depth, and the chosen limits reach the best expected tokens per second over every limit
-    vector in ``{0..K}^n`` whose drafts have a positive gain, priced by the policy's own
-    ``step_time``."""
+def random_policy(n: int, k: int, data) -> DynamicSpeculation:
+    """A policy over ``n`` slots with random per-slot acceptances, row costs increasing with the
+    bucket, random draft costs per depth and random live prices of some (bucket, depth) pairs."""
     p = policy(n, k, [1, 2, 3, 4, 6, 8, 12, 16], prior_weight=0.0, halflife=1e9)
     acc = st.floats(0.0, 1.0, allow_nan=False)
     p.trials[:] = 10.0
@@ -132,11 +132,19 @@ def test_plan_is_the_brute_force_optimum(n, k, data):
     p.step_seconds = by_rows(dict(zip([1, 2, 3, 4, 6, 8, 12, 16], 1.0 + np.cumsum(steps))))
     extra = data.draw(st.lists(st.floats(0.0, 1.0), min_size=k, max_size=k))
     p.draft_seconds = {(0, d + 1): float(extra[d]) for d in range(k)}
-    # some (bucket, depth) pairs priced by live steps of their own, at random
     for t in data.draw(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), max_size=4)):
         d = data.draw(st.integers(1, k))
         p.plan_seconds[(p.bucket(t, n), d)] = data.draw(st.floats(0.5, 4.0))
         p._plan_step[(p.bucket(t, n), d)] = 0
+    return p
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 3), k=st.integers(1, 3), data=st.data())
+def test_plan_is_the_brute_force_optimum(n, k, data):
+    """On a random policy (:func:`random_policy`) ``step_time`` never falls with depth, and the
+    chosen limits are optimal (:func:`assert_plan_is_optimal`)."""
+    p = random_policy(n, k, data)
     for t in (1, 2, 3, 4, 6, 8, 12, 16):    # the price of proposing never falls with depth
         prices = [p.step_time(t, n, d) for d in range(1, k + 1)]
         assert prices == sorted(prices), (t, prices)
@@ -147,17 +155,8 @@ def test_plan_is_the_brute_force_optimum(n, k, data):
 @given(n=st.integers(1, 3), k=st.integers(1, 3), data=st.data())
 def test_plan_around_forced_probes_is_the_brute_force_optimum(n, k, data):
     """The re-plan around probes: with the first drafts of some slots forced, ``_best_plan``
-    keeps them and reaches the best rate (up to ``PLAN_RTOL``) over every limit vector that gives
-    each forced slot at least 1 draft and whose other drafts have a positive gain."""
-    p = policy(n, k, [1, 2, 3, 4, 6, 8, 12, 16], prior_weight=0.0, halflife=1e9)
-    acc = st.floats(0.0, 1.0, allow_nan=False)
-    p.trials[:] = 10.0
-    p.succ[:] = np.array(data.draw(st.lists(st.lists(acc, min_size=k, max_size=k),
-                                            min_size=n, max_size=n))) * 10.0
-    steps = data.draw(st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8))
-    p.step_seconds = by_rows(dict(zip([1, 2, 3, 4, 6, 8, 12, 16], 1.0 + np.cumsum(steps))))
-    extra = data.draw(st.lists(st.floats(0.0, 1.0), min_size=k, max_size=k))
-    p.draft_seconds = {(0, d + 1): float(extra[d]) for d in range(k)}
+    keeps them and is optimal over the limit vectors that give each forced slot a draft."""
+    p = random_policy(n, k, data)
     probe = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     g = p.gains()
     # candidates by falling gain (ties: position, slot), forced = the probes' first drafts
@@ -173,17 +172,7 @@ def test_plan_around_forced_probes_is_the_brute_force_optimum(n, k, data):
     _, pos, slot = p._best_plan(arrays(rest), n, forced=arrays(first))
     got = np.zeros((n,), int)
     np.maximum.at(got, slot, pos + 1)
-    assert (got[probe] >= 1).all()
-
-    def rate(lim):
-        tok = n + sum(g[b, :lim[b]].sum() for b in range(n))
-        return tok / p.step_time(n + sum(lim), n, max(lim))
-
-    best = max(rate(lim) for lim in itertools.product(range(k + 1), repeat=n)
-               if all((lim[b] >= 1 if probe[b] else True)
-                      and (lim[b] <= (1 if probe[b] else 0) or g[b, lim[b] - 1] > 0)
-                      for b in range(n)))
-    assert rate(got) * (1 + PLAN_RTOL) >= best * (1 - 1e-12), (got.tolist(), rate(got), best)
+    assert_plan_is_optimal(p, n, k, got=got, probe=probe)
 
 
 def test_a_near_tie_may_keep_the_plan_without_drafts():
