@@ -87,13 +87,14 @@ def build(name: str, **llm_kwargs):
 
 
 def policy_counts(llm) -> dict[str, int] | None:
-    """Counters of a dynamic engine's policy (None for other engines): ``steps`` planned,
-    ``drafting`` steps whose limits allowed a draft (probes included; an n-gram slot may still
-    find no match), ``holds`` by the guard (losing windows)."""
-    pol = llm.llm_engine.spec_policy
-    if pol is None:
+    """Counters of a dynamic engine's policy from ``LLMEngine.get_stats`` (None for other
+    engines): ``steps`` planned, ``drafting`` steps whose limits allowed a draft (probes
+    included; an n-gram slot may still find no match), ``holds`` by the guard (losing windows)."""
+    stats = llm.llm_engine.get_stats()
+    if "spec_policy_plans" not in stats:
         return None
-    return dict(steps=pol.num_plans, drafting=pol.num_drafting_plans, holds=pol.num_holds)
+    return dict(steps=stats["spec_policy_plans"], drafting=stats["spec_policy_drafting_plans"],
+                holds=stats["spec_policy_holds"])
 
 
 def prompt_sets(tok, names, n):

@@ -367,6 +367,7 @@ class LLMEngine:
         self._totals = SpecDecodeMetrics(accepted_per_position=[0] * ec.k)
         self._num_steps = 0
         self._num_preemptions = 0
+        self._policy_seconds = 0.0     # host time in the dynamic policy (plan + observe)
         self._num_generated = 0
         self._last_step_seconds = 0.0
         # prefill -> decode hand-off (jmtp.runtime.handoff)
@@ -972,7 +973,12 @@ class LLMEngine:
         prefix caching also ``prefix_cache_hit_rate`` (cached prompt tokens / prompt tokens over
         every admission), ``prefix_cache_queried_tokens``, ``prefix_cache_hit_tokens``,
         ``num_cached_blocks`` (held by the cache, not free), ``num_evictable_blocks`` (cached,
-        read by no slot) and ``num_evicted_blocks``.
+        read by no slot) and ``num_evicted_blocks``. With ``speculation_policy="dynamic"`` also
+        the policy's counters (:class:`~jmtp.runtime.spec_policy.DynamicSpeculation`):
+        ``spec_policy_plans`` (steps planned with a proposing slot), ``spec_policy_drafting_plans``
+        (those whose limits allowed a draft, probes included), ``spec_policy_holds`` (losing
+        windows of the guard, each holding drafting off) and ``spec_policy_host_seconds`` (host
+        wall time in the policy's plan and bookkeeping, s; it adds to every step).
         """
         t = self._totals
         return dict(
@@ -984,7 +990,15 @@ class LLMEngine:
             num_draft_tokens=t.num_draft_tokens, num_accepted_tokens=t.num_accepted_tokens,
             accepted_per_position=list(t.accepted_per_position),
             num_decode_steps=t.num_decode_steps, num_decode_tokens=t.num_decode_tokens,
-            **self._prefix_stats())
+            **self._prefix_stats(), **self._policy_stats())
+
+    def _policy_stats(self) -> dict:
+        pol = self.spec_policy
+        if pol is None:
+            return {}
+        return dict(spec_policy_plans=pol.num_plans,
+                    spec_policy_drafting_plans=pol.num_drafting_plans,
+                    spec_policy_holds=pol.num_holds, spec_policy_host_seconds=self._policy_seconds)
 
     def _prefix_stats(self) -> dict:
         pc = self.prefix_cache
@@ -1081,8 +1095,10 @@ class LLMEngine:
         # Slots that propose in this step: decoding ones and those whose prefill ends in it.
         proposing = np.array([s is not None and s.prefilled + int(chunks[b]) >= len(s.context_ids)
                               for b, s in enumerate(slots)])
+        t_plan = time.perf_counter()
         limits = (np.full((B,), ec.k, np.int32) if self.spec_policy is None else
                   self.spec_policy.draft_limits(proposing))
+        t_plan = time.perf_counter() - t_plan
         if self.prefix_cache is not None:
             self._ensure_free(self._step_block_bound(chunks))
         t_step = time.perf_counter()
@@ -1092,9 +1108,11 @@ class LLMEngine:
             # the proposing depth prices the drafting; a step with a prefill chunk is not timed
             # (its token bucket can coincide with a decode bucket); the committed tokens feed
             # the policy's guard on the realised rate
+            t_obs = time.perf_counter()
             self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket,
-                                     time.perf_counter() - t_step, depth=int(limits.max()),
+                                     t_obs - t_step, depth=int(limits.max()),
                                      timed=not chunks.any(), num_tokens=out.num_tokens)
+            self._policy_seconds += t_plan + time.perf_counter() - t_obs
         self._num_steps += 1
         self._free_counts = [int(x) for x in out.free_count]
         touched: dict[str, _Group] = {}

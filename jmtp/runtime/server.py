@@ -152,7 +152,11 @@ class ServerMetrics:
     ``jmtp_spec_decode_accepted_tokens_total``, ``jmtp_spec_decode_accepted_per_position_total
     {position}`` (verify steps whose draft ``position`` (1-based) was accepted),
     ``jmtp_spec_decode_steps_total``, ``jmtp_spec_decode_step_tokens_total`` and
-    ``jmtp_spec_decode_mean_acceptance_length`` (tokens per verify step since start).
+    ``jmtp_spec_decode_mean_acceptance_length`` (tokens per verify step since start). With
+    ``speculation_policy="dynamic"`` also the policy's ``jmtp_spec_policy_plans_total``,
+    ``jmtp_spec_policy_drafting_plans_total``, ``jmtp_spec_policy_holds_total`` and
+    ``jmtp_spec_policy_host_seconds_total`` (see ``LLMEngine.get_stats``; absent stats leave
+    them at 0).
     """
 
     def __init__(self):
@@ -190,6 +194,14 @@ class ServerMetrics:
         self.mean_acceptance_length = prom.Gauge(
             "jmtp_spec_decode_mean_acceptance_length", "Tokens committed per verify step since "
             "start (1 = no draft accepted)", registry=r)
+        self.policy_plans = prom.Counter("jmtp_spec_policy_plans", "Steps the dynamic "
+                                         "speculation policy planned", registry=r)
+        self.policy_drafting = prom.Counter("jmtp_spec_policy_drafting_plans", "Planned steps "
+                                            "whose limits allowed a draft", registry=r)
+        self.policy_holds = prom.Counter("jmtp_spec_policy_holds", "Losing windows after which "
+                                         "the policy's guard held drafting off", registry=r)
+        self.policy_seconds = prom.Counter("jmtp_spec_policy_host_seconds", "Host time in the "
+                                           "dynamic policy (plan and bookkeeping), s", registry=r)
         self._prev: dict = {}
 
     def _inc_from(self, counter, stats: dict, key: str, prev_key: str | None = None) -> None:
@@ -214,6 +226,10 @@ class ServerMetrics:
         self._inc_from(self.accepted_tokens, stats, "num_accepted_tokens")
         self._inc_from(self.decode_steps, stats, "num_decode_steps")
         self._inc_from(self.decode_tokens, stats, "num_decode_tokens")
+        self._inc_from(self.policy_plans, stats, "spec_policy_plans")
+        self._inc_from(self.policy_drafting, stats, "spec_policy_drafting_plans")
+        self._inc_from(self.policy_holds, stats, "spec_policy_holds")
+        self._inc_from(self.policy_seconds, stats, "spec_policy_host_seconds")
         for i, c in enumerate(stats.get("accepted_per_position") or []):
             stats_i = {"c": c}
             self._inc_from(self.accepted_per_position.labels(position=str(i + 1)), stats_i, "c",

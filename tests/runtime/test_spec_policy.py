@@ -558,6 +558,12 @@ def test_engine_asks_for_limits_of_proposing_slots_only_and_mtp_fills_them():
     assert out.outputs[0].token_ids == reference_greedy(cfg, params, prompt, 12, stop_ids=())
     # the guard on the realised rate is fed each step's committed tokens: 12 in all, slot 0 only
     assert sum(int(c[0]) for c in committed) == 12 and sum(int(c[1]) for c in committed) == 0
+    # get_stats reports the policy's counters, here counted from the calls themselves
+    stats = eng.get_stats()
+    assert stats["spec_policy_plans"] == sum(bool(a.any()) for a, _ in seen)
+    assert stats["spec_policy_drafting_plans"] == sum(bool(lim.any()) for _, lim in seen) > 0
+    assert stats["spec_policy_holds"] == pol.num_holds
+    assert 0 < stats["spec_policy_host_seconds"] < 60
 
 
 def test_drafting_depth_is_priced_on_top_of_the_bucket():

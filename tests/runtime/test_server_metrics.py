@@ -1,0 +1,35 @@
+"""The server's Prometheus metrics from engine stats (no model, no server process)."""
+from __future__ import annotations
+
+import pytest
+
+prom_parser = pytest.importorskip("prometheus_client.parser")
+pytest.importorskip("fastapi")
+
+
+def samples(metrics) -> dict:
+    out = {}
+    for fam in prom_parser.text_string_to_metric_families(metrics.render().decode()):
+        for s in fam.samples:
+            out[s.name] = s.value
+    return out
+
+
+def test_dynamic_policy_counters_follow_the_engine_stats():
+    """Counters advance by the change of the engine's cumulative stats between steps; stats
+    without the policy's keys (a fixed-K engine) leave them at 0."""
+    from jmtp.runtime.server import ServerMetrics
+
+    m = ServerMetrics()
+    m.on_step({}, [], None)
+    got = samples(m)
+    assert got["jmtp_spec_policy_plans_total"] == 0 and got["jmtp_spec_policy_holds_total"] == 0
+    m.on_step(dict(spec_policy_plans=3, spec_policy_drafting_plans=2, spec_policy_holds=0,
+                   spec_policy_host_seconds=0.5), [], None)
+    m.on_step(dict(spec_policy_plans=7, spec_policy_drafting_plans=2, spec_policy_holds=1,
+                   spec_policy_host_seconds=0.75), [], None)
+    got = samples(m)
+    assert got["jmtp_spec_policy_plans_total"] == 7
+    assert got["jmtp_spec_policy_drafting_plans_total"] == 2
+    assert got["jmtp_spec_policy_holds_total"] == 1
+    assert got["jmtp_spec_policy_host_seconds_total"] == pytest.approx(0.75)
