@@ -1098,7 +1098,7 @@ class LLMEngine:
         t_plan = time.perf_counter()
         limits = (np.full((B,), ec.k, np.int32) if self.spec_policy is None else
                   self.spec_policy.draft_limits(proposing))
-        t_plan = time.perf_counter() - t_plan
+        plan_seconds = time.perf_counter() - t_plan
         if self.prefix_cache is not None:
             self._ensure_free(self._step_block_bound(chunks))
         t_step = time.perf_counter()
@@ -1112,7 +1112,7 @@ class LLMEngine:
             self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket,
                                      t_obs - t_step, depth=int(limits.max()),
                                      timed=not chunks.any(), num_tokens=out.num_tokens)
-            self._policy_seconds += t_plan + time.perf_counter() - t_obs
+            self._policy_seconds += plan_seconds + time.perf_counter() - t_obs
         self._num_steps += 1
         self._free_counts = [int(x) for x in out.free_count]
         touched: dict[str, _Group] = {}

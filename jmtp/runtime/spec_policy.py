@@ -146,7 +146,7 @@ class DynamicSpeculation:
     Raises:
       ValueError: ``num_slots < 1``, ``k < 1``, or a parameter outside its range.
 
-    Counters (for benchmarks and logs; ``scripts/bench_spec.py`` prints them): :attr:`num_plans`
+    Counters (``LLMEngine.get_stats`` reports them as ``spec_policy_*``): :attr:`num_plans`
     (``draft_limits`` calls with an active slot), ``num_drafting_plans`` (those whose limits
     allowed a draft, probes included) and ``num_holds`` (losing windows of the guard, each
     starting a hold).

@@ -562,7 +562,8 @@ def test_engine_asks_for_limits_of_proposing_slots_only_and_mtp_fills_them():
     stats = eng.get_stats()
     assert stats["spec_policy_plans"] == sum(bool(a.any()) for a, _ in seen)
     assert stats["spec_policy_drafting_plans"] == sum(bool(lim.any()) for _, lim in seen) > 0
-    assert stats["spec_policy_holds"] == pol.num_holds
+    assert stats["spec_policy_holds"] == 0      # fewer judged steps than one guard window
+    assert len(seen) < pol.guard_samples
     assert 0 < stats["spec_policy_host_seconds"] < 60
 
 
