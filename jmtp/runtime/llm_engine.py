@@ -1111,7 +1111,8 @@ class LLMEngine:
             t_obs = time.perf_counter()
             self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket,
                                      t_obs - t_step, depth=int(limits.max()),
-                                     timed=not chunks.any(), num_tokens=out.num_tokens)
+                                     timed=not chunks.any(), num_tokens=out.num_tokens,
+                                     num_allowed=out.num_allowed)
             self._policy_seconds += plan_seconds + time.perf_counter() - t_obs
         self._num_steps += 1
         self._free_counts = [int(x) for x in out.free_count]

@@ -10,9 +10,18 @@ speculation-length heuristics, reduced to what the host measures anyway):
 * **Acceptance**, per slot and draft position ``i`` (1-based): ``a_i = P(draft i accepted | draft
   i-1 accepted)``, estimated from decayed counts (half-life ``halflife`` steps) of the slot's own
   verify steps, shrunk towards the pooled estimate over all slots (weight ``prior_weight``
-  trials), which itself starts at ``prior_acceptance``. A slot drafting ``k`` is expected to
-  commit ``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j`` tokens; the gain of its ``k``-th draft,
-  ``prod_{j<=k} a_j``, never grows with ``k``.
+  trials), which itself starts at ``prior_acceptance``. Only drafts that exist are trials of
+  ``a_i``.
+* **Presence**, per slot and position: ``p_i = P(draft i proposed | allowed, draft i-1
+  proposed)``, estimated the same way (pooled prior 1.0) from the budget each verified window was
+  proposed under (``StepOutput.num_allowed``). The MTP head fills its budget (``p_i = 1``); an
+  n-gram proposer leaves positions empty where it finds no match, or a shorter one, and an
+  allowed position that stays empty yields no token. A slot allowed ``k`` drafts is expected to
+  commit ``E(k) = 1 + sum_{i<=k} prod_{j<=i} p_j a_j`` tokens and to verify
+  ``sum_{i<=k} prod_{j<=i} p_j`` draft rows; the gain of its ``k``-th draft, ``prod_{j<=k} p_j
+  a_j``, never grows with ``k``. (Presence is taken as independent of the earlier drafts'
+  acceptance. Before presence was counted, a slot whose n-gram rarely matched looked as good as
+  its rare matches: on general prompts the plan allowed drafts that never came.)
 * **Cost**: seconds per step, ``base(T, A) + draft(A, d)``. ``base`` depends on the step bucket
   (the engine's :func:`~jmtp.runtime.buckets.choose_bucket`: token rows ``T`` verified, compacted
   slots ``A``); ``draft`` on the proposing depth ``d``, the largest draft limit of the step (MTP
@@ -36,11 +45,16 @@ speculation-length heuristics, reduced to what the host measures anyway):
   tries it once and learns its price), though never below the price of the depth under it in
   the same bucket (see below). Steps with a prefill chunk are not timed (their token
   buckets can coincide with decode buckets).
-* **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain. For
-  each depth cap ``d = 1..K`` the policy ranks the candidates at positions ``<= d`` by gain and
-  tries the ``x`` best (a prefix per slot, since gains fall with position) for every ``x``; it
-  takes the plan maximising ``(n + sum of gains) / (base(bucket(n + x)) + draft(A, d'))``, ``d'``
-  the largest draft position in it. Slots whose drafts cannot pay get 0. (The caps matter: in
+* **Choice**: with ``n`` active slots, every draft of every slot is a candidate with its gain and
+  its expected rows (``prod_{j<=i} p_j``). For each depth cap ``d = 1..K`` the policy ranks the
+  candidates at positions ``<= d`` by gain and tries the ``x`` best (a prefix per slot, since
+  gains fall with position) for every ``x``; it takes the plan maximising ``(n + sum of gains) /
+  price(n + r, d')``, ``r`` the expected draft rows of the ``x`` drafts (``x`` when every draft
+  is proposed), ``d'`` the largest draft position in it, and ``price`` the step's price
+  ``base(bucket(rows)) + draft(A, d')`` interpolated linearly between the whole row counts
+  around ``n + r`` (exact for one slot allowed one draft: it runs ``n`` or ``n + 1`` rows; with
+  more drafts an approximation of the price averaged over the rows that come). Slots whose
+  drafts cannot pay get 0. (The caps matter: in
   one ranking of every position, a good slot's second draft can outrank another slot's first,
   and the first then only comes with the second's depth. At 8 slots the plan stopped at ~5
   first drafts in a 16-row bucket where 8 cost the same.) A (bucket,
@@ -58,14 +72,15 @@ speculation-length heuristics, reduced to what the host measures anyway):
 * **Probing**: a slot held at 0 drafts for its probe gap of consecutive steps gets at least one
   draft, so a change in its acceptance (e.g. the text turns to copying) is noticed. The gap
   starts at ``probe_every``. It doubles (up to ``probe_every * MAX_PROBE_BACKOFF``) when the
-  probe's first draft is verified and rejected, so slots whose drafts keep failing cost fewer and
-  fewer probe steps; a probe that proposed nothing (no n-gram match, the ``max_tokens`` cap)
-  leaves it as it was. It falls back to ``probe_every`` when the plan drafts for the slot without
-  being made to (and when a new request takes the slot). The probes' first drafts are forced
-  into the plan, which is then chosen again around them: drafts of other slots that pay in the
-  wider token bucket a probe opens ride along (at 8 slots, one probe turns 8 rows into a 16-row
-  bucket, where the other slots' first drafts cost only their proposing), drafts that do not pay
-  there any more are dropped, and a probing slot may get more drafts where they pay.
+  probe's verified window was allowed a draft and its first draft was not accepted (rejected,
+  or never proposed: no n-gram match), so slots whose drafts keep failing cost fewer and fewer
+  probe steps; a probe whose budget the ``max_tokens`` cap took leaves it as it was. It falls
+  back to ``probe_every`` when the plan drafts for the slot without being made to (and when a
+  new request takes the slot). The probes' first drafts are forced into the plan, which is then
+  chosen again around them: drafts of other slots that pay in the wider token bucket a probe
+  opens ride along (at 8 slots, one probe turns 8 rows into a 16-row bucket, where the other
+  slots' first drafts cost only their proposing), drafts that do not pay there any more are
+  dropped, and a probing slot may get more drafts where they pay.
 * **Refreshing the no-draft price**: a policy that keeps drafting never runs the no-draft bucket
   (``n`` rows over ``n`` slots), so a wrong price of it would stand for ever: one slow early step
   once priced it 3.6x too high at 8 slots, which made drafting look free, and the policy drafted
@@ -74,8 +89,8 @@ speculation-length heuristics, reduced to what the host measures anyway):
   drafts nothing for two steps: the first verifies the drafts already proposed, the second runs
   the no-draft bucket and times it.
 
-* **Guard on the realised rate**: the estimates above can stay optimistic (acceptance lags by its
-  half-life, an n-gram draft the plan allows but the matcher leaves empty is no trial). So the
+* **Guard on the realised rate**: the estimates above can stay optimistic (acceptance and
+  presence lag by their half-life; the plan's rows are expected values). So the
   policy also measures what its drafting delivers. A step is *judged* when it verifies drafts
   that the plan itself proposed in the step before (not drafts proposed only as probes, and not
   while drafting is held off); it is timed like the cost samples above (no prefill chunk, not a
@@ -115,12 +130,16 @@ MAX_PROBE_BACKOFF = 8
 #: within a factor ``1 + PLAN_RTOL`` of the optimum, not always equal to it.
 PLAN_RTOL = 1e-9
 
+#: Expected row counts within this of an integer count as that integer (sums of presences).
+ROWS_EPS = 1e-9
+
 #: ``(num_rows, num_slots) -> StepBucket`` of a decode step, e.g. ``choose_bucket(ec, r, n, False)``.
 BucketOf = Callable[[int, int], StepBucket]
 
-#: Draft candidates of a plan: ``(gain f64[m], position i64[m], slot i64[m])`` (the input of
+#: Draft candidates of a plan: ``(gain f64[m], position i64[m], slot i64[m], rows f64[m])``, the
+#: last the draft's expected verify rows (its presence ``prod_{j<=i} p_j``; the input of
 #: ``_best_plan`` sorted by falling gain; its output lists the forced drafts first).
-Candidates = tuple[np.ndarray, np.ndarray, np.ndarray]
+Candidates = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 class DynamicSpeculation:
@@ -176,6 +195,10 @@ class DynamicSpeculation:
         self.succ = np.zeros((num_slots, k))
         self.pool_trials = np.full((k,), prior_weight)  # pooled counts, seeded with the prior
         self.pool_succ = np.full((k,), prior_weight * prior_acceptance)
+        self.present = np.zeros((num_slots, k))       # decayed presence counts (see p_i)
+        self.allowed = np.zeros((num_slots, k))
+        self.pool_allowed = np.full((k,), prior_weight)   # pooled, seeded with presence 1.0
+        self.pool_present = np.full((k,), prior_weight)
         self.step_seconds: dict[StepBucket, float] = {}  # bucket -> median of live steps, depth 0
         self._base_samples: dict[StepBucket, list[float]] = {}   # the last BASE_SAMPLES of each
         self._base_step: dict[StepBucket, int] = {}      # bucket -> step of its newest sample
@@ -220,9 +243,23 @@ class DynamicSpeculation:
         w = self.prior_weight
         return (self.succ + w * pool[None]) / np.maximum(self.trials + w, 1e-9)
 
+    def presence(self) -> np.ndarray:
+        """f64[B, K]: per-slot probability ``p_i`` that draft position i = 1..K, allowed, is
+        proposed when position i - 1 was (1.0 for the MTP head, which fills its budget)."""
+        pool = np.where(self.pool_allowed > 0,
+                        self.pool_present / np.maximum(self.pool_allowed, 1e-300), 1.0)
+        w, n = self.prior_weight, self.allowed + self.prior_weight
+        return np.where(n > 0, (self.present + w * pool[None]) / np.maximum(n, 1e-300), pool[None])
+
+    def expected_rows(self) -> np.ndarray:
+        """f64[B, K]: expected verify rows of each slot's i-th allowed draft,
+        ``prod_{j<=i} p_j``."""
+        return np.cumprod(self.presence(), axis=1)
+
     def gains(self) -> np.ndarray:
-        """f64[B, K]: expected extra tokens from each slot's i-th draft, ``prod_{j<=i} a_j``."""
-        return np.cumprod(self.acceptance(), axis=1)
+        """f64[B, K]: expected extra tokens from each slot's i-th allowed draft,
+        ``prod_{j<=i} p_j a_j``."""
+        return np.cumprod(self.presence() * self.acceptance(), axis=1)
 
     def live_ratio(self, num_slots: int) -> float:
         """Mean live/seed time ratio over the buckets of slot bucket ``num_slots`` that have both
@@ -381,62 +418,84 @@ class DynamicSpeculation:
                    ) -> Candidates:
         """The drafts maximising expected tokens per second of a step over ``n`` slots: the
         ``forced`` ones (probes' first drafts), then a selection of ``cand``. Candidates are
-        ``(gain, position, slot)`` arrays (``f64``, ``i64``, ``i64``; ``position`` counts from 0)
-        sorted by falling gain. For each depth cap ``d = 1..K`` every prefix of the candidates
-        at positions ``< d`` (a prefix per slot, as gains fall with position) is priced at its
-        (bucket, depth) by :meth:`step_time`; the best over all caps is kept, ``forced`` alone
-        when no draft pays. Near-ties (rates within a factor ``1 + PLAN_RTOL`` of the best) keep
-        the plan with the fewest drafts.
+        ``(gain, position, slot, rows)`` arrays (``f64``, ``i64``, ``i64``, ``f64``; ``position``
+        counts from 0; ``rows`` the expected verify rows, 1.0 for a draft that is always
+        proposed) sorted by falling gain. For each depth cap ``d = 1..K`` every prefix of the
+        candidates at positions ``< d`` (a prefix per slot, as gains fall with position) is
+        priced by :meth:`step_time` at its depth and its expected rows ``n + r``; a fractional
+        ``r`` is priced by linear interpolation between the row counts around it (exact for one
+        slot allowed one draft: the step runs ``n`` or ``n + 1`` rows). The best over all caps is
+        kept, ``forced`` alone when no draft pays. Near-ties (rates within a factor ``1 +
+        PLAN_RTOL`` of the best) keep the plan with the fewest drafts.
 
         As :meth:`step_time` never falls with depth, this finds the best plan over every choice
-        of per-slot limits whose drafts have a positive gain (why the caps: see "Choice" in the
-        module docstring). Vectorised over the prefixes: a price is looked up once per run of
-        consecutive prefixes that share a (bucket, depth), and repeats of a pair in another cap's
-        ranking hit the per-call memo, so a plan over 256 slots costs a fraction of a millisecond
-        of host time (``scripts/bench_policy.py``)."""
+        of per-slot limits whose drafts have a positive gain when every draft is proposed
+        (``rows`` all 1; why the caps: see "Choice" in the module docstring); with presence
+        below 1 it searches the same prefixes of the gain ranking. Vectorised over the prefixes:
+        a price is looked up once per run of consecutive prefixes that share a (bucket, depth),
+        and repeats of a pair in another cap's ranking hit the per-call memo, so a plan over 256
+        slots costs a fraction of a millisecond of host time (``scripts/bench_policy.py``)."""
         none = np.zeros((0,), np.int64)
-        fg, fpos, fslot = forced if forced is not None else (np.zeros((0,)), none, none)
+        fg, fpos, fslot, frows = forced if forced is not None else (
+            np.zeros((0,)), none, none, np.zeros((0,)))
         tok0 = n + float(fg.sum())
         depth0 = int(fpos.max()) + 1 if len(fpos) else 0
-        rows0 = n + len(fpos)
-        rate0 = tok0 / self.step_time(rows0, n, depth0)
-        gain, pos, slot = (c[cand[0] > 0] for c in cand)   # a draft of no gain never pays
+        rows0 = float(frows.sum())                   # expected draft rows of the forced drafts
+        lo0 = int(np.floor(rows0 + ROWS_EPS))
+        f0 = max(rows0 - lo0, 0.0)
+        price0 = ((1 - f0) * self.step_time(n + lo0, n, depth0)
+                  + (f0 * self.step_time(n + lo0 + 1, n, depth0) if f0 > ROWS_EPS else 0.0))
+        rate0 = tok0 / price0
+        gain, pos, slot, w = (c[cand[0] > 0] for c in cand)   # a draft of no gain never pays
         if not len(gain):
-            return fg, fpos, fslot
-        table = self._bucket_table(n, rows0 + len(gain))
+            return fg, fpos, fslot, frows
+        # rows never exceed the drafts' count (presence <= 1): the table's largest row count
+        table = self._bucket_table(n, n + len(fpos) + len(gain))
         # row c - 1 of each [K, m] array: the candidates a depth cap c keeps (pos < c); a prefix
         # of that ranking ends at each kept column
         keep = pos[None] < np.arange(1, self.k + 1)[:, None]
         count = np.cumsum(keep, axis=1)
         tok = tok0 + np.cumsum(np.where(keep, gain[None], 0.0), axis=1)
+        rows = rows0 + np.cumsum(np.where(keep, w[None], 0.0), axis=1)
         depth = np.maximum(depth0, np.maximum.accumulate(np.where(keep, pos[None] + 1, 0), axis=1))
         cap = np.broadcast_to(np.arange(1, self.k + 1)[:, None], keep.shape)
-        count, tok, depth, cap = count[keep], tok[keep], depth[keep], cap[keep]
-        rows = rows0 + count
-        # a step's price depends only on its (bucket, depth): price each run of equal pairs once
-        pair = table[rows].astype(np.int64) * (self.k + 1) + depth
-        new_run = np.empty(pair.shape, bool)
-        new_run[0], new_run[1:] = True, pair[1:] != pair[:-1]
-        price = [self.step_time(int(rows[i]), n, int(depth[i])) for i in np.flatnonzero(new_run)]
-        rate = tok / np.asarray(price)[np.cumsum(new_run) - 1]
+        count, tok, rows, depth, cap = count[keep], tok[keep], rows[keep], depth[keep], cap[keep]
+        lo = n + np.floor(rows + ROWS_EPS).astype(np.int64)     # rows n + r, r in [lo, lo + 1)
+        frac = np.maximum(rows + n - lo, 0.0)
+        frac[frac <= ROWS_EPS] = 0.0
+        price = self._run_prices(table, lo, depth, n)
+        if frac.any():
+            hi = np.where(frac > 0, lo + 1, lo)
+            price = (1 - frac) * price + frac * self._run_prices(table, hi, depth, n)
+        rate = tok / price
         best = max(rate0, float(rate.max()))
         if rate0 * (1 + PLAN_RTOL) >= best:
-            return fg, fpos, fslot
+            return fg, fpos, fslot, frows
         near = np.nonzero(rate * (1 + PLAN_RTOL) >= best)[0]
         pick = near[np.lexsort((-rate[near], count[near]))[0]]   # fewest drafts, then fastest
         sel = np.nonzero(pos < cap[pick])[0][:count[pick]]
         return (np.concatenate([fg, gain[sel]]), np.concatenate([fpos, pos[sel]]),
-                np.concatenate([fslot, slot[sel]]))
+                np.concatenate([fslot, slot[sel]]), np.concatenate([frows, w[sel]]))
+
+    def _run_prices(self, table: np.ndarray, rows: np.ndarray, depth: np.ndarray, n: int
+                    ) -> np.ndarray:
+        """f64[m]: :meth:`step_time` of each ``(rows[i], n, depth[i])``, looked up once per run of
+        consecutive entries sharing a (bucket, depth) (``table``: :meth:`_bucket_table`)."""
+        pair = table[rows].astype(np.int64) * (self.k + 1) + depth
+        new_run = np.empty(pair.shape, bool)
+        new_run[0], new_run[1:] = True, pair[1:] != pair[:-1]
+        price = [self.step_time(int(rows[i]), n, int(depth[i])) for i in np.flatnonzero(new_run)]
+        return np.asarray(price)[np.cumsum(new_run) - 1]
 
     def _draft_limits(self, active: np.ndarray, n: int, limits: np.ndarray) -> np.ndarray:
-        g = self.gains()
+        g, r = self.gains(), self.expected_rows()
         slots = np.nonzero(active)[0]
         gain = g[slots].reshape(-1)
         pos = np.tile(np.arange(self.k), len(slots))
         slot = np.repeat(slots, self.k)
         order = np.lexsort((slot, pos, -gain))           # by falling gain, then position, slot
-        cand = (gain[order], pos[order], slot[order])
-        _, plan_pos, plan_slot = self._best_plan(cand, n)
+        cand = (gain[order], pos[order], slot[order], r[slots].reshape(-1)[order])
+        _, plan_pos, plan_slot, _ = self._best_plan(cand, n)
         self._planned = bool(len(plan_pos))
         if self._planned and self.refresh_every and not self._refresh_left:
             none = self.bucket(n, n)
@@ -456,7 +515,7 @@ class DynamicSpeculation:
                 first = tuple(c[is_first] for c in cand)
                 rest = tuple(c[~is_first] for c in cand)
                 limits[:] = 0
-                _, plan_pos, plan_slot = self._best_plan(rest, n, forced=first)
+                _, plan_pos, plan_slot, _ = self._best_plan(rest, n, forced=first)
                 np.maximum.at(limits, plan_slot, (plan_pos + 1).astype(limits.dtype))
             planned = (limits > 0) & ~probe            # the plan drafts for them unforced
             self._planned = bool(planned.any())        # (the re-plan may drop every draft)
@@ -468,11 +527,14 @@ class DynamicSpeculation:
 
     def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray,
                 bucket: StepBucket, seconds: float, depth: int = 0, timed: bool = True,
-                num_tokens: np.ndarray | None = None) -> None:
+                num_tokens: np.ndarray | None = None, num_allowed: np.ndarray | None = None
+                ) -> None:
         """Record one step: per-slot drafts verified / accepted (``StepOutput.num_drafts`` /
-        ``num_accepted``, i32[B]), the :class:`StepBucket` the step ran in, its wall ``seconds``
-        and its proposing ``depth`` (the largest draft limit it was given; 0: it proposed
-        nothing). A depth-0 step updates its bucket's base, a deeper one ``draft(A, depth)``
+        ``num_accepted``, i32[B]) and the budget each verified window was proposed under
+        (``num_allowed``, i32[B], ``StepOutput.num_allowed``; None: every allowed draft was
+        proposed, as with the MTP head), the :class:`StepBucket` the step ran in, its wall
+        ``seconds`` and its proposing ``depth`` (the largest draft limit it was given; 0: it
+        proposed nothing). A depth-0 step updates its bucket's base, a deeper one ``draft(A, depth)``
         (seconds above the bucket's base), each the median of its last :data:`BASE_SAMPLES`
         samples (while nothing of that slot bucket
         is priced yet, the whole time becomes the bucket's base). The first timing of each
@@ -484,18 +546,26 @@ class DynamicSpeculation:
         docstring; None: the guard learns nothing from this step)."""
         nd = np.asarray(num_drafts, np.int64)[:, None]
         na = np.asarray(num_accepted, np.int64)[:, None]
+        al = nd if num_allowed is None else np.maximum(np.asarray(num_allowed, np.int64)[:, None],
+                                                       nd)
         i = np.arange(1, self.k + 1)[None]
         tried = (nd >= i) & (na >= i - 1)
         ok = na >= i
-        self.trials *= self.decay
-        self.succ *= self.decay
-        self.trials += tried
-        self.succ += tried & ok
-        # Pooled estimate: decayed sums over every slot, seeded with the prior.
-        self.pool_trials = self.pool_trials * self.decay + tried.sum(0)
-        self.pool_succ = self.pool_succ * self.decay + (tried & ok).sum(0)
-        # A probe's first draft verified: rejected -> the slot's probe gap doubles.
-        verified = self._probe_pending & (nd[:, 0] >= 1)
+        asked = (al >= i) & (nd >= i - 1)             # presence trials: allowed, previous present
+        present = nd >= i
+        d = self.decay
+        self.trials = self.trials * d + tried
+        self.succ = self.succ * d + (tried & ok)
+        self.allowed = self.allowed * d + asked
+        self.present = self.present * d + (asked & present)
+        # Pooled estimates: decayed sums over every slot, seeded with the priors.
+        self.pool_trials = self.pool_trials * d + tried.sum(0)
+        self.pool_succ = self.pool_succ * d + (tried & ok).sum(0)
+        self.pool_allowed = self.pool_allowed * d + asked.sum(0)
+        self.pool_present = self.pool_present * d + (asked & present).sum(0)
+        # A probe's window verified with a draft allowed: its first draft not accepted (rejected,
+        # or never proposed) -> the slot's probe gap doubles.
+        verified = self._probe_pending & (al[:, 0] >= 1)
         rejected = verified & (na[:, 0] == 0)
         self.probe_gap[rejected] = np.minimum(self.probe_gap[rejected] * 2,
                                               self.probe_every * MAX_PROBE_BACKOFF)
@@ -544,9 +614,12 @@ class DynamicSpeculation:
             self.guard_gap[n] = self.guard_retry
 
     def reset_slot(self, slot: int) -> None:
-        """A new request took ``slot``: forget its acceptance (the pooled estimate remains)."""
+        """A new request took ``slot``: forget its acceptance and presence (the pooled estimates
+        remain)."""
         self.trials[slot] = 0.0
         self.succ[slot] = 0.0
+        self.allowed[slot] = 0.0
+        self.present[slot] = 0.0
         self.zero_streak[slot] = 0
         self.probe_gap[slot] = self.probe_every
         self._probe_pending[slot] = False

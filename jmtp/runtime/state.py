@@ -41,6 +41,12 @@ class EngineState:
       accept_tokens: i32[B, K+1]     tokens emitted by the last step (accepted drafts + bonus).
       accept_num: i32[B]             valid entries of accept_tokens (0 for idle / mid-prefill slots).
       num_drafts: i32[B]             drafts verified in the last step (for metrics).
+      actual_draft_token_num: i32[B] drafts the pending window was allowed when it was proposed
+                                     (the step's draft budget: K, the dynamic policy's limit, the
+                                     ``max_tokens`` / ``max_model_len`` caps); ``draft_tokens``
+                                     holds at most that many, an n-gram or hybrid window may hold
+                                     fewer (no match). FastDeploy's per-slot adaptive budget of
+                                     the same name; here the host's policy sets the budget.
       draft_probs: f32[B, K, V] | None  distribution each pending draft was sampled from (only
                                      with ``draft_sampling``; None means greedy one-hot drafts).
     Limits and stopping:
@@ -75,6 +81,7 @@ class EngineState:
     accept_tokens: jax.Array
     accept_num: jax.Array
     num_drafts: jax.Array
+    actual_draft_token_num: jax.Array
     draft_probs: jax.Array | None
     max_dec_len: jax.Array
     sampling: SamplingArrays
@@ -117,6 +124,7 @@ def init_state(ec: EngineConfig, vocab_size: int) -> EngineState:
         accept_tokens=jnp.full((b, w), -1, jnp.int32),
         accept_num=zi(b),
         num_drafts=zi(b),
+        actual_draft_token_num=zi(b),
         draft_probs=(jnp.zeros((b, ec.k, vocab_size), jnp.float32) if ec.spec.draft_sampling else None),
         max_dec_len=zi(b),
         sampling=SamplingArrays.empty(b, vocab_size, ec.max_stop_ids, ec.max_bad_words,
@@ -195,6 +203,7 @@ def insert_request(
         accept_tokens=upd(s.accept_tokens, -1),
         accept_num=upd(s.accept_num, 0),
         num_drafts=upd(s.num_drafts, 0),
+        actual_draft_token_num=upd(s.actual_draft_token_num, 0),
         max_dec_len=upd(s.max_dec_len, max_dec_len),
         sampling=dataclasses.replace(s.sampling, **{
             k: getattr(s.sampling, k).at[slot].set(v) for k, v in sampling_row.items()}),

@@ -88,6 +88,10 @@ class StepOutput:
       tokens: i32[B, K+1]      emitted tokens, -1 past ``num_tokens``.
       num_tokens: i32[B]       tokens committed this step (0 for idle / mid-prefill / paused slots).
       num_drafts: i32[B]       drafts verified this step.
+      num_allowed: i32[B]      drafts the verified window was allowed when it was proposed
+                               (``EngineState.actual_draft_token_num``; 0 unless the slot verified
+                               a window this step): ``>= num_drafts``, more where an n-gram or
+                               hybrid proposer found fewer tokens than its budget.
       num_accepted: i32[B]     drafts accepted and committed this step.
       finished: bool[B]        slot finished this step.
       finish_reason: i32[B]    FINISH_STOP / FINISH_LENGTH for finished slots.
@@ -108,6 +112,7 @@ class StepOutput:
     paused: jax.Array
     free_count: jax.Array
     num_next_drafts: jax.Array | None = None
+    num_allowed: jax.Array | None = None
     logprobs: jax.Array | None = None
     top_logprob_ids: jax.Array | None = None
     top_logprobs: jax.Array | None = None
@@ -705,8 +710,10 @@ def draft_model_postprocess(ec: EngineConfig, state: EngineState, prev_state: En
 
     Drafts past a slot's budget are dropped, then everything after the first missing draft (a
     window's drafts are a prefix), and ``draft_tokens[:, 1:]`` / ``draft_probs`` take them; the
-    next ``seq_lens_this_time`` of a decoding slot is ``1 + #drafts`` (:func:`schedule`). A
-    paused slot did nothing this step: it keeps ``prev_state``'s window for the retry.
+    next ``seq_lens_this_time`` of a decoding slot is ``1 + #drafts`` (:func:`schedule`), and
+    ``actual_draft_token_num`` the budget (a window may hold fewer drafts: an n-gram proposer
+    without a match). A paused slot did nothing this step: it keeps ``prev_state``'s window and
+    budget for the retry.
 
     Args:
       state: the state after :func:`speculate_update` (window ``[last, -1, ...]``).
@@ -724,7 +731,9 @@ def draft_model_postprocess(ec: EngineConfig, state: EngineState, prev_state: En
     drafts = jnp.where(present, drafts, -1)
     new_window = state.draft_tokens.at[:, 1:].set(drafts)
     state = dataclasses.replace(
-        state, draft_tokens=jnp.where(paused[:, None], prev_state.draft_tokens, new_window))
+        state, draft_tokens=jnp.where(paused[:, None], prev_state.draft_tokens, new_window),
+        actual_draft_token_num=jnp.where(paused, prev_state.actual_draft_token_num,
+                                         draft_budget).astype(jnp.int32))
     if ec.spec.draft_sampling:
         q = draft_probs if draft_probs is not None else jnp.zeros_like(prev_state.draft_probs)
         state = dataclasses.replace(
@@ -867,6 +876,8 @@ def engine_step(
                      num_accepted=done.num_accepted, finished=done.finished,
                      finish_reason=done.finish_reason, paused=sched.paused,
                      free_count=state.free_count, num_next_drafts=num_next_drafts,
+                     num_allowed=jnp.where(sched.decoding, prev.actual_draft_token_num,
+                                           0).astype(jnp.int32),
                      logprobs=verified.logprobs,
                      top_logprob_ids=verified.top_logprob_ids, top_logprobs=verified.top_logprobs)
     return state, cache, mtp_cache, out

@@ -202,7 +202,12 @@ def test_ngram_needs_no_mtp_weights():
     assert out[0].token_ids == ref[0].token_ids
 
 
-def test_no_recompiles_when_limits_change():
+def test_no_recompiles_when_limits_change_and_windows_report_their_budget():
+    """Random draft limits through the hybrid engine (K=3, M=2 MTP drafts extended by n-gram
+    ones): no recompiles, greedy outputs unchanged, and each window records its budget
+    (``actual_draft_token_num``: the step's limit capped by ``max_tokens`` / ``max_model_len``, 0
+    for a slot that cannot draft), which the step verifying it reports as ``num_allowed``
+    (``>= num_drafts``; more where the n-gram extension found nothing)."""
     # SPECS[-1]'s engine: its step executables are the ones test_ngram_speculation_equals_plain
     # compiled (when both run in one worker)
     llm = engine(SPECS[-1])
@@ -228,14 +233,38 @@ def test_no_recompiles_when_limits_change():
         seen.update(lim.tolist())
         orig(active)
         return lim
-    policy.draft_limits = varied
+    eng = llm.llm_engine
+    steps, run_step = [], eng._run_step
+
+    def recorded(bucket, chunks, limits):
+        out = run_step(bucket, chunks, limits)
+        st = jax.device_get(eng.state)
+        seq_len = st.prompt_lens + st.step_idx
+        cap = np.clip(np.minimum(st.max_dec_len - st.step_idx - 1, MAX_LEN - seq_len - 1), 0, 3)
+        can_draft = ~st.stop_flags & (st.seq_lens_decoder >= st.prompt_lens) & (st.accept_num > 0)
+        steps.append((out, st.actual_draft_token_num.copy(),
+                       np.where(can_draft, np.minimum(limits, cap), 0)))
+        return out
+    policy.draft_limits, eng._run_step = varied, recorded
     try:
         for (prompts, sp), ref in zip(work, refs):
             assert [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
     finally:
         policy.draft_limits = orig      # the engine is shared (lru_cache)
+        del eng._run_step
     assert seen == {0, 1, 2, 3}
     assert llm._step._cache_size() == compiled
+    short = 0
+    for (_, budget, want), (out, _, _) in zip(steps, steps[1:]):
+        np.testing.assert_array_equal(budget, want)
+        verified = out.num_allowed > 0
+        assert (out.num_drafts <= out.num_allowed).all()
+        np.testing.assert_array_equal(out.num_allowed[verified], budget[verified])
+        assert (out.num_allowed[out.num_drafts > 0] > 0).all()
+        short += int(np.sum(out.num_allowed - out.num_drafts))
+        # the M = 2 MTP drafts always come: only the n-gram's third position can stay empty
+        assert (out.num_drafts >= np.minimum(out.num_allowed, 2)).all()
+    assert short > 0
 
 
 # ---------------------------------------------------------------- sampling: lossless in distribution

@@ -47,6 +47,60 @@ def test_conditional_acceptance_counts():
     np.testing.assert_allclose(p.gains()[0], [3 / 4, 1 / 2, 1 / 4])
 
 
+def test_presence_counts_allowed_positions_that_stayed_empty():
+    """One slot, K=3, no prior: four windows each allowed 3 drafts held 3, 0, 2 and 1 (an n-gram
+    match of that length, or none), with 2, 0, 2 and 0 accepted. Presence: position 1 asked in
+    all 4 windows, present in 3; position 2 asked where position 1 was present (3), present in 2;
+    position 3 asked in 2, present in 1. Acceptance counts present drafts only: position 1 tried
+    3, accepted 2; position 2 tried 2 (windows 1 and 3), accepted 2; position 3 tried 1, accepted
+    0. Expected rows 3/4 + 1/2 + 1/4 = 1.5 = the drafts the windows held, 6 / 4."""
+    p = policy(1, 3, [4], prior_weight=0.0, halflife=1e9)
+    for nd, na in ((3, 2), (0, 0), (2, 2), (1, 0)):
+        p.observe(np.array([nd]), np.array([na]), p.bucket(4, 1), 1.0, num_allowed=np.array([3]))
+    np.testing.assert_allclose(p.presence()[0], [3 / 4, 2 / 3, 1 / 2])
+    np.testing.assert_allclose(p.acceptance()[0], [2 / 3, 1, 0])
+    np.testing.assert_allclose(p.expected_rows()[0], [3 / 4, 1 / 2, 1 / 4])
+    np.testing.assert_allclose(p.gains()[0], [1 / 2, 1 / 3, 0])
+    # windows allowed fewer than K ask nothing past their budget; without num_allowed (the MTP
+    # head fills its budget) every verified draft was present
+    q = policy(1, 3, [4], prior_weight=0.0, halflife=1e9)
+    q.observe(np.array([1]), np.array([1]), q.bucket(4, 1), 1.0, num_allowed=np.array([1]))
+    q.observe(np.array([2]), np.array([1]), q.bucket(4, 1), 1.0)
+    np.testing.assert_allclose(q.allowed[0], [2, 1, 0])
+    np.testing.assert_allclose(q.presence()[0], [1, 1, 1])
+    np.testing.assert_allclose(q.acceptance()[0, :2], [1, 0])
+
+
+def test_rarely_proposed_drafts_do_not_pay_at_batch_8_but_may_at_batch_1():
+    """n-gram slots whose drafts are proposed in 2 windows of 10 and accepted 9 times in 10 when
+    they are (gain 0.18). Batch 8, 8 rows 1.0 s and 9-16 rows 1.3 s: x first drafts are expected
+    to add 0.2 x rows, priced (1 - 0.2 x) * 1.0 + 0.2 x * 1.3 below 5 drafts, for 8 + 0.18 x
+    tokens: (8 + 0.18) / 1.06 = 7.72 tok/s for one, below 8 / 1.0, and every larger plan lower
+    still: no drafts (counting only the drafts that exist, gain 0.9, all 8 would draft: 15.2 / 1.3
+    = 11.7 tok/s). Batch 1 with 1 row 1.0 s and 2 rows 1.26 s: a draft present in 3 windows of 10
+    and accepted in 8 of 10 adds 0.24 tokens for an expected 1.078 s, (1.24) / 1.078 = 1.15 tok/s,
+    so it drafts, where pricing a whole row (1.24 / 1.26 = 0.98) would not."""
+    p = policy(8, 1, [8, 16], prior_weight=0.0, halflife=1e9)
+    p.trials[:], p.succ[:] = 10.0, 9.0
+    p.allowed[:], p.present[:] = 10.0, 2.0
+    p.step_seconds = by_rows({8: 1.0, 16: 1.3})
+    p.draft_seconds = {(0, 1): 0.0}
+    np.testing.assert_allclose(p.gains(), 0.18)
+    assert p.draft_limits(np.ones((8,), bool)).tolist() == [0] * 8
+    p.allowed[:] = p.present[:] = 10.0            # every allowed draft proposed: drafting pays
+    assert p.draft_limits(np.ones((8,), bool)).tolist() == [1] * 8
+    one = policy(1, 1, [1, 2], prior_weight=0.0, halflife=1e9)
+    one.trials[:], one.succ[:] = 10.0, 8.0
+    one.allowed[:], one.present[:] = 10.0, 3.0
+    one.step_seconds = by_rows({1: 1.0, 2: 1.26})
+    one.draft_seconds = {(0, 1): 0.0}
+    assert one.draft_limits(np.ones((1,), bool)).tolist() == [1]
+    one.present[:] = 1.0       # gain 0.08: 1.08 / 1.026 = 1.053 tok/s still pays
+    assert one.draft_limits(np.ones((1,), bool)).tolist() == [1]
+    one.step_seconds = by_rows({1: 1.0, 2: 2.0})    # 1.08 / 1.1 = 0.98: no longer
+    assert one.draft_limits(np.ones((1,), bool)).tolist() == [0]
+
+
 def test_high_acceptance_and_cheap_rows_draft_k():
     p = policy(2, 3, [2, 4, 8])
     feed(p, [3, 3], [3, 3], 50, rows=8, seconds=0.10)
@@ -103,12 +157,17 @@ def assert_plan_is_optimal(p: DynamicSpeculation, n: int, k: int, got: np.ndarra
     positive gain, priced by the policy's own ``step_time``, up to the policy's tie margin
     ``PLAN_RTOL`` (plus float rounding). Slots in ``probe`` must get at least one draft, whatever
     its gain (a probe's forced first draft)."""
-    g = p.gains()
+    g, r = p.gains(), p.expected_rows()
     probe = np.zeros((n,), bool) if probe is None else probe
 
     def rate(lim):
         tok = n + sum(g[b, :lim[b]].sum() for b in range(n))
-        return tok / p.step_time(n + sum(lim), n, max(lim))
+        rows = n + sum(r[b, :lim[b]].sum() for b in range(n))   # expected rows, interpolated
+        lo, depth = int(np.floor(rows + 1e-9)), max(lim)
+        f = rows - lo if rows - lo > 1e-9 else 0.0
+        price = (1 - f) * p.step_time(lo, n, depth) + (
+            f * p.step_time(lo + 1, n, depth) if f else 0.0)
+        return tok / price
 
     # a zero-gain draft is never planned: it could pay only by reaching a cheaper bucket, i.e.
     # with prices falling as rows grow, which the random live prices here allow
@@ -166,13 +225,26 @@ def test_plan_around_forced_probes_is_the_brute_force_optimum(n, k, data):
 
     def arrays(cs):
         return (np.array([-c[0] for c in cs], float), np.array([c[1] for c in cs], np.int64),
-                np.array([c[2] for c in cs], np.int64))
+                np.array([c[2] for c in cs], np.int64), np.ones((len(cs),)))
 
     p._price_memo = {}
-    _, pos, slot = p._best_plan(arrays(rest), n, forced=arrays(first))
+    _, pos, slot, _ = p._best_plan(arrays(rest), n, forced=arrays(first))
     got = np.zeros((n,), int)
     np.maximum.at(got, slot, pos + 1)
     assert_plan_is_optimal(p, n, k, got=got, probe=probe)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 4), data=st.data())
+def test_plan_with_proposals_that_may_not_come_is_the_brute_force_optimum(n, data):
+    """K=1 with a presence ``p`` shared by every slot (an n-gram proposer matching in a fraction
+    of the steps): x drafts add ``p x`` expected rows, priced between the row counts around it;
+    the plan is optimal over every limit vector (:func:`assert_plan_is_optimal` prices the same
+    way)."""
+    p = random_policy(n, 1, data)
+    p.allowed[:] = 10.0
+    p.present[:] = 10.0 * data.draw(st.floats(0.05, 1.0))
+    assert_plan_is_optimal(p, n, 1)
 
 
 def test_a_near_tie_may_keep_the_plan_without_drafts():
@@ -320,22 +392,28 @@ def test_probe_after_a_zero_streak_with_backoff():
     assert p.probe_gap[0] == 3
 
 
-def test_probe_that_proposed_nothing_or_was_accepted_keeps_its_gap():
-    """The gap doubles only when the probe's first draft is verified and rejected: a probe that
-    proposed nothing (no n-gram match: 0 drafts verified) or whose draft was accepted leaves it."""
-    for accept in (None, 1):
+def test_probe_whose_budget_was_capped_or_whose_draft_was_accepted_keeps_its_gap():
+    """The gap doubles only when the probe's window was allowed a draft and its first draft was
+    not accepted: a probe whose budget the ``max_tokens`` cap took (allowed 0, nothing verified)
+    or whose draft was accepted leaves it; a probe allowed a draft the n-gram matcher left empty
+    (allowed 1, nothing verified) doubles it like a rejected one."""
+    for accept in ("capped", 1, "no match"):
         p = policy(1, 2, [1, 2, 3], probe_every=3, prior_weight=0.0, halflife=1e9)
         p.trials[0] = [1e6, 0]          # acceptance ~0 at position 1 even after a success
         p.step_seconds = by_rows({1: 1.0, 2: 2.0, 3: 3.0})
-        if accept is None:              # the probe's draft never materialises: 0 verified
+        if isinstance(accept, str):     # the probe's draft never materialises: 0 verified
             got = []
             for _ in range(12):
                 got.append(int(p.draft_limits(np.array([True]))[0]))
-                p.observe(np.array([0]), np.array([0]), StepBucket(1, 0), 1.0, timed=False)
+                allowed = min(got[-2], 1) if len(got) > 1 and accept == "no match" else 0
+                p.observe(np.array([0]), np.array([0]), StepBucket(1, 0), 1.0, timed=False,
+                          num_allowed=np.array([allowed]))
         else:
             got = _probe_run(p, 12, accept=lambda drafts: min(drafts, 1))
-        assert [i for i, g in enumerate(got) if g] == [3, 7, 11]
-        assert p.probe_gap[0] == 3
+        if accept == "no match":   # the empty probe at 3, verified at 4: gap 6, probe at 10
+            assert [i for i, g in enumerate(got) if g] == [3, 10] and p.probe_gap[0] == 12
+        else:
+            assert [i for i, g in enumerate(got) if g] == [3, 7, 11] and p.probe_gap[0] == 3
 
 
 def test_reset_slot_resets_probing():

@@ -435,7 +435,8 @@ def test_mtp_substep_picks_and_next_batch(tiny):
 
 # ------------------------------------------------------------------ draft_model_postprocess
 def test_draft_model_postprocess_hand_case():
-    prev = make_state(draft_tokens=[[1, 2, 3], [4, 5, -1], [6, -1, -1]])
+    prev = make_state(draft_tokens=[[1, 2, 3], [4, 5, -1], [6, -1, -1]],
+                      actual_draft_token_num=[2, 1, 0])
     cur = make_state(draft_tokens=[[7, -1, -1], [8, -1, -1], [9, -1, -1]],
                      paused=[False, True, False])
     drafts = i32([[11, 12], [13, 14], [-1, 15]])
@@ -443,6 +444,8 @@ def test_draft_model_postprocess_hand_case():
     out = fn(cur, prev, drafts, None, i32([1, 2, 2]))
     # slot 0: budget 1 keeps [11]; slot 1 paused keeps its old window; slot 2: prefix cut at -1
     np.testing.assert_array_equal(out.draft_tokens, [[7, 11, -1], [4, 5, -1], [9, -1, -1]])
+    # the window's budget: slot 2 was allowed 2 and holds none (no match); slot 1 keeps its own
+    np.testing.assert_array_equal(out.actual_draft_token_num, [1, 1, 2])
 
 
 # -------------------------------------------------------------- the whole step: one trace
