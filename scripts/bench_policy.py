@@ -6,7 +6,10 @@ on the host, outside the jitted step, so its time adds to every step. This times
 ``draft_limits`` (the plan) and ``observe`` (the bookkeeping) on synthetic steps: per-slot
 acceptance drawn at random, step costs growing with the rows, and the engine's own step buckets
 (``choose_bucket`` of an ``EngineConfig`` with ``max_num_seqs`` = the slots and a token budget
-of ``slots * (K + 1)``). Columns:
+of ``slots * (K + 1)``). ``--proposer mtp`` proposes every allowed draft; ``--proposer ngram``
+proposes a slot's allowed drafts all or none, all with a per-slot probability drawn at random
+(a prompt-lookup match), so presence falls below 1 and the plan also tries its second ranking
+(gain per expected row). Columns:
 
 * ``plan ms``: mean over ``--steps`` calls with every slot active, after ``--warmup`` steps;
 * ``plan ms, n varies``: the same with the number of active slots drawn at random each step
@@ -16,7 +19,7 @@ of ``slots * (K + 1)``). Columns:
 
 No model and no device: the numbers are this host's Python and NumPy.
 
-    python scripts/bench_policy.py --slots 8,64,256,1024 --k 3
+    python scripts/bench_policy.py --slots 8,64,256,1024 --k 3 [--proposer ngram]
 """
 from __future__ import annotations
 
@@ -37,9 +40,10 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=300)
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--proposer", default="mtp", choices=["mtp", "ngram"])
     args = ap.parse_args(argv)
     print(f"# {platform.machine()} Python {platform.python_version()} NumPy {np.__version__} | "
-          f"K={args.k}, {args.steps} timed calls per column\n")
+          f"K={args.k}, proposer {args.proposer}, {args.steps} timed calls per column\n")
     print("| slots | plan ms | plan ms, n varies | first plan at an n | observe ms |\n"
           "|---|---|---|---|---|")
     rng = np.random.default_rng(0)
@@ -53,18 +57,20 @@ def main(argv=None) -> int:
 
         p = DynamicSpeculation(b, args.k, bucket_of)
         accept = rng.uniform(0.1, 0.9, b)            # per-slot acceptance of one draft
+        match = rng.uniform(0.1, 0.9, b)             # per-slot chance of proposing (ngram)
 
         def step(active, timed):
             t0 = time.perf_counter()
             lim = p.draft_limits(active)
             t1 = time.perf_counter()
-            na = np.minimum(lim, rng.geometric(1 - accept) - 1)
+            nd = lim if args.proposer == "mtp" else np.where(rng.random(b) < match, lim, 0)
+            na = np.minimum(nd, rng.geometric(1 - accept) - 1)
             n = int(active.sum())
-            rows = n + int(lim.sum())
+            rows = n + int(nd.sum())
             sec = 0.01 * (1 + rows / b / 4) * (1 + 0.05 * rng.random())
             t2 = time.perf_counter()
-            p.observe(lim, na, bucket_of(rows, n), sec, depth=int(lim.max()),
-                      num_tokens=np.where(active, na + 1, 0))
+            p.observe(nd, na, bucket_of(rows, n), sec, depth=int(lim.max()),
+                      num_tokens=np.where(active, na + 1, 0), num_allowed=lim)
             t3 = time.perf_counter()
             return t1 - t0, t3 - t2
 

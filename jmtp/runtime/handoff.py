@@ -43,7 +43,7 @@ from jmtp.runtime.sampling import SamplingParams
 from jmtp.runtime.state import EngineState
 
 #: Layout version of :class:`RequestState` (bumped whenever a field or its meaning changes).
-HANDOFF_VERSION = 1
+HANDOFF_VERSION = 2    # 2: EngineState.actual_draft_token_num (the window's draft budget)
 
 #: Per-slot fields of :class:`EngineState` carried in ``RequestState.row`` (``blocks`` is carried
 #: as KV pages; ``draft_probs`` only when the engine samples drafts).
@@ -288,6 +288,26 @@ def _cache_arrays(cache: KVCache | None, prefix: str) -> dict:
     return out
 
 
+def _row_arrays(state: EngineState) -> dict:
+    """``{key: [B, ...] array}`` of every :data:`ROW_FIELDS` entry that is not None, sampling
+    fields as ``"sampling.<name>"`` (the keys of ``RequestState.row``)."""
+    out = {}
+    for name in ROW_FIELDS:
+        value = getattr(state, name)
+        if name == "sampling":
+            out.update({f"sampling.{f.name}": getattr(value, f.name)
+                        for f in dataclasses.fields(value)})
+        elif value is not None:
+            out[name] = value
+    return out
+
+
+def row_keys(state: EngineState) -> set[str]:
+    """The keys of ``RequestState.row`` for an engine with ``state`` (what :func:`gather_slot`
+    writes and :func:`import_slot` reads)."""
+    return set(_row_arrays(state))
+
+
 @jax.jit
 def gather_slot(state: EngineState, cache: KVCache, mtp_cache: KVCache | None, slot: jax.Array,
                 page_ids: jax.Array) -> tuple[dict, dict]:
@@ -299,14 +319,7 @@ def gather_slot(state: EngineState, cache: KVCache, mtp_cache: KVCache | None, s
       ``"sampling.<name>"``; ``draft_probs`` only if present), ``kv[name]`` =
       ``cache.<array>[:, page_ids]`` (``[L, Pb, ...]``), names as :attr:`RequestState.kv`.
     """
-    row = {}
-    for name in ROW_FIELDS:
-        value = getattr(state, name)
-        if name == "sampling":
-            for f in dataclasses.fields(value):
-                row[f"sampling.{f.name}"] = getattr(value, f.name)[slot]
-        elif value is not None:
-            row[name] = value[slot]
+    row = {key: value[slot] for key, value in _row_arrays(state).items()}
     arrays = {**_cache_arrays(cache, "target"), **_cache_arrays(mtp_cache, "mtp")}
     return row, {k: jnp.take(a, page_ids, axis=1) for k, a in arrays.items()}
 

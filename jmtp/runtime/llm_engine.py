@@ -43,7 +43,8 @@ from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.runtime.prefix_cache import PrefixCache
 from jmtp.runtime.step import engine_step, push_free_blocks, release_slot, retire_slot
 from jmtp.runtime.handoff import (HANDOFF_VERSION, RequestState, compat_diff, engine_fingerprint,
-                                  fingerprint_hash, gather_slot, import_slot, page_bucket)
+                                  fingerprint_hash, gather_slot, import_slot, page_bucket,
+                                  row_keys)
 
 log = logging.getLogger(__name__)
 
@@ -828,6 +829,10 @@ class LLMEngine:
             raise ValueError(f"{where}: stop strings / bad words need a tokenizer")
         self._validate(prompt_ids, sp, where)
         if not state.finished:
+            missing = sorted(row_keys(self.state) - set(state.row))
+            if missing:
+                raise ValueError(f"{where}: RequestState.row lacks {', '.join(missing)} (written "
+                                 "by another jmtp layout)")
             if state.num_pages > ec.pages_per_seq:
                 raise ValueError(f"{where}: {state.num_pages} KV pages exceed pages_per_seq="
                                  f"{ec.pages_per_seq}")

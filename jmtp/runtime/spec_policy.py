@@ -14,7 +14,8 @@ speculation-length heuristics, reduced to what the host measures anyway):
   ``a_i``.
 * **Presence**, per slot and position: ``p_i = P(draft i proposed | allowed, draft i-1
   proposed)``, estimated the same way (pooled prior 1.0) from the budget each verified window was
-  proposed under (``StepOutput.num_allowed``). The MTP head fills its budget (``p_i = 1``); an
+  proposed under (``StepOutput.num_allowed``). The MTP head fills its budget up to its M
+  substeps (``p_i = 1``; past M, with ``K > M`` and no n-gram extension, ``p_i`` goes to 0); an
   n-gram proposer leaves positions empty where it finds no match, or a shorter one, and an
   allowed position that stays empty yields no token. A slot allowed ``k`` drafts is expected to
   commit ``E(k) = 1 + sum_{i<=k} prod_{j<=i} p_j a_j`` tokens and to verify
@@ -53,8 +54,13 @@ speculation-length heuristics, reduced to what the host measures anyway):
   is proposed), ``d'`` the largest draft position in it, and ``price`` the step's price
   ``base(bucket(rows)) + draft(A, d')`` interpolated linearly between the whole row counts
   around ``n + r`` (exact for one slot allowed one draft: it runs ``n`` or ``n + 1`` rows; with
-  more drafts an approximation of the price averaged over the rows that come). Slots whose
-  drafts cannot pay get 0. (The caps matter: in
+  more drafts an approximation of the price averaged over the rows that come: it ignores their
+  spread, e.g. n-gram drafts that come all or none, which makes it optimistic just below a
+  bucket boundary and pessimistic above one). With one active slot (batch 1) the price is the
+  exact expectation over the slot's rows instead (``P(R >= i) = prod_{j<=i} p_j``). When some presence is below 1 the prefixes of a second ranking, by gain per
+  expected row (``prod_{j<=i} a_j``, also falling with position), are tried too (a rarely
+  proposed draft adds a fraction of a row, so it can pay more than its gain ranks it); neither
+  ranking is optimal for every mix of presences. Slots whose drafts cannot pay get 0. (The caps matter: in
   one ranking of every position, a good slot's second draft can outrank another slot's first,
   and the first then only comes with the second's depth. At 8 slots the plan stopped at ~5
   first drafts in a 16-row bucket where 8 cost the same.) A (bucket,
@@ -245,7 +251,8 @@ class DynamicSpeculation:
 
     def presence(self) -> np.ndarray:
         """f64[B, K]: per-slot probability ``p_i`` that draft position i = 1..K, allowed, is
-        proposed when position i - 1 was (1.0 for the MTP head, which fills its budget)."""
+        proposed when position i - 1 was (1.0 for the MTP head up to its M substeps; positions
+        past M of a plain MTP engine are never proposed, and the estimate learns 0 there)."""
         pool = np.where(self.pool_allowed > 0,
                         self.pool_present / np.maximum(self.pool_allowed, 1e-300), 1.0)
         w, n = self.prior_weight, self.allowed + self.prior_weight
@@ -415,7 +422,7 @@ class DynamicSpeculation:
         return table
 
     def _best_plan(self, cand: Candidates, n: int, forced: Candidates | None = None
-                   ) -> Candidates:
+                   ) -> tuple[Candidates, float]:
         """The drafts maximising expected tokens per second of a step over ``n`` slots: the
         ``forced`` ones (probes' first drafts), then a selection of ``cand``. Candidates are
         ``(gain, position, slot, rows)`` arrays (``f64``, ``i64``, ``i64``, ``f64``; ``position``
@@ -424,14 +431,16 @@ class DynamicSpeculation:
         candidates at positions ``< d`` (a prefix per slot, as gains fall with position) is
         priced by :meth:`step_time` at its depth and its expected rows ``n + r``; a fractional
         ``r`` is priced by linear interpolation between the row counts around it (exact for one
-        slot allowed one draft: the step runs ``n`` or ``n + 1`` rows). The best over all caps is
+        slot allowed one draft: the step runs ``n`` or ``n + 1`` rows), and with one active slot
+        by the exact expectation over its rows (:meth:`_one_slot_prices`). The best over all caps is
         kept, ``forced`` alone when no draft pays. Near-ties (rates within a factor ``1 +
         PLAN_RTOL`` of the best) keep the plan with the fewest drafts.
 
         As :meth:`step_time` never falls with depth, this finds the best plan over every choice
         of per-slot limits whose drafts have a positive gain when every draft is proposed
         (``rows`` all 1; why the caps: see "Choice" in the module docstring); with presence
-        below 1 it searches the same prefixes of the gain ranking. Vectorised over the prefixes:
+        below 1 it searches the prefixes of the given ranking (:meth:`_plan` tries two).
+        Returns the plan and its expected tokens per second. Vectorised over the prefixes:
         a price is looked up once per run of consecutive prefixes that share a (bucket, depth),
         and repeats of a pair in another cap's ranking hit the per-call memo, so a plan over 256
         slots costs a fraction of a millisecond of host time (``scripts/bench_policy.py``)."""
@@ -442,13 +451,13 @@ class DynamicSpeculation:
         depth0 = int(fpos.max()) + 1 if len(fpos) else 0
         rows0 = float(frows.sum())                   # expected draft rows of the forced drafts
         lo0 = int(np.floor(rows0 + ROWS_EPS))
-        f0 = max(rows0 - lo0, 0.0)
-        price0 = ((1 - f0) * self.step_time(n + lo0, n, depth0)
-                  + (f0 * self.step_time(n + lo0 + 1, n, depth0) if f0 > ROWS_EPS else 0.0))
+        f0 = rows0 - lo0 if rows0 - lo0 > ROWS_EPS else 0.0
+        price0 = (1 - f0) * self.step_time(n + lo0, n, depth0) + (
+            f0 * self.step_time(n + lo0 + 1, n, depth0) if f0 else 0.0)
         rate0 = tok0 / price0
         gain, pos, slot, w = (c[cand[0] > 0] for c in cand)   # a draft of no gain never pays
         if not len(gain):
-            return fg, fpos, fslot, frows
+            return (fg, fpos, fslot, frows), rate0
         # rows never exceed the drafts' count (presence <= 1): the table's largest row count
         table = self._bucket_table(n, n + len(fpos) + len(gain))
         # row c - 1 of each [K, m] array: the candidates a depth cap c keeps (pos < c); a prefix
@@ -463,19 +472,72 @@ class DynamicSpeculation:
         lo = n + np.floor(rows + ROWS_EPS).astype(np.int64)     # rows n + r, r in [lo, lo + 1)
         frac = np.maximum(rows + n - lo, 0.0)
         frac[frac <= ROWS_EPS] = 0.0
-        price = self._run_prices(table, lo, depth, n)
-        if frac.any():
-            hi = np.where(frac > 0, lo + 1, lo)
-            price = (1 - frac) * price + frac * self._run_prices(table, hi, depth, n)
+        if n == 1 and min(w.min(), frows.min(initial=1.0)) < 1 - ROWS_EPS:
+            price = self._one_slot_prices(np.concatenate([frows, w]))[len(fpos) + count]
+        else:
+            price = self._run_prices(table, lo, depth, n)
+            if frac.any():
+                hi = np.where(frac > 0, lo + 1, lo)
+                price = (1 - frac) * price + frac * self._run_prices(table, hi, depth, n)
         rate = tok / price
         best = max(rate0, float(rate.max()))
         if rate0 * (1 + PLAN_RTOL) >= best:
-            return fg, fpos, fslot, frows
+            return (fg, fpos, fslot, frows), rate0
         near = np.nonzero(rate * (1 + PLAN_RTOL) >= best)[0]
         pick = near[np.lexsort((-rate[near], count[near]))[0]]   # fewest drafts, then fastest
         sel = np.nonzero(pos < cap[pick])[0][:count[pick]]
         return (np.concatenate([fg, gain[sel]]), np.concatenate([fpos, pos[sel]]),
-                np.concatenate([fslot, slot[sel]]), np.concatenate([frows, w[sel]]))
+                np.concatenate([fslot, slot[sel]]), np.concatenate([frows, w[sel]])
+                ), float(rate[pick])
+
+    def _rankings(self, active: np.ndarray) -> list[Candidates]:
+        """The candidates of the active slots ranked by falling gain (ties: position, slot) and,
+        when some draft may not be proposed (presence below 1), also by falling gain per
+        expected row, ``prod_{j<=i} a_j``: a rarely proposed draft adds only a fraction of a
+        row, so it may pay more than its gain ranks it. Both keys fall with position, so each
+        ranking lists a slot's drafts in order."""
+        g, r = self.gains(), self.expected_rows()
+        slots = np.nonzero(active)[0]
+        gain, rows = g[slots].reshape(-1), r[slots].reshape(-1)
+        pos = np.tile(np.arange(self.k), len(slots))
+        slot = np.repeat(slots, self.k)
+        keys = [gain]
+        if (rows < 1 - ROWS_EPS).any():
+            keys.append(np.divide(gain, rows, out=np.zeros_like(gain), where=rows > 0))
+        orders = [np.lexsort((slot, pos, -key)) for key in keys]
+        return [(gain[o], pos[o], slot[o], rows[o]) for o in orders]
+
+    def _plan(self, rankings: list[Candidates], n: int, probe: np.ndarray | None = None
+              ) -> Candidates:
+        """The best of :meth:`_best_plan` over ``rankings`` (near-ties: the fewest drafts), with
+        the first drafts of the slots in ``probe`` (bool[B]) forced."""
+        best = None
+        for cand in rankings:
+            forced = None
+            if probe is not None:
+                is_first = (cand[1] == 0) & probe[cand[2]]
+                forced = tuple(c[is_first] for c in cand)
+                cand = tuple(c[~is_first] for c in cand)
+            plan, rate = self._best_plan(cand, n, forced=forced)
+            if best is None or rate > best[1] * (1 + PLAN_RTOL) or (
+                    rate * (1 + PLAN_RTOL) >= best[1] and len(plan[0]) < len(best[0][0])):
+                best = plan, rate
+        return best[0]
+
+    def _one_slot_prices(self, rows: np.ndarray) -> np.ndarray:
+        """f64[K + 1]: the expected price of one active slot allowed ``L = 0..K`` drafts, exact:
+        ``rows`` are its drafts' presences ``e_i = P(R >= i)`` (any order; they fall with the
+        position), so it verifies ``R = i`` drafts with ``P = e_i - e_{i+1}`` and proposes at
+        depth ``L``. (Interpolating at the expected rows prices an n-gram slot's drafts, which
+        come all or none, as if a part of them always came: at batch 1 that overpriced deep
+        limits and the plan drafted shallower than it pays.) Entries past ``len(rows)`` are 0."""
+        e = np.concatenate([[1.0], np.sort(rows)[::-1]])
+        out = np.zeros((self.k + 1,))
+        for limit in range(1, len(e)):
+            prob = e[:limit + 1] - np.append(e[1:limit + 1], 0.0)
+            out[limit] = sum(prob[i] * self.step_time(1 + i, 1, limit)
+                             for i in range(limit + 1) if prob[i] > 0)
+        return out
 
     def _run_prices(self, table: np.ndarray, rows: np.ndarray, depth: np.ndarray, n: int
                     ) -> np.ndarray:
@@ -488,14 +550,8 @@ class DynamicSpeculation:
         return np.asarray(price)[np.cumsum(new_run) - 1]
 
     def _draft_limits(self, active: np.ndarray, n: int, limits: np.ndarray) -> np.ndarray:
-        g, r = self.gains(), self.expected_rows()
-        slots = np.nonzero(active)[0]
-        gain = g[slots].reshape(-1)
-        pos = np.tile(np.arange(self.k), len(slots))
-        slot = np.repeat(slots, self.k)
-        order = np.lexsort((slot, pos, -gain))           # by falling gain, then position, slot
-        cand = (gain[order], pos[order], slot[order], r[slots].reshape(-1)[order])
-        _, plan_pos, plan_slot, _ = self._best_plan(cand, n)
+        rankings = self._rankings(active)
+        _, plan_pos, plan_slot, _ = self._plan(rankings, n)
         self._planned = bool(len(plan_pos))
         if self._planned and self.refresh_every and not self._refresh_left:
             none = self.bucket(n, n)
@@ -511,11 +567,8 @@ class DynamicSpeculation:
             probe = active & (limits == 0) & (self.zero_streak >= self.probe_gap)
             if probe.any():
                 # The probes' first drafts are forced; the plan is chosen again around them.
-                is_first = (cand[1] == 0) & probe[cand[2]]
-                first = tuple(c[is_first] for c in cand)
-                rest = tuple(c[~is_first] for c in cand)
                 limits[:] = 0
-                _, plan_pos, plan_slot, _ = self._best_plan(rest, n, forced=first)
+                _, plan_pos, plan_slot, _ = self._plan(rankings, n, probe)
                 np.maximum.at(limits, plan_slot, (plan_pos + 1).astype(limits.dtype))
             planned = (limits > 0) & ~probe            # the plan drafts for them unforced
             self._planned = bool(planned.any())        # (the re-plan may drop every draft)

@@ -146,6 +146,11 @@ def test_mismatched_states_are_refused():
         RequestState.from_bytes(buf.getvalue())
     with pytest.raises(ValueError, match="not a jmtp hand-off archive"):
         RequestState.from_bytes(b"not an archive")
+    # a row without a field this engine's state has (a layout change without a version bump:
+    # the row of version 1 lacked actual_draft_token_num) is refused before it is queued
+    old_row = {k: v for k, v in state.row.items() if k != "actual_draft_token_num"}
+    with pytest.raises(ValueError, match="lacks actual_draft_token_num"):
+        b.import_request(dataclasses.replace(state, row=old_row))
     # another K, other weights, another block size: refused, naming what differs
     with pytest.raises(ValueError, match=r"spec\.k"):
         pair(1)[1].import_request(state)

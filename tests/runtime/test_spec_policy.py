@@ -101,6 +101,24 @@ def test_rarely_proposed_drafts_do_not_pay_at_batch_8_but_may_at_batch_1():
     assert one.draft_limits(np.ones((1,), bool)).tolist() == [0]
 
 
+def test_one_slot_is_priced_by_the_exact_expectation_over_its_rows():
+    """One slot, K=3, drafts always accepted, proposed all or none: the first in 4 windows of 10,
+    then always (p = 0.4, 1, 1; gains 0.4 each, expected rows 0.4 each). 1 / 2 / 3-4 rows cost
+    1.0 / 2.3 / 2.4 s. Allowing 3 drafts verifies 0 (p 0.6) or 3 (p 0.4) of them: 2.2 tokens in
+    0.6 * 1.0 + 0.4 * 2.4 = 1.56 s, 1.41 tok/s, the best (1: 1.4 / 1.52 = 0.92, 2: 1.8 / 1.56 =
+    1.15, none: 1.0). Interpolating at the expected 2.2 rows would price it 0.8 * 2.3 + 0.2 * 2.4
+    = 2.32 s (0.95 tok/s) and draft nothing."""
+    p = policy(1, 3, [1, 2, 4], prior_weight=0.0, halflife=1e9)
+    p.trials[:] = p.succ[:] = 10.0
+    p.allowed[:], p.present[:] = [[10.0, 4.0, 4.0]], 4.0
+    p.step_seconds = by_rows({1: 1.0, 2: 2.3, 4: 2.4})
+    p.draft_seconds = {(0, d): 0.0 for d in (1, 2, 3)}
+    np.testing.assert_allclose(p.expected_rows(), [[0.4, 0.4, 0.4]])
+    np.testing.assert_allclose(p._one_slot_prices(np.array([0.4, 0.4, 0.4])),
+                               [0.0, 1.52, 1.56, 1.56])
+    assert p.draft_limits(np.ones((1,), bool)).tolist() == [3]
+
+
 def test_high_acceptance_and_cheap_rows_draft_k():
     p = policy(2, 3, [2, 4, 8])
     feed(p, [3, 3], [3, 3], 50, rows=8, seconds=0.10)
@@ -162,8 +180,13 @@ def assert_plan_is_optimal(p: DynamicSpeculation, n: int, k: int, got: np.ndarra
 
     def rate(lim):
         tok = n + sum(g[b, :lim[b]].sum() for b in range(n))
+        depth = max(lim)
+        if n == 1:      # one slot: the exact expectation over the R drafts that come
+            reach = [1.0] + list(r[0, :lim[0]]) + [0.0]          # P(R >= i)
+            return tok / sum((reach[i] - reach[i + 1]) * p.step_time(1 + i, 1, depth)
+                             for i in range(lim[0] + 1))
         rows = n + sum(r[b, :lim[b]].sum() for b in range(n))   # expected rows, interpolated
-        lo, depth = int(np.floor(rows + 1e-9)), max(lim)
+        lo = int(np.floor(rows + 1e-9))
         f = rows - lo if rows - lo > 1e-9 else 0.0
         price = (1 - f) * p.step_time(lo, n, depth) + (
             f * p.step_time(lo + 1, n, depth) if f else 0.0)
@@ -228,7 +251,7 @@ def test_plan_around_forced_probes_is_the_brute_force_optimum(n, k, data):
                 np.array([c[2] for c in cs], np.int64), np.ones((len(cs),)))
 
     p._price_memo = {}
-    _, pos, slot, _ = p._best_plan(arrays(rest), n, forced=arrays(first))
+    (_, pos, slot, _), _ = p._best_plan(arrays(rest), n, forced=arrays(first))
     got = np.zeros((n,), int)
     np.maximum.at(got, slot, pos + 1)
     assert_plan_is_optimal(p, n, k, got=got, probe=probe)
@@ -245,6 +268,34 @@ def test_plan_with_proposals_that_may_not_come_is_the_brute_force_optimum(n, dat
     p.allowed[:] = 10.0
     p.present[:] = 10.0 * data.draw(st.floats(0.05, 1.0))
     assert_plan_is_optimal(p, n, 1)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(k=st.integers(1, 3), data=st.data())
+def test_one_slot_plan_with_random_presence_is_the_brute_force_optimum(k, data):
+    """Batch 1, a random presence per position: the plan (priced by the exact expectation over
+    the slot's rows) is optimal over every limit."""
+    p = random_policy(1, k, data)
+    p.allowed[:] = 10.0
+    p.present[:] = 10.0 * np.array(data.draw(st.lists(st.floats(0.05, 1.0), min_size=k,
+                                                      max_size=k)))
+    assert_plan_is_optimal(p, 1, k)
+
+
+def test_a_rarely_proposed_draft_is_ranked_by_its_gain_per_row_too():
+    """Two slots, K=1. Slot 0's draft is always proposed and accepted half the time (gain 0.5, one
+    row); slot 1's is proposed in 1 step of 5 and then always accepted (gain 0.2, 0.2 rows). 2 / 3
+    / 4 rows cost 1.0 / 1.4 / 1.45 s. No draft: 2 / 1.0 = 2.0 tok/s; slot 0's: 2.5 / 1.4 = 1.79;
+    both: 2.7 / (0.8 * 1.4 + 0.2 * 1.45) = 1.91; slot 1's alone: 2.2 / (0.8 * 1.0 + 0.2 * 1.4) =
+    2.04, the best, which no prefix of the gain ranking (slot 0 first) contains."""
+    p = policy(2, 1, [2, 3, 4], prior_weight=0.0, halflife=1e9)
+    p.trials[:], p.succ[:] = 10.0, [[5.0], [10.0]]
+    p.allowed[:], p.present[:] = 10.0, [[10.0], [2.0]]
+    p.step_seconds = by_rows({2: 1.0, 3: 1.4, 4: 1.45})
+    p.draft_seconds = {(0, 1): 0.0}
+    np.testing.assert_allclose(p.gains(), [[0.5], [0.2]])
+    assert p.draft_limits(np.ones((2,), bool)).tolist() == [0, 1]
+    assert_plan_is_optimal(p, 2, 1)
 
 
 def test_a_near_tie_may_keep_the_plan_without_drafts():
