@@ -12,8 +12,8 @@ speculation-length heuristics, reduced to what the host measures anyway):
   verify steps, shrunk towards the pooled estimate over all slots (weight ``prior_weight``
   trials), which itself starts at ``prior_acceptance``. Only drafts that exist are trials of
   ``a_i``.
-* **Presence**, per slot and position: ``p_i = P(draft i proposed | allowed, draft i-1
-  proposed)``, estimated the same way (pooled prior 1.0) from the budget each verified window was
+* **Presence** (``count_presence=True``; off by default, every ``p_i = 1``: see the argument),
+  per slot and position: ``p_i = P(draft i proposed | allowed, draft i-1 proposed)``, estimated the same way (pooled prior 1.0) from the budget each verified window was
   proposed under (``StepOutput.num_allowed``). The MTP head fills its budget up to its M
   substeps (``p_i = 1``; past M, with ``K > M`` and no n-gram extension, ``p_i`` goes to 0); an
   n-gram proposer leaves positions empty where it finds no match, or a shorter one, and an
@@ -79,7 +79,7 @@ speculation-length heuristics, reduced to what the host measures anyway):
   draft, so a change in its acceptance (e.g. the text turns to copying) is noticed. The gap
   starts at ``probe_every``. It doubles (up to ``probe_every * MAX_PROBE_BACKOFF``) when the
   probe's verified window was allowed a draft and its first draft was not accepted (rejected,
-  or never proposed: no n-gram match), so slots whose drafts keep failing cost fewer and fewer
+  or, with ``count_presence``, never proposed: no n-gram match), so slots whose drafts keep failing cost fewer and fewer
   probe steps; a probe whose budget the ``max_tokens`` cap took leaves it as it was. It falls
   back to ``probe_every`` when the plan drafts for the slot without being made to (and when a
   new request takes the slot). The probes' first drafts are forced into the plan, which is then
@@ -165,6 +165,10 @@ class DynamicSpeculation:
         older than this many steps (0 = never; see the module docstring).
       guard_samples: judged steps per window whose realised tokens per second are compared with
         plain decoding's (0 = no guard; see "Guard on the realised rate").
+      count_presence: estimate each position's presence from ``observe``'s ``num_allowed``
+        (see "Presence"). Off by default: on this CPU it lost at batch 1 (2026-12-03 A/B,
+        general prompts, dynamic n-gram K=7: 1.18x plain with it, 1.33x without) and showed no
+        gain at batch 8; off, ``num_allowed`` is ignored and every presence is 1.
       guard_retry: steps drafting is held off after a first losing window (doubles after each
         further losing window, up to ``guard_retry * MAX_PROBE_BACKOFF``).
 
@@ -180,7 +184,7 @@ class DynamicSpeculation:
     def __init__(self, num_slots: int, k: int, bucket_of: BucketOf, *,
                  prior_acceptance: float = 0.5, prior_weight: float = 4.0, halflife: float = 32.0,
                  probe_every: int = 16, refresh_every: int = 64, guard_samples: int = 16,
-                 guard_retry: int = 16):
+                 guard_retry: int = 16, count_presence: bool = False):
         if num_slots < 1 or k < 1:
             raise ValueError(f"DynamicSpeculation: need num_slots >= 1 and k >= 1, got "
                              f"num_slots={num_slots}, k={k}")
@@ -225,6 +229,7 @@ class DynamicSpeculation:
         self._seen: set[StepBucket] = set()              # buckets run once (compiled)
         # guard on the realised rate, per number of active slots n
         self.guard_samples, self.guard_retry = guard_samples, guard_retry
+        self.count_presence = count_presence
         self._n = 0                                      # active slots of the last plan
         self._planned = False      # the last step's plan proposed drafts (not only probes)
         self._judged = False       # this step verifies drafts the plan proposed, not held off
@@ -597,6 +602,8 @@ class DynamicSpeculation:
         tokens each slot committed) feeds the guard on the realised rate when the step is judged
         (it verifies drafts the plan proposed in the step before, and it is timed: see the module
         docstring; None: the guard learns nothing from this step)."""
+        if not self.count_presence:
+            num_allowed = None
         nd = np.asarray(num_drafts, np.int64)[:, None]
         na = np.asarray(num_accepted, np.int64)[:, None]
         al = nd if num_allowed is None else np.maximum(np.asarray(num_allowed, np.int64)[:, None],

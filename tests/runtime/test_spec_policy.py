@@ -26,6 +26,7 @@ def by_rows(seconds: dict) -> dict:
 
 
 def policy(num_slots, k, buckets, **kw):
+    kw.setdefault("count_presence", True)
     kw.setdefault("probe_every", 0)
     kw.setdefault("refresh_every", 0)
     return DynamicSpeculation(num_slots, k, rows_only(buckets), **kw)
@@ -61,6 +62,13 @@ def test_presence_counts_allowed_positions_that_stayed_empty():
     np.testing.assert_allclose(p.acceptance()[0], [2 / 3, 1, 0])
     np.testing.assert_allclose(p.expected_rows()[0], [3 / 4, 1 / 2, 1 / 4])
     np.testing.assert_allclose(p.gains()[0], [1 / 2, 1 / 3, 0])
+    # off by default (count_presence=False): num_allowed is ignored, every presence is 1
+    off = DynamicSpeculation(1, 3, rows_only([4]), prior_weight=0.0, halflife=1e9)
+    for nd, na in ((3, 2), (0, 0), (2, 2), (1, 0)):
+        off.observe(np.array([nd]), np.array([na]), off.bucket(4, 1), 1.0,
+                    num_allowed=np.array([3]))
+    np.testing.assert_allclose(off.presence()[0], [1, 1, 1])
+    np.testing.assert_allclose(off.gains()[0], [2 / 3, 2 / 3, 0])
     # windows allowed fewer than K ask nothing past their budget; without num_allowed (the MTP
     # head fills its budget) every verified draft was present
     q = policy(1, 3, [4], prior_weight=0.0, halflife=1e9)
