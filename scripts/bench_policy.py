@@ -8,8 +8,8 @@ acceptance drawn at random, step costs growing with the rows, and the engine's o
 (``choose_bucket`` of an ``EngineConfig`` with ``max_num_seqs`` = the slots and a token budget
 of ``slots * (K + 1)``). ``--proposer mtp`` proposes every allowed draft; ``--proposer ngram``
 proposes a slot's allowed drafts all or none, all with a per-slot probability drawn at random
-(a prompt-lookup match), with ``count_presence=True``, so presence falls below 1 and the plan
-also tries its second ranking (gain per expected row). Columns:
+(a prompt-lookup match), so presence (counted by default) falls below 1 and the plan also
+tries its second ranking (gain per expected row). Columns:
 
 * ``plan ms``: mean over ``--steps`` calls with every slot active, after ``--warmup`` steps;
 * ``plan ms, n varies``: the same with the number of active slots drawn at random each step
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
         def bucket_of(rows, n, ec=ec):
             return choose_bucket(ec, rows, n, has_prefill=False)
 
-        p = DynamicSpeculation(b, args.k, bucket_of, count_presence=args.proposer == "ngram")
+        p = DynamicSpeculation(b, args.k, bucket_of)
         accept = rng.uniform(0.1, 0.9, b)            # per-slot acceptance of one draft
         match = rng.uniform(0.1, 0.9, b)             # per-slot chance of proposing (ngram)
 

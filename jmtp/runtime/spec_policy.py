@@ -8,21 +8,24 @@ Model (in the spirit of "SpecDec++" (Huang et al. 2024) and vLLM's / TensorRT-LL
 speculation-length heuristics, reduced to what the host measures anyway):
 
 * **Acceptance**, per slot and draft position ``i`` (1-based): ``a_i = P(draft i accepted | draft
-  i-1 accepted)``, estimated from decayed counts (half-life ``halflife`` steps) of the slot's own
-  verify steps, shrunk towards the pooled estimate over all slots (weight ``prior_weight``
-  trials), which itself starts at ``prior_acceptance``. Only drafts that exist are trials of
-  ``a_i``.
-* **Presence** (``count_presence=True``; off by default, every ``p_i = 1``: see the argument),
-  per slot and position: ``p_i = P(draft i proposed | allowed, draft i-1 proposed)``, estimated the same way (pooled prior 1.0) from the budget each verified window was
-  proposed under (``StepOutput.num_allowed``). The MTP head fills its budget up to its M
-  substeps (``p_i = 1``; past M, with ``K > M`` and no n-gram extension, ``p_i`` goes to 0); an
-  n-gram proposer leaves positions empty where it finds no match, or a shorter one, and an
-  allowed position that stays empty yields no token. A slot allowed ``k`` drafts is expected to
-  commit ``E(k) = 1 + sum_{i<=k} prod_{j<=i} p_j a_j`` tokens and to verify
-  ``sum_{i<=k} prod_{j<=i} p_j`` draft rows; the gain of its ``k``-th draft, ``prod_{j<=k} p_j
-  a_j``, never grows with ``k``. (Presence is taken as independent of the earlier drafts'
-  acceptance. Before presence was counted, a slot whose n-gram rarely matched looked as good as
-  its rare matches: on general prompts the plan allowed drafts that never came.)
+  i allowed, draft i-1 accepted)``, estimated from decayed counts (half-life ``halflife`` steps)
+  of the slot's own verify steps, shrunk towards the pooled estimate over all slots (weight
+  ``prior_weight`` trials), which itself starts at ``prior_acceptance``. Without
+  ``count_presence`` only drafts that exist are trials of ``a_i``; with it, a draft allowed but
+  never proposed is a trial that failed.
+* **Presence** (``count_presence=True``, the default; off, every ``p_i = 1``: see the argument),
+  per slot and position: ``p_i = P(draft i proposed | allowed, draft i-1 proposed)``, estimated
+  the same way (pooled prior 1.0) from the budget each verified window was proposed under
+  (``StepOutput.num_allowed``). The MTP head fills its budget up to its M substeps (``p_i = 1``;
+  past M, with ``K > M`` and no n-gram extension, ``p_i`` goes to 0); an n-gram proposer leaves
+  positions empty where it finds no match, or a shorter one. A slot allowed ``k`` drafts is
+  expected to commit ``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j`` tokens and to verify ``sum_{i<=k}
+  prod_{j<=i} p_j`` draft rows; the gain of its ``k``-th draft, ``prod_{j<=k} a_j``, never grows
+  with ``k``. (The gain is estimated jointly, not as ``prod p_j a'_j`` with ``a'_j`` counted over
+  proposed drafts only: an n-gram draft that follows an accepted one is far likelier to exist
+  than one that follows any proposed draft, and the product undercounted long matches. Before
+  presence was counted, a slot whose n-gram rarely matched looked as good as its rare matches:
+  on general prompts the plan allowed drafts that never came.)
 * **Cost**: seconds per step, ``base(T, A) + draft(A, d)``. ``base`` depends on the step bucket
   (the engine's :func:`~jmtp.runtime.buckets.choose_bucket`: token rows ``T`` verified, compacted
   slots ``A``); ``draft`` on the proposing depth ``d``, the largest draft limit of the step (MTP
@@ -57,10 +60,11 @@ speculation-length heuristics, reduced to what the host measures anyway):
   more drafts an approximation of the price averaged over the rows that come: it ignores their
   spread, e.g. n-gram drafts that come all or none, which makes it optimistic just below a
   bucket boundary and pessimistic above one). With one active slot (batch 1) the price is the
-  exact expectation over the slot's rows instead (``P(R >= i) = prod_{j<=i} p_j``). When some presence is below 1 the prefixes of a second ranking, by gain per
-  expected row (``prod_{j<=i} a_j``, also falling with position), are tried too (a rarely
-  proposed draft adds a fraction of a row, so it can pay more than its gain ranks it); neither
-  ranking is optimal for every mix of presences. Slots whose drafts cannot pay get 0. (The caps matter: in
+  exact expectation over the slot's rows instead (``P(R >= i) = prod_{j<=i} p_j``). When some
+  presence is below 1 the prefixes of a second ranking, by gain per expected row (its running
+  minimum over positions, so that it falls with position), are tried too (a rarely proposed
+  draft adds a fraction of a row, so it can pay more than its gain ranks it); neither ranking is
+  optimal for every mix of presences. Slots whose drafts cannot pay get 0. (The caps matter: in
   one ranking of every position, a good slot's second draft can outrank another slot's first,
   and the first then only comes with the second's depth. At 8 slots the plan stopped at ~5
   first drafts in a 16-row bucket where 8 cost the same.) A (bucket,
@@ -166,9 +170,12 @@ class DynamicSpeculation:
       guard_samples: judged steps per window whose realised tokens per second are compared with
         plain decoding's (0 = no guard; see "Guard on the realised rate").
       count_presence: estimate each position's presence from ``observe``'s ``num_allowed``
-        (see "Presence"). Off by default: on this CPU it lost at batch 1 (2026-12-03 A/B,
-        general prompts, dynamic n-gram K=7: 1.18x plain with it, 1.33x without) and showed no
-        gain at batch 8; off, ``num_allowed`` is ignored and every presence is 1.
+        and count an allowed draft that never came as a failed trial of its acceptance (see
+        "Presence"). On by default since the gain is estimated jointly (2026-12-03 A/Bs at
+        batch 1, dynamic n-gram K=7, two runs: with it 1.05x / 0.98x plain on general prompts
+        and 1.21x / 1.08x on copy-heavy ones, without it 1.01x / 0.92x and 1.07x / 0.91x); off,
+        ``num_allowed`` is ignored, every presence is 1 and only proposed drafts are trials.
+        No effect on an MTP engine with ``K <= M`` (it proposes every allowed draft).
       guard_retry: steps drafting is held off after a first losing window (doubles after each
         further losing window, up to ``guard_retry * MAX_PROBE_BACKOFF``).
 
@@ -184,7 +191,7 @@ class DynamicSpeculation:
     def __init__(self, num_slots: int, k: int, bucket_of: BucketOf, *,
                  prior_acceptance: float = 0.5, prior_weight: float = 4.0, halflife: float = 32.0,
                  probe_every: int = 16, refresh_every: int = 64, guard_samples: int = 16,
-                 guard_retry: int = 16, count_presence: bool = False):
+                 guard_retry: int = 16, count_presence: bool = True):
         if num_slots < 1 or k < 1:
             raise ValueError(f"DynamicSpeculation: need num_slots >= 1 and k >= 1, got "
                              f"num_slots={num_slots}, k={k}")
@@ -249,7 +256,10 @@ class DynamicSpeculation:
 
     # ------------------------------------------------------------------ estimates
     def acceptance(self) -> np.ndarray:
-        """f64[B, K]: per-slot conditional acceptance ``a_i`` of draft position i = 1..K."""
+        """f64[B, K]: per-slot conditional acceptance ``a_i`` of draft position i = 1..K: the
+        probability that draft i is accepted when it is allowed and draft i - 1 was accepted
+        (with ``count_presence`` a draft allowed but never proposed counts as not accepted;
+        without it only proposed drafts are trials)."""
         pool = self.pool_succ / np.maximum(self.pool_trials, 1e-9)
         w = self.prior_weight
         return (self.succ + w * pool[None]) / np.maximum(self.trials + w, 1e-9)
@@ -270,8 +280,8 @@ class DynamicSpeculation:
 
     def gains(self) -> np.ndarray:
         """f64[B, K]: expected extra tokens from each slot's i-th allowed draft,
-        ``prod_{j<=i} p_j a_j``."""
-        return np.cumprod(self.presence() * self.acceptance(), axis=1)
+        ``prod_{j<=i} a_j``."""
+        return np.cumprod(self.acceptance(), axis=1)
 
     def live_ratio(self, num_slots: int) -> float:
         """Mean live/seed time ratio over the buckets of slot bucket ``num_slots`` that have both
@@ -455,8 +465,7 @@ class DynamicSpeculation:
         tok0 = n + float(fg.sum())
         depth0 = int(fpos.max()) + 1 if len(fpos) else 0
         rows0 = float(frows.sum())                   # expected draft rows of the forced drafts
-        lo0 = int(np.floor(rows0 + ROWS_EPS))
-        f0 = rows0 - lo0 if rows0 - lo0 > ROWS_EPS else 0.0
+        lo0, f0 = (x.item() for x in _split_rows(np.array([rows0])))
         price0 = (1 - f0) * self.step_time(n + lo0, n, depth0) + (
             f0 * self.step_time(n + lo0 + 1, n, depth0) if f0 else 0.0)
         rate0 = tok0 / price0
@@ -474,9 +483,8 @@ class DynamicSpeculation:
         depth = np.maximum(depth0, np.maximum.accumulate(np.where(keep, pos[None] + 1, 0), axis=1))
         cap = np.broadcast_to(np.arange(1, self.k + 1)[:, None], keep.shape)
         count, tok, rows, depth, cap = count[keep], tok[keep], rows[keep], depth[keep], cap[keep]
-        lo = n + np.floor(rows + ROWS_EPS).astype(np.int64)     # rows n + r, r in [lo, lo + 1)
-        frac = np.maximum(rows + n - lo, 0.0)
-        frac[frac <= ROWS_EPS] = 0.0
+        lo, frac = _split_rows(rows)
+        lo = n + lo                                   # rows n + r, r in [lo, lo + 1)
         if n == 1 and min(w.min(), frows.min(initial=1.0)) < 1 - ROWS_EPS:
             price = self._one_slot_prices(np.concatenate([frows, w]))[len(fpos) + count]
         else:
@@ -498,9 +506,9 @@ class DynamicSpeculation:
     def _rankings(self, active: np.ndarray) -> list[Candidates]:
         """The candidates of the active slots ranked by falling gain (ties: position, slot) and,
         when some draft may not be proposed (presence below 1), also by falling gain per
-        expected row, ``prod_{j<=i} a_j``: a rarely proposed draft adds only a fraction of a
-        row, so it may pay more than its gain ranks it. Both keys fall with position, so each
-        ranking lists a slot's drafts in order."""
+        expected row (its running minimum over the slot's positions): a rarely proposed draft
+        adds only a fraction of a row, so it may pay more than its gain ranks it. Both keys
+        fall with position, so each ranking lists a slot's drafts in order."""
         g, r = self.gains(), self.expected_rows()
         slots = np.nonzero(active)[0]
         gain, rows = g[slots].reshape(-1), r[slots].reshape(-1)
@@ -508,7 +516,11 @@ class DynamicSpeculation:
         slot = np.repeat(slots, self.k)
         keys = [gain]
         if (rows < 1 - ROWS_EPS).any():
-            keys.append(np.divide(gain, rows, out=np.zeros_like(gain), where=rows > 0))
+            per_row = np.divide(g[slots], r[slots], out=np.zeros_like(g[slots]),
+                                where=r[slots] > 0)
+            # gain per row need not fall with position (a draft that comes after an accepted
+            # one is likelier to come): its running minimum keeps each slot's drafts in order
+            keys.append(np.minimum.accumulate(per_row, axis=1).reshape(-1))
         orders = [np.lexsort((slot, pos, -key)) for key in keys]
         return [(gain[o], pos[o], slot[o], rows[o]) for o in orders]
 
@@ -609,7 +621,7 @@ class DynamicSpeculation:
         al = nd if num_allowed is None else np.maximum(np.asarray(num_allowed, np.int64)[:, None],
                                                        nd)
         i = np.arange(1, self.k + 1)[None]
-        tried = (nd >= i) & (na >= i - 1)
+        tried = (al >= i) & (na >= i - 1)     # acceptance trials: allowed, previous accepted
         ok = na >= i
         asked = (al >= i) & (nd >= i - 1)             # presence trials: allowed, previous present
         present = nd >= i
@@ -683,6 +695,16 @@ class DynamicSpeculation:
         self.zero_streak[slot] = 0
         self.probe_gap[slot] = self.probe_every
         self._probe_pending[slot] = False
+
+
+def _split_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(i64[m], f64[m])``: expected row counts ``rows`` (f64[m], >= 0) split into whole rows
+    and the fraction past them, an interpolation weight in ``[0, 1)``; a count within
+    :data:`ROWS_EPS` of an integer is that integer (fraction 0)."""
+    lo = np.floor(rows + ROWS_EPS).astype(np.int64)
+    frac = np.maximum(rows - lo, 0.0)
+    frac[frac <= ROWS_EPS] = 0.0
+    return lo, frac
 
 
 def _push_median(samples: dict, key, value: float) -> float:

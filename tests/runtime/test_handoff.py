@@ -51,7 +51,9 @@ def _wire(states: list[RequestState]) -> list[RequestState]:
     return [RequestState.from_bytes(s.to_bytes()) for s in states]
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+# K=2 went in session 21 (the suite's 30-minute budget): its path is K=3's with one draft fewer,
+# and the int8 and scan/unrolled hand-offs below run K=2
+@pytest.mark.parametrize("k", [1, 3])
 def test_prefill_on_one_llm_decode_on_another(k):
     a, b = pair(k)
     total_b = b.engine_config.num_blocks
@@ -130,7 +132,7 @@ def test_states_from_two_exporters_and_abort_of_a_finished_import():
 
 
 def test_mismatched_states_are_refused():
-    a, b = pair(2)
+    a, b = pair(3)
     (state,) = a.prefill(PROMPTS[:1], GREEDY)
     with pytest.raises(ValueError, match="version"):
         b.import_request(dataclasses.replace(state, version=HANDOFF_VERSION + 1))
@@ -155,14 +157,14 @@ def test_mismatched_states_are_refused():
     with pytest.raises(ValueError, match=r"spec\.k"):
         pair(1)[1].import_request(state)
     with pytest.raises(ValueError, match="params"):
-        make(2, seed=1).import_request(state)
+        make(3, seed=1).import_request(state)
     with pytest.raises(ValueError, match=r"kv\.block_size"):
-        make(2, block_size=8).import_request(state)
+        make(3, block_size=8).import_request(state)
     # a max_model_len that would stop the request elsewhere
     long = SamplingParams(max_tokens=40)
     (st_long,) = a.prefill(PROMPTS[:1], long)
     with pytest.raises(ValueError, match="max_model_len"):
-        make(2, max_model_len=32).import_request(st_long)
+        make(3, max_model_len=32).import_request(st_long)
     with pytest.raises(TypeError):
         b.import_request(["state"])
     assert not b.llm_engine.has_unfinished_requests()

@@ -26,7 +26,6 @@ def by_rows(seconds: dict) -> dict:
 
 
 def policy(num_slots, k, buckets, **kw):
-    kw.setdefault("count_presence", True)
     kw.setdefault("probe_every", 0)
     kw.setdefault("refresh_every", 0)
     return DynamicSpeculation(num_slots, k, rows_only(buckets), **kw)
@@ -52,18 +51,24 @@ def test_presence_counts_allowed_positions_that_stayed_empty():
     """One slot, K=3, no prior: four windows each allowed 3 drafts held 3, 0, 2 and 1 (an n-gram
     match of that length, or none), with 2, 0, 2 and 0 accepted. Presence: position 1 asked in
     all 4 windows, present in 3; position 2 asked where position 1 was present (3), present in 2;
-    position 3 asked in 2, present in 1. Acceptance counts present drafts only: position 1 tried
-    3, accepted 2; position 2 tried 2 (windows 1 and 3), accepted 2; position 3 tried 1, accepted
-    0. Expected rows 3/4 + 1/2 + 1/4 = 1.5 = the drafts the windows held, 6 / 4."""
+    position 3 asked in 2, present in 1. Acceptance counts allowed drafts after an accepted one:
+    position 1 tried 4, accepted 2; position 2 tried 2 (windows 1 and 3), accepted 2; position 3
+    tried 2, accepted 0. Gains 1/2, 1/2, 0: the tokens the windows gained at each position per
+    window, (2 + 2) / 4 at position 2 where the product of presence and acceptance over present
+    drafts, 3/4 * 2/3 * 2/3 * 1, would say 1/3. Expected rows 3/4 + 1/2 + 1/4 = 1.5 = the
+    drafts the windows held, 6 / 4."""
     p = policy(1, 3, [4], prior_weight=0.0, halflife=1e9)
     for nd, na in ((3, 2), (0, 0), (2, 2), (1, 0)):
         p.observe(np.array([nd]), np.array([na]), p.bucket(4, 1), 1.0, num_allowed=np.array([3]))
     np.testing.assert_allclose(p.presence()[0], [3 / 4, 2 / 3, 1 / 2])
-    np.testing.assert_allclose(p.acceptance()[0], [2 / 3, 1, 0])
+    np.testing.assert_allclose(p.acceptance()[0], [1 / 2, 1, 0])
     np.testing.assert_allclose(p.expected_rows()[0], [3 / 4, 1 / 2, 1 / 4])
-    np.testing.assert_allclose(p.gains()[0], [1 / 2, 1 / 3, 0])
-    # off by default (count_presence=False): num_allowed is ignored, every presence is 1
-    off = DynamicSpeculation(1, 3, rows_only([4]), prior_weight=0.0, halflife=1e9)
+    np.testing.assert_allclose(p.gains()[0], [1 / 2, 1 / 2, 0])
+    assert p.count_presence                # the default
+    # count_presence=False: num_allowed is ignored, every presence is 1, and only proposed drafts
+    # are trials of acceptance
+    off = DynamicSpeculation(1, 3, rows_only([4]), prior_weight=0.0, halflife=1e9,
+                             count_presence=False)
     for nd, na in ((3, 2), (0, 0), (2, 2), (1, 0)):
         off.observe(np.array([nd]), np.array([na]), off.bucket(4, 1), 1.0,
                     num_allowed=np.array([3]))
@@ -89,21 +94,22 @@ def test_rarely_proposed_drafts_do_not_pay_at_batch_8_but_may_at_batch_1():
     and accepted in 8 of 10 adds 0.24 tokens for an expected 1.078 s, (1.24) / 1.078 = 1.15 tok/s,
     so it drafts, where pricing a whole row (1.24 / 1.26 = 0.98) would not."""
     p = policy(8, 1, [8, 16], prior_weight=0.0, halflife=1e9)
-    p.trials[:], p.succ[:] = 10.0, 9.0
+    p.trials[:], p.succ[:] = 10.0, 1.8            # 10 allowed, 2 proposed, 1.8 accepted
     p.allowed[:], p.present[:] = 10.0, 2.0
     p.step_seconds = by_rows({8: 1.0, 16: 1.3})
     p.draft_seconds = {(0, 1): 0.0}
     np.testing.assert_allclose(p.gains(), 0.18)
     assert p.draft_limits(np.ones((8,), bool)).tolist() == [0] * 8
     p.allowed[:] = p.present[:] = 10.0            # every allowed draft proposed: drafting pays
+    p.succ[:] = 9.0
     assert p.draft_limits(np.ones((8,), bool)).tolist() == [1] * 8
     one = policy(1, 1, [1, 2], prior_weight=0.0, halflife=1e9)
-    one.trials[:], one.succ[:] = 10.0, 8.0
+    one.trials[:], one.succ[:] = 10.0, 2.4        # 10 allowed, 3 proposed, 2.4 accepted
     one.allowed[:], one.present[:] = 10.0, 3.0
     one.step_seconds = by_rows({1: 1.0, 2: 1.26})
     one.draft_seconds = {(0, 1): 0.0}
     assert one.draft_limits(np.ones((1,), bool)).tolist() == [1]
-    one.present[:] = 1.0       # gain 0.08: 1.08 / 1.026 = 1.053 tok/s still pays
+    one.present[:], one.succ[:] = 1.0, 0.8   # gain 0.08: 1.08 / 1.026 = 1.053 tok/s still pays
     assert one.draft_limits(np.ones((1,), bool)).tolist() == [1]
     one.step_seconds = by_rows({1: 1.0, 2: 2.0})    # 1.08 / 1.1 = 0.98: no longer
     assert one.draft_limits(np.ones((1,), bool)).tolist() == [0]
@@ -117,7 +123,7 @@ def test_one_slot_is_priced_by_the_exact_expectation_over_its_rows():
     1.15, none: 1.0). Interpolating at the expected 2.2 rows would price it 0.8 * 2.3 + 0.2 * 2.4
     = 2.32 s (0.95 tok/s) and draft nothing."""
     p = policy(1, 3, [1, 2, 4], prior_weight=0.0, halflife=1e9)
-    p.trials[:] = p.succ[:] = 10.0
+    p.trials[:], p.succ[:] = [[10.0, 4.0, 4.0]], 4.0   # joint: accepted 4 of 10 allowed, then all
     p.allowed[:], p.present[:] = [[10.0, 4.0, 4.0]], 4.0
     p.step_seconds = by_rows({1: 1.0, 2: 2.3, 4: 2.4})
     p.draft_seconds = {(0, d): 0.0 for d in (1, 2, 3)}
@@ -297,13 +303,37 @@ def test_a_rarely_proposed_draft_is_ranked_by_its_gain_per_row_too():
     both: 2.7 / (0.8 * 1.4 + 0.2 * 1.45) = 1.91; slot 1's alone: 2.2 / (0.8 * 1.0 + 0.2 * 1.4) =
     2.04, the best, which no prefix of the gain ranking (slot 0 first) contains."""
     p = policy(2, 1, [2, 3, 4], prior_weight=0.0, halflife=1e9)
-    p.trials[:], p.succ[:] = 10.0, [[5.0], [10.0]]
+    p.trials[:], p.succ[:] = 10.0, [[5.0], [2.0]]
     p.allowed[:], p.present[:] = 10.0, [[10.0], [2.0]]
     p.step_seconds = by_rows({2: 1.0, 3: 1.4, 4: 1.45})
     p.draft_seconds = {(0, 1): 0.0}
     np.testing.assert_allclose(p.gains(), [[0.5], [0.2]])
     assert p.draft_limits(np.ones((2,), bool)).tolist() == [0, 1]
     assert_plan_is_optimal(p, 2, 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 4), k=st.integers(2, 4), data=st.data())
+def test_each_ranking_lists_a_slots_drafts_in_order(n, k, data):
+    """With joint acceptance a draft's gain per expected row may rise with position (an n-gram
+    draft after an accepted one is likelier to come than after any proposed one: ``a_2 = 0.9``
+    with ``p_2 = 0.5``). Each ranking must still list a slot's drafts position by position, so
+    that a plan's prefix is a limit per slot; every draft appears once."""
+    p = policy(n, k, [1, 16], prior_weight=0.0, halflife=1e9)
+    frac = st.lists(st.floats(0.05, 1.0), min_size=n * k, max_size=n * k)
+    p.trials[:], p.allowed[:] = 10.0, 10.0
+    p.succ[:] = 10.0 * np.array(data.draw(frac)).reshape(n, k)
+    p.present[:] = 10.0 * np.array(data.draw(st.lists(st.floats(0.05, 0.95), min_size=n * k,
+                                                      max_size=n * k))).reshape(n, k)
+    rankings = p._rankings(np.ones((n,), bool))
+    assert len(rankings) == 2
+    for gain, pos, slot, rows in rankings:
+        assert sorted(zip(slot.tolist(), pos.tolist())) == [(b, i) for b in range(n)
+                                                            for i in range(k)]
+        for b in range(n):
+            assert pos[slot == b].tolist() == list(range(k)), (b, pos[slot == b])
+        np.testing.assert_allclose(gain, p.gains()[slot, pos])
+        np.testing.assert_allclose(rows, p.expected_rows()[slot, pos])
 
 
 def test_a_near_tie_may_keep_the_plan_without_drafts():
