@@ -21,7 +21,9 @@ speculation-length heuristics, reduced to what the host measures anyway):
   positions empty where it finds no match, or a shorter one. A slot allowed ``k`` drafts is
   expected to commit ``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j`` tokens and to verify ``sum_{i<=k}
   prod_{j<=i} p_j`` draft rows; the gain of its ``k``-th draft, ``prod_{j<=k} a_j``, never grows
-  with ``k``. (The gain is estimated jointly, not as ``prod p_j a'_j`` with ``a'_j`` counted over
+  with ``k``. (This takes a proposer's first ``i`` drafts not to depend on its budget except by
+  being cut off at it, which holds for the MTP head, the n-gram matcher and the hybrid. The gain
+  is estimated jointly, not as ``prod p_j a'_j`` with ``a'_j`` counted over
   proposed drafts only: an n-gram draft that follows an accepted one is far likelier to exist
   than one that follows any proposed draft, and the product undercounted long matches. Before
   presence was counted, a slot whose n-gram rarely matched looked as good as its rare matches:

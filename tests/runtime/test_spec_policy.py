@@ -54,8 +54,8 @@ def test_presence_counts_allowed_positions_that_stayed_empty():
     position 3 asked in 2, present in 1. Acceptance counts allowed drafts after an accepted one:
     position 1 tried 4, accepted 2; position 2 tried 2 (windows 1 and 3), accepted 2; position 3
     tried 2, accepted 0. Gains 1/2, 1/2, 0: the tokens the windows gained at each position per
-    window, (2 + 2) / 4 at position 2 where the product of presence and acceptance over present
-    drafts, 3/4 * 2/3 * 2/3 * 1, would say 1/3. Expected rows 3/4 + 1/2 + 1/4 = 1.5 = the
+    window, 2 / 4 at position 2 (windows 1 and 3 accepted a second draft) where the product of
+    presence and acceptance over present drafts, 3/4 * 2/3 * 2/3 * 1, would say 1/3. Expected rows 3/4 + 1/2 + 1/4 = 1.5 = the
     drafts the windows held, 6 / 4."""
     p = policy(1, 3, [4], prior_weight=0.0, halflife=1e9)
     for nd, na in ((3, 2), (0, 0), (2, 2), (1, 0)):
@@ -334,6 +334,10 @@ def test_each_ranking_lists_a_slots_drafts_in_order(n, k, data):
             assert pos[slot == b].tolist() == list(range(k)), (b, pos[slot == b])
         np.testing.assert_allclose(gain, p.gains()[slot, pos])
         np.testing.assert_allclose(rows, p.expected_rows()[slot, pos])
+    # the first ranks by gain, the second by each slot's running minimum of gain per row
+    ratio = np.minimum.accumulate(p.gains() / p.expected_rows(), axis=1)
+    for (gain, pos, slot, _), key in zip(rankings, (p.gains(), ratio)):
+        assert (np.diff(key[slot, pos]) <= 1e-12).all(), key[slot, pos]
 
 
 def test_a_near_tie_may_keep_the_plan_without_drafts():
