@@ -23,11 +23,11 @@ speculation-length heuristics, reduced to what the host measures anyway):
   prod_{j<=i} p_j`` draft rows; the gain of its ``k``-th draft, ``prod_{j<=k} a_j``, never grows
   with ``k``. (This takes a proposer's first ``i`` drafts not to depend on its budget except by
   being cut off at it, which holds for the MTP head, the n-gram matcher and the hybrid. The gain
-  is estimated jointly, not as ``prod p_j a'_j`` with ``a'_j`` counted over
-  proposed drafts only: an n-gram draft that follows an accepted one is far likelier to exist
-  than one that follows any proposed draft, and the product undercounted long matches. Before
-  presence was counted, a slot whose n-gram rarely matched looked as good as its rare matches:
-  on general prompts the plan allowed drafts that never came.)
+  is estimated jointly, not as ``prod p_j a'_j`` with ``a'_j`` counted over proposed drafts
+  only: an n-gram draft that follows an accepted one is far likelier to exist than one that
+  follows any proposed draft, and the product undercounted long matches. Before presence was
+  counted, a slot whose n-gram rarely matched looked as good as its rare matches: on general
+  prompts the plan allowed drafts that never came.)
 * **Cost**: seconds per step, ``base(T, A) + draft(A, d)``. ``base`` depends on the step bucket
   (the engine's :func:`~jmtp.runtime.buckets.choose_bucket`: token rows ``T`` verified, compacted
   slots ``A``); ``draft`` on the proposing depth ``d``, the largest draft limit of the step (MTP
@@ -85,9 +85,9 @@ speculation-length heuristics, reduced to what the host measures anyway):
   draft, so a change in its acceptance (e.g. the text turns to copying) is noticed. The gap
   starts at ``probe_every``. It doubles (up to ``probe_every * MAX_PROBE_BACKOFF``) when the
   probe's verified window was allowed a draft and its first draft was not accepted (rejected,
-  or, with ``count_presence``, never proposed: no n-gram match), so slots whose drafts keep failing cost fewer and fewer
-  probe steps; a probe whose budget the ``max_tokens`` cap took leaves it as it was. It falls
-  back to ``probe_every`` when the plan drafts for the slot without being made to (and when a
+  or, with ``count_presence``, never proposed: no n-gram match), so slots whose drafts keep
+  failing cost fewer and fewer probe steps; a probe whose budget the ``max_tokens`` cap took
+  leaves it as it was. It falls back to ``probe_every`` when the plan drafts for the slot without being made to (and when a
   new request takes the slot). The probes' first drafts are forced into the plan, which is then
   chosen again around them: drafts of other slots that pay in the wider token bucket a probe
   opens ride along (at 8 slots, one probe turns 8 rows into a 16-row bucket, where the other
@@ -512,15 +512,14 @@ class DynamicSpeculation:
         expected row (its running minimum over the slot's positions): a rarely proposed draft
         adds only a fraction of a row, so it may pay more than its gain ranks it. Both keys
         fall with position, so each ranking lists a slot's drafts in order."""
-        g, r = self.gains(), self.expected_rows()
         slots = np.nonzero(active)[0]
-        gain, rows = g[slots].reshape(-1), r[slots].reshape(-1)
+        g, r = self.gains()[slots], self.expected_rows()[slots]      # f64[n, K]
+        gain, rows = g.reshape(-1), r.reshape(-1)
         pos = np.tile(np.arange(self.k), len(slots))
         slot = np.repeat(slots, self.k)
         keys = [gain]
         if (rows < 1 - ROWS_EPS).any():
-            per_row = np.divide(g[slots], r[slots], out=np.zeros_like(g[slots]),
-                                where=r[slots] > 0)
+            per_row = np.divide(g, r, out=np.zeros_like(g), where=r > 0)
             # gain per row need not fall with position (a draft that comes after an accepted
             # one is likelier to come): its running minimum keeps each slot's drafts in order
             keys.append(np.minimum.accumulate(per_row, axis=1).reshape(-1))

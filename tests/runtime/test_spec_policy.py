@@ -55,8 +55,8 @@ def test_presence_counts_allowed_positions_that_stayed_empty():
     position 1 tried 4, accepted 2; position 2 tried 2 (windows 1 and 3), accepted 2; position 3
     tried 2, accepted 0. Gains 1/2, 1/2, 0: the tokens the windows gained at each position per
     window, 2 / 4 at position 2 (windows 1 and 3 accepted a second draft) where the product of
-    presence and acceptance over present drafts, 3/4 * 2/3 * 2/3 * 1, would say 1/3. Expected rows 3/4 + 1/2 + 1/4 = 1.5 = the
-    drafts the windows held, 6 / 4."""
+    presence and acceptance over present drafts, 3/4 * 2/3 * 2/3 * 1, would say 1/3. Expected
+    rows 3/4 + 1/2 + 1/4 = 1.5 = the drafts the windows held, 6 / 4."""
     p = policy(1, 3, [4], prior_weight=0.0, halflife=1e9)
     for nd, na in ((3, 2), (0, 0), (2, 2), (1, 0)):
         p.observe(np.array([nd]), np.array([na]), p.bucket(4, 1), 1.0, num_allowed=np.array([3]))
