@@ -21,10 +21,12 @@ except ValueError as _e:        # a mistyped JMTP_MALLOC_TUNING must not make jm
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from jmtp.runtime.engine import LLM  # noqa: E402
 from jmtp.runtime.handoff import RequestState  # noqa: E402
+from jmtp.runtime.host_maps import MapLimitError  # noqa: E402
 from jmtp.runtime.llm_engine import LLMEngine  # noqa: E402
 from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetrics  # noqa: E402
 from jmtp.runtime.sampling import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "SpeculativeConfig", "EngineConfig",
-           "RequestOutput", "CompletionOutput", "SpecDecodeMetrics", "RequestState"]
+           "RequestOutput", "CompletionOutput", "SpecDecodeMetrics", "RequestState",
+           "MapLimitError"]

@@ -20,6 +20,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 
+from jmtp.runtime.host_maps import MapBudget
+
 log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("eager", "lazy")
@@ -88,7 +90,8 @@ def setup_compilation_cache(cache_dir: str | bool | None = "auto") -> str | None
 
 
 def compile_ahead(fn: Callable, arg_lists: Sequence[tuple], *, labels: Sequence[Any] | None = None,
-                  desc: str = "compile", progress: bool = True) -> dict[Any, float]:
+                  desc: str = "compile", progress: bool = True,
+                  budget: MapBudget | None = None) -> dict[Any, float]:
     """Compile the jitted ``fn`` once per argument tuple, ahead of its first call.
 
     Args:
@@ -99,12 +102,17 @@ def compile_ahead(fn: Callable, arg_lists: Sequence[tuple], *, labels: Sequence[
       labels: one label per tuple for the report (default: its index).
       desc: the progress bar's title.
       progress: show a tqdm bar.
+      budget: measures the memory mappings each compile adds
+        (:class:`jmtp.runtime.host_maps.MapBudget`); from the second compile on, the ones still
+        to come must fit in the process's ``vm.max_map_count`` before the next one starts.
 
     Returns:
       ``{label: seconds}`` spent lowering and compiling each (a persistent-cache hit is quick).
 
     Raises:
       ValueError: ``labels`` and ``arg_lists`` differ in length.
+      MapLimitError: with ``budget``, the remaining compiles would not fit in the map limit
+        (XLA:CPU would abort the process part-way through them).
     """
     labels = list(range(len(arg_lists))) if labels is None else list(labels)
     if len(labels) != len(arg_lists):
@@ -113,13 +121,20 @@ def compile_ahead(fn: Callable, arg_lists: Sequence[tuple], *, labels: Sequence[
 
     times: dict[Any, float] = {}
     bar = tqdm(total=len(arg_lists), desc=desc, unit="bucket", disable=not progress)
-    for label, args in zip(labels, arg_lists):
-        bar.set_postfix_str(str(label))
-        t0 = time.perf_counter()
-        fn.lower(*args).compile()
-        times[label] = time.perf_counter() - t0
-        bar.update(1)
-    bar.close()
+    try:
+        for i, (label, args) in enumerate(zip(labels, arg_lists)):
+            bar.set_postfix_str(str(label))
+            if budget is not None:
+                budget.check(label, remaining=len(arg_lists) - i)
+                budget.start()
+            t0 = time.perf_counter()
+            fn.lower(*args).compile()
+            times[label] = time.perf_counter() - t0
+            if budget is not None:
+                budget.stop()
+            bar.update(1)
+    finally:
+        bar.close()
     return times
 
 

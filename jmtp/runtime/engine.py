@@ -47,6 +47,8 @@ class LLM:
       TypeError: an unknown keyword.
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
         unknown model path.
+      MapLimitError: the step buckets would not fit in the process's memory-map limit (see
+        :class:`LLMEngine`).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any):

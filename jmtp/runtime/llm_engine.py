@@ -32,6 +32,7 @@ from jmtp.runtime.buckets import (StepBucket, choose_bucket, decode_buckets, slo
                                   step_buckets)
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.detokenizer import IncrementalDetokenizer
+from jmtp.runtime.host_maps import MapBudget
 from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetrics
 from jmtp.runtime.sampling import SamplingParams, make_row
 from jmtp.runtime.spec_policy import DynamicSpeculation
@@ -55,7 +56,7 @@ LAYER_LOOPS = ("auto", "scan", "unrolled")
 def resolve_layer_loop(layer_loop: str, one_device: bool, backend: str | None = None) -> str:
     """The layer loop ``layer_loop="auto"`` stands for: ``"unrolled"`` on XLA:CPU with one device
     (there the scan copies every layer's weights out of the stack each step: the engine step is
-    ~5-25 % slower under it, measured in README "Measured figures"), else ``"scan"`` (a mesh
+    ~5-25 % slower under it, measured in docs/measurements.md), else ``"scan"`` (a mesh
     needs the stacked layers; on TPU/GPU the scan compiles faster). Other values are returned as
     they are.
 
@@ -236,6 +237,10 @@ class LLMEngine:
       TypeError: an unknown keyword.
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
         unknown model path.
+      MapLimitError: (a ``RuntimeError``) with ``compile="eager"``, the step buckets left to
+        compile after the first would not fit in the process's memory-map limit: XLA:CPU maps
+        every compiled kernel on its own and aborts the process past ``vm.max_map_count``
+        (:mod:`jmtp.runtime.host_maps`).
     """
 
     def __init__(self, model: str | None = None, *, speculative_config: SpeculativeConfig | None = None,
@@ -386,6 +391,10 @@ class LLMEngine:
                     min(-(-n // dp), sec.max_num_seqs), has_prefill=False))
         if self.mesh is not None:
             log.info("mesh %s: %s", dict(self.mesh.shape), self.memory_per_device())
+        # XLA:CPU maps every compiled kernel on its own and aborts the process past the map
+        # limit: each new step bucket is checked first (jmtp.runtime.host_maps).
+        self._map_budget = MapBudget("step bucket")
+        self._compiled_buckets: set[StepBucket] = set()
         if compile == "eager":
             with shd.mesh_context(self.mesh):
                 self.compile_seconds = self._compile_ahead()
@@ -455,7 +464,22 @@ class LLMEngine:
     # b % Bl of data shard b // Bl; host arrays are [B] here, [D, Bl] on the mesh).
     def _run_step(self, bucket, chunks: np.ndarray, limits: np.ndarray):
         """Run the jitted step; returns its ``StepOutput`` on the host with ``[B, ...]`` fields
-        and ``free_count`` per data shard."""
+        and ``free_count`` per data shard.
+
+        Raises:
+          MapLimitError: ``bucket`` is not compiled yet and its compile would cross the process's
+            memory-map limit (:mod:`jmtp.runtime.host_maps`); nothing ran, the state is as it was.
+        """
+        if bucket in self._compiled_buckets:
+            return self._call_step(bucket, chunks, limits)
+        self._map_budget.check(f"T={bucket.num_tokens},A={bucket.num_slots}")
+        self._map_budget.start()
+        out = self._call_step(bucket, chunks, limits)
+        self._map_budget.stop()
+        self._compiled_buckets.add(bucket)
+        return out
+
+    def _call_step(self, bucket, chunks: np.ndarray, limits: np.ndarray):
         if self.mesh is None:
             self.state, self.cache, self.mtp_cache, out = self._step(
                 self.graphdef, self.engine_config, self.speculative_config.drafter, bucket,
@@ -574,7 +598,8 @@ class LLMEngine:
             static + (bk, self.attention_backend, self.params, self.state, self.cache,
                       self.mtp_cache, zeros, zeros) for bk in buckets],
             labels=[f"T={bk.num_tokens},A={bk.num_slots}" for bk in buckets],
-            desc="compile step buckets")
+            desc="compile step buckets", budget=self._map_budget)
+        self._compiled_buckets.update(buckets)
         row = self._sampling_row(SamplingParams(), [0], [], 0)
         slot = (jnp.int32(0),) if self.mesh is None else (jnp.int32(0), jnp.int32(0))
         times.update(compile_ahead(self._insert, [(
@@ -1065,6 +1090,12 @@ class LLMEngine:
         the step that finishes its prefill exports it (:meth:`pop_exported`) and frees its slot.
         A request queued by :meth:`import_request` is admitted like any waiting one and returns
         outputs with all its tokens.
+
+        Raises:
+          MapLimitError: (a ``RuntimeError``) the step needs a bucket that is not compiled yet
+            (``compile="lazy"``), and compiling it would cross the process's memory-map limit
+            (:mod:`jmtp.runtime.host_maps`); raised before the step runs, so the requests are as
+            they were: abort some, or serve from a process with room.
         """
         t0 = time.perf_counter()
         ec, sec, D = self.engine_config, self._shard_ec, self._dp
