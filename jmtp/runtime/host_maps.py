@@ -15,9 +15,14 @@ reach the default limit. ``LLM(layer_loop="scan")`` compiles each layer's kernel
 of once per layer: ~5,500 mappings for the plain engine.
 
 :class:`MapBudget` turns that abort into a :class:`MapLimitError` raised before the compile
-that would cross the limit: it measures how many mappings each compile adds and refuses one when
-the mappings in use plus the fewest a compile has added so far would leave less than
-:data:`RESERVE` of the limit. Off Linux (no ``/proc``) it checks nothing.
+that would cross the limit. It measures how many mappings each compile adds and refuses a compile
+when the mappings in use plus the estimate would leave less than :data:`RESERVE` of the limit:
+for the next compile the most any measured compile added, for each one after it the fewest (so a
+projection over many buckets errs towards letting them through, and each compile is checked
+again before it starts). Before anything is measured it refuses only when the mappings in use
+already leave less than the reserve. Off Linux (no ``/proc``) it checks nothing. A budget is
+per engine and not thread-safe: engines compiling in several threads at once can each pass
+their check together.
 """
 from __future__ import annotations
 
@@ -78,13 +83,19 @@ class MapBudget:
     @property
     def per_compile(self) -> int:
         """The fewest mappings a measured compile added, leaving out compiles that added none
-        (JAX reused an executable it held); 0 before any. Checks use this estimate, so they err
-        towards letting a compile through."""
+        (JAX reused an executable it held); 0 before any."""
         return min((n for n in self.added if n > 0), default=0)
 
+    def need(self, remaining: int) -> int:
+        """Mappings ``remaining`` more compiles are estimated to add: the most one measured
+        compile added, plus :attr:`per_compile` for each of the others."""
+        if remaining < 1 or not self.per_compile:
+            return 0
+        return max(self.added) + self.per_compile * (remaining - 1)
+
     def check(self, label, remaining: int = 1) -> None:
-        """Raise if ``remaining`` more compiles of :attr:`per_compile` mappings each would leave
-        fewer than :data:`RESERVE` mappings of the limit.
+        """Raise if ``remaining`` more compiles (:meth:`need`) would leave fewer than
+        :data:`RESERVE` mappings of the limit.
 
         Args:
           label: the next compile's name, for the message.
@@ -93,23 +104,25 @@ class MapBudget:
         Raises:
           MapLimitError: they would not fit; the message gives the counts and the ways out.
         """
-        if self.limit is None or self.per_compile == 0:
+        if self.limit is None:
             return
         used = self._count()
         if used is None:
             return
-        need = self.per_compile * remaining
+        need = self.need(remaining)
         if used + need <= self.limit - RESERVE:
             return
         more = f"{remaining} more {self.what}s" if remaining > 1 else f"{self.what} {label}"
+        measured = (f"{self.per_compile}-{max(self.added)} per {self.what}, measured"
+                    if need else "none measured yet")
         raise MapLimitError(
-            f"compiling {more} needs ~{need} more memory mappings ({self.per_compile} per "
-            f"{self.what}, measured): {used} are in use and vm.max_map_count is {self.limit}, "
-            f"keeping {RESERVE} in reserve. XLA:CPU would abort the process past the limit "
-            f"(it maps every compiled kernel on its own). Use layer_loop='scan' (each layer's "
-            f"kernels compiled once), fewer engines per process, a smaller max_num_seqs or "
-            f"max_num_batched_tokens (fewer step buckets), or raise the limit: "
-            f"sysctl -w vm.max_map_count=262144")
+            f"compiling {more} needs ~{need} more memory mappings ({measured}): {used} are in "
+            f"use and vm.max_map_count is {self.limit}, keeping {RESERVE} in reserve. XLA:CPU "
+            f"would abort the process past the limit (it maps every compiled kernel on its "
+            f"own). Use compile='lazy' (only the buckets in use get compiled), "
+            f"layer_loop='scan' (each layer's kernels compiled once), fewer engines per "
+            f"process, a smaller max_num_seqs or max_num_batched_tokens (fewer step buckets), "
+            f"or raise the limit: sysctl -w vm.max_map_count=262144")
 
     def start(self) -> None:
         """Mark the mappings in use before a compile."""

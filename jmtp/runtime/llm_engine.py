@@ -462,17 +462,26 @@ class LLMEngine:
 
     # The three device calls of the host loop, for one device or a mesh (global slot b is row
     # b % Bl of data shard b // Bl; host arrays are [B] here, [D, Bl] on the mesh).
+    def _pop_ready(self) -> list[RequestOutput]:
+        """The outputs of imported requests that had already finished; forgets them."""
+        ready = [self._make_output(g) for g in self._ready]
+        self._ready = []
+        return ready
+
+    def _check_bucket(self, bucket) -> None:
+        """Raise :class:`MapLimitError` if ``bucket`` is not compiled yet and its compile would
+        cross the process's memory-map limit (:mod:`jmtp.runtime.host_maps`). On a
+        multi-process mesh nothing is checked: each process counts its own mappings, and one
+        process refusing a compile the others start would leave them waiting at its barrier."""
+        if bucket not in self._compiled_buckets and jax.process_count() == 1:
+            self._map_budget.check(f"T={bucket.num_tokens},A={bucket.num_slots}")
+
     def _run_step(self, bucket, chunks: np.ndarray, limits: np.ndarray):
         """Run the jitted step; returns its ``StepOutput`` on the host with ``[B, ...]`` fields
-        and ``free_count`` per data shard.
-
-        Raises:
-          MapLimitError: ``bucket`` is not compiled yet and its compile would cross the process's
-            memory-map limit (:mod:`jmtp.runtime.host_maps`); nothing ran, the state is as it was.
-        """
+        and ``free_count`` per data shard. The first run of a bucket is measured for the
+        memory-map budget (checked before, by :meth:`_check_bucket`)."""
         if bucket in self._compiled_buckets:
             return self._call_step(bucket, chunks, limits)
-        self._map_budget.check(f"T={bucket.num_tokens},A={bucket.num_slots}")
         self._map_budget.start()
         out = self._call_step(bucket, chunks, limits)
         self._map_budget.stop()
@@ -598,7 +607,8 @@ class LLMEngine:
             static + (bk, self.attention_backend, self.params, self.state, self.cache,
                       self.mtp_cache, zeros, zeros) for bk in buckets],
             labels=[f"T={bk.num_tokens},A={bk.num_slots}" for bk in buckets],
-            desc="compile step buckets", budget=self._map_budget)
+            desc="compile step buckets",
+            budget=self._map_budget if jax.process_count() == 1 else None)   # see _check_bucket
         self._compiled_buckets.update(buckets)
         row = self._sampling_row(SamplingParams(), [0], [], 0)
         slot = (jnp.int32(0),) if self.mesh is None else (jnp.int32(0), jnp.int32(0))
@@ -1094,8 +1104,9 @@ class LLMEngine:
         Raises:
           MapLimitError: (a ``RuntimeError``) the step needs a bucket that is not compiled yet
             (``compile="lazy"``), and compiling it would cross the process's memory-map limit
-            (:mod:`jmtp.runtime.host_maps`); raised before the step runs, so the requests are as
-            they were: abort some, or serve from a process with room.
+            (:mod:`jmtp.runtime.host_maps`). Raised before anything runs or is planned: waiting
+            requests admitted in this call stay in their slots, nothing else changed. Abort
+            requests to go on with the compiled buckets.
         """
         t0 = time.perf_counter()
         ec, sec, D = self.engine_config, self._shard_ec, self._dp
@@ -1107,10 +1118,8 @@ class LLMEngine:
             if self._hold[d] and not occupied[d]:
                 self._hold[d] = False
         self._admit_waiting(shard_slots)
-        ready = [self._make_output(g) for g in self._ready]   # imported, already finished
-        self._ready = []
         if not any(s is not None for s in slots):
-            return ready
+            return self._pop_ready()
         # Token budget per data shard: decode windows first, then prefill chunks in slot order.
         chunks = np.zeros((B,), np.int32)
         rows, active = [0] * D, [0] * D
@@ -1128,6 +1137,8 @@ class LLMEngine:
             active[d] = len(decoding) + int(np.count_nonzero(chunks[r.start:r.stop]))
         # One (T, A) bucket for every shard: the busiest one's.
         bucket = choose_bucket(sec, max(rows), max(active), bool(chunks.any()))
+        self._check_bucket(bucket)   # before the policy and the prefix cache change anything
+        ready = self._pop_ready()
         # Slots that propose in this step: decoding ones and those whose prefill ends in it.
         proposing = np.array([s is not None and s.prefilled + int(chunks[b]) >= len(s.context_ids)
                               for b, s in enumerate(slots)])

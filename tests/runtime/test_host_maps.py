@@ -40,19 +40,40 @@ class _FakeMaps:
 def test_budget_arithmetic():
     fake = _FakeMaps(5000, 1000)
     budget = hm.MapBudget("step bucket", limit=10000, count=fake.count)
-    budget.check("first")                      # nothing measured yet: no estimate, no check
+    budget.check("first")            # nothing measured: 5000 in use leave room, so no refusal
     budget.start(); fake.compile(); budget.stop()
-    assert budget.added == [1000] and budget.per_compile == 1000
+    assert budget.added == [1000] and budget.per_compile == 1000 and budget.need(2) == 2000
     # Hand-worked: 6000 in use + 1000 <= 10000 - 2048 = 7952 fits; + 2 x 1000 = 8000 does not.
     budget.check("T=8,A=1", remaining=1)
     with pytest.raises(hm.MapLimitError, match=r"2 more step buckets needs ~2000 more memory "
-                       r"mappings \(1000 per step bucket, measured\): 6000 are in use and "
+                       r"mappings \(1000-1000 per step bucket, measured\): 6000 are in use and "
                        r"vm.max_map_count is 10000"):
         budget.check("T=8,A=1", remaining=2)
-    # A compile that added nothing (JAX reused an executable it held) does not count as a size.
+    # A compile that added nothing (JAX reused an executable it held) does not count as a size;
+    # the next compile is judged by the largest one measured, the ones after it by the smallest.
     budget.start(); budget.stop()
     budget.start(); fake.used += 700; budget.stop()
     assert budget.added == [1000, 0, 700] and budget.per_compile == 700
+    assert budget.need(1) == 1000 and budget.need(3) == 1000 + 2 * 700
+
+
+def test_budget_boundary():
+    """Exactly at the reserve fits; one mapping more does not."""
+    fake = _FakeMaps(5000, 1000)
+    budget = hm.MapBudget("step bucket", limit=9048, count=fake.count)
+    budget.start(); fake.compile(); budget.stop()          # 6000 in use, 1000 per compile
+    budget.check("a")                                       # 6000 + 1000 == 9048 - 2048
+    budget.limit = 9047
+    with pytest.raises(hm.MapLimitError, match="step bucket a needs ~1000"):
+        budget.check("a")
+
+
+def test_budget_refuses_without_a_measurement_when_the_reserve_is_used():
+    fake = _FakeMaps(8000, 0)
+    budget = hm.MapBudget("step bucket", limit=10000, count=fake.count)   # 8000 > 10000 - 2048
+    with pytest.raises(hm.MapLimitError, match=r"~0 more memory mappings \(none measured yet\)"
+                       r": 8000 are in use"):
+        budget.check("T=1,A=1")
 
 
 def test_no_limit_checks_nothing():
@@ -119,8 +140,9 @@ def test_lazy_engine_refuses_a_new_bucket_and_keeps_serving():
 def test_eager_engine_stops_after_the_first_bucket(monkeypatch):
     """At construction the buckets still to compile must fit after the first one is measured."""
     cfg, params = tiny_model()
-    limit = hm.map_count() + hm.RESERVE + 1          # room for one bucket at most
-    monkeypatch.setattr(hm, "map_limit", lambda: limit)
+    # The limit as the engine's budget reads it: 64 mappings of room above the reserve (for
+    # what the engine allocates before its first compile), less than one tiny bucket adds.
+    monkeypatch.setattr(hm, "map_limit", lambda: hm.map_count() + hm.RESERVE + 64)
     compiled = []
     real = jc.compile_ahead
 
@@ -134,3 +156,13 @@ def test_eager_engine_stops_after_the_first_bucket(monkeypatch):
         jmtp.LLM(model_config=cfg, params=params, max_num_seqs=1, max_model_len=42,
                  max_num_batched_tokens=32, compile="eager", compilation_cache_dir=None)
     assert compiled == [4]
+
+
+@pytest.mark.skipif(not LINUX, reason="needs /proc")
+def test_a_tiny_bucket_adds_more_than_the_eager_tests_room():
+    """The premise of the test above: one tiny step bucket adds more than 64 mappings."""
+    cfg, params = tiny_model()
+    # max_model_len=38: an engine no other test builds
+    llm = jmtp.LLM(model_config=cfg, params=params, max_num_seqs=1, max_model_len=38,
+                   max_num_batched_tokens=8, compile="eager", compilation_cache_dir=None)
+    assert min(llm.llm_engine._map_budget.added) > 64
