@@ -42,6 +42,11 @@ class StepBucket:
     num_tokens: int
     num_slots: int
 
+    @property
+    def label(self) -> str:
+        """``"T=<num_tokens>,A=<num_slots>"``, the name reports and errors give the bucket."""
+        return f"T={self.num_tokens},A={self.num_slots}"
+
 
 def slot_buckets(ec: EngineConfig) -> tuple[int, ...]:
     """Slot-row counts A: powers of two below ``max_num_seqs``, then ``max_num_seqs`` itself."""

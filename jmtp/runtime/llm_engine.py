@@ -460,8 +460,6 @@ class LLMEngine:
             self._insert = mh.SyncFirstCall(self._insert, name="insert")
             self._release = mh.SyncFirstCall(self._release, name="release")
 
-    # The three device calls of the host loop, for one device or a mesh (global slot b is row
-    # b % Bl of data shard b // Bl; host arrays are [B] here, [D, Bl] on the mesh).
     def _pop_ready(self) -> list[RequestOutput]:
         """The outputs of imported requests that had already finished; forgets them."""
         ready = [self._make_output(g) for g in self._ready]
@@ -474,8 +472,10 @@ class LLMEngine:
         multi-process mesh nothing is checked: each process counts its own mappings, and one
         process refusing a compile the others start would leave them waiting at its barrier."""
         if bucket not in self._compiled_buckets and jax.process_count() == 1:
-            self._map_budget.check(f"T={bucket.num_tokens},A={bucket.num_slots}")
+            self._map_budget.check(bucket.label)
 
+    # The three device calls of the host loop, for one device or a mesh (global slot b is row
+    # b % Bl of data shard b // Bl; host arrays are [B] here, [D, Bl] on the mesh).
     def _run_step(self, bucket, chunks: np.ndarray, limits: np.ndarray):
         """Run the jitted step; returns its ``StepOutput`` on the host with ``[B, ...]`` fields
         and ``free_count`` per data shard. The first run of a bucket is measured for the
@@ -606,7 +606,7 @@ class LLMEngine:
         times = compile_ahead(self._step, [
             static + (bk, self.attention_backend, self.params, self.state, self.cache,
                       self.mtp_cache, zeros, zeros) for bk in buckets],
-            labels=[f"T={bk.num_tokens},A={bk.num_slots}" for bk in buckets],
+            labels=[bk.label for bk in buckets],
             desc="compile step buckets",
             budget=self._map_budget if jax.process_count() == 1 else None)   # see _check_bucket
         self._compiled_buckets.update(buckets)

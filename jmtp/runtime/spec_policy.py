@@ -87,8 +87,8 @@ speculation-length heuristics, reduced to what the host measures anyway):
   probe's verified window was allowed a draft and its first draft was not accepted (rejected,
   or, with ``count_presence``, never proposed: no n-gram match), so slots whose drafts keep
   failing cost fewer and fewer probe steps; a probe whose budget the ``max_tokens`` cap took
-  leaves it as it was. It falls back to ``probe_every`` when the plan drafts for the slot without being made to (and when a
-  new request takes the slot). The probes' first drafts are forced into the plan, which is then
+  leaves it as it was. It falls back to ``probe_every`` when the plan drafts for the slot
+  without being made to (and when a new request takes the slot). The probes' first drafts are forced into the plan, which is then
   chosen again around them: drafts of other slots that pay in the wider token bucket a probe
   opens ride along (at 8 slots, one probe turns 8 rows into a 16-row bucket, where the other
   slots' first drafts cost only their proposing), drafts that do not pay there any more are
