@@ -18,6 +18,7 @@ try:
 except ValueError as _e:        # a mistyped JMTP_MALLOC_TUNING must not make jmtp unimportable
     _warnings.warn(f"{_e}; malloc settings left alone", stacklevel=2)
 
+from jmtp.core.errors import InvalidRequestError  # noqa: E402
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig  # noqa: E402
 from jmtp.runtime.engine import LLM  # noqa: E402
 from jmtp.runtime.handoff import RequestState  # noqa: E402
@@ -29,4 +30,4 @@ from jmtp.runtime.sampling import SamplingParams  # noqa: E402
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "SpeculativeConfig", "EngineConfig",
            "RequestOutput", "CompletionOutput", "SpecDecodeMetrics", "RequestState",
-           "MapLimitError"]
+           "MapLimitError", "InvalidRequestError"]

@@ -1,9 +1,10 @@
-"""``jmtp`` command line: ``jmtp generate``, ``jmtp serve`` and ``jmtp launch`` (also
-``python -m jmtp ...``)."""
+"""``jmtp`` command line: ``jmtp generate``, ``jmtp chat``, ``jmtp serve`` and ``jmtp launch``
+(also ``python -m jmtp ...``)."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -91,14 +92,54 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "unrolled: one graph node per layer (~20%% faster steps on CPU, where "
                         "the scan copies each layer's weights; start-up 3-4x longer, also from "
                         "the compilation cache); auto: unrolled on CPU with one device, else "
-                        "scan. Default: auto for serve, scan for generate (a one-shot run, "
-                        "where start-up dominates)")
+                        "scan. Default: auto for serve, scan for generate and chat (where "
+                        "start-up dominates)")
     p.add_argument("--compile", choices=["eager", "lazy"], default=None,
-                   help="eager: compile every step bucket at start-up (default, or "
-                        "$JMTP_COMPILE); lazy: compile each bucket on first use")
+                   help="eager: compile every step bucket at start-up, so no request waits on "
+                        "a compile; lazy: compile each bucket on first use. Default: "
+                        "$JMTP_COMPILE, else lazy for generate (a one-shot run compiles only "
+                        "what its prompts need) and chat (the rest compiles while the user "
+                        "types) and eager for serve")
     p.add_argument("--compilation-cache-dir", default="auto",
                    help="JAX persistent compilation cache folder (default 'auto': $JMTP_CACHE_DIR, "
                         "else ~/.cache/jmtp/xla; 'none': leave JAX's setting alone)")
+
+
+def _process_seconds() -> float | None:
+    """Seconds since this process started (Linux ``/proc``; 10 ms ticks), or None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])   # field 22: starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _start_up_defaults(args) -> None:
+    """Start-up settings of ``generate`` and ``chat`` (where start-up dominates), before anything
+    starts a JAX backend: XLA:CPU's faster compiles for scanned layers
+    (:func:`jmtp.runtime.compile.use_fast_cpu_compiles`), and lazy compiles unless ``--compile``
+    or ``$JMTP_COMPILE`` say otherwise (a one-shot run compiles only the buckets its prompts use;
+    a chat compiles the rest in idle time)."""
+    if args.layer_loop == "scan":
+        from jmtp.runtime.compile import use_fast_cpu_compiles
+        use_fast_cpu_compiles()
+    if args.compile is None and not os.environ.get("JMTP_COMPILE"):
+        args.compile = "lazy"
+
+
+def _build_timed(args):
+    """``(llm, import_s, load_s, compile_s, t0)``: :func:`build_llm` with the start-up split:
+    seconds since the process started (imports; None off Linux), loading, compiling ahead
+    (eager; 0 when lazy) and the ``perf_counter`` reading before the build."""
+    import_s = _process_seconds()
+    t0 = time.perf_counter()
+    llm = build_llm(args)
+    compile_s = sum(llm.compile_seconds.values())
+    load_s = time.perf_counter() - t0 - compile_s
+    return llm, import_s, load_s, compile_s, t0
 
 
 def _generate(args) -> int:
@@ -106,6 +147,7 @@ def _generate(args) -> int:
     from jmtp.runtime.outputs import SpecDecodeMetrics
     from jmtp.runtime.sampling import SamplingParams
 
+    _start_up_defaults(args)
     # One process of a multi-process job (jmtp launch sets the variables): join it before
     # anything touches a device. Every process generates; only process 0 prints.
     dist.initialize_from_env()
@@ -127,10 +169,7 @@ def _generate(args) -> int:
         # one slot per data shard).
         dp = max(getattr(args, "data_parallel_size", 1), 1)
         args.max_num_seqs = -(-min(DEFAULT_MAX_NUM_SEQS, len(prompts)) // dp) * dp
-    t0 = time.perf_counter()
-    llm = build_llm(args)
-    compile_s = sum(llm.compile_seconds.values())
-    load_s = time.perf_counter() - t0 - compile_s
+    llm, import_s, load_s, compile_s, t0 = _build_timed(args)
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    for p in prompts]
@@ -148,13 +187,29 @@ def _generate(args) -> int:
     if spec.enabled and total.num_decode_steps:
         per_pos = " per-position acceptance=" + ",".join(
             f"{c / total.num_decode_steps:.2f}" for c in total.accepted_per_position)
-    lazy = " (incl. lazy compiles)" if not llm.compile_seconds else ""
-    say(f"=== {st['generated_tokens']} tokens in {st['seconds']:.2f}s "
-        f"({st['tokens_per_second']:.1f} tok/s{lazy}) "
+    # Lazy compiles happen inside generate, in each step bucket's first run.
+    first_calls = llm.llm_engine.first_call_seconds if not llm.compile_seconds else {}
+    compile_s += sum(first_calls.values())
+    gen_s = st["seconds"] - sum(first_calls.values())
+    ttft = st["time_to_first_token"]
+    say(f"=== {st['generated_tokens']} tokens: time to first token "
+        f"{'n/a' if ttft is None else f'{ttft:.2f}s'}, decode "
+        f"{st['decode_tokens_per_second']:.1f} tok/s, "
         f"mean acceptance length={total.mean_acceptance_length:.2f}{per_pos}")
-    say(f"=== start-up: load {load_s:.1f}s, compile {compile_s:.1f}s "
-        f"({len(llm.compile_seconds)} executables, cache {llm.compilation_cache_dir or 'off'}); "
-        f"generate {st['seconds']:.1f}s; total {time.perf_counter() - t0:.1f}s")
+    how = (f"lazy: {len(first_calls)} step buckets at first use" if not llm.compile_seconds
+           else f"eager: {len(llm.compile_seconds)} executables")
+    total_s = (import_s or 0.0) + time.perf_counter() - t0
+    say(f"=== start-up: import {'n/a' if import_s is None else f'{import_s:.1f}s'}, load "
+        f"{load_s:.1f}s, compile or cache load {compile_s:.1f}s ({how}, cache "
+        f"{llm.compilation_cache_dir or 'off'}); generate {gen_s:.1f}s; total {total_s:.1f}s")
+    if args.stats_json and main_process:
+        with open(args.stats_json, "w", encoding="utf-8") as f:
+            json.dump({"import_s": import_s, "load_s": load_s, "compile_s": compile_s,
+                       "generate_s": gen_s, "ttft_s": ttft,
+                       "decode_tok_s": st["decode_tokens_per_second"], "total_s": total_s,
+                       "tokens": st["generated_tokens"], "text": outs[0].text,
+                       "compile_mode": "eager" if llm.compile_seconds else "lazy",
+                       "layer_loop": llm.llm_engine.layer_loop}, f, indent=1)
     if llm.mesh is not None:
         mem = llm.llm_engine.memory_per_device()
         say(f"=== mesh {dict(llm.mesh.shape)}: per device params "
@@ -166,8 +221,32 @@ def _generate(args) -> int:
     return 0
 
 
+def _chat(args) -> int:
+    from jmtp.chat import ChatSession, run_repl
+    from jmtp.runtime import distributed as dist
+    from jmtp.runtime.sampling import SamplingParams
+
+    if dist.env_requested():
+        raise ValueError("jmtp chat runs as one process; unset "
+                         f"{', '.join(dist.ENV_VARS)}")
+    _start_up_defaults(args)
+    args.enable_prefix_caching = True
+    if args.max_num_seqs is None:
+        args.max_num_seqs = 1
+    llm, import_s, load_s, compile_s, _ = _build_timed(args)
+    how = (f"eager: {len(llm.compile_seconds)} executables" if llm.compile_seconds
+           else "lazy: step buckets compile at first use and while you type")
+    print(f"=== start-up: import {'n/a' if import_s is None else f'{import_s:.1f}s'}, load "
+          f"{load_s:.1f}s, compile or cache load {compile_s:.1f}s ({how}, cache "
+          f"{llm.compilation_cache_dir or 'off'}); layer loop {llm.llm_engine.layer_loop}",
+          file=sys.stderr, flush=True)
+    session = ChatSession(llm, SamplingParams(max_tokens=args.max_tokens,
+                                              temperature=args.temperature), system=args.system)
+    return run_repl(session)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``jmtp`` argument parser (subcommands generate, serve, launch)."""
+    """The ``jmtp`` argument parser (subcommands generate, chat, serve, launch)."""
     p = argparse.ArgumentParser(prog="jmtp", description="MTP speculative decoding in JAX")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text (greedy by default) with MTP speculation")
@@ -176,8 +255,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--stats-json", default=None,
+                   help="write the run's timings (import_s, load_s, compile_s, generate_s, ttft_s, "
+                        "decode_tok_s, total_s) and the first output to this JSON file")
     add_engine_args(g)
     g.set_defaults(layer_loop="scan")    # one-shot: start-up (compiling or loading unrolled executables) dominates
+    c = sub.add_parser("chat", help="interactive chat: a REPL over one warm engine (reads "
+                       "lines until /exit or end of input; a pipe works too)",
+                       description="Interactive chat with the model's chat template. The engine "
+                       "stays warm between turns and prefix caching is always on (whatever "
+                       "--enable-prefix-caching says), so a turn prefills only what is new in "
+                       "the conversation; step buckets no turn has used yet compile in idle "
+                       "time, while you type. Commands: /reset, /stats, /help, /exit, /quit. "
+                       "Replies go to stdout, timings to stderr.")
+    c.add_argument("--system", default=None, help="system prompt (default: the chat template's)")
+    c.add_argument("--max-tokens", type=int, default=256, help="most tokens of one reply")
+    c.add_argument("--temperature", type=float, default=0.0)
+    add_engine_args(c)
+    c.set_defaults(layer_loop="scan", enable_prefix_caching=True)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -212,7 +307,13 @@ def main(argv=None) -> int:
             from jmtp.runtime.server import serve
             logging.basicConfig(level=args.log_level.upper(),
                                 format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-            return serve(args)
+            name = args.served_model_name or (
+                "SmolLM2-135M-Instruct" if args.model is None
+                else os.path.basename(os.path.normpath(args.model)))
+            return serve(build_llm(args), model_name=name, host=args.host, port=args.port,
+                         log_level=args.log_level)
+        if args.cmd == "chat":
+            return _chat(args)
         return _generate(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

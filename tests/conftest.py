@@ -2,9 +2,12 @@
 loaded once per session by jmtp and, as the independent reference, by transformers."""
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -16,12 +19,18 @@ os.environ.setdefault("JMTP_COMPILE", "lazy")
 # deserialize, with jax 0.10.2); tests/runtime/test_compile.py covers the cache with its own
 # folders, one process at a time.
 os.environ["JMTP_CACHE_DIR"] = "off"
+# Converted GGUF weights (jmtp.model.weights_cache): one fresh folder per test process, so each
+# worker converts SmolLM2 once and loads it from disk after that, and no test reads an entry an
+# earlier run wrote (conversion warnings are logged by the converting load only).
+_WEIGHTS = tempfile.mkdtemp(prefix="jmtp-test-weights-")
+os.environ["JMTP_WEIGHTS_CACHE_DIR"] = _WEIGHTS
+atexit.register(shutil.rmtree, _WEIGHTS, True)
 # The suite's time is mostly XLA:CPU compiling small step graphs (every test engine compiles its own
 # step buckets): LLVM's -O0 cuts a tiny-model engine test by about 30 % and leaves the SmolLM2
 # tests' time as it was (measured). Results do not depend on it: every exactness test compares
 # two computations compiled the same way, or allows a tolerance.
 # XLA:CPU's older (non-MLIR) fusion emitters halve the compile time of a tiny engine's step
-# buckets again (measured 2026-12-01 with jaxlib 0.10.2: 16 buckets of a K=3 engine, backend
+# buckets again (measured with jaxlib 0.10.2: 16 buckets of a K=3 engine, backend
 # compile 41 s -> 20 s); most of a step's compile is code generation for its ~700 fusions, not HLO
 # passes. XLA aborts on a flag it does not know, so this one is set only for the jaxlib versions
 # it was measured on (0.10.x); JMTP_TEST_DEFAULT_EMITTERS=1 leaves XLA's default.

@@ -13,3 +13,27 @@ def test_layer_loop_defaults_generate_scan_serve_auto():
     assert p.parse_args(["serve"]).layer_loop == "auto"
     assert p.parse_args(["generate", "--layer-loop", "unrolled"]).layer_loop == "unrolled"
     assert p.parse_args(["serve", "--layer-loop", "scan"]).layer_loop == "scan"
+
+
+def test_one_shot_commands_compile_lazily_unless_told(monkeypatch):
+    """generate and chat default to lazy compiles (only the buckets the work uses); --compile and
+    $JMTP_COMPILE win; serve keeps the library's default (eager: no compile inside traffic)."""
+    import os
+
+    from jmtp.cli import _start_up_defaults
+
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))   # restored afterwards
+    p = build_parser()
+    monkeypatch.delenv("JMTP_COMPILE", raising=False)
+    for cmd in (["generate", "--prompt", "x"], ["chat"]):
+        args = p.parse_args(cmd)
+        _start_up_defaults(args)
+        assert args.compile == "lazy"
+        args = p.parse_args(cmd + ["--compile", "eager"])
+        _start_up_defaults(args)
+        assert args.compile == "eager"
+    monkeypatch.setenv("JMTP_COMPILE", "eager")
+    args = p.parse_args(["generate"])
+    _start_up_defaults(args)
+    assert args.compile is None          # LLM resolves $JMTP_COMPILE itself
+    assert p.parse_args(["serve"]).compile is None

@@ -56,22 +56,9 @@ KV cache ``k, v: f[L, num_blocks, block_size, Nkv, D]``: :data:`KV_CACHE_AXES`.
 """
 from __future__ import annotations
 
-LAYERS = "layers"
-EMBED = "embed"
-EMBED2 = "embed2"
-VOCAB = "vocab"
-Q_HEADS = "q_heads"
-KV_HEADS = "kv_heads"
-HEAD_DIM = "head_dim"
-MLP = "mlp"
-EXPERTS = "experts"
-EXPERT_MLP = "expert_mlp"
-# KV cache only (not parameters)
-BLOCKS = "kv_blocks"
-BLOCK_SIZE = "kv_block_size"
-
-ALL = (LAYERS, EMBED, EMBED2, VOCAB, Q_HEADS, KV_HEADS, HEAD_DIM, MLP, EXPERTS, EXPERT_MLP,
-       BLOCKS, BLOCK_SIZE)
+# The names themselves live in jmtp.core.mesh (with the logical -> mesh table).
+from jmtp.core.mesh import (ALL, BLOCK_SIZE, BLOCKS, EMBED, EMBED2, EXPERT_MLP,  # noqa: F401
+                            EXPERTS, HEAD_DIM, KV_HEADS, LAYERS, MLP, Q_HEADS, VOCAB)
 
 # One decoder layer's parameters (unstacked), by their name in the layer's parameter dict.
 LAYER_AXES: dict[str, tuple[str, ...]] = {

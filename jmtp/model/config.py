@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from jmtp.checks import check_one_of
+from jmtp.core.checks import check_one_of
 
 MTP_LAYOUTS = ("deepseek", "ernie", "mimo")
 ATTENTION_TYPES = ("gqa", "mla")

@@ -43,8 +43,9 @@ Supported architectures (``config.json`` ``architectures[0]``):
   ``mtp_block``) is taken from its tensors (``mlp.gate.weight`` present or not) and recorded as
   ``ModelConfig.moe.mtp_moe``.
 
-Multi-token-prediction (MTP) tensors are picked up in three layouts (see
-``shared/docs/fastdeploy_mtp_spec.md`` §7 for the first two):
+Multi-token-prediction (MTP) tensors are picked up in three layouts (the first two are the
+DeepSeek-V3 MTP layer and the weight names of FastDeploy's ERNIE-4.5 MTP model,
+``ernie4_5_mtp.py``):
 
 * ``deepseek`` (DeepSeek-V3 / GLM-4.5 "NextN"): ``model.layers.{N+j}.{enorm,hnorm,eh_proj,
   shared_head.norm,input_layernorm,post_attention_layernorm,self_attn.*,mlp.*}`` for MTP module

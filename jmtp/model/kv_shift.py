@@ -7,13 +7,13 @@ after RoPE (so it is position-independent) and needs no change in any attention 
 nothing is added back on read.
 
 It matters for an int8 cache because SmolLM2's keys share a large common component: the mean
-post-RoPE key of a layer and head has ~80 % of the keys' RMS norm (measured on 16 training
-prompts, every layer 0.69-0.86). A per-token absmax scale spends its range on that common part;
-subtracting it roughly halves the quantised part, and the teacher-forced KL of the int8 cache to
-the f32 cache drops by a third (``docs/kvquant.md``, 2026-12-01 candidates). This is SageAttention's
+post-RoPE key of a layer and head has ~80 % of the keys' RMS norm (measured on 16 training prompts,
+every layer 0.69-0.86). A per-token absmax scale spends its range on that common part; subtracting
+it roughly halves the quantised part, and the teacher-forced KL of the int8 cache to the f32 cache
+drops by a third (``docs/kvquant.md``, "candidates and the key shift"). This is SageAttention's
 "smooth K" (Zhang et al. 2024, arXiv:2410.02367, which subtracts the mean key over the sequence);
-here the mean is a per-model constant calibrated once, because the cache is written
-incrementally and a token's stored code must not depend on later tokens.
+here the mean is a per-model constant calibrated once, because the cache is written incrementally
+and a token's stored code must not depend on later tokens.
 
 Calibration (:func:`calibrate_k_shift`) is model-only: the mean key over a prefill of random
 token ids. On SmolLM2 it points the same way as the mean over real chat prompts (cosine 0.95,

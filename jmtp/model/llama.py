@@ -380,7 +380,8 @@ def mtp_forward(
     cache: KVCache,              # MTP cache, N layers
     attention_impl: str | None = None,
 ) -> tuple[jax.Array, jax.Array, KVCache]:
-    """One MTP module (DeepSeek-V3 §2.2 / FastDeploy ``ernie4_5_mtp`` / MiMo-7B ``mtp_layers``):
+    """One MTP module (the DeepSeek-V3 technical report's multi-token prediction / FastDeploy
+    ``ernie4_5_mtp`` / MiMo-7B ``mtp_layers``):
     ``h' = Block(eh_proj([enorm(embed(x_{t+1})) ; hnorm(h_t)]))``, then the final norm.
 
     The MiMo layout (vLLM ``models/mimo_mtp.py`` ``MiMoMultiTokenPredictorLayer``) zeroes the

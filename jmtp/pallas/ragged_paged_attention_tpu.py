@@ -9,9 +9,9 @@ companion op that scatters them (a fused write would need the cache donated and 
 the kernel and a per-page read-after-write ordering; XLA's scatter is already a single pass, so the
 two-op form costs one extra launch and no extra HBM traffic on the attention side).
 
-Algorithm (flash attention with online softmax, Dao et al. 2022, "FlashAttention", §3.1; the
-paged/ragged arrangement follows the public design notes of vLLM/tpu-inference's ragged paged
-attention, written here from scratch):
+Algorithm (flash attention with online softmax, Dao et al. 2022, "FlashAttention", its tiling
+section; the paged/ragged arrangement follows the public design notes of vLLM/tpu-inference's ragged
+paged attention, written here from scratch):
 
 * **Layout.** In the wrapper the queries are regrouped per KV head, ``q -> [Nkv, T_pad * G, D]``
   with row ``t * G + g`` holding query head ``h * G + g`` of token ``t`` (GQA: ``G = Nq / Nkv``);
@@ -76,7 +76,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jmtp.pallas.ragged_paged_attention import _check_shapes, compute_dtype
+from jmtp.pallas.attention_checks import check_shapes, compute_dtype
 
 _MASK = -1e30          # finite "minus infinity": exp(_MASK - m) == 0 and _MASK - _MASK == 0
 _TARGET_ROWS = 128     # MXU rows per query tile
@@ -423,7 +423,7 @@ def ragged_paged_attention_tpu(
       ValueError: inconsistent shapes or scales, ``k_cache.dtype != v_cache.dtype``, a
         non-positive ``sliding_window``/``soft_cap``/block size, or a bad ``interpret``.
     """
-    _check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
+    check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache.dtype ({k_cache.dtype}) != v_cache.dtype ({v_cache.dtype})")
     if sliding_window is not None and int(sliding_window) < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jmtp.checks import check_one_of
+from jmtp.core.checks import check_one_of
 from jmtp.pallas.block_allocator import CHOICES as BLOCK_ALLOCATORS
 from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.pallas.kv_quant import check_kv_cache_dtype
@@ -28,9 +28,9 @@ class SpeculativeConfig:
         uses MTP module ``s mod num_mtp_layers``, so one module is applied recursively. With M < K
         the window has room for K drafts but only M are proposed, unless
         ``mtp_strategy="with_ngram"`` fills the rest with n-gram matches.
-      mtp_strategy: ``"default"`` or ``"with_ngram"`` (FastDeploy's ``hybrid_mtp_ngram``, spec
-        §6.12: with M < K, the last n tokens of history + the M MTP drafts are matched against
-        earlier history and the tokens following the match extend the drafts up to K).
+      mtp_strategy: ``"default"`` or ``"with_ngram"`` (FastDeploy's ``hybrid_mtp_ngram`` op:
+        with M < K, the last n tokens of history + the M MTP drafts are matched against earlier
+        history and the tokens following the match extend the drafts up to K).
       max_ngram_size / min_ngram_size: n-gram sizes tried, longest first (``1 <= min <= max``).
         ``min_ngram_size=None`` = FastDeploy's default for the method: 1 for ``"ngram"``, 2 for
         the hybrid.

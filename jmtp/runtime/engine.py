@@ -31,7 +31,13 @@ class LLM:
     """Offline generation with MTP speculative decoding (vLLM ``LLM`` shape).
 
     Builds an :class:`LLMEngine` (``llm.llm_engine``, for serving loops) and runs it to completion
-    for each :meth:`generate` / :meth:`chat` call.
+    for each :meth:`generate` / :meth:`chat` call. ``llm.last_run_stats`` describes the last call:
+    ``steps``, ``seconds`` (wall), ``generated_tokens``, ``tokens_per_second``,
+    ``time_to_first_token`` (seconds from the call to the first token of any request, lazy
+    compiles included; None when nothing was generated) and ``decode_tokens_per_second`` (the
+    tokens after each sample's first, over the time after the first token less the first runs
+    of step buckets met after it, i.e. lazy compiles excluded; for one request its decode speed,
+    with several the later requests' prefills count in).
 
     Args:
       model: GGUF file or HF directory; ``None`` = the default SmolLM2-135M-Instruct.
@@ -233,9 +239,13 @@ class LLM:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         t0, steps0, gen0 = time.perf_counter(), engine._num_steps, engine._num_generated
+        ttft = None
+        first_runs = lambda: sum(engine.first_call_seconds.values())   # noqa: E731
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
+                    if ttft is None and any(c.token_ids for c in out.outputs):
+                        ttft, first_runs_at_ttft = time.perf_counter() - t0, first_runs()
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
@@ -248,7 +258,15 @@ class LLM:
                 bar.close()
         dt = time.perf_counter() - t0
         gen = engine._num_generated - gen0
+        # Decode rate: the tokens after each sample's first one, over the time after the first
+        # token, less the first runs (lazy compiles) of buckets met after it.
+        firsts = sum(1 for rid in ids if rid in done for c in done[rid].outputs if c.token_ids)
+        rest = gen - firsts
+        after = 0.0 if ttft is None else dt - ttft - (first_runs() - first_runs_at_ttft)
         self.last_run_stats = dict(steps=engine._num_steps - steps0, seconds=dt,
                                    generated_tokens=gen,
-                                   tokens_per_second=gen / dt if dt > 0 else 0.0)
+                                   tokens_per_second=gen / dt if dt > 0 else 0.0,
+                                   time_to_first_token=ttft,
+                                   decode_tokens_per_second=rest / after if rest > 0 and after > 0
+                                   else 0.0)
         return [dataclasses.replace(done[rid], request_id=i) for i, rid in enumerate(ids)]

@@ -10,8 +10,9 @@ logprobs and speculation counters so far). Another engine imports it into an idl
 blocks from its own device free stack, scatters the pages into them and writes the row
 (:func:`import_slot`, one jitted call), and its next step verifies the imported window at once.
 
-The MTP head needs no "last hidden state" of its own: in jmtp's shadow-state design (FastDeploy
-spec §12 Q2) MTP cache position ``p`` holds ``(x_{p+1}, h_p)`` for every position the target has
+The MTP head needs no "last hidden state" of its own: in jmtp's shadow-state design (the MTP's
+decode state is the target's minus ``accept_num``, as later FastDeploy versions do; nothing is
+rolled back) MTP cache position ``p`` holds ``(x_{p+1}, h_p)`` for every position the target has
 cached, and the next step feeds the MTP the target's hidden rows of the window it verifies, so the
 MTP KV pages are the whole proposer state. The random stream continues because every draw is keyed
 by (seed, output position, purpose) (:mod:`jmtp.runtime.sampling.rng`) and the row carries the

@@ -7,12 +7,12 @@ Linux caps a process's mappings at ``vm.max_map_count`` (65,530 by default). Pas
 allocation fails inside XLA, and XLA aborts the whole process ("LLVM ERROR: Unable to allocate
 section memory!"): no Python exception, and every request in flight is lost.
 
-Measured on the 2-core dev VM (jaxlib 0.10.2, 2026-12-03; SmolLM2-135M, 30 layers, unrolled,
-one slot, ``/proc/self/maps``): about 2,500 mappings for the first two step buckets; an engine
-compiled eagerly holds ~9,450 (plain decoding, 12 buckets) to ~15,300 (n-gram K=7). So four
-(n-gram K=7) to about seven (plain) such engines in one process, or one engine with several
-times as many buckets or layers, reach the default limit. ``LLM(layer_loop="scan")`` compiles each layer's kernels once instead
-of once per layer: ~5,500 mappings for the plain engine.
+Measured on the 2-core dev VM (jaxlib 0.10.2; SmolLM2-135M, 30 layers, unrolled, one slot,
+``/proc/self/maps``): about 2,500 mappings for the first two step buckets; an engine compiled
+eagerly holds ~9,450 (plain decoding, 12 buckets) to ~15,300 (n-gram K=7). So four (n-gram K=7) to
+about seven (plain) such engines in one process, or one engine with several times as many buckets or
+layers, reach the default limit. ``LLM(layer_loop="scan")`` compiles each layer's kernels once
+instead of once per layer: ~5,500 mappings for the plain engine.
 
 :class:`MapBudget` turns that abort into a :class:`MapLimitError` raised before the compile
 that would cross the limit. It measures how many mappings each compile adds and refuses a compile

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jmtp.core.errors import InvalidRequestError
 from jmtp.model.config import ModelConfig
 from jmtp.model.kv_shift import with_k_shift
 from jmtp.model.llama import init_kv_cache, unstack_layers
@@ -233,6 +234,12 @@ class LLMEngine:
         start). Unrolled layers are copies of the stacked ones: a caller that passes ``params``
         and keeps them holds the layer weights twice. The chosen loop is :attr:`layer_loop`.
 
+    Start-up times: ``compile_seconds`` ``{label: seconds}`` of the compiles done ahead
+    (``compile="eager"``; empty when lazy); ``first_call_seconds`` ``{bucket label: seconds}`` of
+    each step bucket's first run in :meth:`step` (tracing, compiling or loading it from the
+    persistent cache, and that first step's own run: with ``compile="lazy"``, where the compiles
+    go).
+
     Raises:
       TypeError: an unknown keyword.
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
@@ -253,7 +260,7 @@ class LLMEngine:
                  kv_cache_dtype: str | None = None, moe_backend: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, mesh=None,
                  enable_prefix_caching: bool = False, layer_loop: str = "auto"):
-        from jmtp.checks import check_one_of
+        from jmtp.core.checks import check_one_of
         from jmtp.pallas.kv_quant import check_kv_cache_dtype
         from jmtp.runtime import compile as jc
         check_kv_cache_dtype(kv_cache_dtype)   # before anything is loaded
@@ -268,7 +275,7 @@ class LLMEngine:
             raise ValueError("enable_prefix_caching=True with a device mesh of more than one "
                              "device (mesh, tensor_parallel_size or data_parallel_size > 1) is "
                              "not supported yet: use one device")
-        compile = jc.resolve_compile_mode(compile)
+        compile = self.compile_mode = jc.resolve_compile_mode(compile)
         self.compilation_cache_dir = jc.setup_compilation_cache(compilation_cache_dir)
         dtype = jnp.dtype(dtype or default_dtype())
         if not jnp.issubdtype(dtype, jnp.floating):
@@ -336,8 +343,9 @@ class LLMEngine:
         self.attention_backend = attention_backend
         num_mtp_cache_layers = max(model_config.num_mtp_layers, 1) if spec.method == "mtp" else 0
         if spec.method == "mtp" and model_config.num_mtp_layers > 1 and spec.k > 1:
-            # Known limitation (README "How a step works"): MTP module j >= 1 writes its own
-            # cache only at draft positions, so its attention also reads entries it never wrote.
+            # Known limitation (docs/architecture.md, the MTP's shadow state): MTP module j >= 1
+            # writes its own cache only at draft positions, so its attention also reads entries
+            # it never wrote.
             log.warning("num_mtp_layers=%d: MTP modules after the first attend over a partly "
                         "written MTP cache; drafts 2..K may depend on earlier requests (greedy "
                         "output stays lossless; acceptance and seeded sampled output may vary)",
@@ -395,6 +403,9 @@ class LLMEngine:
         # limit: each new step bucket is checked first (jmtp.runtime.host_maps).
         self._map_budget = MapBudget("step bucket")
         self._compiled_buckets: set[StepBucket] = set()
+        # {bucket label: seconds} of each bucket's first run in step() (tracing, then compiling
+        # or loading it from the persistent cache, then the step itself): where lazy compiles go
+        self.first_call_seconds: dict[str, float] = {}
         if compile == "eager":
             with shd.mesh_context(self.mesh):
                 self.compile_seconds = self._compile_ahead()
@@ -466,6 +477,33 @@ class LLMEngine:
         self._ready = []
         return ready
 
+    @property
+    def compiled_buckets(self) -> frozenset[StepBucket]:
+        """The step buckets compiled so far (ahead of time or by a first run)."""
+        return frozenset(self._compiled_buckets)
+
+    def uncompiled_buckets(self) -> tuple[StepBucket, ...]:
+        """The step buckets (:func:`~jmtp.runtime.buckets.step_buckets`) not compiled yet."""
+        return tuple(b for b in step_buckets(self._shard_ec) if b not in self._compiled_buckets)
+
+    def bucket_to_run(self, bucket: StepBucket) -> StepBucket:
+        """The bucket a step whose work :func:`~jmtp.runtime.buckets.choose_bucket` sized as
+        ``bucket`` runs in: ``bucket``, or with lazy compiles an already compiled bucket that
+        holds its work at most twice over (``T`` and ``A`` each within ``[1x, 2x]``): a compile
+        costs seconds, padding one step to twice its rows milliseconds (e.g. a one-prompt run's
+        last, shorter windows reuse the full-window bucket instead of compiling ``T=2``).
+        Padded rows compute nothing that is kept and sampling keys follow request positions,
+        so tokens are those of the smaller bucket up to floating-point rounding (as already
+        when the load decides the bucket). Not with the dynamic speculation policy, which
+        prices and times each bucket it plans for."""
+        if (self.compile_mode != "lazy" or self.spec_policy is not None
+                or bucket in self._compiled_buckets):
+            return bucket
+        fits = [c for c in self._compiled_buckets
+                if bucket.num_tokens <= c.num_tokens <= 2 * bucket.num_tokens
+                and bucket.num_slots <= c.num_slots <= 2 * bucket.num_slots]
+        return min(fits, default=bucket)
+
     def _check_bucket(self, bucket) -> None:
         """Raise :class:`MapLimitError` if ``bucket`` is not compiled yet and its compile would
         cross the process's memory-map limit (:mod:`jmtp.runtime.host_maps`). On a
@@ -483,7 +521,9 @@ class LLMEngine:
         if bucket in self._compiled_buckets:
             return self._call_step(bucket, chunks, limits)
         self._map_budget.start()
+        t0 = time.perf_counter()
         out = self._call_step(bucket, chunks, limits)
+        self.first_call_seconds[bucket.label] = time.perf_counter() - t0
         self._map_budget.stop()
         self._compiled_buckets.add(bucket)
         return out
@@ -593,23 +633,52 @@ class LLMEngine:
         self.spec_policy.seed_costs(seconds)
         return seconds
 
+    def compile_buckets(self, buckets: Iterable[StepBucket] | None = None, *,
+                        progress: bool = False) -> dict[str, float]:
+        """Compile step buckets ahead of their first use (nothing runs; requests are untouched).
+
+        A lazy engine uses this to warm up in idle time: ``jmtp chat`` compiles the rest while
+        the user types, so no later turn waits on a compile.
+
+        Args:
+          buckets: the :class:`StepBucket` s to compile (default: every one of
+            :func:`~jmtp.runtime.buckets.step_buckets`); ones already compiled are skipped.
+          progress: show a tqdm bar.
+
+        Returns:
+          ``{bucket label: seconds}`` of the compiles done (a persistent-cache hit is quick).
+
+        Raises:
+          MapLimitError: the compiles would cross the process's memory-map limit (checked
+            before each, as in eager construction).
+        """
+        from jmtp.runtime.compile import compile_ahead
+        todo = [b for b in (step_buckets(self._shard_ec) if buckets is None else buckets)
+                if b not in self._compiled_buckets]
+        if not todo:
+            return {}
+        with shd.mesh_context(self.mesh):
+            return compile_ahead(self._step, [self._step_args(b) for b in todo],
+                                 labels=[b.label for b in todo], desc="compile step buckets",
+                                 progress=progress, on_compiled=lambda i: self._compiled_buckets
+                                 .add(todo[i]), budget=(self._map_budget if
+                                                        jax.process_count() == 1 else None))
+
+    def _step_args(self, bucket: StepBucket) -> tuple:
+        """The jitted step's arguments for ``bucket`` as :meth:`_call_step` passes them (host
+        arrays through ``jnp.asarray`` on one device, numpy ``[D, Bl]`` on a mesh)."""
+        sec, D = self._shard_ec, self._dp
+        zeros = (jnp.asarray(np.zeros((sec.max_num_seqs,), np.int32)) if self.mesh is None else
+                 np.zeros((D, sec.max_num_seqs), np.int32))
+        return (self.graphdef, sec, self.speculative_config.drafter, bucket,
+                self.attention_backend, self.params, self.state, self.cache, self.mtp_cache,
+                zeros, zeros)
+
     def _compile_ahead(self) -> dict:
         """Compile every step bucket and the request insert/release; ``{label: seconds}``."""
         from jmtp.runtime.compile import compile_ahead
-        sec, D = self._shard_ec, self._dp
-        buckets = step_buckets(sec)
-        static = (self.graphdef, sec, self.speculative_config.drafter)
-        # Host arrays as step() passes them: through jnp.asarray on one device (that stages them
-        # with a small jit), numpy [D, Bl] on a mesh.
-        zeros = (jnp.asarray(np.zeros((sec.max_num_seqs,), np.int32)) if self.mesh is None else
-                 np.zeros((D, sec.max_num_seqs), np.int32))
-        times = compile_ahead(self._step, [
-            static + (bk, self.attention_backend, self.params, self.state, self.cache,
-                      self.mtp_cache, zeros, zeros) for bk in buckets],
-            labels=[bk.label for bk in buckets],
-            desc="compile step buckets",
-            budget=self._map_budget if jax.process_count() == 1 else None)   # see _check_bucket
-        self._compiled_buckets.update(buckets)
+        sec = self._shard_ec
+        times = self.compile_buckets(progress=True)
         row = self._sampling_row(SamplingParams(), [0], [], 0)
         slot = (jnp.int32(0),) if self.mesh is None else (jnp.int32(0), jnp.int32(0))
         times.update(compile_ahead(self._insert, [(
@@ -710,8 +779,8 @@ class LLMEngine:
         if not isinstance(request_id, str):
             raise TypeError(f"{where}: request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._groups:
-            raise ValueError(f"{where}: request_id {request_id!r} is already in use by an "
-                             "unfinished request")
+            raise InvalidRequestError(f"{where}: request_id {request_id!r} is already in use by "
+                                      "an unfinished request", "request_id")
         if sp is None:
             sp = SamplingParams()
         if not isinstance(sp, SamplingParams):
@@ -719,7 +788,8 @@ class LLMEngine:
                             f"{type(sp).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{where}: string prompt but the engine has no tokenizer")
+                raise InvalidRequestError(f"{where}: string prompt but the engine has no "
+                                          "tokenizer", "prompt")
             ids, text = list(self.tokenizer.encode(prompt)), prompt
         else:
             try:
@@ -727,11 +797,13 @@ class LLMEngine:
             except ValueError:          # ragged nested lists
                 arr = np.asarray([None], dtype=object)
             if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-                raise ValueError(f"{where}: a token-id prompt must be a flat list of ints, got "
-                                 f"{arr.dtype} with shape {arr.shape}")
+                raise InvalidRequestError(f"{where}: a token-id prompt must be a flat list of "
+                                          f"ints, got {arr.dtype} with shape {arr.shape}",
+                                          "prompt")
             ids, text = [int(t) for t in arr], None
         if sp.stop and self.tokenizer is None:
-            raise ValueError(f"{where}: stop strings need a tokenizer (use stop_token_ids)")
+            raise InvalidRequestError(f"{where}: stop strings need a tokenizer (use "
+                                      "stop_token_ids)", "stop")
         self._validate(ids, sp, where)
         bad_words = self._bad_words_ids(sp) if sp.bad_words else []
         group = _Group(request_id, text, ids, sp, bad_words)
@@ -1052,24 +1124,28 @@ class LLMEngine:
     def _validate(self, prompt_ids: list[int], sp: SamplingParams, where: str):
         ec, mc = self.engine_config, self.model_config
         if len(prompt_ids) == 0:
-            raise ValueError(f"{where}: prompt is empty (a prompt needs at least one token)")
+            raise InvalidRequestError(f"{where}: prompt is empty (a prompt needs at least one "
+                                      "token)", "prompt")
         if len(prompt_ids) >= ec.max_model_len:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"{where}: prompt has {len(prompt_ids)} tokens; max_model_len={ec.max_model_len} "
-                "leaves no room to generate (prompt must be shorter than max_model_len)")
+                "leaves no room to generate (prompt must be shorter than max_model_len)", "prompt")
         bad = [t for t in prompt_ids if not 0 <= t < mc.vocab_size]
         if bad:
-            raise ValueError(f"{where}: token id {bad[0]} outside [0, vocab_size={mc.vocab_size})")
+            raise InvalidRequestError(f"{where}: token id {bad[0]} outside [0, vocab_size="
+                                      f"{mc.vocab_size})", "prompt")
         need = blocks_needed(min(len(prompt_ids) + sp.max_tokens, ec.max_model_len) + ec.k + ec.m,
                              ec.block_size)
         if need > ec.num_blocks:
-            raise ValueError(
-                f"{where}: the request needs up to {need} KV blocks but num_blocks={ec.num_blocks}")
+            raise InvalidRequestError(
+                f"{where}: the request needs up to {need} KV blocks but num_blocks={ec.num_blocks}",
+                "max_tokens")
         if sp.logprobs is not None and max(sp.logprobs, 1) > ec.max_logprobs:
-            raise ValueError(f"{where}: logprobs={sp.logprobs} exceeds max_logprobs="
-                             f"{ec.max_logprobs} (set LLM(max_logprobs=...))")
+            raise InvalidRequestError(f"{where}: logprobs={sp.logprobs} exceeds max_logprobs="
+                                      f"{ec.max_logprobs} (set LLM(max_logprobs=...))", "logprobs")
         if sp.bad_words and self.tokenizer is None:
-            raise ValueError(f"{where}: bad_words need a tokenizer (use bad_token_ids)")
+            raise InvalidRequestError(f"{where}: bad_words need a tokenizer (use bad_token_ids)",
+                                      "bad_words")
         # Builds (and so validates) the sampling row: stop ids, bad words, capacities.
         self._sampling_row(sp, prompt_ids, self._bad_words_ids(sp), 0)
 
@@ -1136,7 +1212,7 @@ class LLMEngine:
             rows[d] = dec_rows + int(chunks[r.start:r.stop].sum())
             active[d] = len(decoding) + int(np.count_nonzero(chunks[r.start:r.stop]))
         # One (T, A) bucket for every shard: the busiest one's.
-        bucket = choose_bucket(sec, max(rows), max(active), bool(chunks.any()))
+        bucket = self.bucket_to_run(choose_bucket(sec, max(rows), max(active), bool(chunks.any())))
         self._check_bucket(bucket)   # before the policy and the prefix cache change anything
         ready = self._pop_ready()
         # Slots that propose in this step: decoding ones and those whose prefill ends in it.

@@ -1,5 +1,6 @@
-"""n-gram (prompt-lookup) drafting on device: FastDeploy's ``ngram_match`` / ``hybrid_mtp_ngram``
-(``fastdeploy_mtp_spec.md`` §5.7, §6.12) as one pure, vectorised jnp function.
+"""n-gram (prompt-lookup) drafting on device: FastDeploy's ``ngram_match`` op (its pure n-gram
+proposer, ``NgramProposer``) and ``hybrid_mtp_ngram`` op (``mtp_strategy="with_ngram"``) as one
+pure, vectorised jnp function.
 
 Rule, per slot ``b`` with history ``h = ids[b, :length[b]]`` (prompt followed by generated tokens,
 for the hybrid also followed by the MTP drafts):
@@ -19,8 +20,8 @@ Deliberate deviations from FastDeploy, each for a reason:
   buffers separately and never finds such a match; no reason to miss it);
 * the pattern may include prompt tokens: FastDeploy skips ``n > step_idx``; here only
   ``n > L - 1`` is skipped, so right after the prefill the prompt's last tokens already match;
-* the pure n-gram method really reads the prompt (quirk Q11: FastDeploy's runner never fills the
-  pure proposer's prompt buffer, so it matches generated tokens only);
+* the pure n-gram method really reads the prompt (FastDeploy's runner never fills the pure
+  proposer's prompt buffer, so it matches generated tokens only);
 * ``min_n`` is honoured by the pure method too (FastDeploy's pure proposer always goes down to 1;
   jmtp's default ``min_ngram_size`` for it is 1, so the default behaviour is the same);
 * no token-budget throttle (FastDeploy's ``INFER_WITH_REFERENCE_TOKENUM_THRESHOLD``): the draft

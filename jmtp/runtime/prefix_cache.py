@@ -7,8 +7,8 @@ Design (``LLM(enable_prefix_caching=True)``; one device, no mesh yet):
   *MTP* KV of those positions. Target entry ``p`` depends on tokens ``[0, p]``; MTP entry ``p``
   pairs token ``p+1`` with the target hidden state ``p`` (the shifted MTP cache, see
   :mod:`jmtp.runtime.step`), so it depends on tokens ``[0, p+1]`` (module 0's cache; with
-  several MTP modules the later ones' caches are only partly written, see the README's known
-  limitation). A block is therefore keyed by
+  several MTP modules the later ones' caches are only partly written, see the known limitation
+  in ``docs/architecture.md``). A block is therefore keyed by
   a hash chain over token ids, block by block (``key_i = sha256(key_{i-1} ‖ tokens of block i)``)
   and, when the engine has an MTP cache, **also the first token of block i+1**. A new request
   reuses block ``i`` only if its tokens ``[0, (i+1)*bs]`` match, so every MTP entry it reads was

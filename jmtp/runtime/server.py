@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
 import uuid
 from typing import Any, Literal, Union
@@ -38,6 +37,7 @@ try:  # the `serve` extra
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("jmtp serve needs the `serve` extra: pip install 'jmtp[serve]'") from e
 
+from jmtp.core.errors import InvalidRequestError
 from jmtp.runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from jmtp.runtime.sampling import SamplingParams
 
@@ -118,26 +118,12 @@ def error_body(message: str, type_: str, param: str | None, code: str | None = N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-# Map SamplingParams field names (in its ValueError messages) to the request fields users sent.
-_FIELD_RE = re.compile(r"SamplingParams\.(\w+)")
-_REQUEST_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "stop_token_ids", "n", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "min_tokens", "logprobs")
-
-
 def param_of(err: Exception, prompt_field: str) -> str:
-    """The request field a jmtp ValueError/TypeError is about (the prompt field when none is named:
-    the engine's prompt errors -- empty, too long, token ids out of range -- name no field)."""
-    msg = str(err)
-    m = _FIELD_RE.search(msg) or re.search(r"keyword argument '(\w+)'", msg)
-    if m and m.group(1) != "__init__":
-        return m.group(1)
-    if "KV blocks" in msg:
-        return "max_tokens"
-    for f in _REQUEST_FIELDS:
-        if re.search(rf"\b{f}=", msg):
-            return f
-    return prompt_field
+    """The request field a jmtp error is about: :attr:`InvalidRequestError.field
+    <jmtp.core.errors.InvalidRequestError.field>` (its ``"prompt"`` is the request's
+    ``prompt_field``), else the prompt field."""
+    field = getattr(err, "field", None) if isinstance(err, InvalidRequestError) else None
+    return prompt_field if field in (None, "prompt") else field
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -672,24 +658,17 @@ def build_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_l
     return app
 
 
-def serve(args) -> int:
-    """``jmtp serve``: build the LLM from the CLI options, then run uvicorn until interrupted."""
-    import os
-
+def serve(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
+          log_level: str = "info") -> int:
+    """Serve ``llm`` (a :class:`jmtp.LLM`, built by the caller: ``jmtp serve`` builds it from its
+    options) over the OpenAI-compatible API as ``model_name``, with uvicorn, until interrupted."""
     import uvicorn
 
-    from jmtp.cli import build_llm
-
-    llm = build_llm(args)
-    name = args.served_model_name
-    if not name:
-        name = ("SmolLM2-135M-Instruct" if args.model is None else
-                os.path.basename(os.path.normpath(args.model)))
     metrics = ServerMetrics()
     engine = AsyncLLMEngine.from_llm(llm, on_step=metrics.on_step, start=False)
-    app = build_app(engine, llm.tokenizer, model_name=name,
+    app = build_app(engine, llm.tokenizer, model_name=model_name,
                     max_model_len=llm.engine_config.max_model_len, metrics=metrics,
-                    max_logprobs=args.max_logprobs)
-    log.info("serving %s on http://%s:%d", name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+                    max_logprobs=llm.llm_engine.engine_config.max_logprobs)
+    log.info("serving %s on http://%s:%d", model_name, host, port)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
     return 0

@@ -39,36 +39,22 @@ shards, each a small engine of its own inside the same jitted step
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+# The mesh vocabulary lives in jmtp.core.mesh (kernels and model code read it there); it is
+# re-exported here with the placement rules built on it.
+from jmtp.core.mesh import (DATA, DATA_SHARD, LOGICAL_TO_MESH, MESH_AXES, MODEL, SLOTS,  # noqa: F401
+                            attention_specs, auto_axes, mesh_context, model_axis_size,
+                            uniform_any)
 from jmtp.model import axes as ax
 
 log = logging.getLogger(__name__)
-
-DATA = "data"
-MODEL = "model"
-MESH_AXES = (DATA, MODEL)
-
-# Logical axis of the engine state's per-slot arrays (not a parameter axis).
-SLOTS = "slots"
-# Leading axis of the stacked (per data shard) engine state and KV caches.
-DATA_SHARD = "data_shard"
-
-# The one table: logical axis name -> mesh axis (None = replicated).
-LOGICAL_TO_MESH: dict[str, str | None] = {
-    ax.Q_HEADS: MODEL, ax.KV_HEADS: MODEL, ax.MLP: MODEL, ax.VOCAB: MODEL,
-    ax.LAYERS: None, ax.EMBED: None, ax.EMBED2: None, ax.HEAD_DIM: None,
-    ax.BLOCKS: None, ax.BLOCK_SIZE: None, ax.EXPERTS: None, ax.EXPERT_MLP: None,
-    SLOTS: DATA, DATA_SHARD: DATA,
-}
 
 
 def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
@@ -246,24 +232,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def attention_specs() -> tuple[P, P, P]:
-    """``(query/output spec f[T, Nq, D], cache spec f[num_blocks, block_size, Nkv, D], scale spec
-    f32[num_blocks, Nkv, block_size])`` of ragged paged attention under ``shard_map``: heads over
-    ``model``."""
-    heads = LOGICAL_TO_MESH[ax.KV_HEADS]
-    return P(None, heads, None), P(None, None, heads, None), P(None, heads, None)
-
-
-@contextlib.contextmanager
-def mesh_context(mesh: Mesh | None):
-    """``jax.set_mesh(mesh)`` while tracing / running the engine step (no-op for None)."""
-    if mesh is None:
-        yield
-        return
-    with jax.set_mesh(mesh):
-        yield
-
-
 def per_device_bytes(tree) -> tuple[int, int]:
     """``(total bytes, bytes on the first device)`` of the arrays of ``tree`` (Variables
     unwrapped): what each device holds, for the start-up report and the tests."""
@@ -274,38 +242,6 @@ def per_device_bytes(tree) -> tuple[int, int]:
         shards = getattr(a, "addressable_shards", None)
         local += shards[0].data.nbytes if shards else a.nbytes
     return total, local
-
-
-def auto_axes() -> set[str]:
-    """The axes of the mesh set by :func:`mesh_context` that are not manual yet (inside the data
-    parallel ``shard_map``, ``data`` is manual): what a nested ``shard_map`` makes manual. (All
-    axes manual: the Pallas kernels' interpret mode runs host callbacks, which a partly automatic
-    ``shard_map`` does not support.)"""
-    mesh = jax.sharding.get_abstract_mesh()
-    return {n for n, t in zip(mesh.axis_names, mesh.axis_types)
-            if t != jax.sharding.AxisType.Manual}
-
-
-def uniform_any(x: jax.Array) -> jax.Array:
-    """``jnp.any(x)`` (bool[]), the same on every data shard: the predicate of a run-time
-    ``lax.cond`` in the engine step. Inside the data-parallel ``shard_map`` each shard sees only
-    its own slots; a branch taken by some shards and not others would run the collectives GSPMD
-    puts inside it (tensor parallelism) on some devices only, a deadlock. So there the shards'
-    predicates are OR-ed (``psum`` over ``data``); anywhere else this is ``jnp.any``."""
-    p = jnp.any(x)
-    mesh = jax.sharding.get_abstract_mesh()
-    if (not mesh.empty and DATA in mesh.axis_names and mesh.shape[DATA] > 1
-            and DATA not in auto_axes()):
-        p = jax.lax.psum(p.astype(jnp.int32), DATA) > 0
-    return p
-
-
-def model_axis_size() -> int:
-    """Size of the ``model`` axis of the mesh set by :func:`mesh_context` (1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or MODEL not in mesh.axis_names:
-        return 1
-    return int(mesh.shape[MODEL])
 
 
 __all__ = ["DATA", "MODEL", "MESH_AXES", "SLOTS", "DATA_SHARD", "state_sharding",

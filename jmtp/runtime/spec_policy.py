@@ -173,10 +173,9 @@ class DynamicSpeculation:
         plain decoding's (0 = no guard; see "Guard on the realised rate").
       count_presence: estimate each position's presence from ``observe``'s ``num_allowed``
         and count an allowed draft that never came as a failed trial of its acceptance (see
-        "Presence"). On by default since the gain is estimated jointly (2026-12-03 A/Bs at
-        batch 1, dynamic n-gram K=7, two runs: with it 1.05x / 0.98x plain on general prompts
-        and 1.21x / 1.08x on copy-heavy ones, without it 1.01x / 0.92x and 1.07x / 0.91x; at
-        batch 8 a tie within noise, 1.01-1.11x plain with it and 1.02-1.13x without); off,
+        "Presence"). On by default since the gain is estimated jointly: in interleaved A/Bs of
+        dynamic n-gram K=7 it was faster at batch 1 on general and copy-heavy prompts and tied
+        within noise at batch 8 (figures in ``docs/measurements.md``); off,
         ``num_allowed`` is ignored, every presence is 1 and only proposed drafts are trials.
         No effect on an MTP engine with ``K <= M`` (it proposes every allowed draft).
       guard_retry: steps drafting is held off after a first losing window (doubles after each

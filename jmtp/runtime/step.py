@@ -1,31 +1,35 @@
-"""The engine step: one jitted pure function wired over named, pure stages (FastDeploy
-``execute_model`` speculative branch, §2 of ``fastdeploy_mtp_spec.md``, with the "shadow state"
-MTP of §12 Q2). :func:`engine_step` is the whole step, compiled once per step bucket with the state
-and both caches donated; each stage is a function of typed pytrees in → typed pytrees out, jittable
-and tested on its own (``tests/runtime/test_stages.py``).
+"""The engine step: one jitted pure function wired over named, pure stages (the speculative
+branch of FastDeploy's target model runner ``execute_model``, with the "shadow state" MTP that
+later FastDeploy versions adopted: the MTP's decode state is derived from the target's and
+``accept_num``, never rolled back). :func:`engine_step` is the whole step, compiled once per step
+bucket with the state and both caches donated; each stage is a function of typed pytrees in →
+typed pytrees out, jittable and tested on its own (``tests/runtime/test_stages.py``).
 
 =========================== ====================================================================
 stage (this module)         FastDeploy op(s)
 =========================== ====================================================================
 :func:`schedule`            the ``seq_lens_this_time`` the scheduler / ``draft_model_postprocess``
                             set: per slot the prefill chunk (``seq_lens_encoder``) or the verify
-                            window ``1 + #drafts`` (§2 step 10, §6.2)
-:func:`allocate_blocks`     ``speculate_step_paddle`` / ``step_cuda`` block top-up (§6.10, §9.3):
+                            window ``1 + #drafts`` (the runner copies it into the next
+                            step's buffer; request insertion sets a new request's)
+:func:`allocate_blocks`     ``speculate_step_paddle`` / ``step_cuda`` block top-up (and the MTP's
+                            ``mtp_step_paddle``, whose cache shares the block ids here):
                             every scheduled slot gets the blocks its writes need, all or nothing,
                             else it is paused (``is_block_step``)
 :func:`target_forward`      ``speculate_get_padding_offset`` + model forward + ``rebuild_padding``
-                            + ``compute_logits`` (§3, §4): window rows only
-:func:`speculate_verify`    ``top_p_candidates`` + ``speculate_verify`` (§5.3)
+                            + ``compute_logits``: window rows only
+:func:`speculate_verify`    ``top_p_candidates`` + ``speculate_verify`` (``SpeculativeSampler``)
 :func:`speculate_update`    ``speculate_update`` + ``speculate_set_value_by_flags_and_idx``
-                            (§5.4, §5.5): stop checks, truncation at the first stop, token append
-:func:`draft_model_preprocess`  ``draft_model_preprocess`` + ``eagle_get_hidden_states`` (§6.3,
-                            §6.4): MTP substep 0 inputs from the accepted tokens and target rows
+                            (``post_process_specualate``): stop checks, truncation at the first
+                            stop, token append
+:func:`draft_model_preprocess`  ``draft_model_preprocess`` + ``eagle_get_hidden_states``: MTP
+                            substep 0 inputs from the accepted tokens and target rows
 :func:`mtp_substep`         one MTP forward + draft pick, then ``draft_model_update`` +
-                            ``eagle_get_self_hidden_states`` (§6.5, §6.6) for the next substep;
-                            the step applies it M times
-:func:`draft_model_postprocess`  ``draft_model_postprocess`` (§6.7): drafts into
+                            ``eagle_get_self_hidden_states`` (the proposer's ``_propose`` loop
+                            and ``MTPSampler``) for the next substep; the step applies it M times
+:func:`draft_model_postprocess`  ``draft_model_postprocess``: drafts into
                             ``draft_tokens[:, 1:]``, the next ``seq_lens_this_time``
-:func:`release_finished`    the release half of ``speculate_step_paddle`` (§6.10): finished slots
+:func:`release_finished`    the release half of ``speculate_step_paddle``: finished slots
                             return their blocks in the step they finish
 =========================== ====================================================================
 
@@ -47,8 +51,9 @@ all fields are data (array leaves, or None for an absent optional array), static
 
 The MTP keeps no state besides its cache: it processes positions ``[dec_old, dec_old + a)`` of the
 one-position-shifted cache (position p holds (x_{p+1}, h_p)), i.e. its ``seq_lens_decoder`` is the
-target's minus ``accept_num`` (§12 Q2 "shadow state"). Speculative positions written by substeps
-≥ 1 lie past the next step's kv length and are overwritten before they are ever read.
+target's minus ``accept_num`` (the "shadow state": FastDeploy's own recovery formula subtracted
+``seq_lens_this_time``, right only when every draft was accepted). Speculative positions written
+by substeps ≥ 1 lie past the next step's kv length and are overwritten before they are ever read.
 """
 from __future__ import annotations
 
@@ -207,7 +212,9 @@ class Committed:
       finished: bool[B]      slot finished this step.
       finish_reason: i32[B]  FINISH_STOP / FINISH_LENGTH where finished, else FINISH_NONE.
       draft_budget: i32[B]   drafts the next window may hold: ``[0, K]``, never past max_tokens or
-                             max_model_len (§12 Q3); 0 for slots that cannot draft.
+                             max_model_len (later FastDeploy skips drafting that close to the
+                             limit; the pinned version drafts ``eos``); 0 for slots that cannot
+                             draft.
     """
 
     tokens: jax.Array
@@ -560,7 +567,8 @@ def speculate_update(ec: EngineConfig, state: EngineState, sched: Schedule, veri
     stop_flags = prev.stop_flags | finished
     draft0 = jnp.where(num_committed > 0, last_tok, prev.draft_tokens[:, 0])
 
-    # Drafts allowed next step: never past max_tokens or max_model_len (§12 Q3).
+    # Drafts allowed next step: never past max_tokens or max_model_len (later FastDeploy versions
+    # also skip drafting near the limit; the version jmtp follows drafts ``eos`` there instead).
     new_seq_len = prev.prompt_lens + step_idx
     allowed = jnp.clip(jnp.minimum(prev.max_dec_len - step_idx - 1,
                                    ec.max_model_len - new_seq_len - 1), 0, K)

@@ -27,23 +27,27 @@ Strategies (``strategy=``):
 * ``"target_match"``: sample ``t_w ~ p_w`` at every row, accept while ``d_{w+1} == t_w``, emit
   ``t_j`` at the first mismatch (or the bonus). Lossless for any drafts; acceptance ``Σ p·q``
   instead of ``Σ min(p, q)``.
-* ``"topp"``: FastDeploy's rule (``fastdeploy_mtp_spec.md`` §5.3), **lossy**, for parity.
-  Probs = softmax(penalized logits / temperature) (min-p and top-k are not applied, as in
-  FastDeploy; greedy rows use temperature 1 and ``top_p = 1e-5`` like FastDeploy's input
-  processor). Candidates = the top-``C`` ids by probability (ties: lower id first); ``len`` = the
-  smallest ``n`` whose top-n mass is ``>= top_p``, else ``C`` when ``top_p == 1`` and **0**
-  otherwise (quirk Q8, replicated unless ``topp_clamp_candidate_len=True``, which clamps to
-  ``C``). A draft is accepted iff it is among the first ``len`` candidates. At the first rejected
-  row ``i``: if ``C >= 2``, ``d_{i+1}`` is the second candidate and the next ``verify_window``
-  drafts all equal their row's top-1 candidate (so at least ``verify_window`` further drafts
-  exist), all ``verify_window + 1`` drafts are accepted (window relaxation, also for greedy rows,
-  as in FastDeploy). The correction/bonus token is drawn from the candidates of the row after the
-  last accepted draft: ``T* = min(sum of the first len scores, top_p)``, ``u ~ U(0, 1]``, the first
-  candidate (among the first ``len``) with cumulative score ``>= u·T*``, else candidate 0.
-  Deliberate deviations from FastDeploy: EOS inside an accepted window truncates at the first EOS
-  (quirk Q7; FastDeploy subtracts only one); a zero-probability candidate is never accepted
-  (FastDeploy can accept one when ``top_p == 1`` and the top-C float sum falls short of 1);
-  penalties use the exact per-row history (Q9); randomness is per request.
+* ``"topp"``: FastDeploy's rule (its ``SpeculativeSampler``: ``top_p_candidates`` then
+  ``speculate_verify``), **lossy**, for parity. Probs = softmax(penalized logits / temperature)
+  (min-p and top-k are not applied, as in FastDeploy; greedy rows use temperature 1 and
+  ``top_p = 1e-5`` like FastDeploy's input processor). Candidates = the top-``C`` ids by
+  probability (ties: lower id first); ``len`` = the smallest ``n`` whose top-n mass is
+  ``>= top_p``, else ``C`` when ``top_p == 1`` and **0** otherwise (FastDeploy's
+  ``actual_candidate_len`` when the top-C mass falls short of ``top_p``, replicated unless
+  ``topp_clamp_candidate_len=True``, which clamps to ``C``). A draft is accepted iff it is among
+  the first ``len`` candidates. At the first rejected row ``i``: if ``C >= 2``, ``d_{i+1}`` is the
+  second candidate and the next ``verify_window`` drafts all equal their row's top-1 candidate (so
+  at least ``verify_window`` further drafts exist), all ``verify_window + 1`` drafts are accepted
+  (window relaxation, also for greedy rows, as in FastDeploy). The correction/bonus token is drawn
+  from the candidates of the row after the last accepted draft:
+  ``T* = min(sum of the first len scores, top_p)``, ``u ~ U(0, 1]``, the first candidate (among
+  the first ``len``) with cumulative score ``>= u·T*``, else candidate 0. Deliberate deviations
+  from FastDeploy: EOS inside an accepted window truncates at the first EOS (FastDeploy's
+  ``speculate_verify`` subtracts only one from ``accept_num``); a zero-probability candidate is
+  never accepted (FastDeploy can accept one when ``top_p == 1`` and the top-C float sum falls
+  short of 1); penalties use the exact per-row history (FastDeploy reads the bad words of slot 0
+  for every slot and does not update the counts inside a verify window); randomness is per
+  request.
 
 After the strategy, tokens are cut after the first stop token (the slot's ``stop_token_ids``, and
 ``eos_token_ids`` unless ``ignore_eos``) when ``truncate_at_stop`` (default). ``max_tokens`` is
@@ -191,7 +195,8 @@ def topp_candidates(probs: jax.Array, top_p: jax.Array, max_candidate_len: int,
     """FastDeploy's ``top_p_candidates``: ``(ids i32[..., C], scores f32[..., C], len i32[...])``.
 
     ``probs f32[B, W, V]``, ``top_p f32[B]``. ``len`` is the smallest n whose top-n mass is
-    ``>= top_p``; if never reached it is ``C`` when ``top_p >= 1`` (or ``clamp``), else 0 (Q8).
+    ``>= top_p``; if never reached it is ``C`` when ``top_p >= 1`` (or ``clamp``), else 0 (as
+    FastDeploy's op does).
     """
     C = max_candidate_len
     scores, ids = jax.lax.top_k(probs, C)
@@ -264,7 +269,8 @@ def verify(logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
         model logits. ``"final"``: log of the target distribution p (after temperature and
         filtering; -inf outside its support; greedy rows: 0 for the argmax).
       truncate_at_stop: static; cut the emitted tokens after the first stop token.
-      topp_clamp_candidate_len: static; "topp" only: clamp Q8's 0 candidate length to C.
+      topp_clamp_candidate_len: static; "topp" only: clamp the 0 candidate length FastDeploy
+        gives when the top-C mass falls short of ``top_p`` to C.
       uniforms: optional f32[B, K+1, 2] raw draws in [0, 1) replacing the per-request ones
         (``[..., 0]``: acceptance coin of row w, ``[..., 1]``: sample at row w); for tests and
         synthetic runs. The coin used is ``1 - u`` in (0, 1].

@@ -17,10 +17,10 @@ Pipeline (each step is a function over token ids, so any tokenizer / generator c
 6. :func:`pack_rows` / :func:`make_batch` — pack sequences into fixed ``[B, W]`` rows for
    :func:`jmtp.train.dense.dense_mtp_forward`.
 
-Row convention (fastdeploy_mtp_spec.md §4.2): for a sequence ``x_0..x_{n-1}`` with target hidden
-states ``h_0..h_{n-1}`` (``h_t`` is the state that predicts ``x_{t+1}``), MTP row ``p`` (``0 <= p <=
-n-2``) is fed ``(h_p, x_{p+1})`` and is trained to predict ``x_{p+2}``; rows whose label is a prompt
-token (or absent) carry no loss.
+Row convention (FastDeploy's one-position-shifted MTP cache): for a sequence ``x_0..x_{n-1}`` with
+target hidden states ``h_0..h_{n-1}`` (``h_t`` is the state that predicts ``x_{t+1}``), MTP row
+``p`` (``0 <= p <= n-2``) is fed ``(h_p, x_{p+1})`` and is trained to predict ``x_{p+2}``; rows
+whose label is a prompt token (or absent) carry no loss.
 """
 from __future__ import annotations
 

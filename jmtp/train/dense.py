@@ -12,22 +12,23 @@ Why not ``mtp_forward`` itself: the jnp reference of ragged paged attention cost
 (every query against every sequence of the batch), i.e. ``B`` times a dense causal attention, and the
 recursive passes need a mask no paged cache can express (below).
 
-Row convention (fastdeploy_mtp_spec.md §4.2): MTP row ``p`` of a sequence sees the target's post-norm
-hidden state ``h_p`` and the token ``x_{p+1}``; its output predicts ``x_{p+2}``; its RoPE position is
-``p``.
+Row convention (FastDeploy's one-position-shifted MTP cache): MTP row ``p`` of a sequence sees the
+target's post-norm hidden state ``h_p`` and the token ``x_{p+1}``; its output predicts ``x_{p+2}``;
+its RoPE position is ``p``.
 
-Recursive passes (one MTP layer reused for draft substeps, spec §4.2 "Sub-step s>=1"): in pass ``i``
-(1-based) row ``p`` plays the draft substep ``i-1`` whose chain started at row ``r = p - i + 1``: its
-token is ``x_{p+1}`` (the previous draft, assumed correct), its hidden input is the module's own output
-``h_next`` of pass ``i-1`` at row ``p-1``, and it attends to
+Recursive passes (one MTP layer reused for draft substeps ``s >= 1``, which pair the embedding of
+draft ``d_s`` with the module's own previous output): in pass ``i`` (1-based) row ``p`` plays the
+draft substep ``i-1`` whose chain started at row ``r = p - i + 1``: its token is ``x_{p+1}`` (the
+previous draft, assumed correct), its hidden input is the module's own output ``h_next`` of pass
+``i-1`` at row ``p-1``, and it attends to
 
 * the pass-1 keys of rows ``j <= r`` (the MTP cache entries written from target hidden states), and
 * the pass-``m`` key of row ``r + m - 1`` for ``m = 2..i`` (the entries written by earlier substeps).
 
-This is exactly what the paged cache holds at inference after the target's verify step (the MTP cache
-is rolled back and rewritten from the target's hidden states, spec §4.2), i.e. the "training-time
-test" of EAGLE-3 (Li et al. 2025, arXiv 2503.01840) for a chain draft. Pass ``i`` row ``p`` is
-*valid* when ``r`` lies in the same segment.
+This is exactly what the paged cache holds at inference after the target's verify step (the MTP
+cache is rewritten from the target's hidden states over the committed positions), i.e. the
+"training-time test" of EAGLE-3 (Li et al. 2025, arXiv 2503.01840) for a chain draft. Pass ``i`` row
+``p`` is *valid* when ``r`` lies in the same segment.
 """
 from __future__ import annotations
 

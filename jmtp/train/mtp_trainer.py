@@ -1,8 +1,8 @@
 """MTP head training by self-distillation: objective, optimiser, evaluation, checkpoints, export.
 
-Objective (DeepSeek-V3 MTP, arXiv 2412.19437 §2.2; EAGLE, arXiv 2401.15077): MTP row ``p`` sees the
-target's post-norm hidden state ``h_p`` and the token ``x_{p+1}`` and predicts ``x_{p+2}`` through
-the target's frozen LM head:
+Objective (DeepSeek-V3 MTP, arXiv 2412.19437, its multi-token prediction section; EAGLE, arXiv
+2401.15077): MTP row ``p`` sees the target's post-norm hidden state ``h_p`` and the token
+``x_{p+1}`` and predicts ``x_{p+2}`` through the target's frozen LM head:
 
 * ``CE``: cross-entropy against the data token ``x_{p+2}`` (the target's own generation);
 * optional ``KL(p_target(. | h_{p+1}) || p_mtp)``, the target's distribution for the same token

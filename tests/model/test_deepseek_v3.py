@@ -338,7 +338,7 @@ def _np_swiglu(t, p, h):
 
 
 def _np_deepseek_moe(t, p, h, hf):
-    """DeepSeek-V3 MoE (tech report §2.1.2): sigmoid affinities, choice by affinity + bias
+    """DeepSeek-V3 MoE (the tech report's DeepSeekMoE section): sigmoid affinities, choice by affinity + bias
     restricted to the ``topk_group`` groups with the largest top-2 sums, weights = affinities of
     the chosen experts normalised to 1 then times ``routed_scaling_factor``; plus shared experts."""
     e, k = hf["n_routed_experts"], hf["num_experts_per_tok"]

@@ -172,3 +172,70 @@ def test_second_process_hits_the_persistent_cache(tmp_path):
         hits.append(int(r.stdout.split("HITS")[-1]))
     assert hits[0] == 0
     assert hits[1] >= 4                     # two step buckets + insert + release
+
+
+def test_lazy_reuses_a_compiled_bucket_at_most_twice_the_work():
+    """A lazy engine runs a step in an already compiled bucket holding at most twice its rows
+    rather than compiling a new one; tokens stay the reference's. Plain decoding, one slot, a
+    32-token budget: token buckets T = 1, 8, 16, 32 (hand-worked from EngineConfig.token_buckets)."""
+    cfg, params = tiny_model()
+    llm = jmtp.LLM(model_config=cfg, params=params, max_num_seqs=1, max_model_len=64,
+                   max_num_batched_tokens=32, compile="lazy", compilation_cache_dir=None)
+    first = llm.llm_engine.first_call_seconds
+    sp = jmtp.SamplingParams(max_tokens=3, ignore_eos=True)
+    prompts = {20: "T=32,A=1", 12: None, 5: "T=8,A=1"}   # 12 rows: T=16 -> T=32 reused
+    for n, new in prompts.items():
+        before = set(first)
+        prompt = [(7 * i + n) % cfg.vocab_size for i in range(n)]
+        out = llm.generate([prompt], sp, use_tqdm=False)[0]
+        assert out.token_ids == reference_greedy(cfg, params, prompt, 3, stop_ids=[])
+        added = set(first) - before
+        assert added == ({new} if new else set()) | ({"T=1,A=1"} if n == 20 else set())
+    assert "T=16,A=1" not in first
+    st = llm.last_run_stats
+    assert 0 < st["time_to_first_token"] <= st["seconds"]
+    assert st["generated_tokens"] == 3 and st["decode_tokens_per_second"] > 0
+
+
+def test_fast_cpu_compile_flag_only_before_a_backend_starts():
+    """use_fast_cpu_compiles() adds the flag to XLA_FLAGS before the first backend starts (on the
+    jaxlib it was measured on) and changes nothing once one runs."""
+    code = textwrap.dedent("""
+        import os, importlib.metadata
+        from jmtp.runtime import compile as jc
+        first = jc.use_fast_cpu_compiles()
+        import jax
+        jax.devices()
+        print(first, jc.use_fast_cpu_compiles(), importlib.metadata.version("jaxlib"),
+              jc.FAST_CPU_COMPILE_FLAG in os.environ.get("XLA_FLAGS", ""))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    first, second, version, flag_set = r.stdout.split()
+    expected = version.startswith("0.10.")
+    assert (first, second, flag_set) == (str(expected), "False", str(expected))
+
+
+def test_eager_engine_serves_mixed_traffic_without_compiling():
+    """What ``jmtp serve`` relies on: after an eager start-up, a queue of requests with every kind
+    of sampling (seeded sampling, top-k/p, min-p, penalties, logprobs, n=2, stop ids, bad ids) on
+    a 2-slot MTP engine compiles nothing, whatever slot counts and windows its steps meet."""
+    cfg, params = tiny_model()
+    llm = jmtp.LLM(model_config=cfg, params=params, max_num_seqs=2, max_model_len=48,
+                   max_num_batched_tokens=16, max_logprobs=2, compile="eager",
+                   compilation_cache_dir=None,
+                   speculative_config=jmtp.SpeculativeConfig("mtp", num_speculative_tokens=2))
+    SP = jmtp.SamplingParams
+    sps = [SP(max_tokens=5), SP(max_tokens=6, temperature=0.8, seed=1, top_k=5, top_p=0.9),
+           SP(max_tokens=4, temperature=1.0, seed=2, min_p=0.1, presence_penalty=0.5,
+              frequency_penalty=0.2, repetition_penalty=1.1),
+           SP(max_tokens=5, logprobs=2), SP(max_tokens=3, n=2, temperature=0.7, seed=3),
+           SP(max_tokens=7, stop_token_ids=(5,), bad_token_ids=(6,), min_tokens=2)]
+    prompts = [[3 + i, 4, 5 + 2 * i, 6, 7][: 2 + i % 4] * (1 + i % 3) for i in range(len(sps))]
+    with _CompileLog() as during:
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+    assert during.names == [], f"traffic compiled {during.names}"
+    assert [len(o.outputs) for o in outs] == [1, 1, 1, 1, 2, 1]
+    assert all(o.finished for o in outs)

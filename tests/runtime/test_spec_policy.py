@@ -341,8 +341,8 @@ def test_each_ranking_lists_a_slots_drafts_in_order(n, k, data):
 
 
 def test_a_near_tie_may_keep_the_plan_without_drafts():
-    """The draw that failed CI on 2026-12-02 (the brute-force check compared with a margin tighter
-    than the policy's): one slot accepting 1e-9 of its drafts, one row and two rows both priced
+    """A draw that once failed CI (the brute-force check compared with a margin tighter than the
+    policy's): one slot accepting 1e-9 of its drafts, one row and two rows both priced
     1.5 s. A draft adds 1e-9 expected tokens, within ``PLAN_RTOL``: either plan is optimal."""
     p = policy(1, 1, [1, 2, 3, 4, 6, 8, 12, 16], prior_weight=0.0, halflife=1e9)
     p.trials[:] = 10.0

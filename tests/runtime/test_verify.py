@@ -1,5 +1,6 @@
 """verify(): properties (hypothesis + chex), speculative == sequential equivalence, p = 0 safety,
-FastDeploy ``topp`` parity on hand-worked cases (fastdeploy_mtp_spec.md §5.3), bad values."""
+FastDeploy ``topp`` parity on hand-worked cases (its ``top_p_candidates`` + ``speculate_verify``),
+bad values."""
 from __future__ import annotations
 
 import functools
@@ -397,7 +398,7 @@ def test_stop_token_inside_accepted_drafts():
 
 
 # ----------------------------------------------------------------------------------------------
-# FastDeploy topp parity (fastdeploy_mtp_spec.md §5.3), hand-worked
+# FastDeploy topp parity (``top_p_candidates`` + ``speculate_verify``), hand-worked
 
 P_ROWS = {   # V = 10 distributions over ids 0..4; ids 5..9 share the remaining mass equally
     "a": [0.50, 0.20, 0.15, 0.10, 0.03],   # top_p 0.8 -> len 3 (cumsum 0.5, 0.7, 0.85)
@@ -435,7 +436,7 @@ def test_topp_candidate_lengths():
     ids, scores, ln = vf.topp_candidates(probs, jnp.array([0.8]), 5)
     assert list(np.asarray(ln)[0]) == [3, 1, 4]
     assert list(np.asarray(ids)[0, 0]) == [0, 1, 2, 3, 4]
-    # Q8: top-2 mass 0.7 < 0.8 -> 0; clamped -> C; top_p == 1 -> C
+    # FastDeploy's short candidate set: top-2 mass 0.7 < 0.8 -> 0; clamped -> C; top_p == 1 -> C
     ids, scores, ln = vf.topp_candidates(probs, jnp.array([0.8]), 2)
     assert list(np.asarray(ln)[0]) == [0, 1, 0]
     ids, scores, ln = vf.topp_candidates(probs, jnp.array([0.8]), 2, clamp=True)
@@ -477,7 +478,8 @@ def test_topp_window_relaxation():
 
 
 def test_topp_eos_inside_window_truncates():
-    """Q7: FastDeploy reports accept_num = 3 for the window [1, EOS, 0]; jmtp stops at the EOS."""
+    """FastDeploy reports accept_num = 3 for the window [1, EOS, 0] (it subtracts one for an EOS
+    inside the window); jmtp stops at the EOS."""
     rows = [_row("b"), _row("b", B_PERM), _row("b"), _row("a")]
     got = topp_cases([(rows, [1, 7, 0]), (rows, [0, 7, 0])], eos=[7])
     # the second case accepts the EOS by plain membership: it stops there too (no bonus)

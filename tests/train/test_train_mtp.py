@@ -88,7 +88,8 @@ def test_dense_pass1_equals_mtp_forward_on_packed_segments(variant):
 
 def test_recursive_passes_equal_stepwise_drafting_through_mtp_forward():
     """Pass i at row r+i-1 == draft substep i-1 of inference after the MTP cache was filled (from
-    target hidden states) up to row r: the spec §4.2 roll-back state."""
+    target hidden states) up to row r: the state FastDeploy's MTP is rolled back to before each
+    proposal."""
     cfg, params = TINY, _params()
     rng = np.random.default_rng(2)
     n_rows, w = 9, 12

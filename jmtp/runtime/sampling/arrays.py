@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmtp.core.errors import InvalidRequestError
 from jmtp.runtime.sampling.params import SamplingParams
 
 
@@ -135,39 +136,41 @@ def make_row(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
     row = _neutral_row(V, max_stop, max_bad_words, max_bad_word_len)
     prompt = np.asarray(list(prompt_ids), dtype=np.int64).reshape(-1)
     if prompt.size and (prompt.min() < 0 or prompt.max() >= V):
-        raise ValueError(f"prompt_ids: token ids must be in [0, {V})")
+        raise InvalidRequestError(f"prompt_ids: token ids must be in [0, {V})", "prompt")
     stops = list(dict.fromkeys(list(params.stop_token_ids)
                                + ([] if params.ignore_eos else [int(e) for e in eos_ids])))
     if any(token_id >= V or token_id < 0 for token_id in stops):
-        raise ValueError(f"stop_token_ids / eos_ids: ids must be in [0, {V}), got {stops}")
+        raise InvalidRequestError(f"stop_token_ids / eos_ids: ids must be in [0, {V}), got {stops}",
+                                  "stop_token_ids")
     if len(stops) > max_stop:
-        raise ValueError(f"stop_token_ids: {len(stops)} stop ids (incl. EOS) exceed max_stop="
-                         f"{max_stop}")
+        raise InvalidRequestError(f"stop_token_ids: {len(stops)} stop ids (incl. EOS) exceed "
+                                  f"max_stop={max_stop}", "stop_token_ids")
     if any(token_id >= V for token_id in params.bad_token_ids):
-        raise ValueError(f"bad_token_ids: ids must be < vocab_size={V}")
+        raise InvalidRequestError(f"bad_token_ids: ids must be < vocab_size={V}", "bad_token_ids")
     multi_token_words = []
     row["bad_token_mask"][list(params.bad_token_ids)] = True
     for word in bad_words_ids:
         word = [int(token_id) for token_id in word]
         if not word or any(token_id < 0 or token_id >= V for token_id in word):
-            raise ValueError(f"bad_words_ids: each sequence must be non-empty with ids in [0, {V})")
+            raise InvalidRequestError(f"bad_words_ids: each sequence must be non-empty with ids in "
+                                      f"[0, {V})", "bad_words")
         if len(word) == 1:
             row["bad_token_mask"][word[0]] = True
         else:
             multi_token_words.append(word)
     if len(multi_token_words) > max_bad_words:
-        raise ValueError(f"bad_words_ids: {len(multi_token_words)} multi-token bad words exceed "
-                         f"max_bad_words={max_bad_words}")
+        raise InvalidRequestError(f"bad_words_ids: {len(multi_token_words)} multi-token bad words "
+                                  f"exceed max_bad_words={max_bad_words}", "bad_words")
     for word_idx, word in enumerate(multi_token_words):
         if len(word) > max_bad_word_len:
-            raise ValueError(f"bad_words_ids: a bad word of {len(word)} tokens exceeds "
-                             f"max_bad_word_len={max_bad_word_len}")
+            raise InvalidRequestError(f"bad_words_ids: a bad word of {len(word)} tokens exceeds "
+                                      f"max_bad_word_len={max_bad_word_len}", "bad_words")
         row["bad_word_seqs"][word_idx, max_bad_word_len - len(word):] = word
     seed = params.seed if params.seed is not None else request_seed
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**32))
     if not 0 <= int(seed) < 2**32:
-        raise ValueError(f"request_seed={seed} must be in [0, 2**32)")
+        raise InvalidRequestError(f"request_seed={seed} must be in [0, 2**32)", "seed")
     if max_bad_word_len > 1 and prompt.size:
         prompt_tail = prompt[-(max_bad_word_len - 1):]
         row["recent_tokens"][max_bad_word_len - 1 - prompt_tail.size:] = prompt_tail

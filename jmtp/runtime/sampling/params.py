@@ -14,14 +14,16 @@ from typing import Sequence
 
 import numpy as np
 
+from jmtp.core.errors import InvalidRequestError
+
 #: Rows with ``temperature < GREEDY_EPS`` are greedy (vLLM's ``_SAMPLING_EPS``).
 GREEDY_EPS = 1e-5
 #: Limits for frequency / presence penalties (OpenAI / vLLM).
 PENALTY_LIMIT = 2.0
 
 
-def _field_error(field: str, value, limit: str) -> ValueError:
-    return ValueError(f"SamplingParams.{field}={value!r}: must be {limit}")
+def _field_error(field: str, value, limit: str) -> InvalidRequestError:
+    return InvalidRequestError(f"SamplingParams.{field}={value!r}: must be {limit}", field)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,8 @@ class SamplingParams:
       include_stop_str_in_output: keep the matched stop string at the end of the text.
 
     Raises:
-      ValueError naming the field and its limit for any out-of-range value.
+      InvalidRequestError: (a ``ValueError``) naming the field (``.field``) and its limit for any
+        out-of-range value.
     """
 
     max_tokens: int = 16

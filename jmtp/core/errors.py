@@ -1,0 +1,19 @@
+"""Typed errors that carry what they are about, so no caller parses message text."""
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A request's input breaks a limit or a rule.
+
+    A ``ValueError`` (callers that catch ``ValueError`` keep working) with :attr:`field`: the
+    input it is about, a :class:`~jmtp.SamplingParams` field name (``"max_tokens"``,
+    ``"stop_token_ids"``, ``"logprobs"``, ...) or ``"prompt"``. The OpenAI server answers it with
+    HTTP 400 and ``param`` = the request field the client sent for it.
+
+    Attributes:
+      field: the input's name, or None when the error concerns no single input.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
