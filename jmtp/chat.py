@@ -70,13 +70,13 @@ class TurnStats:
     def line(self) -> str:
         """The compact summary ``jmtp chat`` prints after a reply."""
         ttft = "n/a" if self.time_to_first_token is None else f"{self.time_to_first_token:.2f}s"
-        parts = [f"ttft {ttft}", f"{self.num_tokens} tokens",
+        parts = [f"ttft {ttft}", f"{self.num_tokens} tokens in {self.seconds:.2f}s",
                  f"{self.decode_tokens_per_second:.1f} tok/s"]
         if self.cached_tokens is not None:
             parts.append(f"prefix cache hit {self.cached_tokens} of {self.prompt_tokens} "
                          "prompt tokens")
         if self.compiled:
-            parts.append(f"compiled {len(self.compiled)} step bucket"
+            parts.append(f"compiled or loaded {len(self.compiled)} step bucket"
                          f"{'s' if len(self.compiled) > 1 else ''} "
                          f"{sum(self.compiled.values()):.1f}s")
         if self.warmup_wait >= 0.05:
