@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any, Callable, TextIO
 
+from jmtp.runtime.engine import FirstTokenClock
 from jmtp.runtime.sampling import SamplingParams
 
 COMMANDS = ("/reset", "/stats", "/help", "/exit", "/quit")
@@ -250,7 +251,7 @@ class ChatSession:
             return TurnStats(None, 0, 0.0, 0, None, time.perf_counter() - t0, None, True,
                              warmup_wait=waited)
         eng.add_request(rid, prompt, self.sampling_params)
-        ttft = first_runs_at_ttft = None
+        clock = FirstTokenClock(eng, t0)
         last = None
         try:
             while eng.has_unfinished_requests() and not interrupted():
@@ -258,12 +259,9 @@ class ChatSession:
                     if out.request_id != rid:
                         continue
                     last = out
-                    c = out.outputs[0]
-                    if ttft is None and c.token_ids:
-                        ttft = time.perf_counter() - t0
-                        first_runs_at_ttft = sum(eng.first_call_seconds.values())
-                    if c.delta_text:
-                        write(c.delta_text)
+                    clock.saw(out)
+                    if out.outputs[0].delta_text:
+                        write(out.outputs[0].delta_text)
         finally:
             if eng.has_unfinished_requests():      # Ctrl-C, or a step raised
                 eng.abort_request(rid)
@@ -272,14 +270,10 @@ class ChatSession:
         compiled = {k: v for k, v in eng.first_call_seconds.items() if k not in firsts0}
         c = last.outputs[0] if last is not None else None
         n = len(c.token_ids) if c is not None else 0
-        rate = 0.0
-        if ttft is not None and n > 1:
-            after = (t_end - t0 - ttft
-                     - (sum(eng.first_call_seconds.values()) - first_runs_at_ttft))
-            rate = (n - 1) / after if after > 0 else 0.0
         hits1 = eng.get_stats().get("prefix_cache_hit_tokens")
         stats = TurnStats(
-            time_to_first_token=ttft, num_tokens=n, decode_tokens_per_second=rate,
+            time_to_first_token=clock.ttft, num_tokens=n,
+            decode_tokens_per_second=clock.decode_rate(n - 1, t_end),
             prompt_tokens=len(last.prompt_token_ids) if last is not None else 0,
             cached_tokens=None if hits0 is None else hits1 - hits0, seconds=t_end - t0,
             finish_reason=None if stopped else (c.finish_reason if c is not None else None),

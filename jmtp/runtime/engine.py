@@ -18,8 +18,42 @@ from jmtp.runtime.llm_engine import LLMEngine, default_dtype, with_draft_vocab
 from jmtp.runtime.outputs import RequestOutput
 from jmtp.runtime.sampling import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "RequestState", "SamplingParams", "default_dtype",
-           "with_draft_vocab"]
+__all__ = ["LLM", "LLMEngine", "FirstTokenClock", "RequestState", "SamplingParams",
+           "default_dtype", "with_draft_vocab"]
+
+class FirstTokenClock:
+    """Time to first token and decode rate of a run of :meth:`LLMEngine.step` calls, with the
+    first runs of step buckets met after the first token (lazy compiles,
+    ``LLMEngine.first_call_seconds``) left out of the decode time.
+
+    Call :meth:`saw` with every ``RequestOutput`` the run cares about; :attr:`ttft` is then the
+    seconds from ``t0`` to the first one that carried a token (None until then).
+    """
+
+    def __init__(self, engine: LLMEngine, t0: float | None = None):
+        self._engine = engine
+        self.t0 = time.perf_counter() if t0 is None else t0
+        self.ttft: float | None = None
+        self._first_runs_at_ttft = 0.0
+
+    def _first_runs(self) -> float:
+        return sum(self._engine.first_call_seconds.values())
+
+    def saw(self, out: RequestOutput) -> None:
+        """Note one output; the first with a token fixes :attr:`ttft`."""
+        if self.ttft is None and any(c.token_ids for c in out.outputs):
+            self.ttft = time.perf_counter() - self.t0
+            self._first_runs_at_ttft = self._first_runs()
+
+    def decode_rate(self, tokens_after_first: int, end: float | None = None) -> float:
+        """``tokens_after_first`` over the seconds from the first token to ``end`` (default now)
+        less the first runs of buckets met in between (tokens/s; 0.0 without such tokens)."""
+        if self.ttft is None or tokens_after_first <= 0:
+            return 0.0
+        end = time.perf_counter() if end is None else end
+        after = (end - self.t0 - self.ttft) - (self._first_runs() - self._first_runs_at_ttft)
+        return tokens_after_first / after if after > 0 else 0.0
+
 
 def _engine_attr(name: str) -> property:
     """An attribute of ``LLM`` that is the same attribute of its ``llm_engine``."""
@@ -239,13 +273,11 @@ class LLM:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         t0, steps0, gen0 = time.perf_counter(), engine._num_steps, engine._num_generated
-        ttft = None
-        first_runs = lambda: sum(engine.first_call_seconds.values())   # noqa: E731
+        clock = FirstTokenClock(engine, t0)
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    if ttft is None and any(c.token_ids for c in out.outputs):
-                        ttft, first_runs_at_ttft = time.perf_counter() - t0, first_runs()
+                    clock.saw(out)
                     if out.finished:
                         done[out.request_id] = out
                         if bar is not None:
@@ -258,15 +290,12 @@ class LLM:
                 bar.close()
         dt = time.perf_counter() - t0
         gen = engine._num_generated - gen0
-        # Decode rate: the tokens after each sample's first one, over the time after the first
-        # token, less the first runs (lazy compiles) of buckets met after it.
+        # Decode rate: the tokens after each sample's first one.
         firsts = sum(1 for rid in ids if rid in done for c in done[rid].outputs if c.token_ids)
-        rest = gen - firsts
-        after = 0.0 if ttft is None else dt - ttft - (first_runs() - first_runs_at_ttft)
         self.last_run_stats = dict(steps=engine._num_steps - steps0, seconds=dt,
                                    generated_tokens=gen,
                                    tokens_per_second=gen / dt if dt > 0 else 0.0,
-                                   time_to_first_token=ttft,
-                                   decode_tokens_per_second=rest / after if rest > 0 and after > 0
-                                   else 0.0)
+                                   time_to_first_token=clock.ttft,
+                                   decode_tokens_per_second=clock.decode_rate(gen - firsts,
+                                                                              t0 + dt))
         return [dataclasses.replace(done[rid], request_id=i) for i, rid in enumerate(ids)]

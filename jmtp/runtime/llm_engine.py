@@ -653,8 +653,8 @@ class LLMEngine:
             before each, as in eager construction).
         """
         from jmtp.runtime.compile import compile_ahead
-        todo = [b for b in (step_buckets(self._shard_ec) if buckets is None else buckets)
-                if b not in self._compiled_buckets]
+        todo = (list(self.uncompiled_buckets()) if buckets is None
+                else [b for b in buckets if b not in self._compiled_buckets])
         if not todo:
             return {}
         with shd.mesh_context(self.mesh):
