@@ -156,9 +156,8 @@ class ChatSession:
         text = self.llm.tokenizer.apply_chat_template(
             self.messages + [{"role": "user", "content": ""}], add_generation_prompt=True)
         ids = list(eng.tokenizer.encode(text))
-        pc = eng.prefix_cache
-        cached = len(pc.match(ids)[1]) * pc.block_size if pc is not None else 0
-        return max(len(ids) - cached, 1)
+        pcs = eng.prefix_caches
+        return max(len(ids) - (pcs.cached_tokens(ids) if pcs is not None else 0), 1)
 
     def start_warmup(self, delay: float | None = None) -> bool:
         """Compile the remaining step buckets in a background thread, one at a time, until

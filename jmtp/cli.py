@@ -292,6 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from jmtp.runtime.process import tune_malloc
+    tune_malloc()      # before any JAX backend starts (jmtp.runtime.process)
     try:
         if args.cmd == "launch":
             from jmtp.launch import run_launch

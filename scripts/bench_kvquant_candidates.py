@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     # Calibration statistics (training prompts, not evaluation ones).
     from jmtp.model.loader import resolve_checkpoint, shipped_head_path
     from jmtp.model.mtp_head import head_metadata
-    from jmtp.train.data import encode_chat, load_prompts, split_prompts
+    from jmtp.train.prompts import encode_chat, load_prompts, split_prompts
     meta = head_metadata(str(shipped_head_path(resolve_checkpoint(None)[0])))
     train, _ = split_prompts(load_prompts(), float(meta.get("eval_frac", 0.1)),
                              int(meta.get("split_seed", 0)))

@@ -139,7 +139,7 @@ def main(argv=None):
             llm = LLM(model_config=cfg, params=params, tokenizer=tok, max_num_seqs=1,
                       max_model_len=max_len, speculative_config=spec, compile="eager")
             eng, rec = llm.llm_engine, collections.defaultdict(list)
-            run = eng._run_step
+            run = eng.runner.run_step
 
             def timed(bucket, chunks, limits, run=run, rec=rec):
                 t = time.perf_counter()
@@ -148,7 +148,7 @@ def main(argv=None):
                     rec[bucket.num_tokens].append(time.perf_counter() - t)
                 return out
 
-            eng._run_step = timed
+            eng.runner.run_step = timed
             llm.generate(prompts[:1], sp, use_tqdm=False)              # warm
             rec.clear()
             engines[label], steps[label] = llm, rec

@@ -92,7 +92,7 @@ class Row:
 def load_sets(args, tok) -> dict[str, list[list[int]]]:
     from jmtp.model.loader import resolve_checkpoint, shipped_head_path
     from jmtp.model.mtp_head import head_metadata
-    from jmtp.train.data import encode_chat, load_prompts, split_prompts
+    from jmtp.train.prompts import encode_chat, load_prompts, split_prompts
 
     sets: dict[str, list[list[int]]] = {}
     if "general" in args.sets:

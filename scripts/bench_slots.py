@@ -37,10 +37,10 @@ def compare(name, engines, prompt, sp, rounds):
     outs = {}
     for k, llm in engines.items():
         # The jit cache of engine_step is shared by all engines of the process: count the delta.
-        n0, t0 = llm._step._cache_size(), time.perf_counter()
+        n0, t0 = llm.llm_engine.runner.jitted_step._cache_size(), time.perf_counter()
         outs[k], _ = timed(llm, prompt, sp)
         print(f"  [{name}] {k}: warm-up {time.perf_counter() - t0:6.1f} s "
-              f"({llm._step._cache_size() - n0} step variants compiled)", flush=True)
+              f"({llm.llm_engine.runner.jitted_step._cache_size() - n0} step variants compiled)", flush=True)
     ref = next(iter(outs.values())).token_ids
     assert all(o.token_ids == ref for o in outs.values()), f"{name}: outputs differ!"
     for _ in range(rounds):
@@ -62,7 +62,7 @@ def compile_all(llm):
     zeros = jnp.zeros((ec.max_num_seqs,), jnp.int32)     # prefill chunks, draft limits
     for bucket in step_buckets(ec):
         t0 = time.perf_counter()
-        llm._step.lower(llm.graphdef, ec, llm.speculative_config.drafter, bucket, llm.attention_backend,
+        llm.llm_engine.runner.jitted_step.lower(llm.graphdef, ec, llm.speculative_config.drafter, bucket, llm.attention_backend,
                         llm.params, llm.state, llm.cache, llm.mtp_cache, zeros, zeros).compile()
         dt = time.perf_counter() - t0
         total += dt

@@ -100,7 +100,7 @@ def policy_counts(llm) -> dict[str, int] | None:
 def prompt_sets(tok, names, n):
     from jmtp.model.loader import resolve_checkpoint, shipped_head_path
     from jmtp.model.mtp_head import head_metadata
-    from jmtp.train.data import encode_chat, load_prompts, split_prompts
+    from jmtp.train.prompts import encode_chat, load_prompts, split_prompts
     import importlib.resources
     import json as _json
 

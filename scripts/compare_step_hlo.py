@@ -34,13 +34,16 @@ for k, B, loop in json.loads(sys.argv[1]):
               max_num_seqs=B, max_model_len=512, compile="lazy", compilation_cache_dir=None,
               layer_loop=loop)
     e = llm.llm_engine
-    sec = e._shard_ec       # both checkouts' private names: this script reads internals on purpose
+    # older checkouts held the step on the engine (private names), newer ones on its runner
+    run = getattr(e, "runner", None)
+    sec = run.shard_config if run is not None else e._shard_ec
+    step = run.jitted_step if run is not None else e._step
     bks = step_buckets(sec)
     zeros = jnp.asarray(np.zeros((sec.max_num_seqs,), np.int32))
     for bk in (bks[0], bks[len(bks) // 2], bks[-1]):
         args = (e.graphdef, sec, e.speculative_config.drafter, bk, e.attention_backend, e.params,
                 e.state, e.cache, e.mtp_cache, zeros, zeros)
-        text = e._step.lower(*args).as_text()
+        text = step.lower(*args).as_text()
         out[f"K={k} B={B} {loop} T={bk.num_tokens} A={bk.num_slots}"] = hashlib.sha256(
             text.encode()).hexdigest()[:16]
 print(json.dumps(out))

@@ -56,7 +56,7 @@ def plot_train(src: str, dst: str) -> None:
     ax.plot([r["step"] for r in recs], [r["loss"] for r in recs], lw=1, label="train loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    key = "eval_acc1"          # held-out first-draft greedy acceptance (jmtp.train.mtp_trainer)
+    key = "eval_acc1"          # held-out first-draft greedy acceptance (jmtp.train.objective)
     ev = [r for r in recs if key in r]
     if ev:
         ax2 = ax.twinx()

@@ -8,7 +8,7 @@ whether the outputs are identical. Every configuration is run once untimed first
 
     python scripts/eval_acceptance.py --batches 1,8 --ks 1,2,3,4 --num-prompts 8 --max-tokens 128
 
-Prompts: ``jmtp.train.data.load_prompts`` split with ``split_prompts(eval_frac, seed)`` -- by default
+Prompts: ``jmtp.train.prompts.load_prompts`` split with ``split_prompts(eval_frac, seed)`` -- by default
 the values stored in the head's metadata (those of its training run), else 0.1 and 0.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def parse_args(argv=None):
 
 def eval_prompts(tok, meta: dict, args) -> list[list[int]]:
     """Chat-templated token ids of the evaluation split (never trained on)."""
-    from jmtp.train.data import encode_chat, load_prompts, split_prompts
+    from jmtp.train.prompts import encode_chat, load_prompts, split_prompts
 
     frac = args.eval_frac if args.eval_frac is not None else float(meta.get("eval_frac", 0.1))
     seed = args.split_seed if args.split_seed is not None else int(meta.get("split_seed", 0))

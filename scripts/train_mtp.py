@@ -57,7 +57,7 @@ def parse_args(argv=None):
                          "the cached batches of a longer, interrupted generation)")
     ap.add_argument("--generator", choices=("auto", "engine", "simple"), default="auto",
                     help="auto: the jmtp engine for greedy responses when importable, the simple "
-                         "generator (jmtp.train.data.generate_tokens) for sampled ones")
+                         "generator (jmtp.train.generation.generate_tokens) for sampled ones")
     ap.add_argument("--corpus-docs", default=None,
                     help="teacher-forced prose: a Sphinx _sources dir of the Python docs (e.g. "
                          "/usr/share/doc/python3.11/html/_sources from Debian's python3.11-doc)")
@@ -94,7 +94,8 @@ def parse_args(argv=None):
 
 def _generations(args, cfg, params, tok, data_dir, log):
     """Generate (or reload) greedy + sampled responses; returns ``(train_recs, eval_recs)``."""
-    from jmtp.train import data as D
+    from jmtp.train import generation as G
+    from jmtp.train import prompts as P
 
     path = os.path.join(data_dir, "generations.jsonl")
     spec = {"num_prompts": args.num_prompts, "eval_frac": args.eval_frac, "seed": args.seed,
@@ -110,9 +111,9 @@ def _generations(args, cfg, params, tok, data_dir, log):
                 log.info("reusing %d generations from %s", len(recs), path)
                 return ([r for r in recs if r["split"] == "train"],
                         [r for r in recs if r["split"] == "eval"])
-    prompts = D.load_prompts(args.num_prompts)
-    train_p, eval_p = D.split_prompts(prompts, args.eval_frac, args.seed)
-    enc = {p.id: D.encode_chat(tok, p.text) for p in prompts}
+    prompts = P.load_prompts(args.num_prompts)
+    train_p, eval_p = P.split_prompts(prompts, args.eval_frac, args.seed)
+    enc = {p.id: P.encode_chat(tok, p.text) for p in prompts}
     # Batches of similar prompt lengths: a generation batch's attention cost follows its longest
     # prompt. --gen-limit keeps a prefix of this order (the cached batches of a longer run).
     if len(train_p) > args.gen_batch:
@@ -121,7 +122,7 @@ def _generations(args, cfg, params, tok, data_dir, log):
     if args.gen_limit is not None:
         train_p = train_p[:args.gen_limit]
     log.info("%d prompts: %d train, %d eval", len(prompts), len(train_p), len(eval_p))
-    have_engine = D.engine_available()
+    have_engine = G.engine_available()
 
     def gen(ps, temperature, seed, kind):
         """Responses (and captured hidden states) of ``ps``, one ``gen_batch`` at a time; each
@@ -145,9 +146,9 @@ def _generations(args, cfg, params, tok, data_dir, log):
             if not os.path.exists(path):
                 kw = dict(temperature=temperature, seed=seed * 1000 + c, batch_size=args.gen_batch)
                 if use_engine:   # hidden states are recomputed later (one prefill per sequence)
-                    r, h = D.engine_generate(cfg, params, ids, args.gen_max_tokens, **kw), None
+                    r, h = G.engine_generate(cfg, params, ids, args.gen_max_tokens, **kw), None
                 else:
-                    r, h = D.generate_tokens(cfg, params, ids, args.gen_max_tokens,
+                    r, h = G.generate_tokens(cfg, params, ids, args.gen_max_tokens,
                                              return_hidden=True, **kw)
                 lens = np.asarray([len(x) for x in r], np.int64)
                 arrays = {"tokens": np.concatenate([np.asarray(x, np.int32) for x in r]), "lens": lens}
@@ -271,7 +272,8 @@ def main(argv=None) -> int:
     from jmtp.model.params import init_mtp_params
     from jmtp.train.data import MTPData, token_frequencies
     from jmtp.train import corpus as C
-    from jmtp.train.mtp_trainer import MTPTrainer, TrainConfig
+    from jmtp.train.config import TrainConfig
+    from jmtp.train.mtp_trainer import MTPTrainer
 
     if os.path.isdir(os.path.join(args.out, "checkpoints")) and os.listdir(
             os.path.join(args.out, "checkpoints")) and not (args.resume or args.export_only):

@@ -42,7 +42,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.sharding import DATA
 from jmtp.runtime.state import insert_request
-from jmtp.runtime.step import engine_step, release_slot
+from jmtp.runtime.handoff import gather_slot, import_slot
+from jmtp.runtime.step import engine_step, push_free_blocks, release_slot, retire_slot
 
 
 def shard_config(ec: EngineConfig, data_parallel_size: int) -> EngineConfig:
@@ -125,20 +126,22 @@ def data_parallel_step(mesh: Mesh, graphdef, ec: EngineConfig, drafter, bucket, 
 
 
 def data_parallel_insert(mesh: Mesh, state, shard, slot, prompt, prompt_len, max_dec_len,
-                         sampling_row, resume_token):
+                         sampling_row, resume_token, *shared):
     """:func:`~jmtp.runtime.state.insert_request` into row ``slot`` (i32[]) of data shard
     ``shard`` (i32[]); the other shards keep their state unchanged. Other arguments as for
-    ``insert_request`` (replicated)."""
-    def body(state, shard, slot, prompt, prompt_len, max_dec_len, sampling_row, resume_token):
+    ``insert_request`` (replicated; ``shared``: the prefix-caching arguments, shard-local block
+    ids)."""
+    def body(state, shard, slot, prompt, prompt_len, max_dec_len, sampling_row, resume_token,
+             *shared):
         local = _squeeze(state)
         new = insert_request(local, slot, prompt, prompt_len, max_dec_len, sampling_row,
-                             resume_token)
+                             resume_token, *shared)
         mine = jax.lax.axis_index(DATA) == shard
         return _expand(jax.tree_util.tree_map(lambda n, o: jnp.where(mine, n, o), new, local))
 
     r = P()
-    return _on_shard(mesh, body, (P(DATA), r, r, r, r, r, r, r), P(DATA))(
-        state, shard, slot, prompt, prompt_len, max_dec_len, sampling_row, resume_token)
+    return _on_shard(mesh, body, (P(DATA),) + (r,) * (7 + len(shared)), P(DATA))(
+        state, shard, slot, prompt, prompt_len, max_dec_len, sampling_row, resume_token, *shared)
 
 
 def data_parallel_release(mesh: Mesh, ec: EngineConfig, state, shard, slot):
@@ -154,5 +157,70 @@ def data_parallel_release(mesh: Mesh, ec: EngineConfig, state, shard, slot):
     return _on_shard(mesh, body, (P(DATA), P(), P()), (P(DATA), P(DATA)))(state, shard, slot)
 
 
+def _on_one(shard, fn, operands):
+    """``fn(*operands)`` on data shard ``shard`` only; the other shards return ``operands``
+    unchanged (``fn`` must return a tuple whose first entries have the operands' structure)."""
+    mine = jax.lax.axis_index(DATA) == shard
+    return jax.lax.cond(mine, lambda ops: fn(*ops), lambda ops: ops, operands)
+
+
+def data_parallel_retire(mesh: Mesh, ec: EngineConfig, state, shard, slot, keep):
+    """:func:`~jmtp.runtime.step.retire_slot` of row ``slot`` of data shard ``shard`` (prefix
+    caching). Returns ``(state, kept i32[D, P], free_count i32[D])``; only row ``shard`` of
+    ``kept`` is meaningful (-1 elsewhere)."""
+    P_ = ec.pages_per_seq
+
+    def body(state, shard, slot, keep):
+        local = _squeeze(state)
+        idle = lambda st, _: (st, jnp.full((P_,), -1, jnp.int32))
+        new, kept = jax.lax.cond(jax.lax.axis_index(DATA) == shard,
+                                 lambda st, k: retire_slot(ec, st, slot, k), idle, local, keep)
+        return _expand(new), kept[None], new.free_count[None]
+
+    return _on_shard(mesh, body, (P(DATA), P(), P(), P()), (P(DATA),) * 3)(
+        state, shard, slot, keep)
+
+
+def data_parallel_push_free(mesh: Mesh, state, shard, ids):
+    """:func:`~jmtp.runtime.step.push_free_blocks` of shard-local ``ids`` on data shard
+    ``shard``. Returns ``(state, free_count i32[D])``."""
+    def body(state, shard, ids):
+        local = _squeeze(state)
+        new = jax.lax.cond(jax.lax.axis_index(DATA) == shard,
+                           lambda st: push_free_blocks(st, ids), lambda st: st, local)
+        return _expand(new), new.free_count[None]
+
+    return _on_shard(mesh, body, (P(DATA), P(), P()), (P(DATA), P(DATA)))(state, shard, ids)
+
+
+def data_parallel_import(mesh: Mesh, ec: EngineConfig, state, cache, mtp_cache, shard, slot,
+                         row, kv, num_pages):
+    """:func:`~jmtp.runtime.handoff.import_slot` into row ``slot`` of data shard ``shard``
+    (``ec``: the shard's config; ``row`` and ``kv`` replicated, full kv heads). Returns
+    ``(state, cache, mtp_cache, ok bool[D], free_count i32[D])``; only ``ok[shard]`` is
+    meaningful (True elsewhere)."""
+    def body(state, cache, mtp_cache, shard, slot, row, kv, num_pages):
+        ops = (_squeeze(state), _squeeze(cache), _squeeze(mtp_cache))
+
+        def run(st, c, m):
+            return import_slot(ec, st, c, m, slot, row, kv, num_pages)
+
+        new, c, m, ok = jax.lax.cond(jax.lax.axis_index(DATA) == shard,
+                                     lambda o: run(*o), lambda o: (*o, jnp.bool_(True)), ops)
+        return _expand(new), _expand(c), _expand(m), ok[None], new.free_count[None]
+
+    d = P(DATA)
+    return _on_shard(mesh, body, (d, d, d, P(), P(), P(), P(), P()), (d,) * 5)(
+        state, cache, mtp_cache, shard, slot, row, kv, num_pages)
+
+
+def shard_gather(state, cache, mtp_cache, shard, slot, page_ids):
+    """:func:`~jmtp.runtime.handoff.gather_slot` of row ``slot`` of data shard ``shard`` of the
+    stacked state and caches (jit it with replicated output shardings: the host reads it)."""
+    pick = lambda t: jax.tree_util.tree_map(lambda x: x[shard], t)
+    return gather_slot(pick(state), pick(cache), pick(mtp_cache), slot, page_ids)
+
+
 __all__ = ["shard_config", "stack_shards", "data_parallel_step", "data_parallel_insert",
-           "data_parallel_release"]
+           "data_parallel_release", "data_parallel_retire", "data_parallel_push_free",
+           "data_parallel_import", "shard_gather"]

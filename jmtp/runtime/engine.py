@@ -14,7 +14,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from jmtp.runtime.handoff import RequestState
-from jmtp.runtime.llm_engine import LLMEngine, default_dtype, with_draft_vocab
+from jmtp.runtime.engine_args import default_dtype, with_draft_vocab
+from jmtp.runtime.llm_engine import LLMEngine
 from jmtp.runtime.outputs import RequestOutput
 from jmtp.runtime.sampling import SamplingParams
 
@@ -108,8 +109,6 @@ class LLM:
     state = _engine_attr("state")
     cache = _engine_attr("cache")
     mtp_cache = _engine_attr("mtp_cache")
-    _free_count = _engine_attr("_free_count")
-    _step = _engine_attr("_step")
     compile_seconds = _engine_attr("compile_seconds")
     compilation_cache_dir = _engine_attr("compilation_cache_dir")
     spec_policy = _engine_attr("spec_policy")
@@ -140,7 +139,7 @@ class LLM:
         ids = [f"generate-{call}-{i}" for i in range(len(prompts))]
         try:
             for i, (rid, p, sp) in enumerate(zip(ids, prompts, sps)):
-                engine._add(rid, p, sp, f"prompts[{i}]")
+                engine.requests.add(rid, p, sp, f"prompts[{i}]")
         except BaseException:
             engine.abort_request(ids)
             raise
@@ -272,7 +271,8 @@ class LLM:
         if use_tqdm and len(ids) > 1:
             from tqdm.auto import tqdm
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        t0, steps0, gen0 = time.perf_counter(), engine._num_steps, engine._num_generated
+        stats0 = engine.get_stats()
+        t0, steps0, gen0 = time.perf_counter(), stats0["num_steps"], stats0["num_generated_tokens"]
         clock = FirstTokenClock(engine, t0)
         try:
             while engine.has_unfinished_requests():
@@ -289,10 +289,11 @@ class LLM:
             if bar is not None:
                 bar.close()
         dt = time.perf_counter() - t0
-        gen = engine._num_generated - gen0
+        stats = engine.get_stats()
+        gen = stats["num_generated_tokens"] - gen0
         # Decode rate: the tokens after each sample's first one.
         firsts = sum(1 for rid in ids if rid in done for c in done[rid].outputs if c.token_ids)
-        self.last_run_stats = dict(steps=engine._num_steps - steps0, seconds=dt,
+        self.last_run_stats = dict(steps=stats["num_steps"] - steps0, seconds=dt,
                                    generated_tokens=gen,
                                    tokens_per_second=gen / dt if dt > 0 else 0.0,
                                    time_to_first_token=clock.ttft,

@@ -14,8 +14,10 @@ and the step costs what plain decoding costs.
 :func:`configure` turns off mmap for large allocations (``M_MMAP_MAX = 0``), keeps freed heap
 memory instead of returning it to the kernel (``M_TRIM_THRESHOLD`` = 1 GiB) and uses one malloc
 arena (``M_ARENA_MAX = 1``: a thread arena's heaps are at most 64 MiB, so larger scratch would be
-mapped afresh anyway). ``import jmtp`` calls it, before any XLA thread exists (arenas are
-assigned to a thread at its first allocation, so a later call only partly helps), when the
+mapped afresh anyway). Building an engine and the ``jmtp`` command call it
+(:func:`jmtp.runtime.process.tune_malloc`; call that yourself before touching JAX for the full
+effect: arenas are assigned to a thread at its first allocation, so a later call only partly
+helps), when the
 process will run XLA on the CPU: no accelerator plugin installed (``jax_plugins`` entry points,
 ``libtpu``) or ``JAX_PLATFORMS`` naming ``cpu`` first. On accelerator hosts host RAM holds
 checkpoints on their way to the device, which is better returned to the kernel, so nothing is
@@ -98,7 +100,7 @@ def configure(force: bool | None = None) -> bool:
 
     Raises:
       ValueError: ``JMTP_MALLOC_TUNING`` set to something other than ``0`` or ``1``
-        (``import jmtp`` turns this into a warning and applies nothing).
+        (:func:`jmtp.runtime.process.tune_malloc` turns this into a warning).
     """
     global applied
     if force is None:
@@ -112,9 +114,10 @@ def configure(force: bool | None = None) -> bool:
     if mallopt is None:
         return False
     if _jax_backend_started():
-        log.warning("jmtp.runtime.host_malloc: a JAX backend was already running when the malloc "
-                    "settings were applied; its threads keep their own arenas, so XLA:CPU scratch "
-                    "above 64 MiB may still be mapped afresh every step (import jmtp first)")
+        log.info("jmtp.runtime.host_malloc: a JAX backend was already running when the malloc "
+                 "settings were applied; its threads keep their own arenas, so XLA:CPU scratch "
+                 "above 64 MiB may still be mapped afresh every step (call "
+                 "jmtp.runtime.process.tune_malloc() before touching JAX)")
     failed = [param for param, value in SETTINGS if mallopt(param, value) != 1]
     if failed:
         log.warning("mallopt refused parameters %s: XLA:CPU scratch above 32 MiB may be "

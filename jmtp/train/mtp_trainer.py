@@ -1,40 +1,17 @@
-"""MTP head training by self-distillation: objective, optimiser, evaluation, checkpoints, export.
-
-Objective (DeepSeek-V3 MTP, arXiv 2412.19437, its multi-token prediction section; EAGLE, arXiv
-2401.15077): MTP row ``p`` sees the target's post-norm hidden state ``h_p`` and the token
-``x_{p+1}`` and predicts ``x_{p+2}`` through the target's frozen LM head:
-
-* ``CE``: cross-entropy against the data token ``x_{p+2}`` (the target's own generation);
-* optional ``KL(p_target(. | h_{p+1}) || p_mtp)``, the target's distribution for the same token
-  (weight ``kl_weight``);
-* optional recursive passes (``num_passes > 1``): the same layer re-run as draft substeps, fed its
-  own output hidden state, under the exact attention context of inference (see
-  :mod:`jmtp.train.dense`); pass ``i >= 2`` losses are weighted by ``recursive_weight``.
+"""MTP head training by self-distillation: the trainer (data order, evaluation, checkpoints, export).
 
 Only ``params["mtp"]`` is trained (kept in fp32); embedding, final norm, LM head and the target
 layers are frozen (the target layers are not even needed: their hidden states are cached).
 
-The head is an :class:`~jmtp.model.modules.MTPHead` (Flax NNX) optimised by an
-``nnx.Optimizer(head, tx, wrt=nnx.Param)`` with the optax chain of :func:`make_optimizer`; both
-sit in an :class:`MTPTrainModel`, split once (``nnx.split``) into a static graph definition and
-the pure ``nnx.State`` that :func:`train_step` takes and returns (merged inside ``jax.jit``, as
-the engine's step does). The loss runs the pure functions on ``head.to_params()``.
-
-Optional FR-Spec draft vocabulary (Zhao et al. 2025, arXiv 2502.14856): with
-``draft_vocab_size = N`` the loss and the draft's predictions use only the N most frequent tokens
-of the training responses, which cuts the dominant LM-head cost of a small model's training step.
-
-Evaluation (on prompts never trained on): with greedy target responses, a draft is accepted iff it
-equals the target's argmax. ``acc1`` = first-draft acceptance = top-1 agreement of pass-1 with the
-target argmax ``argmax compute_logits(h_{p+1})``; ``acc1_label`` = top-1 agreement with the data token;
-``chain_k`` = fraction of start rows whose first ``k`` drafts are all accepted (pass ``i`` run at row
-``r+i-1``); ``al_K = 1 + sum_{k<=K} chain_k`` estimates the mean acceptance length (tokens per verify
-step) at ``K`` drafts.
+:class:`MTPTrainer` drives the parts: hyper-parameters (:class:`~jmtp.train.config.TrainConfig`),
+objective and acceptance statistics (:mod:`jmtp.train.objective`), optimiser, train model and
+jitted step (:mod:`jmtp.train.step`), packed batches of cached data (:mod:`jmtp.train.data`). It
+owns the run's directory: orbax checkpoints, ``config.json``, ``metrics.jsonl`` and the exported
+head.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
@@ -45,7 +22,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jmtp.model.config import ModelConfig
@@ -53,8 +29,11 @@ from jmtp.model.modules import MTPHead
 from jmtp.model.mtp_head import (HEAD_FORMAT, export_mtp_head, head_metadata, load_draft_vocab,
                                  load_mtp_head, save_token_freq)
 from jmtp.model.params import init_mtp_params
+from jmtp.train.config import TrainConfig
 from jmtp.train.data import MTPData, make_batch, pack_rows
-from jmtp.train.dense import check_trainable, dense_mtp_forward
+from jmtp.train.dense import check_trainable
+from jmtp.train.objective import eval_batch, summarize_eval
+from jmtp.train.step import MTPTrainModel, make_optimizer, state_step, train_step
 
 log = logging.getLogger(__name__)
 
@@ -67,291 +46,13 @@ METRICS_FILE = "metrics.jsonl"
 _RESUME_FREE = ("eval_every", "ckpt_every", "keep_checkpoints", "progress")
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Hyper-parameters of one training run (saved as ``config.json`` beside the weights).
-
-    Attributes:
-      steps: optimiser steps in total (the schedule's length).
-      batch_size: packed rows per step B.
-      seq_len: MTP rows per packed row W (longer sequences are cut into chunks of W).
-      lr: peak learning rate; warm-up from 0 over ``warmup_steps``, cosine to ``lr * min_lr_ratio``.
-      warmup_steps: linear warm-up steps (must be < steps).
-      min_lr_ratio: final learning rate / peak.
-      weight_decay: AdamW decoupled weight decay (Loshchilov & Hutter 2019), matrices only.
-      b1, b2: Adam moments.
-      grad_clip: global-norm gradient clipping threshold.
-      seed: seeds data order and the feature-noise rng.
-      num_passes: recursive passes trained (1 = plain MTP objective).
-      recursive_weight: loss weight of passes >= 2.
-      kl_weight: weight of KL(target || mtp) added to the cross-entropy (0 = off).
-      feature_noise: std of Gaussian noise added to the target hidden state (EAGLE-style robustness;
-        0 = off).
-      draft_vocab_size: 0 = full vocabulary; N = FR-Spec top-N training vocabulary.
-      labels: ``"data"`` (the generated token x_{p+2}) or ``"target"`` (the target's own greedy
-        prediction of x_{p+2}, ``MTPData.top1``; what greedy verification accepts).
-      prompt_rows: also train on rows inside the prompt (with ``labels="target"``).
-      eval_every: steps between evaluations; eval_passes: drafts evaluated (K up to this).
-      ckpt_every: steps between orbax checkpoints; keep_checkpoints: how many to keep.
-      layer_idx: which MTP module to train.
-      progress: show a tqdm bar.
-    """
-
-    steps: int = 1000
-    batch_size: int = 8
-    seq_len: int = 256
-    lr: float = 1e-3
-    warmup_steps: int = 50
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    b1: float = 0.9
-    b2: float = 0.95
-    grad_clip: float = 1.0
-    seed: int = 0
-    num_passes: int = 1
-    recursive_weight: float = 0.5
-    kl_weight: float = 0.0
-    feature_noise: float = 0.0
-    draft_vocab_size: int = 0
-    labels: str = "data"
-    prompt_rows: bool = False
-    eval_every: int = 50
-    eval_passes: int = 3
-    ckpt_every: int = 100
-    keep_checkpoints: int = 2
-    layer_idx: int = 0
-    progress: bool = True
-
-    def __post_init__(self):
-        pos = ("steps", "batch_size", "num_passes", "eval_every", "eval_passes", "ckpt_every",
-               "keep_checkpoints")
-        for name in pos:
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.seq_len < 2:
-            raise ValueError(f"TrainConfig.seq_len must be >= 2, got {self.seq_len}")
-        if not 0 <= self.warmup_steps < self.steps:
-            raise ValueError(
-                f"TrainConfig.warmup_steps must lie in [0, steps={self.steps}), got {self.warmup_steps}")
-        if not self.lr > 0:
-            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr}")
-        for name in ("min_lr_ratio", "weight_decay", "recursive_weight", "kl_weight", "feature_noise",
-                     "draft_vocab_size", "layer_idx"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.labels not in ("data", "target"):
-            raise ValueError(f"TrainConfig.labels must be 'data' or 'target', got {self.labels!r}")
-        if not self.grad_clip > 0:
-            raise ValueError(f"TrainConfig.grad_clip must be > 0, got {self.grad_clip}")
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-# ------------------------------------------------------------------------------------------------
-# Loss and evaluation (pure functions of the MTP params).
-
-
 def _head_weight(params: dict) -> jax.Array:
-    """The frozen LM head as ``f[H, V]`` (``embed.T`` when tied), as :func:`compute_logits` uses it."""
+    """The frozen LM head as ``f[H, V]`` (``embed.T`` when tied), as
+    :func:`jmtp.model.llama.compute_logits` uses it."""
     return params["lm_head"] if "lm_head" in params else params["embed"].T
 
 
-def _forward(cfg, tcfg, mtp, frozen, batch, num_passes, noise_key=None):
-    params = dict(frozen, mtp=mtp)
-    hidden = batch["hidden"]
-    if noise_key is not None and tcfg.feature_noise > 0:
-        hidden = hidden + tcfg.feature_noise * jax.random.normal(noise_key, hidden.shape, hidden.dtype)
-    return dense_mtp_forward(cfg, params, batch["ids"], hidden, batch["positions"],
-                             batch["segment_ids"], num_passes, tcfg.layer_idx)
-
-
-def _logits(h, head_w):
-    return jnp.dot(h, head_w, preferred_element_type=jnp.float32).astype(jnp.float32)
-
-
-def loss_fn(mtp, frozen, head_w, label_map, batch, noise_key, *, cfg: ModelConfig, tcfg: TrainConfig):
-    """Scalar loss and metrics of one batch (see module docstring).
-
-    ``head_w f[H, V']`` is the (possibly FR-Spec restricted) frozen LM head; ``label_map i32[V]``
-    maps full ids to columns of ``head_w`` (-1 = outside the draft vocabulary: no loss).
-    """
-    outs = _forward(cfg, tcfg, mtp, frozen, batch, tcfg.num_passes, noise_key)
-    labels = label_map[batch["labels"]]
-    mask = batch["loss_mask"] * (labels >= 0)
-    labels = jnp.maximum(labels, 0)
-    t_logp = None
-    if tcfg.kl_weight > 0:
-        t_logp = jax.nn.log_softmax(_logits(batch["target_hidden"], head_w), axis=-1)
-        t_logp = jax.lax.stop_gradient(t_logp)
-    total, metrics = 0.0, {}
-    for i, (h, _, valid) in enumerate(outs):
-        logp = jax.nn.log_softmax(_logits(h, head_w), axis=-1)              # f32[B, W, V']
-        m = mask * valid
-        denom = jnp.maximum(m.sum(), 1.0)
-        nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-        ce = (nll * m).sum() / denom
-        term = ce
-        if t_logp is not None:
-            kl = (jnp.exp(t_logp) * (t_logp - logp)).sum(-1)
-            term = term + tcfg.kl_weight * (kl * m).sum() / denom
-        total = total + (1.0 if i == 0 else tcfg.recursive_weight) * term
-        metrics[f"ce{i + 1}"] = ce
-        metrics[f"acc{i + 1}_train"] = ((logp.argmax(-1) == labels) * m).sum() / denom
-    metrics["loss"] = total
-    return total, metrics
-
-
-def eval_batch(mtp, frozen, head_w, full_head_w, draft_ids, batch, *, cfg: ModelConfig,
-               tcfg: TrainConfig):
-    """Per-row eval arrays of one batch: for each pass ``i`` a pair ``bool[B,W]`` (draft == target
-    argmax, draft == data label) and ``valid_i bool[B,W]``; plus ``loss_mask`` and the pass-1 CE."""
-    outs = _forward(cfg, tcfg, mtp, frozen, batch, tcfg.eval_passes)
-    target_arg = _logits(batch["target_hidden"], full_head_w).argmax(-1)
-    res = {"mask": batch["loss_mask"] > 0}
-    for i, (h, _, valid) in enumerate(outs):
-        logits = _logits(h, head_w)
-        pred = draft_ids[logits.argmax(-1)]
-        res[f"greedy{i + 1}"] = pred == target_arg
-        res[f"label{i + 1}"] = pred == batch["labels"]
-        res[f"valid{i + 1}"] = valid
-        if i == 0:
-            full_logp = jax.nn.log_softmax(_logits(h, full_head_w), axis=-1)
-            nll = -jnp.take_along_axis(full_logp, batch["labels"][..., None], axis=-1)[..., 0]
-            res["nll_sum"] = (nll * batch["loss_mask"]).sum()
-    return res
-
-
-def summarize_eval(parts: list[dict], passes: int) -> dict:
-    """Acceptance statistics from :func:`eval_batch` outputs (host side, numpy)."""
-    cat = {k: np.concatenate([np.asarray(p[k]) for p in parts]) for k in parts[0] if k != "nll_sum"}
-    mask = cat["mask"]
-    n = max(int(mask.sum()), 1)
-    out = {"eval_rows": int(mask.sum()),
-           "eval_ce": float(sum(float(p["nll_sum"]) for p in parts) / n)}
-    for i in range(1, passes + 1):
-        ok = mask & cat[f"valid{i}"]
-        den = max(int(ok.sum()), 1)
-        out[f"acc{i}"] = float((cat[f"greedy{i}"] & ok).sum() / den)
-        out[f"acc{i}_label"] = float((cat[f"label{i}"] & ok).sum() / den)
-    # Chains: start row r accepted k deep iff pass i (1..k) at row r+i-1 is right.
-    w = mask.shape[1]
-    for kind, suffix in (("greedy", ""), ("label", "_label")):
-        alive = np.ones_like(mask)
-        exists = np.ones_like(mask)
-        al = 1.0
-        for k in range(1, passes + 1):
-            sh = k - 1
-            corr = np.zeros_like(mask)
-            ok = np.zeros_like(mask)
-            corr[:, :w - sh] = cat[f"{kind}{k}"][:, sh:]
-            ok[:, :w - sh] = (mask & cat[f"valid{k}"])[:, sh:]
-            alive = alive & corr
-            exists = exists & ok
-            chain = float((alive & exists).sum() / max(exists.sum(), 1))
-            al += chain
-            out[f"chain{k}{suffix}"] = chain
-            out[f"al{k}{suffix}"] = al
-    return out
-
-
-def decay_mask(tree):
-    """AdamW weight-decay mask of :func:`make_optimizer`: True for the matrices (``eh_proj``,
-    ``layer.wq/wk/wv/wo/w_gate/w_up/w_down``: ``ndim >= 3`` with the leading ``layers`` axis),
-    False for norms and biases.
-
-    ``tree`` is the head's parameters as optax sees them: a dict, or the ``nnx.State`` of an
-    :class:`MTPHead` (``nnx.Param`` leaves at ``init``, arrays at ``update``; ``tree_map`` reaches
-    the array inside each Param, so the mask has the tree's own structure)."""
-    return jax.tree_util.tree_map(lambda a: a.ndim >= 3, tree)
-
-
-@functools.lru_cache(maxsize=None)
-def make_optimizer(tcfg: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping + AdamW (decay on matrices only, :func:`decay_mask`) with linear
-    warm-up and cosine decay.
-
-    One object per ``tcfg`` (cached): the transformation is static data of the optimizer's graph
-    definition, so trainers with equal configs share :func:`train_step`'s compiled programs."""
-    sched = optax.warmup_cosine_decay_schedule(
-        0.0, tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.lr * tcfg.min_lr_ratio)
-    return optax.chain(
-        optax.clip_by_global_norm(tcfg.grad_clip),
-        optax.adamw(sched, b1=tcfg.b1, b2=tcfg.b2, weight_decay=tcfg.weight_decay, mask=decay_mask))
-
-
-def learning_rate(tcfg: TrainConfig, step):
-    """The schedule of :func:`make_optimizer` at ``step`` (0-based)."""
-    return optax.warmup_cosine_decay_schedule(
-        0.0, tcfg.lr, tcfg.warmup_steps, tcfg.steps, tcfg.lr * tcfg.min_lr_ratio)(step)
-
-
-class TrainRng(nnx.Variable):
-    """The training run's random key data (``u32[2]``, feature noise); not an ``nnx.Param``, so
-    the optimizer leaves it alone."""
-
-
-class MTPTrainModel(nnx.Module):
-    """Everything one training run updates, as one NNX graph.
-
-    Attributes:
-      mtp: the :class:`MTPHead` being trained (fp32 Params with their logical axes).
-      opt: ``nnx.Optimizer(mtp, tx, wrt=nnx.Param)``: ``opt.step u32[]`` (optimiser steps taken)
-        and ``opt.opt_state`` (optax's state of ``tx``, moments shaped like the head's Params).
-      rng: :class:`TrainRng` key data ``u32[2]`` of the feature-noise stream.
-
-    ``nnx.split`` gives the graph definition (static: also holds ``tx``) and the pure state with
-    entries ``"mtp"``, ``"opt"``, ``"rng"`` that :func:`train_step` takes and returns.
-    """
-
-    def __init__(self, head: MTPHead, tx: optax.GradientTransformation, seed: int):
-        self.mtp = head
-        self.opt = nnx.Optimizer(head, tx, wrt=nnx.Param)
-        self.rng = TrainRng(jax.random.key_data(jax.random.key(seed)))
-
-
-def state_step(state: nnx.State) -> int:
-    """Optimiser steps taken by the train state ``state`` (its ``opt.step``)."""
-    return int(state["opt"]["step"][...])
-
-
-@functools.partial(jax.jit, static_argnums=0, static_argnames=("cfg", "tcfg"))
-def train_step(graphdef: nnx.GraphDef, state: nnx.State, batch, frozen, head_w, label_map, *,
-               cfg: ModelConfig, tcfg: TrainConfig):
-    """One optimiser step on the pure train state (``graphdef, state = nnx.split(model)`` of an
-    :class:`MTPTrainModel`); returns ``(new state, metrics)``.
-
-    Inside the jitted function the state is merged with ``graphdef``, the loss (:func:`loss_fn` on
-    ``head.to_params()``) differentiated with respect to the head's Params, and
-    ``opt.update(head, grads)`` applies :func:`make_optimizer`'s chain; ``opt.step`` and ``rng``
-    advance. ``metrics``: the loss terms of :func:`loss_fn` plus ``grad_norm`` (before clipping)
-    and ``lr`` (the schedule at this step), f32 scalars.
-
-    Compiled once per ``(graphdef, cfg, tcfg)`` and shapes (shared by every trainer instance with
-    an equal config: :func:`make_optimizer` is cached).
-    """
-    model = nnx.merge(graphdef, state)
-    key = jax.random.wrap_key_data(model.rng[...])
-    key, sub = jax.random.split(key)
-    noise_key = sub if tcfg.feature_noise > 0 else None
-
-    def objective(head: MTPHead):
-        return loss_fn(head.to_params(), frozen, head_w, label_map, batch, noise_key,
-                       cfg=cfg, tcfg=tcfg)
-
-    (_, metrics), grads = nnx.value_and_grad(objective, has_aux=True)(model.mtp)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    metrics["lr"] = learning_rate(tcfg, model.opt.step[...].astype(jnp.int32))
-    model.opt.update(model.mtp, grads)
-    model.rng[...] = jax.random.key_data(key)
-    return nnx.state(model), metrics
-
-
 _eval_batch_jit = jax.jit(eval_batch, static_argnames=("cfg", "tcfg"))
-
-
-# ------------------------------------------------------------------------------------------------
-# Trainer.
 
 
 def _data_fingerprint(data: MTPData) -> str:

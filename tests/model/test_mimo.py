@@ -30,7 +30,7 @@ from jmtp.model import init_kv_cache, load_checkpoint, load_model, mtp_forward, 
 from jmtp.model.hf_loader import hf_config
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
-from tests.runtime.conftest import reference_greedy
+from tests.runtime.conftest import reference_greedy, engine_of
 
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)  # torch's thread pool thrashes on a small shared CPU
@@ -272,14 +272,14 @@ def _run(path, k, num_blocks, spy=None):
     llm = LLM(str(path), dtype="float32", speculative_config=spec, max_num_seqs=3,
               max_model_len=64, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=16)
     if spy is not None:
-        step = llm._step
+        step = engine_of(llm).runner.jitted_step
 
         def wrapped(*args):
             out = step(*args)
             spy(jax.device_get(out[0]))
             return out
 
-        llm._step = wrapped
+        engine_of(llm).runner.jitted_step = wrapped
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     st = llm.llm_engine.get_stats()

@@ -44,3 +44,13 @@ def reference_greedy(cfg, params, prompt, max_tokens, stop_ids=None, max_model_l
 @pytest.fixture(scope="session")
 def tiny():
     return tiny_model()
+
+
+def free_blocks(llm) -> int:
+    """Free KV blocks over every data shard of an ``LLM`` or ``LLMEngine`` (public stats)."""
+    return getattr(llm, "llm_engine", llm).get_stats()["num_free_blocks"]
+
+
+def engine_of(llm):
+    """The ``LLMEngine`` of an ``LLM`` (or the engine itself)."""
+    return getattr(llm, "llm_engine", llm)

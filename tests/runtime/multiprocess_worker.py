@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import time
+from tests.runtime.conftest import engine_of
 
 # Slots B=2 so that a one-request batch leaves a padding slot; a budget of 2·(K+1) tokens keeps
 # the bucket count low (plain: 3, MTP K=3: 6; compile dominates) and prefills the 11-token prompt
@@ -65,7 +66,7 @@ def run_engine(dp: int, tp: int, k: int) -> dict:
     eng = llm.llm_engine
     embed = eng.params["embed"][...]
     out["_engine"] = {
-        "step_executables": eng._step._cache_size(),
+        "step_executables": engine_of(eng).runner.jitted_step._cache_size(),
         "free_blocks": eng.get_stats()["num_free_blocks"],
         "num_blocks": eng.engine_config.num_blocks,
         "memory": eng.memory_per_device(),

@@ -9,7 +9,9 @@ target ``conftest.TINY_MOE`` with those heads; greedy and seeded sampled tokens 
 none for 0, ``kv`` its ``kv_cache_dtype``, the number of compiled step executables, whether the donated cache was given up,
 per-parameter bytes on the first device, and with ``hlo=1`` the collectives of its compiled decode
 step), ``errors`` (the ValueErrors of engines whose mesh does not fit the model or the devices),
-``dp_host`` (the host side of data parallelism: balanced admission, per-shard preemption), ``tie`` (greedy verification of
+``dp_host`` (the host side of data parallelism: balanced admission, per-shard preemption),
+``prefix:dp=D,tp=N,k=K`` (prefix caching on that mesh), ``handoff`` (prefill → decode hand-off
+between TP=2 and one device, both ways), ``tie`` (greedy verification of
 vocabulary-sharded logits with tied maxima on different shards) or ``attention`` (every attention
 implementation under ``shard_map``).
 A case that raises reports ``{"error": traceback}`` and the others still run.
@@ -28,7 +30,7 @@ import numpy as np
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from jmtp.runtime import sharding as shd
-from tests.runtime.conftest import TINY_MOE, tiny_model
+from tests.runtime.conftest import TINY_MOE, tiny_model, engine_of
 
 # 8 kv heads and 8 query heads (head_dim 8): every TP in {2, 4, 8} splits whole heads, the
 # vocabulary (64) and the MLP (64).
@@ -80,10 +82,10 @@ def collectives(llm) -> dict:
     ``[op, dtype, result shape]``, with every weight shape (stacked, and one layer's slice)."""
     from jmtp.runtime.buckets import StepBucket
     eng = llm.llm_engine
-    zeros = np.zeros((eng._dp, eng._shard_ec.max_num_seqs), np.int32)
+    zeros = np.zeros((engine_of(eng).runner.num_shards, engine_of(eng).runner.shard_config.max_num_seqs), np.int32)
     with shd.mesh_context(eng.mesh):
-        text = eng._step.lower(
-            eng.graphdef, eng._shard_ec, eng.speculative_config.drafter, StepBucket(1, 1),
+        text = engine_of(eng).runner.jitted_step.lower(
+            eng.graphdef, engine_of(eng).runner.shard_config, eng.speculative_config.drafter, StepBucket(1, 1),
             eng.attention_backend, eng.params, eng.state, eng.cache, eng.mtp_cache, zeros,
             zeros).compile().as_text()
     ops = [[m.group(3), m.group(1), [int(x) for x in m.group(2).split(",") if x]]
@@ -103,7 +105,7 @@ def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8",
     eng = llm.llm_engine
     first_cache = eng.cache.k
     # jit objects of equal function and options share their executables: count this engine's
-    compiled_before = eng._step._cache_size()
+    compiled_before = engine_of(eng).runner.jitted_step._cache_size()
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
     sampled = llm.generate(PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8,
                                                     seed=100 + i) for i in range(len(PROMPTS))],
@@ -112,8 +114,8 @@ def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8",
            "sampled": [o.outputs[0].token_ids for o in sampled],
            # one executable per bucket used (stable shardings: no recompiles), the donated cache
            # updated in place (its first buffer given up)
-           "step_executables": eng._step._cache_size() - compiled_before,
-           "num_buckets": len(step_buckets(eng._shard_ec)),
+           "step_executables": engine_of(eng).runner.jitted_step._cache_size() - compiled_before,
+           "num_buckets": len(step_buckets(engine_of(eng).runner.shard_config)),
            "cache_donated": first_cache.is_deleted(),
            "params": param_bytes(llm), "memory": eng.memory_per_device(),
            "cache_spec": str(getattr(eng.cache.k.sharding, "spec", None)),
@@ -156,7 +158,7 @@ def dp_host_case() -> dict:
     for i, p in enumerate(prompts):
         eng.add_request(str(i), p, SamplingParams(max_tokens=14))
     eng.step()
-    first_slots = {seq.group.request_id: seq.slot for seq in eng._slots if seq is not None}
+    first_slots = {seq.group.request_id: seq.slot for seq in engine_of(eng).scheduler.slots if seq is not None}
     done = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -166,7 +168,57 @@ def dp_host_case() -> dict:
     return {"first_slots": first_slots, "tokens": [done[str(i)] for i in range(len(prompts))],
             "prompts": prompts, "max_tokens": 14, "num_preemptions": stats["num_preemptions"],
             "free_blocks": stats["num_free_blocks"], "num_blocks": stats["num_blocks"],
-            "free_per_shard": list(eng._free_counts)}
+            "free_per_shard": list(engine_of(eng).runner.free_counts)}
+
+
+PREFIX_BASE = list(range(2, 14))   # three full blocks of 4 shared by three of the prompts
+PREFIX_PROMPTS = [PREFIX_BASE + [20], PREFIX_BASE + [21, 22], [5, 6, 7], PREFIX_BASE + [23]]
+
+
+def prefix_case(dp: int, tp: int, k: int) -> dict:
+    """Prefix caching on a ``(dp, tp)`` mesh (one cache per data shard): greedy tokens of
+    :data:`PREFIX_PROMPTS` run twice through one engine (the second round reads the blocks the
+    first cached), the hit rate after each round, and the free + cached blocks at the end."""
+    cfg, params = model()
+    llm = LLM(model_config=cfg, params=params,
+              speculative_config=SpeculativeConfig("mtp", k) if k else None,
+              data_parallel_size=dp, tensor_parallel_size=tp, max_num_seqs=2 * dp,
+              max_model_len=32, block_size=4, max_num_batched_tokens=8 * dp, compile="lazy",
+              enable_prefix_caching=True)
+    rounds, rates = [], []
+    for _ in range(2):
+        outs = llm.generate(PREFIX_PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
+        rounds.append([o.outputs[0].token_ids for o in outs])
+        rates.append(llm.llm_engine.get_stats()["prefix_cache_hit_rate"])
+    stats = llm.llm_engine.get_stats()
+    return {"rounds": rounds, "hit_rates": rates, "num_blocks": stats["num_blocks"],
+            "free_plus_cached": stats["num_free_blocks"] + stats["num_cached_blocks"]}
+
+
+def handoff_case() -> dict:
+    """Prefill → decode hand-off between a TP=2 engine and a one-device engine, both ways (MTP
+    K=3): the greedy tokens of :data:`PROMPTS` each prefilled on one and decoded on the other."""
+    cfg, params = model()
+    make = lambda tp: LLM(model_config=cfg, params=params,
+                          speculative_config=SpeculativeConfig("mtp", 3), tensor_parallel_size=tp,
+                          **engine_sizes())
+    engines = {"tp2": make(2), "tp1": make(1)}
+    out = {}
+    for src, dst in (("tp2", "tp1"), ("tp1", "tp2")):
+        a, b = engines[src].llm_engine, engines[dst].llm_engine
+        tokens = []
+        for i, p in enumerate(PROMPTS):
+            b.import_request(a.prefill_request(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS)))
+            done = None
+            while b.has_unfinished_requests():
+                done = next((o.outputs[0].token_ids for o in b.step() if o.finished), done)
+            tokens.append(done)
+        out[f"{src}->{dst}"] = {"tokens": tokens,
+                                "free": [a.get_stats()["num_free_blocks"],
+                                         b.get_stats()["num_free_blocks"]],
+                                "num_blocks": [a.engine_config.num_blocks,
+                                               b.engine_config.num_blocks]}
+    return out
 
 
 def tie_case() -> dict:
@@ -251,6 +303,11 @@ def main(cases: list[str]) -> None:
                 results[case] = attention_case()
             elif case == "dp_host":
                 results[case] = dp_host_case()
+            elif case == "handoff":
+                results[case] = handoff_case()
+            elif case.startswith("prefix:"):
+                kv = dict(part.split("=") for part in case[len("prefix:"):].split(","))
+                results[case] = prefix_case(int(kv["dp"]), int(kv["tp"]), int(kv["k"]))
             else:
                 kv = dict(part.split("=") for part in case.split(","))
                 results[case] = run_case(int(kv["dp"]), int(kv["tp"]), int(kv["k"]),

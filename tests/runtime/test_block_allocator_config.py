@@ -13,7 +13,7 @@ import pytest
 from jmtp import LLMEngine
 from jmtp.pallas import block_allocator as ba
 from jmtp.pallas import block_allocator_kernel as bak
-from jmtp.runtime import step as stp
+from jmtp.runtime import slots, target_stages as tgs
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.engine import SamplingParams
 from jmtp.runtime.state import init_state
@@ -42,10 +42,10 @@ def test_step_allocator_calls_follow_engine_config(value, kernel):
     ec = EngineConfig(max_num_seqs=2, max_model_len=32, block_size=4, num_blocks=16,
                       max_num_batched_tokens=16, block_allocator=value)
     state = init_state(ec, 64)
-    sched = stp.schedule(ec, state, jnp.zeros((2,), jnp.int32))
-    top_up = jax.make_jaxpr(lambda b, s, d: stp.allocate_blocks(ec, b, s, d))(
+    sched = tgs.schedule(ec, state, jnp.zeros((2,), jnp.int32))
+    top_up = jax.make_jaxpr(lambda b, s, d: tgs.allocate_blocks(ec, b, s, d))(
         state.blocks, sched, state.seq_lens_decoder)
-    release = jax.make_jaxpr(lambda s, f: stp.release_finished(ec, s, f))(
+    release = jax.make_jaxpr(lambda s, f: slots.release_finished(ec, s, f))(
         state, jnp.zeros((2,), bool))
     for jaxpr in (top_up, release):
         assert ("pallas_call" in str(jaxpr)) == kernel

@@ -7,6 +7,7 @@ import pytest
 
 from jmtp.runtime.buckets import StepBucket, active_slots, choose_bucket, slot_buckets, step_buckets
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
+from tests.runtime.conftest import engine_of
 
 B8K3 = EngineConfig(max_num_seqs=8, spec=SpeculativeConfig("mtp", 3), max_num_batched_tokens=128)
 
@@ -105,13 +106,13 @@ def test_active_slots_compaction():
 
 def _spy_buckets(llm):
     """Record the bucket of every step the host runs."""
-    seen, real = [], llm._step
+    seen, real = [], engine_of(llm).runner.jitted_step
 
     def step(*a):
         seen.append(a[3])
         return real(*a)
 
-    llm._step = step
+    engine_of(llm).runner.jitted_step = step
     return seen
 
 
@@ -121,7 +122,7 @@ def test_scattered_active_slots_match_a_narrow_engine(sampled):
     and 7 stays idle: compacted into A = 4 rows (one padding row), their tokens equal the same
     requests' on a 3-slot engine (and greedy equals the non-paged reference)."""
     from jmtp.runtime.engine import LLM, SamplingParams
-    from tests.runtime.conftest import reference_greedy, tiny_model
+    from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks
     cfg, params = tiny_model(0)
     spec = SpeculativeConfig("mtp", 2, 2)
     kw = dict(model_config=cfg, params=params, speculative_config=spec, max_model_len=64,
@@ -149,4 +150,4 @@ def test_scattered_active_slots_match_a_narrow_engine(sampled):
     if not sampled:
         assert [o.token_ids for o in got] == [reference_greedy(cfg, params, p, 20, stop_ids=())
                                               for p in long_prompts]
-    assert wide._free_count == wide.engine_config.num_blocks
+    assert free_blocks(wide) == wide.engine_config.num_blocks

@@ -10,7 +10,7 @@ from jmtp.model.llama import KVCache
 from jmtp.runtime.buckets import step_buckets
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
-from tests.runtime.conftest import reference_greedy, tiny_model
+from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks, engine_of
 
 K = 3
 MAX_LEN = 64
@@ -102,7 +102,7 @@ def test_eos_inside_window_ends_output_exactly(eos_index, what):
     m = o.metrics
     assert m.num_decode_tokens == eos_index  # tokens after the prefill token, EOS included
     assert m.num_accepted_tokens == min(eos_index, K)  # only committed drafts count
-    assert llm._free_count == llm.engine_config.num_blocks
+    assert free_blocks(llm) == llm.engine_config.num_blocks
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, K, K + 1, K + 2])
@@ -161,7 +161,7 @@ def test_no_write_outside_own_blocks(offset):
     assert touched_mtp.sum() <= max_owned
     assert set(np.flatnonzero(touched_mtp)) <= set(np.flatnonzero(touched)) | set(
         np.flatnonzero(touched_mtp))
-    assert llm._free_count == llm.engine_config.num_blocks
+    assert free_blocks(llm) == llm.engine_config.num_blocks
     assert int(llm.state.free_count) == llm.engine_config.num_blocks
 
 
@@ -175,12 +175,12 @@ def test_preemption_when_blocks_run_out(tiny):
               max_num_batched_tokens=32)
     preempted = []
     eng = llm.llm_engine
-    real = eng._preempt
-    eng._preempt = lambda shard=0: (preempted.append(eng._order[-1]), real(shard))
+    real = eng.scheduler.victim
+    eng.scheduler.victim = lambda shard: (preempted.append(b := real(shard)), b)[1]
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert preempted, "the block budget was meant to force a preemption"
     assert [o.token_ids for o in outs] == refs
-    assert llm._free_count == 12
+    assert free_blocks(llm) == 12
 
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
@@ -197,18 +197,18 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny, model):
     ec = llm.engine_config
     rng = np.random.default_rng(0)
     batch = lambda n: [list(rng.integers(2, 64, rng.integers(1, 30))) for _ in range(n)]
-    before = llm._step._cache_size()  # the jit cache is shared with other engines of the process
+    before = engine_of(llm).runner.jitted_step._cache_size()  # the jit cache is shared with other engines of the process
     for bucket in step_buckets(ec):   # idle state: every step is a no-op
-        llm.state, llm.cache, llm.mtp_cache, _ = llm._step(
+        llm.state, llm.cache, llm.mtp_cache, _ = engine_of(llm).runner.jitted_step(
             llm.graphdef, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache,
             jnp.zeros((ec.max_num_seqs,), jnp.int32), jnp.zeros((ec.max_num_seqs,), jnp.int32))
-    compiled = llm._step._cache_size()
+    compiled = engine_of(llm).runner.jitted_step._cache_size()
     # 4 slots: decode (T, A): (1|2|3, 1), (2|4|6, 2), (4|8|12, 4); prefill (3|6|12|16|32, 4)
     assert compiled - before == len(step_buckets(ec))
     assert slots != 4 or len(step_buckets(ec)) == 13
     steps, seen = 0, set()
-    real = llm._step
-    llm._step = lambda *a: (seen.add(a[3]), real(*a))[1]
+    real = engine_of(llm).runner.jitted_step
+    engine_of(llm).runner.jitted_step = lambda *a: (seen.add(a[3]), real(*a))[1]
     while steps < (100 if slots == 4 else 40):
         llm.generate(batch(int(rng.integers(1, 7))),
                      SamplingParams(max_tokens=int(rng.integers(1, 12))), use_tqdm=False)
@@ -228,7 +228,7 @@ def test_bad_input_raises_before_running(tiny):
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
               max_num_seqs=2, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
     calls = []
-    llm._step = lambda *a: calls.append(a)
+    engine_of(llm).runner.jitted_step = lambda *a: calls.append(a)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], use_tqdm=False)
     with pytest.raises(ValueError, match="max_model_len"):
@@ -256,7 +256,7 @@ def test_bad_input_raises_before_running(tiny):
     assert not calls  # nothing ran
 
 
-@pytest.mark.parametrize("fail_in", ["_insert_call", "_release_call"])
+@pytest.mark.parametrize("fail_in", ["insert", "release"])
 def test_failing_device_call_loses_no_request(tiny, fail_in):
     """A device call that raises (the request insert while admitting, or the slot release while
     aborting) leaves the host's bookkeeping as it was: the error reaches the caller unchanged, the
@@ -267,7 +267,7 @@ def test_failing_device_call_loses_no_request(tiny, fail_in):
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
               max_num_seqs=2, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
     eng = llm.llm_engine
-    real = getattr(eng, fail_in)
+    real = getattr(eng.runner, fail_in)
     calls = []
 
     def fail_once(*a):
@@ -276,14 +276,16 @@ def test_failing_device_call_loses_no_request(tiny, fail_in):
             raise RuntimeError("injected device failure")
         return real(*a)
 
-    setattr(eng, fail_in, fail_once)
+    setattr(eng.runner, fail_in, fail_once)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    if fail_in == "_insert_call":
+    if fail_in == "insert":
         eng.add_request("a", [5, 6, 7], sp)
         with pytest.raises(RuntimeError, match="injected"):
             eng.step()
-        assert len(eng._waiting) == 1 and all(s is None for s in eng._slots) and not eng._order
-        assert eng._waiting[0].slot is None
+        sch = eng.scheduler
+        assert len(eng.requests.waiting) == 1 and all(s is None for s in sch.slots)
+        assert not sch.order
+        assert eng.requests.waiting[0].slot is None
         # the request was not lost: the next step admits and runs it to the reference output
         outs = []
         while eng.has_unfinished_requests():
@@ -293,12 +295,14 @@ def test_failing_device_call_loses_no_request(tiny, fail_in):
     else:
         eng.add_request("a", [5, 6, 7], sp)
         eng.step()                                    # admitted and prefilled: owns blocks
-        b = eng._order[0]
+        b = eng.scheduler.order[0]
         with pytest.raises(RuntimeError, match="injected"):
             eng.abort_request("a")
         # the host still sees the slot occupied; the abort is retried and frees the blocks
-        assert eng._slots[b] is not None and eng._order == [b] and eng.has_unfinished_requests()
+        assert eng.scheduler.slots[b] is not None and eng.scheduler.order == [b]
+        assert eng.has_unfinished_requests()
         eng.abort_request("a")
-        assert not eng.has_unfinished_requests() and all(s is None for s in eng._slots)
-    assert eng._free_count == llm.engine_config.num_blocks
+        assert not eng.has_unfinished_requests()
+        assert all(s is None for s in eng.scheduler.slots)
+    assert free_blocks(eng) == llm.engine_config.num_blocks
     assert int(eng.state.free_count) == llm.engine_config.num_blocks

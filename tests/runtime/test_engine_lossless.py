@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
-from tests.runtime.conftest import reference_greedy, tiny_model
+from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks
 
 MAX_LEN = 96
 
@@ -51,7 +51,7 @@ def test_speculative_equals_plain(k, m, data):
         assert len(b.token_ids) <= sp.max_tokens
         assert b.metrics.num_accepted_tokens <= b.metrics.num_draft_tokens
     ec = engine(k, m).engine_config
-    assert engine(k, m)._free_count == ec.num_blocks
+    assert free_blocks(engine(k, m)) == ec.num_blocks
 
 
 
@@ -69,10 +69,9 @@ def _moe_run(k: int | None, moe_backend: str | None = None):
               max_num_seqs=4, max_model_len=MAX_LEN, block_size=4, num_blocks=20,
               max_num_batched_tokens=16, moe_backend=moe_backend)
     eng = llm.llm_engine
-    preempted, real = [], eng._preempt
-    eng._preempt = lambda shard=0: (preempted.append(1), real(shard))
     outs = llm.generate(MOE_PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True), use_tqdm=False)
-    return [o.token_ids for o in outs], bool(preempted), llm._free_count
+    return ([o.token_ids for o in outs], eng.get_stats()["num_preemptions"] > 0,
+            free_blocks(llm))
 
 
 @pytest.mark.parametrize("k,moe_backend", [(1, "ragged"), (3, None)])

@@ -8,6 +8,8 @@ from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM
 from jmtp.runtime.sampling import SamplingParams
 
+pytestmark = pytest.mark.xdist_group("smollm2_engine")  # one worker runs the module-scoped fixture once
+
 QUESTIONS = [
     "What is the capital of France?",
     "Write a Python function that returns the n-th Fibonacci number.",

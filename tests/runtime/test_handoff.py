@@ -12,7 +12,7 @@ import pytest
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from jmtp.runtime.handoff import HANDOFF_VERSION, RequestState
-from tests.runtime.conftest import tiny_model
+from tests.runtime.conftest import tiny_model, free_blocks
 
 MAX_LEN = 48
 PROMPTS = [[5, 6, 7, 8, 9], list(range(2, 15))]
@@ -60,7 +60,7 @@ def test_prefill_on_one_llm_decode_on_another(k):
     for sp, name in ((GREEDY, "greedy"), (SAMPLED, "sampled")):
         ref = a.generate(PROMPTS, sp, use_tqdm=False)
         states = a.prefill(PROMPTS, sp)
-        assert a._free_count == a.engine_config.num_blocks       # nothing stays on the exporter
+        assert free_blocks(a) == a.engine_config.num_blocks       # nothing stays on the exporter
         assert not a.llm_engine.has_unfinished_requests()
         for st, r in zip(states, ref):
             assert not st.finished and st.version == HANDOFF_VERSION
@@ -77,7 +77,7 @@ def test_prefill_on_one_llm_decode_on_another(k):
             assert o.metrics.num_decode_steps == r.metrics.num_decode_steps
         if name == "sampled":    # the comparison covers accepted drafts
             assert sum(sum(r.metrics.accepted_per_position) for r in ref) > 0
-        assert b._free_count == total_b
+        assert free_blocks(b) == total_b
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -194,7 +194,7 @@ def test_int8_cache_waiting_imports_and_preemption():
         assert b.llm_engine.get_stats()["num_preemptions"] > preempted
         for r, o in zip(ref, outs):
             assert o.token_ids == r.token_ids
-        assert b._free_count == 16
+        assert free_blocks(b) == 16
 
 
 def test_failed_device_import_writes_nothing():
@@ -233,6 +233,6 @@ def test_hand_off_between_a_scan_and_an_unrolled_engine():
         params_digest(b.llm_engine.params)
     ref = a.generate(PROMPTS, GREEDY, use_tqdm=False)
     states = a.prefill(PROMPTS, GREEDY)
-    assert compat_diff(states[0].compat, b.llm_engine._handoff_compat()) == []
+    assert compat_diff(states[0].compat, b.llm_engine.handoff.compat()) == []
     outs = b.import_request(_wire(states), use_tqdm=False)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]

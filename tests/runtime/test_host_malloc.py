@@ -1,6 +1,7 @@
 """host_malloc: XLA:CPU scratch above glibc's 32 MiB mmap threshold stays mapped between
-executions once ``import jmtp`` applied the settings (counted in minor page faults, in fresh
-processes since the settings are process-wide), and the switches behave as documented."""
+executions once ``tune_malloc`` applied the settings (counted in minor page faults, in fresh
+processes since the settings are process-wide), ``import jmtp`` applies nothing, and the switches
+behave as documented."""
 from __future__ import annotations
 
 import os
@@ -14,7 +15,9 @@ from jmtp.runtime import host_malloc
 
 PROBE = textwrap.dedent("""
     import resource
-    import jmtp  # noqa: F401 -- applies the malloc settings unless JMTP_MALLOC_TUNING=0
+    import jmtp
+    from jmtp.runtime.process import tune_malloc
+    tune_malloc()   # applies the malloc settings unless JMTP_MALLOC_TUNING=0
     import jax, jax.numpy as jnp
     # 40 MB of scratch: the barrier materialises x * 2 (a reversed read cannot fuse with it)
     f = jax.jit(lambda x: jnp.sum(jax.lax.optimization_barrier(x * 2.0)[::-1] * x))
@@ -62,8 +65,10 @@ def test_scratch_above_32_mib_is_not_remapped_every_step():
     assert faults_on < 0.2 * pages, faults_on
 
 
-def test_mistyped_switch_warns_at_import():
-    res = run_python("import jmtp; print(jmtp.runtime.host_malloc.applied)", "yes")
+def test_import_changes_nothing_and_a_mistyped_switch_warns():
+    res = run_python("import jmtp, jmtp.runtime.host_malloc as h; print(h.applied)", "1")
+    assert res.stdout.split()[-1] == "False"       # import jmtp is side-effect free
+    res = run_python("from jmtp.runtime.process import tune_malloc; print(tune_malloc())", "yes")
     assert res.stdout.split()[-1] == "False"
     assert "JMTP_MALLOC_TUNING='yes'" in res.stderr
 

@@ -15,7 +15,7 @@ from jmtp.runtime import compile as jc
 from jmtp.runtime import host_maps as hm
 from jmtp.runtime.buckets import step_buckets
 
-from tests.runtime.conftest import reference_greedy, tiny_model
+from tests.runtime.conftest import reference_greedy, tiny_model, engine_of
 
 LINUX = os.path.exists(hm.MAPS)
 
@@ -119,16 +119,16 @@ def test_lazy_engine_refuses_a_new_bucket_and_keeps_serving():
     short = [3, 4, 5, 6, 7]
     assert llm.generate([short], jmtp.SamplingParams(max_tokens=3))[0].token_ids == \
         reference_greedy(cfg, params, short, 3)
-    compiled = set(engine._compiled_buckets)
+    compiled = set(engine_of(engine).compiled_buckets)
     assert compiled and set(step_buckets(engine.engine_config)) - compiled
-    assert engine._map_budget.per_compile > 0
+    assert engine_of(engine).runner.map_budget.per_compile > 0
     # As if the process were at its limit: no room for one more compile.
-    engine._map_budget.limit = hm.map_count() + hm.RESERVE
+    engine_of(engine).runner.map_budget.limit = hm.map_count() + hm.RESERVE
     long = list(np.arange(20) % 50 + 3)        # a 20-token prompt: a prefill bucket not yet used
     engine.add_request("long", long, jmtp.SamplingParams(max_tokens=2))
     with pytest.raises(hm.MapLimitError, match=r"step bucket T=\d+,A=1 needs"):
         engine.step()
-    assert engine._compiled_buckets == compiled
+    assert engine_of(engine).compiled_buckets == compiled
     engine.abort_request("long")
     assert not engine.has_unfinished_requests()
     # The compiled buckets still serve, exactly.
@@ -165,4 +165,4 @@ def test_a_tiny_bucket_adds_more_than_the_eager_tests_room():
     # max_model_len=38: an engine no other test builds
     llm = jmtp.LLM(model_config=cfg, params=params, max_num_seqs=1, max_model_len=38,
                    max_num_batched_tokens=8, compile="eager", compilation_cache_dir=None)
-    assert min(llm.llm_engine._map_budget.added) > 64
+    assert min(llm.llm_engine.runner.map_budget.added) > 64

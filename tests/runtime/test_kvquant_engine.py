@@ -8,7 +8,9 @@ import pytest
 
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
-from tests.runtime.conftest import tiny_model
+from tests.runtime.conftest import tiny_model, free_blocks
+
+pytestmark = pytest.mark.xdist_group("kvquant_engine")  # one worker runs the module-scoped fixture once
 
 K = 3
 BS, MAX_LEN, SEQS = 4, 64, 2
@@ -39,7 +41,7 @@ def test_mtp_equals_plain_on_int8_cache(runs):
     m = [o.metrics for o in spec_outs]
     assert sum(x.num_draft_tokens for x in m) > 0          # the MTP head drafted (and was verified)
     for llm in (plain, spec):
-        assert llm._free_count == llm.engine_config.num_blocks
+        assert free_blocks(llm) == llm.engine_config.num_blocks
     # The int8 engines run with the calibrated key shift (jmtp.model.kv_shift) of their model.
     from flax import nnx
 

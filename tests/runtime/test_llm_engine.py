@@ -9,7 +9,7 @@ import pytest
 from jmtp import CompletionOutput, LLMEngine
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
-from tests.runtime.conftest import reference_greedy, tiny_model
+from tests.runtime.conftest import reference_greedy, tiny_model, engine_of
 from tests.runtime.test_engine_edges import K, MAX_LEN, oracle_drafter
 
 PROMPTS = [[5, 6, 7], [3], list(range(2, 30)), [9] * 11]
@@ -85,7 +85,7 @@ def test_abort_frees_blocks_waiting_prefilling_decoding():
         engine.step()
     st = engine.get_stats()
     assert st["num_running"] == 2 and st["num_waiting"] == 1
-    assert engine._slots[0].output_ids and not engine._slots[1].output_ids  # decoding / prefilling
+    assert engine_of(engine).scheduler.slots[0].output_ids and not engine_of(engine).scheduler.slots[1].output_ids  # decoding / prefilling
     used = n_blocks - st["num_free_blocks"]
     assert used > 0
     engine.abort_request("wait")
@@ -108,7 +108,7 @@ def test_abort_frees_blocks_waiting_prefilling_decoding():
 def test_add_request_validates_early():
     engine = _engine()
     calls = []
-    engine._step = lambda *a: calls.append(a)
+    engine_of(engine).runner.jitted_step = lambda *a: calls.append(a)
     engine.add_request("x", [3, 4])
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("x", [3, 4])
@@ -291,7 +291,7 @@ def test_auto_layer_loop_is_unrolled_on_one_cpu_device_else_scan():
     """``layer_loop="auto"`` (the default): unrolled on XLA:CPU without a mesh (the scan copies
     each layer's weights there), scan with a mesh (unrolled does not support one) and on TPU /
     GPU; explicit values are kept."""
-    from jmtp.runtime.llm_engine import resolve_layer_loop
+    from jmtp.runtime.engine_args import resolve_layer_loop
     assert resolve_layer_loop("auto", True, "cpu") == "unrolled"
     assert resolve_layer_loop("auto", False, "cpu") == "scan"
     assert resolve_layer_loop("auto", True, "tpu") == "scan"

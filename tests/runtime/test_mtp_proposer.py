@@ -12,7 +12,7 @@ import pytest
 from jmtp.model import compute_logits, forward, init_kv_cache, mtp_forward, ragged_batch
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
-from tests.runtime.conftest import tiny_model
+from tests.runtime.conftest import tiny_model, engine_of
 
 
 PAD = 128
@@ -83,7 +83,7 @@ def test_incremental_drafts_match_from_scratch(layout, k, m, budget, draft_vocab
               max_num_seqs=2, max_model_len=80, block_size=4, max_num_batched_tokens=budget)
     assert llm.draft_vocab_size == draft_vocab
     seen = []
-    step = llm._step
+    step = engine_of(llm).runner.jitted_step
 
     def spy(*args):
         out = step(*args)
@@ -94,7 +94,7 @@ def test_incremental_drafts_match_from_scratch(layout, k, m, budget, draft_vocab
                 seen.append((list(st.input_ids[b, :n]), list(st.draft_tokens[b, 1:1 + m])))
         return out
 
-    llm._step = spy
+    engine_of(llm).runner.jitted_step = spy
     llm.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True), use_tqdm=False)
     assert len(seen) >= 8
     for seq, drafts in seen:

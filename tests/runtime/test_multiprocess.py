@@ -28,6 +28,8 @@ from jmtp.launch import process_env
 from tests.runtime import multiprocess_worker as worker
 from tests.runtime.conftest import reference_greedy
 
+pytestmark = pytest.mark.xdist_group("multiprocess")  # one worker runs the module-scoped fixture once
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 2
 # (data, model) meshes over the 4 global devices: tensor parallel across both processes, and

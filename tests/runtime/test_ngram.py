@@ -20,7 +20,7 @@ from jmtp.runtime.buckets import step_buckets
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from jmtp.runtime.ngram import extend_with_ngram, ngram_match
-from tests.runtime.conftest import tiny_model
+from tests.runtime.conftest import tiny_model, free_blocks, engine_of
 
 MAX_LEN = 96
 
@@ -171,7 +171,7 @@ def test_ngram_speculation_equals_plain(spec, data):
         assert b.token_ids == a.token_ids
         assert b.finish_reason == a.finish_reason
         assert b.metrics.num_accepted_tokens <= b.metrics.num_draft_tokens
-    assert llm._free_count == llm.engine_config.num_blocks
+    assert free_blocks(llm) == llm.engine_config.num_blocks
     assert llm.mtp_cache is None if spec.method == "ngram" else llm.mtp_cache is not None
 
 
@@ -220,10 +220,10 @@ def test_no_recompiles_when_limits_change_and_windows_report_their_budget():
     ec = llm.engine_config
     zeros = jnp.zeros((ec.max_num_seqs,), jnp.int32)
     for bucket in step_buckets(ec):   # warm every step shape on the idle state (a no-op step)
-        llm.state, llm.cache, llm.mtp_cache, _ = llm._step(
+        llm.state, llm.cache, llm.mtp_cache, _ = engine_of(llm).runner.jitted_step(
             llm.graphdef, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache, zeros,
             zeros)
-    compiled = llm._step._cache_size()
+    compiled = engine_of(llm).runner.jitted_step._cache_size()
     seen = set()
     policy = llm.spec_policy
     orig = policy.draft_limits
@@ -234,7 +234,7 @@ def test_no_recompiles_when_limits_change_and_windows_report_their_budget():
         orig(active)
         return lim
     eng = llm.llm_engine
-    steps, run_step = [], eng._run_step
+    steps, run_step = [], engine_of(eng).runner.run_step
 
     def recorded(bucket, chunks, limits):
         out = run_step(bucket, chunks, limits)
@@ -246,15 +246,15 @@ def test_no_recompiles_when_limits_change_and_windows_report_their_budget():
                       np.where(decoding & (st.accept_num > 0), np.minimum(limits, cap), 0),
                       decoding))
         return out
-    policy.draft_limits, eng._run_step = varied, recorded
+    policy.draft_limits, engine_of(eng).runner.run_step = varied, recorded
     try:
         for (prompts, sp), ref in zip(work, refs):
             assert [o.token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == ref
     finally:
         policy.draft_limits = orig      # the engine is shared (lru_cache)
-        del eng._run_step
+        del engine_of(eng).runner.run_step
     assert seen == {0, 1, 2, 3}
-    assert llm._step._cache_size() == compiled
+    assert engine_of(llm).runner.jitted_step._cache_size() == compiled
     short, kept = 0, np.zeros_like(steps[0][1])
     for out, budget, want, _ in steps:      # a paused slot keeps its window and its budget
         np.testing.assert_array_equal(budget, np.where(out.paused, kept, want))

@@ -15,7 +15,7 @@ from jmtp import LLMEngine
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import SamplingParams
 from jmtp.runtime.prefix_cache import PrefixCache, block_keys
-from tests.runtime.conftest import reference_greedy, tiny_model
+from tests.runtime.conftest import reference_greedy, tiny_model, engine_of
 
 BS = 4
 MAX_LEN = 96
@@ -60,7 +60,7 @@ def _run_chats(engine, chats, max_tokens=10, record_windows=False):
             outs = engine.step()
             if record_windows:
                 dt = np.asarray(engine.state.draft_tokens)
-                for b, seq in enumerate(engine._slots):
+                for b, seq in enumerate(engine_of(engine).scheduler.slots):
                     if seq is not None and seq.prefilled >= len(seq.context_ids):
                         windows.setdefault(seq.group.request_id, []).append(dt[b].tolist())
             for o in outs:
@@ -160,7 +160,7 @@ def _block_contents(engine, ids):
 
 
 def _check_invariants(engine, snapshots):
-    pc = engine.prefix_cache
+    pc = engine.prefix_caches.caches[0]
     s = jax.device_get(engine.state)
     fs, fc = np.asarray(s.blocks.free_stack), int(s.blocks.free_count)
     bt, no = np.asarray(s.blocks.block_tables), np.asarray(s.blocks.num_owned)
@@ -172,7 +172,7 @@ def _check_invariants(engine, snapshots):
     # reference counts: one per running slot that reads the block
     refs = {}
     ns, shared = np.asarray(s.num_shared), np.asarray(s.shared_tables)
-    for b, seq in enumerate(engine._slots):
+    for b, seq in enumerate(engine_of(engine).scheduler.slots):
         if seq is None:
             continue
         assert ns[b] == len(seq.prefix_keys)
@@ -207,7 +207,7 @@ def test_lifecycle_refcounts_no_leak_no_write(lifecycle_engine, data):
     bit-identical to when it was cached; when idle all counts are zero and evicting everything
     gives every block back to the free stack."""
     engine = lifecycle_engine
-    pc = engine.prefix_cache
+    pc = engine.prefix_caches.caches[0]
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed"))
     bases = [[int(x) for x in rng.integers(2, VOCAB, n)] for n in (9, 12, 20)]
     snapshots: dict = {}
@@ -232,7 +232,7 @@ def test_lifecycle_refcounts_no_leak_no_write(lifecycle_engine, data):
     assert pc.num_evictable == len(pc)
     assert engine.get_stats()["num_free_blocks"] + len(pc) == engine.engine_config.num_blocks
     if data.draw(st.booleans(), label="evict_all"):
-        engine._ensure_free(engine.engine_config.num_blocks)
+        engine.prefix_caches.ensure_free(engine.runner, 0, engine.engine_config.num_blocks)
         assert len(pc) == 0
         assert int(engine.state.free_count) == engine.engine_config.num_blocks
 
@@ -242,7 +242,7 @@ def test_eviction_under_block_pressure(lifecycle_engine):
     the cache evicts (LRU) instead of pausing or preempting, and the outputs stay the full-forward
     reference's."""
     engine = lifecycle_engine
-    pc = engine.prefix_cache
+    pc = engine.prefix_caches.caches[0]
     cfg, params = tiny_model(0, vocab_size=VOCAB)
     rng = np.random.default_rng(7)
     prompts = [[int(x) for x in rng.integers(2, VOCAB, 60)] for _ in range(4)]
@@ -267,7 +267,7 @@ def test_failing_insert_takes_no_reference(lifecycle_engine):
     reference count at zero; the retried admission reads the cache and gives the reference
     output."""
     engine = lifecycle_engine
-    pc = engine.prefix_cache
+    pc = engine.prefix_caches.caches[0]
     cfg, params = tiny_model(0, vocab_size=VOCAB)
     prompt = [int(x) for x in np.random.default_rng(3).integers(2, VOCAB, 30)]
     sp = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -275,7 +275,7 @@ def test_failing_insert_takes_no_reference(lifecycle_engine):
     while engine.has_unfinished_requests():
         engine.step()
     assert pc.match(prompt + [2])[1]            # the prompt's blocks are cached
-    real, calls = engine._insert_call, []
+    real, calls = engine_of(engine).runner.insert, []
 
     def fail_once(*a):
         calls.append(a)
@@ -283,7 +283,7 @@ def test_failing_insert_takes_no_reference(lifecycle_engine):
             raise RuntimeError("injected device failure")
         return real(*a)
 
-    engine._insert_call = fail_once
+    engine_of(engine).runner.insert = fail_once
     try:
         engine.add_request("again", prompt + [2], sp)
         with pytest.raises(RuntimeError, match="injected"):
@@ -294,19 +294,11 @@ def test_failing_insert_takes_no_reference(lifecycle_engine):
         while engine.has_unfinished_requests():
             outs += [o for o in engine.step() if o.finished]
     finally:
-        engine._insert_call = real
+        engine_of(engine).runner.insert = real
     assert pc.num_hit_tokens > hits
     assert outs[0].outputs[0].token_ids == reference_greedy(cfg, params, prompt + [2], 5,
                                                             stop_ids=())
     _check_invariants(engine, {})
-
-
-def test_prefix_caching_refused_on_a_mesh():
-    cfg, params = tiny_model(0)
-    with pytest.raises(ValueError, match="enable_prefix_caching"):
-        LLMEngine(model_config=cfg, params=params, max_model_len=32, block_size=4,
-                  data_parallel_size=2, max_num_seqs=2, compile="lazy",
-                  compilation_cache_dir=None, enable_prefix_caching=True)
 
 
 def test_prefix_caching_on_a_mesh_of_one_device():

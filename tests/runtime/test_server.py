@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 prom_parser = pytest.importorskip("prometheus_client.parser")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server")]  # one worker: one fixture
 
 # Scanned layers: the server compiles its step buckets about 3x faster than with the unrolled
 # default on XLA:CPU (the suite's time is mostly compiling); on CPU the loops are compared against

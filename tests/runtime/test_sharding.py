@@ -28,6 +28,8 @@ from jmtp.runtime import sharding as shd
 from tests.runtime import sharding_worker as worker
 from tests.runtime.conftest import reference_greedy
 
+pytestmark = pytest.mark.xdist_group("sharding")  # one worker runs the module-scoped fixture once
+
 # (data, model) mesh shapes of issue 13. Each engine costs 5-25 s of compiling on 2 cores, so
 # the suite runs a subset: every kind of mesh (model only, data only, both, TP 2 and 4) with MTP
 # K=3, one without speculation, SmolLM2's head counts with data parallel. (The dense 2x2 mesh
@@ -45,6 +47,11 @@ MOE_CASE = "dp=2,tp=2,k=3,moe=1"   # the tiny MoE target (conftest.TINY_MOE) on 
 QUANT = ["dp=1,tp=1,k=3,kv=int8", "dp=2,tp=2,k=3,kv=int8"]
 CASES = ([f"dp={dp},tp={tp},k={k}" + (",hlo=1" if (dp, tp, k) == (1, 2, 3) else "")
           for dp, tp, k in RUNS] + HEADS + ["dp=2,tp=3,k=3,heads=9/3"] + QUANT + [MOE_CASE])
+# Prefix caching on each kind of mesh, MTP on and off between them (JMTP_FULL_MESH=1: both on
+# every mesh).
+PREFIX_CASES = [f"prefix:dp={dp},tp={tp},k={k}" for dp, tp, k in (
+    [(dp, tp, k) for dp, tp in [(1, 2), (2, 1), (2, 2)] for k in (0, 3)] if FULL
+    else [(1, 2, 3), (2, 1, 0), (2, 2, 3)])]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -56,7 +63,7 @@ def results():
                         " --xla_force_host_platform_device_count=8").strip()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", "errors", "tie",
-                           "attention", "dp_host", *CASES],
+                           "attention", "dp_host", "handoff", *PREFIX_CASES, *CASES],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -265,3 +272,36 @@ def test_one_device_engine_is_unchanged(tiny):
     assert eng.mesh is None
     mem = eng.memory_per_device()
     assert mem["params"][0] == mem["params"][1]
+
+
+@pytest.fixture(scope="module")
+def prefix_reference():
+    cfg, params = worker.model()
+    return [reference_greedy(cfg, params, p, worker.MAX_TOKENS) for p in worker.PREFIX_PROMPTS]
+
+
+@pytest.mark.parametrize("case", PREFIX_CASES)
+def test_prefix_caching_on_a_mesh_equals_plain_greedy(results, prefix_reference, case):
+    """Prefix caching with tensor and data parallelism (a cache per data shard): both rounds of
+    prompts sharing three full blocks give the one-device greedy tokens, the second round hits
+    the cache (each of the three long prompts finds its own first 12 tokens, cached by its
+    first run: 36 of the 43 prompt tokens of a round, so the rate over both rounds is at least
+    36/86; the first round can also hit what an earlier prompt of the round cached), and every
+    block is free or cached at the end."""
+    res = results[case]
+    assert "error" not in res, res.get("error")
+    assert res["rounds"] == [prefix_reference, prefix_reference]
+    assert res["hit_rates"][1] > res["hit_rates"][0]
+    assert res["hit_rates"][1] >= 36 / 86
+    assert res["free_plus_cached"] == res["num_blocks"]
+
+
+def test_handoff_between_tensor_parallel_and_one_device(results, reference):
+    """A request prefilled on a TP=2 engine and decoded on a one-device engine (and the reverse)
+    gives the tokens of one engine (the greedy reference), and both engines end with every
+    block free."""
+    res = results["handoff"]
+    assert "error" not in res, res.get("error")
+    for direction in ("tp2->tp1", "tp1->tp2"):
+        assert res[direction]["tokens"] == reference, direction
+        assert res[direction]["free"] == res[direction]["num_blocks"], direction

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from jmtp.runtime.buckets import StepBucket, choose_bucket
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.spec_policy import PLAN_RTOL, DynamicSpeculation
+from tests.runtime.conftest import engine_of
 
 
 def rows_only(buckets):
@@ -128,7 +129,8 @@ def test_one_slot_is_priced_by_the_exact_expectation_over_its_rows():
     p.step_seconds = by_rows({1: 1.0, 2: 2.3, 4: 2.4})
     p.draft_seconds = {(0, d): 0.0 for d in (1, 2, 3)}
     np.testing.assert_allclose(p.expected_rows(), [[0.4, 0.4, 0.4]])
-    np.testing.assert_allclose(p._one_slot_prices(np.array([0.4, 0.4, 0.4])),
+    np.testing.assert_allclose(p.planner.one_slot_prices(np.array([0.4, 0.4, 0.4]),
+                                                         p.costs.prices(p._step)),
                                [0.0, 1.52, 1.56, 1.56])
     assert p.draft_limits(np.ones((1,), bool)).tolist() == [3]
 
@@ -231,7 +233,7 @@ def random_policy(n: int, k: int, data) -> DynamicSpeculation:
     for t in data.draw(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), max_size=4)):
         d = data.draw(st.integers(1, k))
         p.plan_seconds[(p.bucket(t, n), d)] = data.draw(st.floats(0.5, 4.0))
-        p._plan_step[(p.bucket(t, n), d)] = 0
+        p.costs._plan_step[(p.bucket(t, n), d)] = 0
     return p
 
 
@@ -250,8 +252,9 @@ def test_plan_is_the_brute_force_optimum(n, k, data):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(n=st.integers(1, 3), k=st.integers(1, 3), data=st.data())
 def test_plan_around_forced_probes_is_the_brute_force_optimum(n, k, data):
-    """The re-plan around probes: with the first drafts of some slots forced, ``_best_plan``
-    keeps them and is optimal over the limit vectors that give each forced slot a draft."""
+    """The re-plan around probes: with the first drafts of some slots forced,
+    ``DraftPlanner.best_plan`` keeps them and is optimal over the limit vectors that give each
+    forced slot a draft."""
     p = random_policy(n, k, data)
     probe = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)))
     g = p.gains()
@@ -264,8 +267,8 @@ def test_plan_around_forced_probes_is_the_brute_force_optimum(n, k, data):
         return (np.array([-c[0] for c in cs], float), np.array([c[1] for c in cs], np.int64),
                 np.array([c[2] for c in cs], np.int64), np.ones((len(cs),)))
 
-    p._price_memo = {}
-    (_, pos, slot, _), _ = p._best_plan(arrays(rest), n, forced=arrays(first))
+    (_, pos, slot, _), _ = p.planner.best_plan(arrays(rest), n, p.costs.prices(p._step),
+                                               forced=arrays(first))
     got = np.zeros((n,), int)
     np.maximum.at(got, slot, pos + 1)
     assert_plan_is_optimal(p, n, k, got=got, probe=probe)
@@ -325,7 +328,7 @@ def test_each_ranking_lists_a_slots_drafts_in_order(n, k, data):
     p.succ[:] = 10.0 * np.array(data.draw(frac)).reshape(n, k)
     p.present[:] = 10.0 * np.array(data.draw(st.lists(st.floats(0.05, 0.95), min_size=n * k,
                                                       max_size=n * k))).reshape(n, k)
-    rankings = p._rankings(np.ones((n,), bool))
+    rankings = p.planner.rankings(np.ones((n,), bool))
     assert len(rankings) == 2
     for gain, pos, slot, rows in rankings:
         assert sorted(zip(slot.tolist(), pos.tolist())) == [(b, i) for b in range(n)
@@ -371,14 +374,15 @@ def test_bucket_table_matches_the_bucket_function_across_slot_counts():
 
     p = DynamicSpeculation(8, 3, counted)
     for n, rows in [(3, 5), (8, 20), (3, 12), (1, 4), (8, 32), (3, 2)]:
-        table = p._bucket_table(n, rows)
-        ids = {v: k for k, v in p._bucket_ids.items()}
+        table = p.costs.bucket_table(n, rows)
+        ids = {v: k for k, v in p.costs._bucket_ids.items()}
         assert len(table) >= rows + 1 and (table[:n + 1] == -1).all()
         for r in range(n + 1, len(table)):
             assert ids[int(table[r])] == bucket_of(r, n), (n, r)
     # never asked for rows <= n (no drafting step has them), each other (rows, n) once
     assert all(r > slots for r, slots in calls)
-    assert len(calls) == len(set(calls)) == sum(len(p._bucket_rows[m]) - m - 1 for m in (1, 3, 8))
+    assert len(calls) == len(set(calls)) == sum(len(p.costs._bucket_rows[m]) - m - 1
+                                               for m in (1, 3, 8))
 
 
 def test_a_depth_is_never_priced_above_a_deeper_one():
@@ -389,7 +393,7 @@ def test_a_depth_is_never_priced_above_a_deeper_one():
     key = p.bucket(4, 2)
     p.step_seconds = by_rows({2: 1.0, 4: 1.0, 8: 2.0})
     p.plan_seconds = {(key, 1): 1.8, (key, 2): 1.1}
-    p._plan_step = {(key, 1): 0, (key, 2): 0}
+    p.costs._plan_step = {(key, 1): 0, (key, 2): 0}
     p.draft_seconds = {(0, 1): 0.5, (0, 2): 0.1}
     assert p.step_time(4, 2, 1) == pytest.approx(1.1)
     assert p.step_time(4, 2, 2) == pytest.approx(1.1)
@@ -511,9 +515,9 @@ def test_probe_whose_budget_was_capped_or_whose_draft_was_accepted_keeps_its_gap
 
 def test_reset_slot_resets_probing():
     p = policy(2, 1, [2], probe_every=3)
-    p.probe_gap[0], p.zero_streak[0], p._probe_pending[0] = 24, 5, True
+    p.probe_gap[0], p.zero_streak[0], p.planner.probe_pending[0] = 24, 5, True
     p.reset_slot(0)
-    assert p.probe_gap[0] == 3 and p.zero_streak[0] == 0 and not p._probe_pending[0]
+    assert p.probe_gap[0] == 3 and p.zero_streak[0] == 0 and not p.planner.probe_pending[0]
 
 
 def test_drafts_that_pay_in_a_probe_widened_bucket_ride_along():
@@ -722,7 +726,7 @@ def test_engine_asks_for_limits_of_proposing_slots_only_and_mtp_fills_them():
     while eng.has_unfinished_requests():
         for o in eng.step():
             out = o
-        drafts.append(int(eng._next_drafts[0]))
+        drafts.append(int(engine_of(eng).scheduler.next_drafts[0]))
     assert [bool(a[0]) for a, _ in seen[:4]] == [False, False, True, True]
     assert [int(l[0]) for _, l in seen[:4]] == [0, 0, 2, 2]
     assert drafts[2:4] == [2, 2]                 # the prefill-ending step proposed its limit
@@ -971,7 +975,7 @@ def test_guard_judges_the_plans_drafts_only_and_windows_per_active_slots():
     p.seed_costs(by_rows({2: 1.0, 4: 1.2}))
     eng = FakeEngine(p, {2: 1.0, 4: 1.2})
     got = [eng.step([0, 0]) for _ in range(60)]
-    assert any(any(x) for x in got) and p.guard_until == {} and p._window == []
+    assert any(any(x) for x in got) and p.guard_until == {} and p.guard._window == []
     # A change of active slots starts a new window: 3 losing judged steps at 2 slots (2-4), one
     # at 1 slot (5, verifying step 4's drafts), then 3 more at 2 slots (6-8) do not fill a
     # window of 4; the fourth (9) does.

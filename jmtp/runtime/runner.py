@@ -1,0 +1,451 @@
+"""``DeviceRunner``: the device side of :class:`~jmtp.runtime.llm_engine.LLMEngine`.
+
+The runner alone owns the model (``graphdef`` and the parameters' ``nnx.State``), the engine state,
+both KV caches and every jitted function, and it alone knows whether the engine runs on one
+device or on a ``("data", "model")`` mesh. It decides that once, at construction, by choosing a
+placement (:class:`OneDevice` or :class:`OnMesh`); every method below takes *global* slot indices
+``b`` in ``[0, max_num_seqs)`` and host (numpy) arrays, whatever the placement. On a mesh slot
+``b`` is row ``b % Bl`` of data shard ``b // Bl`` (``Bl = max_num_seqs / data_parallel_size``)
+and block ids are shard-local (:mod:`jmtp.runtime.data_parallel`).
+
+The scheduler and the request table never touch a device array: everything they need comes back
+from :meth:`DeviceRunner.run_step` as a host :class:`~jmtp.runtime.step.StepOutput` and from
+:attr:`DeviceRunner.free_counts`. That seam is what ``tests/runtime/fake_runner.py`` replaces to
+test the host logic without XLA.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmtp.model.config import ModelConfig
+from jmtp.model.llama import init_kv_cache
+from jmtp.model.modules import LlamaForCausalLM
+from jmtp.runtime import data_parallel as dpar
+from jmtp.runtime import multihost as mh
+from jmtp.runtime import sharding as shd
+from jmtp.runtime.buckets import StepBucket, decode_buckets, slot_buckets, step_buckets
+from jmtp.runtime.config import EngineConfig
+from jmtp.runtime.handoff import gather_slot, import_slot, page_bucket, row_keys
+from jmtp.runtime.host_maps import MapBudget
+from jmtp.runtime.state import init_state, insert_request
+from jmtp.runtime.step import engine_step, push_free_blocks, release_slot, retire_slot
+
+_STEP_STATICS = (0, 1, 2, 3, 4)      # graphdef, EngineConfig, drafter, StepBucket, attention impl
+_STEP_DONATED = (6, 7, 8)            # state, cache, mtp_cache
+
+
+class OneDevice:
+    """Placement on one device: the plain single-shard functions, jitted (state and caches
+    donated)."""
+
+    num_shards = 1
+
+    def __init__(self, runner: "DeviceRunner", dtype, num_mtp_cache_layers: int):
+        mc, ec = runner.model_config, runner.engine_config
+        runner.state = init_state(ec, mc.vocab_size)
+        runner.cache = init_kv_cache(mc, mc.num_layers, ec.num_blocks, ec.block_size, dtype,
+                                     ec.kv_cache_dtype)
+        runner.mtp_cache = (init_kv_cache(mc, num_mtp_cache_layers, ec.num_blocks,
+                                          ec.block_size, dtype, ec.kv_cache_dtype)
+                            if num_mtp_cache_layers else None)
+        self.step = jax.jit(engine_step, static_argnums=_STEP_STATICS,
+                            donate_argnums=_STEP_DONATED)
+        self.insert_fn = jax.jit(insert_request, donate_argnums=0)
+        self.release_fn = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
+        self.retire_fn = jax.jit(functools.partial(retire_slot, ec), donate_argnums=0)
+        self.push_free_fn = jax.jit(push_free_blocks, donate_argnums=0)
+        self.import_fn = jax.jit(functools.partial(import_slot, ec), donate_argnums=(0, 1, 2))
+
+    @staticmethod
+    def host_lanes(x: np.ndarray):
+        return jnp.asarray(x)
+
+    @staticmethod
+    def slot_args(b: int) -> tuple:
+        return (jnp.int32(b),)
+
+    @staticmethod
+    def fetch_step(out):
+        out = jax.device_get(out)
+        return dataclasses.replace(out, free_count=np.reshape(out.free_count, (1,)))
+
+    def release(self, state, b):
+        state = self.release_fn(state, jnp.int32(b))
+        return state, [int(state.free_count)]
+
+    def retire(self, state, b, keep):
+        state, kept = self.retire_fn(state, jnp.int32(b), jnp.asarray(keep))
+        return state, np.asarray(kept), [int(state.free_count)]
+
+    def push_free(self, state, shard, ids):
+        return self.push_free_fn(state, jnp.asarray(ids))
+
+    def owned_blocks(self, state, b) -> np.ndarray:
+        return np.asarray(state.block_tables[b])[:int(state.num_owned[b])]
+
+    def gather(self, state, cache, mtp_cache, b, ids):
+        return jax.device_get(gather_slot(state, cache, mtp_cache, jnp.int32(b), jnp.asarray(ids)))
+
+    def import_(self, state, cache, mtp_cache, b, row, kv, n):
+        state, cache, mtp_cache, ok = self.import_fn(state, cache, mtp_cache, jnp.int32(b), row,
+                                                     kv, jnp.int32(n))
+        return state, cache, mtp_cache, bool(ok), [int(state.free_count)]
+
+
+class OnMesh:
+    """Placement on a ``("data", "model")`` mesh: state and caches stacked per data shard
+    (leading axis over ``data``, kv heads over ``model``), parameters sharded by their logical
+    axes and replicated over ``data`` (:mod:`jmtp.runtime.sharding`). Every jitted function's
+    output shardings equal its input ones (donation in place, no recompiles); what the host reads
+    (``StepOutput``, free block counts, exported pages) comes back replicated."""
+
+    def __init__(self, runner: "DeviceRunner", dtype, num_mtp_cache_layers: int):
+        mesh, mc, ec = runner.mesh, runner.model_config, runner.engine_config
+        sec, dp = runner.shard_config, runner.num_shards
+        self.num_shards, self.Bl = dp, sec.max_num_seqs
+        rep = self.rep = shd.replicated(mesh)
+        st = shd.state_sharding(mesh)
+        kv = shd.kv_cache_shardings(mesh, mc.kv_cache_heads, ec.kv_cache_dtype is not None,
+                                    stacked=True)
+        runner.params = mh.put(runner.params, shd.param_shardings(runner.params, mesh),
+                               what="parameters")
+        runner.state = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
+                               out_shardings=st)()
+        make = lambda n: jax.jit(lambda: dpar.stack_shards(
+            init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype, ec.kv_cache_dtype), dp),
+            out_shardings=kv)()
+        runner.cache = make(mc.num_layers)
+        runner.mtp_cache = make(num_mtp_cache_layers) if num_mtp_cache_layers else None
+        mkv = kv if runner.mtp_cache is not None else None
+        self.step = jax.jit(functools.partial(dpar.data_parallel_step, mesh),
+                            static_argnums=_STEP_STATICS, donate_argnums=_STEP_DONATED,
+                            out_shardings=(st, kv, mkv, rep))
+        self.insert_fn = jax.jit(functools.partial(dpar.data_parallel_insert, mesh),
+                                 donate_argnums=0, out_shardings=st)
+        self.release_fn = jax.jit(functools.partial(dpar.data_parallel_release, mesh, sec),
+                                  donate_argnums=0, out_shardings=(st, rep))
+        self.retire_fn = jax.jit(functools.partial(dpar.data_parallel_retire, mesh, sec),
+                                 donate_argnums=0, out_shardings=(st, rep, rep))
+        self.push_free_fn = jax.jit(functools.partial(dpar.data_parallel_push_free, mesh),
+                                    donate_argnums=0, out_shardings=(st, rep))
+        self.import_fn = jax.jit(functools.partial(dpar.data_parallel_import, mesh, sec),
+                                 donate_argnums=(0, 1, 2), out_shardings=(st, kv, mkv, rep, rep))
+        self.gather_fn = jax.jit(dpar.shard_gather, out_shardings=rep)
+        self.owned_fn = jax.jit(lambda s, d, r: (s.num_owned[d, r], s.block_tables[d, r]),
+                                out_shardings=rep)
+        if jax.process_count() > 1:
+            # the first run of each step bucket (and of insert / release) waits until every
+            # process has compiled it (jmtp.runtime.multihost.SyncFirstCall)
+            self.step = mh.SyncFirstCall(self.step, key=lambda a: a[3], name="step")
+            self.insert_fn = mh.SyncFirstCall(self.insert_fn, name="insert")
+            self.release_fn = mh.SyncFirstCall(self.release_fn, name="release")
+
+    def host_lanes(self, x: np.ndarray):
+        return x.reshape(self.num_shards, self.Bl)
+
+    def slot_args(self, b: int) -> tuple:
+        return jnp.int32(b // self.Bl), jnp.int32(b % self.Bl)
+
+    def fetch_step(self, out):
+        out = mh.fetch(out)      # replicated: the same on every process
+        n = self.num_shards * self.Bl
+        flat = {f.name: np.reshape(v, (n,) + v.shape[2:]) for f in dataclasses.fields(out)
+                if (v := getattr(out, f.name)) is not None and f.name != "free_count"}
+        return dataclasses.replace(out, **flat)
+
+    @staticmethod
+    def free_counts(state, free) -> list[int]:
+        return [int(x) for x in mh.fetch(free)]
+
+    def release(self, state, b):
+        state, free = self.release_fn(state, *self.slot_args(b))
+        return state, self.free_counts(state, free)
+
+    def retire(self, state, b, keep):
+        state, kept, free = self.retire_fn(state, *self.slot_args(b), jnp.asarray(keep))
+        return state, np.asarray(mh.fetch(kept))[b // self.Bl], self.free_counts(state, free)
+
+    def push_free(self, state, shard, ids):
+        state, _ = self.push_free_fn(state, jnp.int32(shard), jnp.asarray(ids))
+        return state
+
+    def owned_blocks(self, state, b) -> np.ndarray:
+        owned, table = mh.fetch(self.owned_fn(state, *self.slot_args(b)))
+        return np.asarray(table)[:int(owned)]
+
+    def gather(self, state, cache, mtp_cache, b, ids):
+        return mh.fetch(self.gather_fn(state, cache, mtp_cache, *self.slot_args(b),
+                                       jnp.asarray(ids)))
+
+    def import_(self, state, cache, mtp_cache, b, row, kv, n):
+        state, cache, mtp_cache, ok, free = self.import_fn(state, cache, mtp_cache,
+                                                           *self.slot_args(b), row, kv,
+                                                           jnp.int32(n))
+        return (state, cache, mtp_cache, bool(mh.fetch(ok)[b // self.Bl]),
+                self.free_counts(state, free))
+
+
+class DeviceRunner:
+    """Parameters, engine state, KV caches and the jitted step, insert, release, retire and
+    hand-off functions of one engine, on one device or a mesh.
+
+    Args:
+      model_config: the target's :class:`ModelConfig`.
+      params: the parameter dict (as loaded, transforms applied: FR-Spec head, key shift,
+        unstacked layers); split here into ``graphdef`` and the ``nnx.State`` :attr:`params`.
+      engine_config: the engine's :class:`EngineConfig` (sizes are totals over data shards).
+      mesh: a ``jax.sharding.Mesh`` with axes ``("data", "model")`` of more than one device, or
+        None for one device.
+      dtype: parameter and cache dtype.
+      attention_backend: the step's attention implementation (static).
+      num_mtp_cache_layers: layers of the MTP KV cache (0: none).
+      compile_mode: ``"eager"`` or ``"lazy"`` (only :meth:`bucket_to_run` reads it).
+
+    Attributes (public, read by the engine and tests): ``graphdef``, ``params``, ``state``,
+    ``cache``, ``mtp_cache``, ``mesh``, ``shard_config`` (one data shard's config),
+    ``num_shards``, ``free_counts`` (free KV blocks per data shard, ``list[int]``),
+    ``jitted_step`` (the jitted :func:`~jmtp.runtime.step.engine_step` or its data-parallel form;
+    tests wrap it), ``first_call_seconds``, ``map_budget``.
+    """
+
+    def __init__(self, model_config: ModelConfig, params: dict, engine_config: EngineConfig, *,
+                 mesh, dtype, attention_backend: str | None, num_mtp_cache_layers: int,
+                 compile_mode: str = "eager"):
+        self.model_config, self.engine_config, self.mesh = model_config, engine_config, mesh
+        self.attention_backend, self.compile_mode = attention_backend, compile_mode
+        self.drafter = engine_config.spec.drafter
+        self.num_shards = shd.mesh_sizes(mesh)[0] if mesh is not None else 1
+        self.shard_config = dpar.shard_config(engine_config, self.num_shards)
+        # The model as an NNX module, split once: the jitted step takes the pure state (arrays
+        # with their logical-axis metadata) and merges it with the static graph definition inside.
+        self.graphdef, self.params = nnx.split(LlamaForCausalLM.from_params(model_config, params))
+        self.placement = (OneDevice if mesh is None else OnMesh)(self, dtype,
+                                                                 num_mtp_cache_layers)
+        self.jitted_step = self.placement.step
+        self.free_counts = [self.shard_config.num_blocks] * self.num_shards
+        # XLA:CPU maps every compiled kernel on its own and aborts the process past the map
+        # limit: each new step bucket is checked first (jmtp.runtime.host_maps).
+        self.map_budget = MapBudget("step bucket")
+        self._compiled: set[StepBucket] = set()
+        # {bucket label: seconds} of each bucket's first run (tracing, then compiling or loading
+        # it from the persistent cache, then the step itself): where lazy compiles go
+        self.first_call_seconds: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ buckets and compiles
+    @property
+    def compiled_buckets(self) -> frozenset[StepBucket]:
+        """The step buckets compiled so far (ahead of time or by a first run)."""
+        return frozenset(self._compiled)
+
+    def uncompiled_buckets(self) -> tuple[StepBucket, ...]:
+        """The step buckets (:func:`~jmtp.runtime.buckets.step_buckets`) not compiled yet."""
+        return tuple(b for b in step_buckets(self.shard_config) if b not in self._compiled)
+
+    def check_bucket(self, bucket: StepBucket) -> None:
+        """Raise :class:`~jmtp.runtime.host_maps.MapLimitError` if ``bucket`` is not compiled
+        yet and its compile would cross the process's memory-map limit. On a multi-process mesh
+        nothing is checked: each process counts its own mappings, and one process refusing a
+        compile the others start would leave them waiting at its barrier."""
+        if bucket not in self._compiled and jax.process_count() == 1:
+            self.map_budget.check(bucket.label)
+
+    def step_args(self, bucket: StepBucket) -> tuple:
+        """The jitted step's arguments for ``bucket`` with all-zero chunks and limits."""
+        zeros = self.placement.host_lanes(np.zeros((self.engine_config.max_num_seqs,), np.int32))
+        return (self.graphdef, self.shard_config, self.drafter, bucket, self.attention_backend,
+                self.params, self.state, self.cache, self.mtp_cache, zeros, zeros)
+
+    def compile_buckets(self, buckets: Iterable[StepBucket] | None = None, *,
+                        progress: bool = False) -> dict[str, float]:
+        """Compile step buckets (default: every uncompiled one) without running them;
+        ``{bucket label: seconds}`` (see :meth:`LLMEngine.compile_buckets`)."""
+        from jmtp.runtime.compile import compile_ahead
+        todo = (list(self.uncompiled_buckets()) if buckets is None
+                else [b for b in buckets if b not in self._compiled])
+        if not todo:
+            return {}
+        with shd.mesh_context(self.mesh):
+            return compile_ahead(self.jitted_step, [self.step_args(b) for b in todo],
+                                 labels=[b.label for b in todo], desc="compile step buckets",
+                                 progress=progress, on_compiled=lambda i: self._compiled
+                                 .add(todo[i]), budget=(self.map_budget if
+                                                        jax.process_count() == 1 else None))
+
+    def compile_slot_ops(self, sampling_row: dict) -> dict[str, float]:
+        """Compile the request insert and the slot release (and, with prefix caching, the slot
+        retire and the free-block push) ahead; ``{label: seconds}``."""
+        from jmtp.runtime.compile import compile_ahead
+        sec, p = self.shard_config, self.placement
+        slot = p.slot_args(0)
+        times = {}
+        with shd.mesh_context(self.mesh):
+            times.update(compile_ahead(p.insert_fn, [(
+                self.state, *slot, jnp.asarray(np.zeros((sec.seq_buffer_len,), np.int32)),
+                jnp.int32(1), jnp.int32(1), {k: jnp.asarray(v) for k, v in sampling_row.items()},
+                jnp.int32(-1), *self._prefix_args([]))], labels=["insert"], progress=False))
+            times.update(compile_ahead(p.release_fn, [(self.state, *slot)], labels=["release"],
+                                       progress=False))
+            if self.engine_config.enable_prefix_caching:
+                times.update(compile_ahead(p.retire_fn, [(
+                    self.state, *slot, jnp.zeros((sec.pages_per_seq,), bool))],
+                    labels=["retire"], progress=False))
+                shard = () if self.mesh is None else (jnp.int32(0),)
+                times.update(compile_ahead(p.push_free_fn, [(
+                    self.state, *shard, jnp.full((sec.num_blocks,), -1, jnp.int32))],
+                    labels=["push_free"], progress=False))
+        return times
+
+    def time_decode_buckets(self, repeats: int) -> dict[StepBucket, float]:
+        """``{bucket: seconds}``: the fastest of ``repeats`` timed runs (after one untimed) of
+        every decode bucket with no request scheduled (the dynamic policy's seed costs; an idle
+        step changes no cache, block table or request state)."""
+        sec = self.shard_config
+        zeros = np.zeros((self.engine_config.max_num_seqs,), np.int32)
+        seconds = {}
+        for bk in sorted({StepBucket(t, a) for a in slot_buckets(sec)
+                          for t in decode_buckets(sec, a)}):
+            times = []
+            for i in range(repeats + 1):
+                t0 = time.perf_counter()
+                self.run_step(bk, zeros, zeros)
+                if i:
+                    times.append(time.perf_counter() - t0)
+            seconds[bk] = min(times)
+        return seconds
+
+    # ------------------------------------------------------------------ device calls
+    def run_step(self, bucket: StepBucket, chunks: np.ndarray, limits: np.ndarray):
+        """Run the jitted step in ``bucket`` with prefill chunks and draft limits ``i32[B]``.
+
+        Returns:
+          its :class:`~jmtp.runtime.step.StepOutput` on the host, fields ``[B, ...]`` and
+          ``free_count`` ``i32[num_shards]`` (also stored in :attr:`free_counts`). The first run
+          of a bucket is timed into :attr:`first_call_seconds` and measured for the memory-map
+          budget (checked before by :meth:`check_bucket`).
+        """
+        first = bucket not in self._compiled
+        if first:
+            self.map_budget.start()
+            t0 = time.perf_counter()
+        p = self.placement
+        with shd.mesh_context(self.mesh):
+            self.state, self.cache, self.mtp_cache, out = self.jitted_step(
+                self.graphdef, self.shard_config, self.drafter, bucket, self.attention_backend,
+                self.params, self.state, self.cache, self.mtp_cache, p.host_lanes(chunks),
+                p.host_lanes(limits))
+        out = p.fetch_step(out)
+        if first:
+            self.first_call_seconds[bucket.label] = time.perf_counter() - t0
+            self.map_budget.stop()
+            self._compiled.add(bucket)
+        self.free_counts = [int(x) for x in out.free_count]
+        return out
+
+    def _prefix_args(self, block_ids: list[int]) -> tuple:
+        """The insert call's shared-prefix arguments (none without prefix caching)."""
+        if not self.engine_config.enable_prefix_caching:
+            return ()
+        row = np.full((self.engine_config.pages_per_seq,), -1, np.int32)
+        row[:len(block_ids)] = block_ids
+        n = len(block_ids)
+        return jnp.asarray(row), jnp.int32(n), jnp.int32(n * self.engine_config.block_size)
+
+    def insert(self, b: int, ids: np.ndarray, prompt_len: int, remaining: int, row: dict,
+               resume_token: int, shared_ids: list[int] = ()) -> None:
+        """:func:`~jmtp.runtime.state.insert_request` into idle slot ``b``: ``ids i32[Lbuf]``
+        (prompt, padded), ``remaining`` tokens to generate, a sampling ``row``
+        (:func:`~jmtp.runtime.sampling.make_row`), ``resume_token`` (-1: a new request) and,
+        with prefix caching, the shard-local ids of the cached prefix blocks it reads."""
+        args = (jnp.asarray(ids), jnp.int32(prompt_len), jnp.int32(remaining),
+                {k: jnp.asarray(v) for k, v in row.items()}, jnp.int32(resume_token))
+        with shd.mesh_context(self.mesh):
+            self.state = self.placement.insert_fn(self.state, *self.placement.slot_args(b),
+                                                  *args, *self._prefix_args(shared_ids))
+
+    def release(self, b: int) -> None:
+        """Return slot ``b``'s KV blocks and mark it idle (:func:`~jmtp.runtime.step.release_slot`)."""
+        with shd.mesh_context(self.mesh):
+            self.state, self.free_counts = self.placement.release(self.state, b)
+
+    def retire(self, b: int, keep: np.ndarray) -> np.ndarray:
+        """Empty slot ``b`` keeping its owned blocks ``keep bool[P]`` out of the allocator
+        (:func:`~jmtp.runtime.step.retire_slot`); returns the kept ids ``i32[P]`` (-1 padded,
+        shard-local)."""
+        with shd.mesh_context(self.mesh):
+            self.state, kept, self.free_counts = self.placement.retire(self.state, b, keep)
+        return kept
+
+    def push_free(self, shard: int, ids: list[int]) -> None:
+        """Push shard-local block ids onto data shard ``shard``'s free stack
+        (:func:`~jmtp.runtime.step.push_free_blocks`)."""
+        buf = np.full((self.shard_config.num_blocks,), -1, np.int32)
+        buf[:len(ids)] = ids
+        with shd.mesh_context(self.mesh):
+            self.state = self.placement.push_free(self.state, shard, buf)
+        self.free_counts = list(self.free_counts)
+        self.free_counts[shard] += len(ids)
+
+    # ------------------------------------------------------------------ hand-off
+    def row_keys(self) -> set[str]:
+        """The keys of ``RequestState.row`` this engine reads and writes."""
+        return row_keys(self.state)
+
+    def export_slot(self, b: int) -> tuple[dict, dict]:
+        """Slot ``b``'s state row and KV pages on the host (:func:`jmtp.runtime.handoff.gather_slot`):
+        ``(row {key: array}, kv {name: [L, pages, ...]})``, the full (unsharded) arrays."""
+        owned = self.placement.owned_blocks(self.state, b)
+        ids = np.zeros((page_bucket(len(owned), self.engine_config.pages_per_seq),), np.int32)
+        ids[:len(owned)] = owned
+        with shd.mesh_context(self.mesh):
+            row, kv = self.placement.gather(self.state, self.cache, self.mtp_cache, b, ids)
+        return ({k: np.asarray(v) for k, v in row.items()},
+                {k: np.asarray(v)[:, :len(owned)] for k, v in kv.items()})
+
+    def import_slot(self, b: int, row: dict, kv: dict, num_pages: int) -> bool:
+        """Write an exported row and its KV pages into idle slot ``b``, its blocks allocated
+        here (:func:`jmtp.runtime.handoff.import_slot`); False if the allocator could not."""
+        pb = page_bucket(num_pages, self.engine_config.pages_per_seq)
+        padded = {}
+        for k, a in kv.items():
+            pad = np.zeros((a.shape[0], pb) + a.shape[2:], a.dtype)
+            pad[:, :num_pages] = a
+            padded[k] = jnp.asarray(pad)
+        with shd.mesh_context(self.mesh):
+            (self.state, self.cache, self.mtp_cache, ok,
+             self.free_counts) = self.placement.import_(
+                self.state, self.cache, self.mtp_cache, b,
+                {k: jnp.asarray(v) for k, v in row.items()}, padded, num_pages)
+        return ok
+
+    # ------------------------------------------------------------------ memory
+    def memory_per_device(self) -> dict:
+        """``{"params": (per device, total), "kv_cache": (per device, total)}`` bytes (the MTP
+        cache counted with the KV cache; per device = the first device of the mesh)."""
+        p_total, p_local = shd.per_device_bytes(self.params)
+        c_total, c_local = shd.per_device_bytes((self.cache, self.mtp_cache))
+        return {"params": (p_local, p_total), "kv_cache": (c_local, c_total)}
+
+    def kv_cache_bytes(self) -> dict[str, int]:
+        """Device bytes of the KV caches, values and quantisation scales apart.
+
+        Keys: ``target_values``, ``target_scales``, ``mtp_values``, ``mtp_scales`` (0 without an
+        MTP cache), ``values``, ``scales`` (sums) and ``total``. Values take
+        ``2 · layers · num_blocks · block_size · Nkv · D · itemsize`` bytes (itemsize 1 for
+        ``kv_cache_dtype`` ``"int8"`` / ``"fp8_e4m3"``); scales ``2 · layers · num_blocks ·
+        block_size · Nkv · 4`` (0 unquantised).
+        """
+        tv, ts = self.cache.nbytes()
+        mv, ms = self.mtp_cache.nbytes() if self.mtp_cache is not None else (0, 0)
+        return dict(target_values=tv, target_scales=ts, mtp_values=mv, mtp_scales=ms,
+                    values=tv + mv, scales=ts + ms, total=tv + mv + ts + ms)
+
+
+__all__ = ["DeviceRunner", "OneDevice", "OnMesh"]

@@ -1,0 +1,120 @@
+"""The OpenAI wire format: request bodies, error bodies, finish reasons, server-sent events and
+usage (OpenAI API reference, https://platform.openai.com/docs/api-reference; vLLM's extra sampling
+fields ``top_k`` / ``min_p`` / ...).
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; :func:`param_of`
+names the request field a jmtp error is about from the error's type, never its message.
+"""
+from __future__ import annotations
+
+import json
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jmtp.core.errors import InvalidRequestError
+
+
+class _Base(BaseModel):
+    # Clients send fields we do not use (user, logit_bias=None, ...): ignore them, as vLLM does.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Base):
+    """Fields shared by both endpoints (OpenAI, plus vLLM's extras top_k / min_p / ...)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions`` body."""
+
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Base):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Base):
+    role: str
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions`` body."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class BadRequest(Exception):
+    """An invalid request field (HTTP 400 ``invalid_request_error``)."""
+
+    def __init__(self, message: str, param: str | None, status: int = 400,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
+
+
+def error_body(message: str, type_: str, param: str | None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def param_of(err: Exception, prompt_field: str) -> str:
+    """The request field a jmtp error is about: :attr:`InvalidRequestError.field
+    <jmtp.core.errors.InvalidRequestError.field>` (its ``"prompt"`` is the request's
+    ``prompt_field``), else the prompt field."""
+    field = getattr(err, "field", None) if isinstance(err, InvalidRequestError) else None
+    return prompt_field if field in (None, "prompt") else field
+
+
+def finish_reason(reason) -> str | None:
+    """OpenAI finish reasons: "stop" (EOS, stop id or stop string) and "length"."""
+    return None if reason is None else ("length" if reason == "length" else "stop")
+
+
+def sse(obj) -> str:
+    """One server-sent event: ``data: {json}\\n\\n``."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class Usage:
+    """Token counts of one response (OpenAI ``usage``)."""
+
+    def __init__(self):
+        self.prompt = 0
+        self.completion = 0
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+                "total_tokens": self.prompt + self.completion}

@@ -1,0 +1,353 @@
+"""OpenAI requests → ``SamplingParams`` and engine calls; engine outputs → OpenAI responses and
+server-sent-event streams (:class:`OpenAIServing`). A client that disconnects has its requests
+aborted, so their KV blocks are freed at the engine's next pass."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from jmtp.runtime.async_engine import AsyncLLMEngine, EngineDeadError
+from jmtp.runtime.sampling import SamplingParams
+from jmtp.runtime.server.metrics import ServerMetrics
+from jmtp.runtime.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest,
+                                          Usage, error_body, finish_reason, param_of, sse)
+
+log = logging.getLogger("jmtp.runtime.server")   # the server's one logger name
+
+
+async def _merge(streams: list):
+    """Yield ``(prompt_index, RequestOutput)`` from several output streams as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await q.put((i, out))
+            await q.put((i, done))
+        except BaseException as e:  # noqa: BLE001 -- forwarded to the consumer
+            await q.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await q.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+
+    def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, max_model_len: int,
+                 metrics: ServerMetrics, max_logprobs: int = 0):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.max_logprobs = max_logprobs
+
+    # ---------------------------------------------------------------- request → engine
+    def _check_model(self, req) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise BadRequest(f"The model `{req.model}` does not exist (this server serves "
+                             f"`{self.model_name}`).", "model", status=404,
+                             code="model_not_found")
+
+    def _sampling_params(self, req, max_tokens: int | None, prompt_len: int, logprobs,
+                         default_max: int | None, prompt_field: str) -> SamplingParams:
+        if req.n < 1:
+            raise BadRequest(f"n={req.n}: must be >= 1", "n")
+        if prompt_len >= self.max_model_len:
+            raise BadRequest(f"{prompt_field}: the prompt has {prompt_len} tokens; it must be "
+                             f"shorter than max_model_len={self.max_model_len}", prompt_field)
+        if max_tokens is None:
+            max_tokens = default_max if default_max is not None else self.max_model_len - prompt_len
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        kw: dict[str, Any] = dict(max_tokens=max_tokens, n=req.n, stop=stop)
+        if req.include_stop_str_in_output:
+            kw["include_stop_str_in_output"] = True
+        kw["temperature"] = 1.0 if req.temperature is None else req.temperature  # OpenAI default
+        for f in ("top_p", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "min_tokens", "ignore_eos"):
+            if getattr(req, f) is not None:
+                kw[f] = getattr(req, f)
+        if req.top_k is not None:
+            kw["top_k"] = req.top_k
+        if req.stop_token_ids:
+            kw["stop_token_ids"] = tuple(req.stop_token_ids)
+        if logprobs is not None:
+            kw["logprobs"] = logprobs
+        try:
+            return SamplingParams(**kw)
+        except (ValueError, TypeError) as e:
+            raise BadRequest(str(e), param_of(e, "prompt")) from e
+
+    async def _submit(self, request_id: str, prompt, sp: SamplingParams, prompt_field: str):
+        try:
+            return await self.engine.add_request(request_id, prompt, sp)
+        except EngineDeadError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise BadRequest(str(e), param_of(e, prompt_field)) from e
+
+    def _prompt_len(self, prompt) -> int:
+        return len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
+
+    # ---------------------------------------------------------------- logprobs
+    def _token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def _completion_logprobs(self, token_ids, logprobs, offset: int) -> dict:
+        toks, lps, tops, offs = [], [], [], []
+        pos = offset
+        for tid, d in zip(token_ids, logprobs or []):
+            s = self._token_str(tid)
+            toks.append(s)
+            lps.append(d.get(tid))
+            tops.append({self._token_str(t): v for t, v in d.items()})
+            offs.append(pos)
+            pos += len(s)
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    def _chat_logprobs(self, token_ids, logprobs, top_n: int) -> dict:
+        content = []
+        for tid, d in zip(token_ids, logprobs or []):
+            s = self._token_str(tid)
+            top = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
+            content.append({"token": s, "logprob": d.get(tid), "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": self._token_str(t), "logprob": v,
+                                              "bytes": list(self._token_str(t).encode())}
+                                             for t, v in top]})
+        return {"content": content}
+
+    # ---------------------------------------------------------------- completions
+    async def completions(self, req: CompletionRequest, raw: Request):
+        self._check_model(req)
+        if req.echo:
+            raise BadRequest("echo is not supported", "echo")
+        if req.suffix:
+            raise BadRequest("suffix is not supported", "suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise BadRequest("best_of other than n is not supported", "best_of")
+        p = req.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            prompts = [p]
+        else:
+            prompts = list(p)
+        if not prompts:
+            raise BadRequest("prompt is empty", "prompt")
+        if req.logprobs is not None and req.logprobs > max(self.max_logprobs, 0):
+            raise BadRequest(f"logprobs={req.logprobs} exceeds the server's max_logprobs="
+                             f"{self.max_logprobs} (start it with --max-logprobs)", "logprobs")
+        # OpenAI's default max_tokens for completions is 16.
+        sps = [self._sampling_params(req, req.max_tokens, self._prompt_len(pr), req.logprobs,
+                                     default_max=16, prompt_field="prompt") for pr in prompts]
+        base = f"cmpl-{uuid.uuid4().hex}"
+        return await self._serve(
+            raw, req, base, prompts, sps, "prompt", "text_completion", self._completion_choice,
+            self._completion_chunk_choice)
+
+    def _completion_choice(self, idx, c, req) -> dict:
+        return {"index": idx, "text": c.text,
+                "logprobs": (self._completion_logprobs(c.token_ids, c.logprobs, 0)
+                             if req.logprobs is not None else None),
+                "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
+
+    def _completion_chunk_choice(self, idx, c, req, first: bool, offset: int) -> dict:
+        return {"index": idx, "text": c.delta_text,
+                "logprobs": (self._completion_logprobs(c.delta_token_ids,
+                                                       (c.logprobs or [])[-len(c.delta_token_ids):]
+                                                       if c.delta_token_ids else [], offset)
+                             if req.logprobs is not None else None),
+                "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
+
+    # ---------------------------------------------------------------- chat
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self._check_model(req)
+        msgs = []
+        for i, m in enumerate(req.messages):
+            content = m.content
+            if isinstance(content, list):
+                content = "".join(part.text for part in content)
+            msgs.append({"role": m.role, "content": content or ""})
+        try:
+            prompt = self.tokenizer.apply_chat_template(msgs)
+        except Exception as e:  # noqa: BLE001 -- template errors are the request's fault
+            raise BadRequest(f"messages: cannot apply the chat template: {e}", "messages") from e
+        top = None
+        if req.logprobs:
+            top = req.top_logprobs or 0
+            if top > self.max_logprobs or self.max_logprobs == 0:
+                raise BadRequest(f"logprobs need the server started with --max-logprobs >= "
+                                 f"{max(top, 1)} (it has {self.max_logprobs})", "logprobs")
+        elif req.top_logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        try:
+            sp = self._sampling_params(req, max_tokens, self._prompt_len(prompt), top,
+                                       default_max=None, prompt_field="messages")
+        except BadRequest as e:
+            if e.param == "max_tokens" and req.max_completion_tokens is not None:
+                e.param = "max_completion_tokens"     # name the field the client sent
+            raise
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._serve(raw, req, base, [prompt], [sp], "messages", "chat.completion",
+                                 self._chat_choice, self._chat_chunk_choice)
+
+    def _chat_choice(self, idx, c, req) -> dict:
+        return {"index": idx, "message": {"role": "assistant", "content": c.text},
+                "logprobs": (self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                             if req.logprobs else None),
+                "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
+
+    def _chat_chunk_choice(self, idx, c, req, first: bool, offset: int) -> dict:
+        delta = {"role": "assistant", "content": c.delta_text} if first else \
+            ({"content": c.delta_text} if c.delta_text else {})
+        lp = None
+        if req.logprobs:
+            n = len(c.delta_token_ids)
+            lp = self._chat_logprobs(c.delta_token_ids, (c.logprobs or [])[-n:] if n else [],
+                                     req.top_logprobs or 0)
+        return {"index": idx, "delta": delta, "logprobs": lp,
+                "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
+
+    # ---------------------------------------------------------------- shared serving
+    async def _serve(self, raw: Request, req, base: str, prompts: list, sps: list,
+                     prompt_field: str, obj: str, choice_fn, chunk_fn):
+        n = req.n
+        ids = [f"{base}-{i}" for i in range(len(prompts))]
+        streams = []
+        try:
+            for rid, pr, sp in zip(ids, prompts, sps):
+                streams.append(await self._submit(rid, pr, sp, prompt_field))
+        except BaseException:
+            for rid in ids:
+                await self.engine.abort(rid)
+            raise
+        created = int(time.time())
+        head = {"id": base, "object": obj, "created": created, "model": self.model_name}
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                self._stream(ids, streams, head, req, n, chunk_fn, include_usage),
+                media_type="text/event-stream")
+        return await self._until_disconnect(raw, ids, self._collect(ids, streams, head, req, n,
+                                                                    choice_fn))
+
+    async def _collect(self, ids, streams, head, req, n, choice_fn) -> dict:
+        usage = Usage()
+        final: dict[int, Any] = {}
+        seen = set()
+        try:
+            async for i, out in _merge(streams):
+                if i not in seen:
+                    seen.add(i)
+                    usage.prompt += len(out.prompt_token_ids)
+                    self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+                for c in out.outputs:
+                    if c.finish_reason is not None or out.finished:
+                        final[i * n + c.index] = c
+        finally:
+            for rid in ids:
+                await self.engine.abort(rid)     # no-op for finished requests
+        choices = []
+        for idx in sorted(final):
+            c = final[idx]
+            usage.completion += len(c.token_ids)
+            choices.append(choice_fn(idx, c, req))
+        return dict(head, choices=choices, usage=usage.as_dict())
+
+    async def _until_disconnect(self, raw: Request, ids, coro) -> Response:
+        """Run ``coro`` unless the client disconnects first (then abort its requests)."""
+        task = asyncio.ensure_future(coro)
+
+        async def disconnected():
+            while True:
+                message = await raw.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watch = asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not task.done():
+            task.cancel()
+            for rid in ids:
+                await self.engine.abort(rid)
+            with contextlib.suppress(BaseException):
+                await task
+            log.info("client disconnected: aborted %s", ids)
+            return Response(status_code=499)
+        return JSONResponse(task.result())
+
+    async def _stream(self, ids, streams, head, req, n, chunk_fn, include_usage: bool):
+        usage = Usage()
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+        seen = set()
+        done: set[int] = set()
+        finished_ok = False
+        try:
+            async for i, out in _merge(streams):
+                if i not in seen:
+                    seen.add(i)
+                    usage.prompt += len(out.prompt_token_ids)
+                    self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+                choices = []
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    first = idx not in started
+                    if idx in done or not (first or c.delta_text or c.delta_token_ids
+                                           or c.finish_reason):
+                        continue    # finished samples of n > 1 reappear until all finish
+                    if c.finish_reason is not None:
+                        done.add(idx)
+                    started.add(idx)
+                    choices.append(chunk_fn(idx, c, req, first, offsets.get(idx, 0)))
+                    offsets[idx] = offsets.get(idx, 0) + len(c.delta_text)
+                    if c.finish_reason is not None:
+                        usage.completion += len(c.token_ids)
+                if choices:
+                    yield sse(dict(head, object=head["object"] + (
+                        ".chunk" if head["object"] == "chat.completion" else ""), choices=choices))
+            if include_usage:
+                yield sse(dict(head, object=head["object"] + (
+                    ".chunk" if head["object"] == "chat.completion" else ""), choices=[],
+                    usage=usage.as_dict()))
+            finished_ok = True
+        except asyncio.CancelledError:   # client went away (Starlette cancels the response task)
+            raise
+        except Exception as e:  # noqa: BLE001 -- the error goes to this stream only
+            log.exception("stream %s failed", head["id"])
+            self.metrics.request_errors.labels(status="500").inc()
+            yield sse(error_body(str(e), "internal_error", None))
+        finally:
+            for rid in ids:
+                await self.engine.abort(rid)     # no-op for finished requests
+            if not finished_ok:
+                log.info("stream %s ended early: aborted %s", head["id"], ids)
+        yield "data: [DONE]\n\n"
