@@ -1,8 +1,8 @@
-"""The drafting stages of the engine step: the proposer writes the next verify windows (FastDeploy's
-``MTPProposer``: ``draft_model_preprocess``, the ``_propose`` substep loop, ``draft_model_update``
-and ``draft_model_postprocess``; the n-gram matcher and ``hybrid_mtp_ngram``; or a custom
-drafter). Each stage is a pure, jittable function of typed pytrees;
-:func:`jmtp.runtime.step.engine_step` calls :func:`propose` then :func:`draft_model_postprocess`.
+"""The drafting stages of the engine step: the MTP head's stages (FastDeploy's ``MTPProposer``:
+``draft_model_preprocess``, the ``_propose`` substep loop, ``draft_model_update``) and
+``draft_model_postprocess``. Each stage is a pure, jittable function of typed pytrees;
+:func:`jmtp.runtime.step.engine_step` calls :func:`jmtp.runtime.proposers.propose` (the registry
+of proposers: MTP, n-gram, hybrid, custom) then :func:`draft_model_postprocess`.
 
 =============================== ================================================================
 stage                           FastDeploy op(s)
@@ -11,9 +11,7 @@ stage                           FastDeploy op(s)
                                 substep 0 inputs from the accepted tokens and target rows
 :func:`mtp_substep`             one MTP forward + draft pick (``MTPSampler``), then
                                 ``draft_model_update`` + ``eagle_get_self_hidden_states`` for the
-                                next substep; :func:`propose` applies it M times
-:func:`propose`                 the proposer: the MTP head (with the n-gram extension of
-                                ``hybrid_mtp_ngram``), ``ngram_match``, or a custom drafter
+                                next substep; ``proposers.propose_mtp`` applies it M times
 :func:`draft_model_postprocess` ``draft_model_postprocess``: drafts into ``draft_tokens[:, 1:]``,
                                 the next ``seq_lens_this_time``
 =============================== ================================================================
@@ -35,11 +33,10 @@ from jmtp.model.modules import LlamaForCausalLM
 from jmtp.runtime.buckets import StepBucket
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.sharding import uniform_any
-from jmtp.runtime.ngram import extend_with_ngram, ngram_match
 from jmtp.runtime.sampling import SamplingArrays, draft_sample
 from jmtp.runtime.state import EngineState, effective_block_tables
 from jmtp.runtime.target_stages import (TargetOutput, gather_slots, pytree_dataclass,
-                                        scatter_slots, take_rows, window_rows_hint)
+                                        take_rows, window_rows_hint)
 
 
 @pytree_dataclass
@@ -259,62 +256,3 @@ def draft_model_postprocess(ec: EngineConfig, state: EngineState, prev_state: En
         state = dataclasses.replace(
             state, draft_probs=jnp.where(paused[:, None, None], prev_state.draft_probs, q))
     return state
-
-
-def propose(ec: EngineConfig, drafter, num_tokens: int, attention_impl: str | None,
-            model: LlamaForCausalLM, state: EngineState, prev_seq_lens_decoder: jax.Array,
-            target: TargetOutput, draft_budget: jax.Array, mtp_cache: KVCache | None):
-    """Drafts ``i32[B, K]`` and their distributions q (``f32[B, K, V]`` or None) for the next
-    windows: the MTP head (:func:`draft_model_preprocess`, then :func:`mtp_substep` M times, with
-    the n-gram extension of ``hybrid_mtp_ngram``), the n-gram matcher, or a custom drafter
-    (``drafter(state) -> i32[B, K]``), capped per slot by ``draft_budget i32[B]``.
-
-    Returns:
-      ``(drafts, draft_probs, updated MTP cache)``.
-    """
-    B, K, M = ec.max_num_seqs, ec.k, ec.m
-    drafts = jnp.full((B, K), -1, jnp.int32)
-    draft_probs = None
-    ngram_min, ngram_max = ec.spec.ngram_sizes
-    new_seq_len = state.prompt_lens + state.step_idx
-    if M > 0:
-        ctx, batch = draft_model_preprocess(model.cfg, ec, num_tokens, state,
-                                            prev_seq_lens_decoder, target, draft_budget)
-        picks = []
-        for sub in range(M):
-            pick, batch, mtp_cache = mtp_substep(ec, attention_impl, sub, model, ctx, batch,
-                                                 mtp_cache)
-            picks.append(pick)
-        A = ctx.slots.shape[0]
-        drafts = jnp.stack([p.tokens for p in picks], axis=1)
-        if M < K:
-            drafts = jnp.concatenate([drafts, jnp.full((A, K - M), -1, jnp.int32)], axis=1)
-        drafts = scatter_slots(drafts, ctx.slots, B, fill=-1)          # back to i32[B, K]
-        if ec.spec.draft_sampling:
-            draft_probs = jnp.stack([p.probs for p in picks], axis=1)
-            if M < K:
-                draft_probs = jnp.concatenate(
-                    [draft_probs, jnp.zeros((A, K - M, draft_probs.shape[-1]))], axis=1)
-            draft_probs = scatter_slots(draft_probs, ctx.slots, B)
-        if ngram_max:   # hybrid_mtp_ngram: n-gram tokens extend the M MTP drafts up to K
-            mtp_drafts = jnp.where(jnp.arange(K)[None] < draft_budget[:, None], drafts, -1)
-            drafts = jax.lax.cond(      # skipped when no slot may draft past the M MTP drafts
-                uniform_any(draft_budget > M),
-                lambda: extend_with_ngram(state.input_ids, new_seq_len, mtp_drafts, draft_budget,
-                                          ngram_max, ngram_min),
-                lambda: mtp_drafts)
-            if draft_probs is not None:   # n-gram drafts are deterministic: one-hot q
-                from_ngram = (jnp.arange(K)[None] >= ec.m) & (drafts >= 0)
-                one_hot = jax.nn.one_hot(jnp.maximum(drafts, 0), draft_probs.shape[-1],
-                                         dtype=draft_probs.dtype)
-                draft_probs = jnp.where(from_ngram[..., None], one_hot, draft_probs)
-    elif ec.spec.method == "ngram" and K > 0:
-        # skipped at run time when no slot may draft (e.g. the dynamic policy chose 0 everywhere)
-        drafts = jax.lax.cond(
-            uniform_any(draft_budget > 0),
-            lambda: ngram_match(state.input_ids, new_seq_len, draft_budget, ngram_max, ngram_min,
-                                K)[0],
-            lambda: drafts)
-    elif K > 0:
-        drafts = drafter(state).astype(jnp.int32)
-    return drafts, draft_probs, mtp_cache

@@ -176,6 +176,8 @@ class EngineArgs:
     def build(self) -> "BuiltEngine":
         """Check the arguments, load the model if needed and build the runner."""
         a = self
+        # process-wide settings first: the malloc tuning works best before a JAX backend starts
+        cache_dir = prepare_process(a.compilation_cache_dir)
         check_kv_cache_dtype(a.kv_cache_dtype)   # before anything is loaded
         check_one_of("layer_loop", a.layer_loop, LAYER_LOOPS)
         one_device = (a.mesh.size == 1 if a.mesh is not None
@@ -186,7 +188,6 @@ class EngineArgs:
                              "parameter shardings are stated for the stacked layers; use "
                              "layer_loop='scan'")
         compile_mode = jc.resolve_compile_mode(a.compile)
-        cache_dir = prepare_process(a.compilation_cache_dir)   # malloc, compilation cache
         dtype = jnp.dtype(a.dtype or default_dtype())
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")

@@ -142,11 +142,15 @@ class OnMesh:
         self.owned_fn = jax.jit(lambda s, d, r: (s.num_owned[d, r], s.block_tables[d, r]),
                                 out_shardings=rep)
         if jax.process_count() > 1:
-            # the first run of each step bucket (and of insert / release) waits until every
+            # the first run of each step bucket (and of each slot operation) waits until every
             # process has compiled it (jmtp.runtime.multihost.SyncFirstCall)
             self.step = mh.SyncFirstCall(self.step, key=lambda a: a[3], name="step")
-            self.insert_fn = mh.SyncFirstCall(self.insert_fn, name="insert")
-            self.release_fn = mh.SyncFirstCall(self.release_fn, name="release")
+            keys = {"import": lambda a: tuple(v.shape for v in a[6].values()),   # page bucket
+                    "gather": lambda a: a[5].shape}
+            for name in ("insert", "release", "retire", "push_free", "import", "gather", "owned"):
+                attr = f"{name}_fn"
+                setattr(self, attr, mh.SyncFirstCall(getattr(self, attr), key=keys.get(name),
+                                                     name=name))
 
     def host_lanes(self, x: np.ndarray):
         return x.reshape(self.num_shards, self.Bl)

@@ -76,7 +76,8 @@ from flax import nnx
 from jmtp.model.llama import KVCache
 from jmtp.runtime.buckets import StepBucket
 from jmtp.runtime.config import EngineConfig
-from jmtp.runtime.draft_stages import draft_model_postprocess, propose
+from jmtp.runtime.draft_stages import draft_model_postprocess
+from jmtp.runtime.proposers import propose
 from jmtp.runtime.slots import push_free_blocks, release_finished, release_slot, retire_slot
 from jmtp.runtime.state import EngineState, effective_block_tables
 from jmtp.runtime.target_stages import (allocate_blocks, schedule, speculate_update,

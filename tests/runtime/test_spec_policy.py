@@ -130,7 +130,7 @@ def test_one_slot_is_priced_by_the_exact_expectation_over_its_rows():
     p.draft_seconds = {(0, d): 0.0 for d in (1, 2, 3)}
     np.testing.assert_allclose(p.expected_rows(), [[0.4, 0.4, 0.4]])
     np.testing.assert_allclose(p.planner.one_slot_prices(np.array([0.4, 0.4, 0.4]),
-                                                         p.costs.prices(p._step)),
+                                                         p.costs.prices(p.num_plans)),
                                [0.0, 1.52, 1.56, 1.56])
     assert p.draft_limits(np.ones((1,), bool)).tolist() == [3]
 
@@ -233,7 +233,7 @@ def random_policy(n: int, k: int, data) -> DynamicSpeculation:
     for t in data.draw(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), max_size=4)):
         d = data.draw(st.integers(1, k))
         p.plan_seconds[(p.bucket(t, n), d)] = data.draw(st.floats(0.5, 4.0))
-        p.costs._plan_step[(p.bucket(t, n), d)] = 0
+        p.costs.plan_step[(p.bucket(t, n), d)] = 0
     return p
 
 
@@ -267,7 +267,7 @@ def test_plan_around_forced_probes_is_the_brute_force_optimum(n, k, data):
         return (np.array([-c[0] for c in cs], float), np.array([c[1] for c in cs], np.int64),
                 np.array([c[2] for c in cs], np.int64), np.ones((len(cs),)))
 
-    (_, pos, slot, _), _ = p.planner.best_plan(arrays(rest), n, p.costs.prices(p._step),
+    (_, pos, slot, _), _ = p.planner.best_plan(arrays(rest), n, p.costs.prices(p.num_plans),
                                                forced=arrays(first))
     got = np.zeros((n,), int)
     np.maximum.at(got, slot, pos + 1)
@@ -375,13 +375,13 @@ def test_bucket_table_matches_the_bucket_function_across_slot_counts():
     p = DynamicSpeculation(8, 3, counted)
     for n, rows in [(3, 5), (8, 20), (3, 12), (1, 4), (8, 32), (3, 2)]:
         table = p.costs.bucket_table(n, rows)
-        ids = {v: k for k, v in p.costs._bucket_ids.items()}
+        ids = {v: k for k, v in p.costs.bucket_ids.items()}
         assert len(table) >= rows + 1 and (table[:n + 1] == -1).all()
         for r in range(n + 1, len(table)):
             assert ids[int(table[r])] == bucket_of(r, n), (n, r)
     # never asked for rows <= n (no drafting step has them), each other (rows, n) once
     assert all(r > slots for r, slots in calls)
-    assert len(calls) == len(set(calls)) == sum(len(p.costs._bucket_rows[m]) - m - 1
+    assert len(calls) == len(set(calls)) == sum(len(p.costs.bucket_rows[m]) - m - 1
                                                for m in (1, 3, 8))
 
 
@@ -393,7 +393,7 @@ def test_a_depth_is_never_priced_above_a_deeper_one():
     key = p.bucket(4, 2)
     p.step_seconds = by_rows({2: 1.0, 4: 1.0, 8: 2.0})
     p.plan_seconds = {(key, 1): 1.8, (key, 2): 1.1}
-    p.costs._plan_step = {(key, 1): 0, (key, 2): 0}
+    p.costs.plan_step = {(key, 1): 0, (key, 2): 0}
     p.draft_seconds = {(0, 1): 0.5, (0, 2): 0.1}
     assert p.step_time(4, 2, 1) == pytest.approx(1.1)
     assert p.step_time(4, 2, 2) == pytest.approx(1.1)
@@ -797,7 +797,7 @@ def test_a_bucket_and_depth_that_ran_is_priced_by_its_own_steps():
     assert p.draft_limits(np.array([True])).tolist() == [2]
     # A pair's own price expires after refresh_every steps without a new sample: the split again.
     p.refresh_every = 5
-    p._step += 6
+    p.num_plans += 6
     assert p.step_time(4, 0, depth=2) == pytest.approx(0.025 + 0.018)
 
 
@@ -975,7 +975,7 @@ def test_guard_judges_the_plans_drafts_only_and_windows_per_active_slots():
     p.seed_costs(by_rows({2: 1.0, 4: 1.2}))
     eng = FakeEngine(p, {2: 1.0, 4: 1.2})
     got = [eng.step([0, 0]) for _ in range(60)]
-    assert any(any(x) for x in got) and p.guard_until == {} and p.guard._window == []
+    assert any(any(x) for x in got) and p.guard_until == {} and p.guard.window == []
     # A change of active slots starts a new window: 3 losing judged steps at 2 slots (2-4), one
     # at 1 slot (5, verifying step 4's drafts), then 3 more at 2 slots (6-8) do not fill a
     # window of 4; the fourth (9) does.
@@ -987,7 +987,7 @@ def test_guard_judges_the_plans_drafts_only_and_windows_per_active_slots():
         eng.step([0, 0])
     assert p.guard_until == {}
     eng.step([0, 0])
-    assert p.guard_until == {2: p._step + 4}
+    assert p.guard_until == {2: p.num_plans + 4}
     # a hold counts steps at any number of active slots: a lone slot still drafts meanwhile
     assert [eng.step([0, 0], active=[True, False]) for _ in range(3)] == [[1, 0]] * 3
     assert eng.step([0, 0]) == [1, 1]

@@ -54,10 +54,10 @@ class CostTable:
         # (bucket, depth > 0) -> median of its last BASE_SAMPLES live steps, whole step times
         self.plan_seconds: dict[tuple[StepBucket, int], float] = {}
         self._plan_samples: dict[tuple[StepBucket, int], list[float]] = {}
-        self._plan_step: dict[tuple[StepBucket, int], int] = {}   # step of its newest sample
+        self.plan_step: dict[tuple[StepBucket, int], int] = {}   # step of its newest sample
         self._seen: set[StepBucket] = set()              # buckets run once (compiled)
-        self._bucket_ids: dict[StepBucket, int] = {}      # bucket -> id, for bucket_table
-        self._bucket_rows: dict[int, np.ndarray] = {}     # n -> bucket id per row count
+        self.bucket_ids: dict[StepBucket, int] = {}      # bucket -> id, for bucket_table
+        self.bucket_rows: dict[int, np.ndarray] = {}     # n -> bucket id per row count
 
     def prices(self, step: int) -> Prices:
         """The table's prices at policy step ``step``, memoised: valid while the table does not
@@ -94,7 +94,7 @@ class CostTable:
         if depth > 0:
             self.plan_seconds[(bucket, int(depth))] = _push_median(
                 self._plan_samples, (bucket, int(depth)), seconds)
-            self._plan_step[(bucket, int(depth))] = step
+            self.plan_step[(bucket, int(depth))] = step
         if depth > 0 and base is not None:
             key = (bucket.num_slots, int(depth))
             self.draft_seconds[key] = _push_median(self._draft_samples, key,
@@ -116,16 +116,16 @@ class CostTable:
 
     def bucket_table(self, n: int, rows: int) -> np.ndarray:
         """i32[>= rows + 1]: an id per row count at ``n`` slots, equal ids for equal buckets
-        (``_bucket_ids``). Row counts ``0..n`` get -1: a decode step over ``n`` slots has more
+        (``bucket_ids``). Row counts ``0..n`` get -1: a decode step over ``n`` slots has more
         than ``n`` rows once it drafts, so the bucket function is never asked for them. Kept
         across calls (the bucket function is fixed) and grown on demand, so the first plan at a
         new ``n`` asks the bucket function once per row count, later ones not at all (about
         ``4 n (K + 1)`` bytes per ``n`` seen)."""
-        table = self._bucket_rows.setdefault(n, np.full((n + 1,), -1, np.int32))
+        table = self.bucket_rows.setdefault(n, np.full((n + 1,), -1, np.int32))
         if len(table) <= rows:
-            ids = [self._bucket_ids.setdefault(self.bucket(r, n), len(self._bucket_ids))
+            ids = [self.bucket_ids.setdefault(self.bucket(r, n), len(self.bucket_ids))
                    for r in range(len(table), rows + 1)]
-            table = self._bucket_rows[n] = np.concatenate([table, np.asarray(ids, np.int32)])
+            table = self.bucket_rows[n] = np.concatenate([table, np.asarray(ids, np.int32)])
         return table
 
 
@@ -204,7 +204,7 @@ class Prices:
         """The pair's own live price (``plan_seconds``) while fresh, else None."""
         t = self.table
         if (key, depth) in t.plan_seconds and (
-                not t.refresh_every or self.step - t._plan_step[(key, depth)] <= t.refresh_every):
+                not t.refresh_every or self.step - t.plan_step[(key, depth)] <= t.refresh_every):
             return t.plan_seconds[(key, depth)]
         return None
 

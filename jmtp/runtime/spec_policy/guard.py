@@ -42,8 +42,8 @@ class RateGuard:
         self.planned = False       # the last step's plan proposed drafts (not only probes)
         self.judged = False        # this step verifies drafts the plan proposed, not held off
         self._n = 0                                      # active slots of the last plan
-        self._window: list[tuple[float, float, int]] = []   # (tokens, seconds, slots committing)
-        self._window_n = 0                               # the n of the window's steps
+        self.window: list[tuple[float, float, int]] = []   # (tokens, seconds, slots committing)
+        self.window_n = 0                               # the n of the window's steps
 
     def begin(self, step: int, n: int) -> bool:
         """A plan at policy step ``step`` over ``n >= 1`` active slots; returns whether drafting
@@ -66,18 +66,18 @@ class RateGuard:
             return False
         num_tokens = np.asarray(num_tokens)
         n = self._n
-        if n != self._window_n:
-            self._window, self._window_n = [], n
-        self._window.append((float(num_tokens.sum()), seconds, int(np.count_nonzero(num_tokens))))
-        del self._window[:-self.guard_samples]         # (while the no-draft bucket is unpriced)
+        if n != self.window_n:
+            self.window, self.window_n = [], n
+        self.window.append((float(num_tokens.sum()), seconds, int(np.count_nonzero(num_tokens))))
+        del self.window[:-self.guard_samples]         # (while the no-draft bucket is unpriced)
         off = prices.no_draft_time(n)
-        if len(self._window) < self.guard_samples or off is None:
+        if len(self.window) < self.guard_samples or off is None:
             return False
         # the slowest step is left out: one slow step (a page-fault storm, another process)
         # must not trip the guard, as it cannot set a price (the base is a median)
-        kept = sorted(self._window, key=lambda judged: judged[1])[:-1] or self._window
+        kept = sorted(self.window, key=lambda judged: judged[1])[:-1] or self.window
         tok, sec, committing = (sum(col) for col in zip(*kept))
-        self._window = []
+        self.window = []
         gap = self.guard_gap.get(n, self.guard_retry)
         if tok / sec < committing / len(kept) / off:
             self.guard_until[n] = step + 1 + gap

@@ -90,7 +90,7 @@ class DynamicSpeculation:
         self.costs = CostTable(k, bucket_of, refresh_every)
         self.planner = DraftPlanner(num_slots, k, probe_every, self.estimates, self.costs)
         self.guard = RateGuard(guard_samples, guard_retry)
-        self._step = 0                  # draft_limits calls with active slots
+        self.num_plans = 0              # draft_limits calls with active slots (the plan clock)
         self.num_drafting_plans = 0     # counters (see the class docstring)
 
     # The parts' attributes, read and written through (tests and benchmarks set them).
@@ -120,11 +120,6 @@ class DynamicSpeculation:
     guard_gap = _part("guard", "guard_gap")
     num_holds = _part("guard", "num_holds")
 
-    @property
-    def num_plans(self) -> int:
-        """:meth:`draft_limits` calls with an active slot so far."""
-        return self._step
-
     # ------------------------------------------------------------------ estimates and prices
     def acceptance(self) -> np.ndarray:
         """f64[B, K]: per-slot conditional acceptance ``a_i`` (see ``estimates``)."""
@@ -144,16 +139,16 @@ class DynamicSpeculation:
 
     def live_ratio(self, num_slots: int) -> float:
         """Mean live/seed time ratio of slot bucket ``num_slots`` (see ``costs``)."""
-        return self.costs.prices(self._step).live_ratio(num_slots)
+        return self.costs.prices(self.num_plans).live_ratio(num_slots)
 
     def draft_time(self, num_slots: int, depth: int) -> float:
         """Estimated extra seconds of proposing at ``depth`` in slot bucket ``num_slots``."""
-        return self.costs.prices(self._step).draft_time(num_slots, depth)
+        return self.costs.prices(self.num_plans).draft_time(num_slots, depth)
 
     def step_time(self, rows: int, num_slots: int, depth: int = 0) -> float:
         """Estimated seconds of a decode step with ``rows`` rows over ``num_slots`` slots that
         proposes at ``depth`` (:meth:`~jmtp.runtime.spec_policy.costs.Prices.step_time`)."""
-        return self.costs.prices(self._step).step_time(rows, num_slots, depth)
+        return self.costs.prices(self.num_plans).step_time(rows, num_slots, depth)
 
     def seed_costs(self, seconds: dict[StepBucket, float]) -> None:
         """Seed the cost table with step times measured before serving
@@ -180,11 +175,11 @@ class DynamicSpeculation:
         if n == 0:
             self.guard.idle()
             return np.zeros((self.num_slots,), np.int32)
-        self._step += 1
-        if self.guard.begin(self._step, n):
+        self.num_plans += 1
+        if self.guard.begin(self.num_plans, n):
             return np.zeros((self.num_slots,), np.int32)       # held off: plain decoding
         # One memoised price view for the whole plan: the tables do not change while it is chosen.
-        limits, self.guard.planned = self.planner.limits(active, n, self.costs.prices(self._step))
+        limits, self.guard.planned = self.planner.limits(active, n, self.costs.prices(self.num_plans))
         self.num_drafting_plans += bool(limits.any())
         return limits
 
@@ -209,9 +204,9 @@ class DynamicSpeculation:
         learns nothing from this step)."""
         allowed, accepted = self.estimates.update(num_drafts, num_accepted, num_allowed)
         self.planner.probe_verified(allowed, accepted)
-        if not self.costs.record(bucket, seconds, depth, timed, self._step):
+        if not self.costs.record(bucket, seconds, depth, timed, self.num_plans):
             return
-        if self.guard.observe(num_tokens, seconds, self._step, self.costs.prices(self._step)):
+        if self.guard.observe(num_tokens, seconds, self.num_plans, self.costs.prices(self.num_plans)):
             self.planner.refresh_left = 0      # the hold runs the no-draft bucket anyway
 
     def reset_slot(self, slot: int) -> None:
