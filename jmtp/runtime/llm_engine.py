@@ -127,9 +127,8 @@ class LLMEngine(HandOffAPI):
     first_call_seconds = _runner_attr("first_call_seconds",
                                       "{bucket label: seconds} of each bucket's first run.")
 
-    @property
-    def speculative_config(self):
-        return self.runner.engine_config.spec
+    speculative_config = property(lambda self: self.runner.engine_config.spec,
+                                  doc="The engine's SpeculativeConfig (engine_config.spec).")
 
     @property
     def compiled_buckets(self) -> frozenset[StepBucket]:
