@@ -6,12 +6,17 @@ Public API::
     llm = jmtp.LLM(speculative_config=jmtp.SpeculativeConfig("mtp", num_speculative_tokens=3))
     outs = llm.generate(["Hello"], jmtp.SamplingParams(max_tokens=32))
 
+    # compile for a TPU slice on any machine (libtpu's compiler) and read per-device HBM
+    report = jmtp.compile_engine(jmtp.EngineArgs(model_config=cfg), topology="v5e:2x2")
+
 ``import jmtp`` changes nothing process-wide; what building an engine or the command line changes
 (malloc settings on the CPU, JAX's compilation cache) is listed in :mod:`jmtp.runtime.process`.
 """
+from jmtp.aot import AotReport, compile_engine
 from jmtp.core.errors import InvalidRequestError
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.engine import LLM
+from jmtp.runtime.engine_args import EngineArgs
 from jmtp.runtime.handoff import RequestState
 from jmtp.runtime.host_maps import MapLimitError
 from jmtp.runtime.llm_engine import LLMEngine
@@ -21,4 +26,4 @@ from jmtp.runtime.sampling import SamplingParams
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "SpeculativeConfig", "EngineConfig",
            "RequestOutput", "CompletionOutput", "SpecDecodeMetrics", "RequestState",
-           "MapLimitError", "InvalidRequestError"]
+           "MapLimitError", "InvalidRequestError", "EngineArgs", "compile_engine", "AotReport"]

@@ -1,5 +1,5 @@
-"""``jmtp`` command line: ``jmtp generate``, ``jmtp chat``, ``jmtp serve`` and ``jmtp launch``
-(also ``python -m jmtp ...``)."""
+"""``jmtp`` command line: ``jmtp generate``, ``jmtp chat``, ``jmtp serve``, ``jmtp launch`` and
+``jmtp compile`` (also ``python -m jmtp ...``)."""
 from __future__ import annotations
 
 import argparse
@@ -246,7 +246,7 @@ def _chat(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``jmtp`` argument parser (subcommands generate, chat, serve, launch)."""
+    """The ``jmtp`` argument parser (subcommands generate, chat, serve, launch, compile)."""
     p = argparse.ArgumentParser(prog="jmtp", description="MTP speculative decoding in JAX")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text (greedy by default) with MTP speculation")
@@ -287,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "jax.distributed job on this host (e.g. jmtp launch -n 2 "
                         "--devices-per-process 2 -- generate --tensor-parallel-size 4)")
     add_launch_args(la)
+    from jmtp.aot import add_compile_args
+    co = sub.add_parser("compile", help="compile the engine ahead of time for TPU topologies "
+                        "(no TPU needed: libtpu's compiler) and report per-device HBM")
+    add_compile_args(co)
     return p
 
 
@@ -316,6 +320,9 @@ def main(argv=None) -> int:
                          log_level=args.log_level)
         if args.cmd == "chat":
             return _chat(args)
+        if args.cmd == "compile":
+            from jmtp.aot import run_compile
+            return run_compile(args)
         return _generate(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,7 +17,7 @@ LAYERS = {
     "pallas": 1,
     "model": 2,
     "runtime": 3, "train": 3,
-    "cli": 4, "chat": 4, "launch": 4, "__main__": 4, "": 4,   # "": jmtp/__init__.py
+    "cli": 4, "chat": 4, "launch": 4, "aot": 4, "__main__": 4, "": 4,   # "": jmtp/__init__.py
 }
 
 

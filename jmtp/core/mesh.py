@@ -52,12 +52,15 @@ LOGICAL_TO_MESH: dict[str, str | None] = {
 }
 
 
-def attention_specs() -> tuple[P, P, P]:
-    """``(query/output spec f[T, Nq, D], cache spec f[num_blocks, block_size, Nkv, D], scale spec
-    f32[num_blocks, Nkv, block_size])`` of ragged paged attention under ``shard_map``: heads over
-    ``model``."""
+def attention_specs(cache_ndim: int = 4) -> tuple[P, P, P]:
+    """``(query/output spec f[T, Nq, D], cache spec, scale spec f32[num_blocks, Nkv,
+    block_size])`` of ragged paged attention under ``shard_map``: heads over ``model``. The cache
+    spec is for a split ``f[num_blocks, block_size, Nkv, D]`` cache (``cache_ndim=4``) or a merged
+    ``f[num_blocks, block_size, Nkv·D]`` one (3: kv heads are major in the last axis, so each
+    device's slice holds whole heads)."""
     heads = LOGICAL_TO_MESH[KV_HEADS]
-    return P(None, heads, None), P(None, None, heads, None), P(None, heads, None)
+    cache = P(None, None, heads, None) if cache_ndim == 4 else P(None, None, heads)
+    return P(None, heads, None), cache, P(None, heads, None)
 
 
 @contextlib.contextmanager
@@ -100,3 +103,21 @@ def model_axis_size() -> int:
     if mesh.empty or MODEL not in mesh.axis_names:
         return 1
     return int(mesh.shape[MODEL])
+
+
+def manual_replicated(fn, num_outputs: int):
+    """``fn`` made safe for a Pallas kernel on a mesh: under a ``shard_map`` that makes every
+    still-automatic axis of the current mesh (:func:`auto_axes`) manual, every input and each of
+    its ``num_outputs`` outputs replicated over them (each device runs the kernel on the whole
+    arrays). Mosaic kernels cannot be partitioned automatically, and interpret mode's host
+    callbacks need manual axes too. Without a mesh, or with every axis manual already, ``fn``
+    itself is returned."""
+    axes = auto_axes()
+    if not axes:
+        return fn
+    rep = P()
+
+    def run(*args):
+        return jax.shard_map(fn, in_specs=(rep,) * len(args), out_specs=(rep,) * num_outputs,
+                             axis_names=axes, check_vma=False)(*args)
+    return run

@@ -52,7 +52,8 @@ Parameters (``[...]`` = only for some architectures; ``L`` = ``layers``)::
   draft_ids / draft_vocab (Buffer) i32[N'] / i32[V]  (vocab,)
   [k_shift] (Buffer)      f32[L, Nkv, D]   (layers, kv_heads, head_dim)  int8 KV caches' key shift
 
-KV cache ``k, v: f[L, num_blocks, block_size, Nkv, D]``: :data:`KV_CACHE_AXES`.
+KV cache ``k, v: f[L, num_blocks, block_size, Nkv·D]`` (heads merged, head-major: a split over
+``model`` gives each device whole heads): :data:`KV_CACHE_AXES`.
 """
 from __future__ import annotations
 
@@ -88,6 +89,6 @@ MTP_AXES: dict[str, tuple[str, ...]] = {
     "enorm": (EMBED,), "hnorm": (EMBED,), "final_norm": (EMBED,), "eh_proj": (EMBED2, EMBED),
 }
 
-KV_CACHE_AXES = (LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+KV_CACHE_AXES = (LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS)   # last axis: Nkv·D, heads major
 #: Scales of a quantised cache ``f32[L, num_blocks, Nkv, block_size]`` (``KVCache.k_scale``).
 KV_SCALE_AXES = (LAYERS, BLOCKS, KV_HEADS, BLOCK_SIZE)

@@ -39,6 +39,7 @@ from jmtp.model.config import ModelConfig
 from jmtp.model import moe
 from jmtp.model.metadata import AttentionMetadata
 from jmtp.pallas import kv_quant
+from jmtp.pallas.kv_layout import TPU_LANES, row_width
 from jmtp.pallas.ragged_paged_attention import ragged_paged_attention, write_kv
 
 
@@ -46,7 +47,15 @@ class KVCache(NamedTuple):
     """Paged KV cache of a layer stack.
 
     Attributes:
-      k, v: ``f[L, num_blocks, block_size, Nkv, D]`` (int8 / float8_e4m3fn when quantised).
+      k, v: ``f[L, num_blocks, block_size, W]`` (int8 / float8_e4m3fn when quantised): the kv
+        heads *merged* into one axis, head-major (head ``h`` at ``[h·D, (h+1)·D)``), ``W = Nkv·D``
+        off TPU; on TPU each tensor-parallel shard's part padded to whole 128-lane tiles
+        (:mod:`jmtp.pallas.kv_layout`). TPU tiled layouts cover the two minor axes: merged and
+        lane-aligned, XLA keeps the pool in its natural layout and the Pallas kernel DMAs whole
+        pages of it, where a split ``[.., Nkv, D]`` pool (or unpadded 192-lane rows) was laid
+        out transposed and copied whole around every step (issue 35, found by compiling for TPU
+        with :mod:`jmtp.aot`). Under tensor parallelism the last axis splits over ``model``: each
+        device holds whole heads. MLA: the latent ``[L, num_blocks, block_size, C + dr]``.
       k_scale, v_scale: ``f32[L, num_blocks, Nkv, block_size]``, one scale per slot and KV head
         (FastDeploy's ``block_wise_fp8`` layout), or ``None`` for an unquantised cache.
     """
@@ -69,9 +78,22 @@ class KVCache(NamedTuple):
                         + self.v_scale.size * self.v_scale.dtype.itemsize)
 
 
+def cache_row_width(cfg: ModelConfig, tensor_parallel_size: int = 1,
+                    platform: str = "cpu") -> int:
+    """Lanes of one cache row (:mod:`jmtp.pallas.kv_layout`): ``Nkv·D`` (MLA: ``C + dr``), on TPU
+    with each of the ``tensor_parallel_size`` shards' part padded to a multiple of 128."""
+    lanes = TPU_LANES if platform == "tpu" else 1
+    if cfg.is_mla:
+        return row_width(1, cfg.kv_cache_head_dim, 1, lanes)
+    return row_width(cfg.num_kv_heads, cfg.head_dim, tensor_parallel_size, lanes)
+
+
 def init_kv_cache(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size: int,
-                  dtype=jnp.float32, kv_cache_dtype: str | None = None) -> KVCache:
-    """Zero-filled cache for ``num_layers`` layers (``cfg.num_layers`` for the target, N for MTP).
+                  dtype=jnp.float32, kv_cache_dtype: str | None = None,
+                  row_width: int | None = None) -> KVCache:
+    """Zero-filled cache for ``num_layers`` layers (``cfg.num_layers`` for the target, N for MTP),
+    heads merged (:class:`KVCache`); ``row_width``: lanes per row (default ``Nkv·D``, no padding;
+    the engine passes :func:`cache_row_width`).
 
     Args:
       dtype: value dtype of an unquantised cache.
@@ -87,9 +109,9 @@ def init_kv_cache(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size
         if kv_cache_dtype is not None:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported with "
                              "attention_type='mla' (latent cache quantisation not implemented)")
-        shape = (num_layers, num_blocks, block_size, 1, cfg.kv_cache_head_dim)
+        shape = (num_layers, num_blocks, block_size, row_width or cfg.kv_cache_head_dim)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape[:-1] + (0,), dtype))
-    shape = (num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (num_layers, num_blocks, block_size, row_width or cfg.num_kv_heads * cfg.head_dim)
     if kv_cache_dtype is None:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     q8 = kv_quant.storage_dtype(kv_cache_dtype)
@@ -254,7 +276,8 @@ def decoder_layer(
     attn = ragged_paged_attention(
         q, pool.k, pool.v, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
         sm_scale=1.0 / math.sqrt(cfg.head_dim), implementation=attention_impl,
-        k_scale=pool.k_scale, v_scale=pool.v_scale, rows_per_seq=meta.rows_per_seq)
+        k_scale=pool.k_scale, v_scale=pool.v_scale, rows_per_seq=meta.rows_per_seq,
+        num_kv_heads=cfg.num_kv_heads)
     if rot is not None:
         attn = (attn.astype(jnp.float32) @ rot.T).astype(attn.dtype)
     x = x + attn.reshape(t, cfg.q_size) @ p["wo"]
@@ -414,11 +437,17 @@ def unstack_layers(params: dict) -> dict:
     """``params`` with ``params["layers"]`` as a tuple of ``L`` per-layer dicts of separate arrays
     (the stacked ``f[L, ...]`` leaves split), which :func:`forward` runs as an unrolled loop.
 
-    Leaves already split are returned as they are. The stacked form stays the canonical pytree
+    Leaves already split are returned as they are; ``jax.ShapeDtypeStruct`` leaves (abstract
+    parameters) become per-layer ``ShapeDtypeStruct``s. The stacked form stays the canonical pytree
     (loaders, training, :func:`jmtp.model.params.check_params`)."""
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):
         return params
     n = jax.tree_util.tree_leaves(layers)[0].shape[0]
-    split = tuple(jax.tree_util.tree_map(lambda a, i=i: a[i], layers) for i in range(n))
+
+    def take(a, i):   # an array, or a ShapeDtypeStruct (abstract params, jmtp.aot)
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+        return a[i]
+    split = tuple(jax.tree_util.tree_map(lambda a, i=i: take(a, i), layers) for i in range(n))
     return {**params, "layers": split}

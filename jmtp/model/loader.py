@@ -142,6 +142,34 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
     return cfg, params
 
 
+def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of a checkpoint without reading its weights: a GGUF file (its
+    metadata), an HF checkpoint directory or an HF ``config.json`` file (``None`` = the default
+    SmolLM2). For ahead-of-time compiles (:mod:`jmtp.aot`).
+
+    Raises:
+      ValueError: as :func:`resolve_checkpoint`, or an unreadable / unknown config.
+    """
+    import json
+
+    p = Path(os.fspath(path)).expanduser() if path is not None else None
+    if p is not None and p.is_file() and p.suffix == ".json":
+        cfg_path = p
+    else:
+        p, kind = resolve_checkpoint(path)
+        if kind == "gguf":
+            from jmtp.model.gguf_config import gguf_config
+            from jmtp.model.gguf_loader import open_gguf
+            return gguf_config(open_gguf(p), str(p))[0]
+        cfg_path = p / "config.json"
+    from jmtp.model.hf_config import hf_config
+    try:
+        hf = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    return hf_config(hf, str(cfg_path))
+
+
 def load_model(path: str | os.PathLike | None = None, dtype=None,
                mtp_head: str | os.PathLike | None = "auto"):
     """Load a checkpoint into ``(ModelConfig, LlamaForCausalLM)``: :func:`load_checkpoint`'s

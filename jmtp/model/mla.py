@@ -16,8 +16,8 @@ Per token (``x f[H]`` after the input RMSNorm), with C = ``kv_lora_rank``, dn / 
   o         = wo(concat_h softmax(q_h . k_h * scale) v_h)
 
 The paged cache holds one "head" per token: the latent ``[c ; k_pe] f[C + dr]`` (layer stack:
-``KVCache.k f[L, num_blocks, block_size, 1, C + dr]``; ``KVCache.v`` is a zero-width
-``f[L, num_blocks, block_size, 1, 0]`` placeholder so the cache pytree keeps its shape).
+``KVCache.k f[L, num_blocks, block_size, C + dr]``; ``KVCache.v`` is a zero-width
+``f[L, num_blocks, block_size, 0]`` placeholder so the cache pytree keeps its shape).
 
 Two attention paths compute the same function (``ModelConfig.mla_path``):
 
@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.metadata import AttentionMetadata
+from jmtp.pallas.kv_layout import cache_rows
 from jmtp.pallas.ragged_paged_attention import ragged_paged_attention
 
 LATENT_NORM_EPS = 1e-6  # HF DeepseekV3RMSNorm default, used by q_a_layernorm / kv_a_layernorm
@@ -116,12 +117,13 @@ def split_kv_b(cfg: ModelConfig, wkv_b: jax.Array) -> tuple[jax.Array, jax.Array
 
 
 def write_latent(cache: jax.Array, latent: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Scatter ``latent f[T, 1, C+dr]`` into ``cache f[num_blocks, block_size, 1, C+dr]`` at
+    """Scatter ``latent f[T, 1, C+dr]`` into ``cache f[num_blocks, block_size, C+dr]`` at
     ``slot_mapping i32[T]`` (``block * block_size + offset``; -1 rows write nothing)."""
     nb, bs = cache.shape[:2]
     slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)
     flat = cache.reshape((nb * bs,) + cache.shape[2:])
-    return flat.at[slots].set(latent.astype(cache.dtype), mode="drop").reshape(cache.shape)
+    rows = cache_rows(latent, cache.shape[2:]).astype(cache.dtype)   # (+ padding lanes on TPU)
+    return flat.at[slots].set(rows, mode="drop").reshape(cache.shape)
 
 
 def attention_absorbed(cfg: ModelConfig, p: dict, q_nope, q_pe, cache: jax.Array,
@@ -130,7 +132,7 @@ def attention_absorbed(cfg: ModelConfig, p: dict, q_nope, q_pe, cache: jax.Array
 
     Args:
       q_nope: f[T, Nq, dn]; q_pe: f[T, Nq, dr] (roped).
-      cache: f[num_blocks, block_size, 1, C + dr] latent pool, this step's rows already written.
+      cache: f[num_blocks, block_size, C + dr] latent pool (one merged head), this step's rows already written.
 
     Returns:
       f[T, Nq, dv] per-head attention outputs (padding rows zero).
@@ -139,7 +141,8 @@ def attention_absorbed(cfg: ModelConfig, p: dict, q_nope, q_pe, cache: jax.Array
     q_lat = jnp.einsum("thd,chd->thc", q_nope, w_uk)
     q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)     # f[T, Nq, C + dr]
     o = ragged_paged_attention(q, cache, cache, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
-                               sm_scale=softmax_scale(cfg), implementation=attention_impl)
+                               sm_scale=softmax_scale(cfg), implementation=attention_impl,
+                               num_kv_heads=1)
     return jnp.einsum("thc,chd->thd", o[..., :cfg.kv_lora_rank], w_uv)
 
 
@@ -159,7 +162,8 @@ def attention_expanded(cfg: ModelConfig, p: dict, q_nope, q_pe, cache: jax.Array
     dn, dv, c = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
     nq = cfg.num_heads
     tables = jnp.clip(meta.block_tables, 0, nb - 1)
-    lat = cache[tables].reshape(s * pages, bs, c + cfg.qk_rope_head_dim)
+    lat = cache[tables][..., :c + cfg.qk_rope_head_dim].reshape(
+        s * pages, bs, c + cfg.qk_rope_head_dim)
     w_uk, w_uv = split_kv_b(cfg, p["wkv_b"])
     k_nope = jnp.einsum("nbc,chd->nbhd", lat[..., :c], w_uk)
     k_pe = jnp.broadcast_to(lat[:, :, None, c:], (s * pages, bs, nq, cfg.qk_rope_head_dim))
@@ -178,7 +182,7 @@ def mla_attention(cfg: ModelConfig, p: dict, h: jax.Array, positions: jax.Array,
                   meta: AttentionMetadata, cache: jax.Array, rope,
                   attention_impl: str | None = None) -> tuple[jax.Array, jax.Array]:
     """One MLA sublayer on normed rows ``h f[T, H]``: writes this step's latents into ``cache``
-    (``f[num_blocks, block_size, 1, C+dr]``, addressed by ``meta``) and attends over it by
+    (``f[num_blocks, block_size, C+dr]``, addressed by ``meta``) and attends over it by
     ``cfg.mla_path``. Returns ``(out f[T, H] (after wo), cache)``."""
     t = h.shape[0]
     q_nope, q_pe, latent = project(cfg, p, h, positions, rope)

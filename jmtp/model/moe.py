@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmtp.core.platform import host_platform
 from jmtp.model import axes as ax
 from jmtp.model.config import ModelConfig, MoEConfig
 from jmtp.model.variables import normal, param
@@ -147,13 +148,15 @@ def experts_ragged(x, w_gate, w_up, w_down, weights, ids) -> jax.Array:
 EXPERT_IMPLEMENTATIONS = {"dense": experts_dense, "ragged": experts_ragged}
 
 
-def resolve_implementation(implementation: str) -> str:
-    """``"auto"`` -> ``"ragged"`` on TPU, ``"dense"`` on other backends; others unchanged.
+def resolve_implementation(implementation: str, platform: str | None = None) -> str:
+    """``"auto"`` -> ``"ragged"`` on TPU, ``"dense"`` on other platforms; others unchanged.
+    ``platform``: the platform compiled for (:mod:`jmtp.core.platform`; None: the host's; the
+    engine resolves ``"auto"`` once, from its devices).
 
     Raises:
       ValueError: not ``"auto"``, ``"ragged"`` or ``"dense"``."""
     if implementation == "auto":
-        return "ragged" if jax.default_backend() == "tpu" else "dense"
+        return "ragged" if (platform or host_platform()) == "tpu" else "dense"
     if implementation not in EXPERT_IMPLEMENTATIONS:
         raise ValueError(f"MoE implementation must be one of "
                          f"{('auto',) + tuple(EXPERT_IMPLEMENTATIONS)}, got {implementation!r}")

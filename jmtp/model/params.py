@@ -149,6 +149,57 @@ def mtp_moe_of_fresh_head(cfg: ModelConfig) -> ModelConfig:
     return cfg.replace(moe=cfg.moe.replace(mtp_moe=cfg.moe_layer_kinds[-1]))
 
 
+KV_PROJECTIONS = ("wk", "wv", "bk", "bv")
+
+
+def replicate_kv_heads(cfg: ModelConfig, params: dict, factor: int) -> tuple[ModelConfig, dict]:
+    """The same model with every kv head repeated ``factor`` times, for tensor parallelism over
+    more devices than kv heads (each device then holds one copy of the kv head its query heads
+    use; vLLM and tpu-inference replicate the same way).
+
+    Exact: kv head ``j`` becomes heads ``j·f .. j·f+f-1`` (the columns of ``wk``/``wv`` and the
+    ``bk``/``bv`` entries of head ``j``, in every target and MTP layer, and the int8 cache's key
+    shift row), so query head ``h`` of group size ``G' = G / f`` reads head ``h // G'``, a copy of
+    its original head ``h // G``. The KV cache grows by ``f``. ``jax.ShapeDtypeStruct`` leaves
+    (abstract parameters) get the new shapes.
+
+    Returns:
+      ``(cfg with num_kv_heads · factor, params)``.
+
+    Raises:
+      ValueError: ``factor`` < 1, or an MLA model (no kv heads to repeat).
+    """
+    if factor < 1 or cfg.is_mla:
+        raise ValueError(f"kv heads can be replicated by a factor >= 1 of a GQA model, got "
+                         f"factor={factor} for attention_type={cfg.attention_type!r}")
+    if factor == 1:
+        return cfg, params
+    nkv, d = cfg.num_kv_heads, cfg.head_dim
+
+    def heads(a, axis_len):   # repeat along the head axis of a [..., Nkv, X] view
+        if isinstance(a, jax.ShapeDtypeStruct):
+            shape = list(a.shape)
+            shape[-1 if axis_len else -2] *= factor
+            return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
+        if axis_len:          # merged last axis Nkv·D
+            x = a.reshape(a.shape[:-1] + (nkv, 1, d))
+            x = jnp.broadcast_to(x, a.shape[:-1] + (nkv, factor, d))
+            return x.reshape(a.shape[:-1] + (nkv * factor * d,))
+        return jnp.repeat(a, factor, axis=-2)   # [..., Nkv, D] (key shift)
+
+    def layer(p):
+        return {k: heads(v, True) if k in KV_PROJECTIONS else v for k, v in p.items()}
+
+    out = dict(params)
+    ls = params["layers"]
+    out["layers"] = tuple(layer(p) for p in ls) if isinstance(ls, (list, tuple)) else layer(ls)
+    if "mtp" in params:
+        out["mtp"] = {**params["mtp"], "layer": layer(params["mtp"]["layer"])}
+    if "k_shift" in params:
+        out["k_shift"] = heads(params["k_shift"], False)
+    return cfg.replace(num_kv_heads=nkv * factor), out
+
+
 def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None:
     """Raise ``ValueError`` naming the tensor if any leaf is missing or has the wrong shape.
 

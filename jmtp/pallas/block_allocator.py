@@ -69,6 +69,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmtp.core.mesh import manual_replicated
+from jmtp.core.platform import host_platform, kernel_interpret
+
 IMPLEMENTATIONS = ("reference", "pallas_tpu", "pallas_gpu")
 #: Values of ``EngineConfig.block_allocator`` / ``implementation=``: ``"auto"`` is
 #: :func:`default_implementation`.
@@ -185,13 +188,14 @@ def allocate_blocks_reference(
                        num_owned=owned2, paused=paused)
 
 
-def default_implementation() -> str:
-    """``"pallas_tpu"`` on TPU; ``"reference"`` elsewhere (GPU: see the module docstring)."""
-    return "pallas_tpu" if jax.default_backend() == "tpu" else "reference"
+def default_implementation(platform: str | None = None) -> str:
+    """``"pallas_tpu"`` on TPU; ``"reference"`` elsewhere (GPU: see the module docstring).
+    ``platform``: the platform compiled for (:mod:`jmtp.core.platform`; None: the host's)."""
+    return "pallas_tpu" if (platform or host_platform()) == "tpu" else "reference"
 
 
 def resolve_implementation(implementation: str | None, num_blocks: int, num_slots: int,
-                           pages_per_slot: int) -> str:
+                           pages_per_slot: int, platform: str | None = None) -> str:
     """The implementation :func:`allocate_blocks` runs for a state of these (static) sizes.
 
     ``None`` and ``"auto"`` mean :func:`default_implementation`. ``"pallas_tpu"`` becomes
@@ -205,6 +209,8 @@ def resolve_implementation(implementation: str | None, num_blocks: int, num_slot
     Args:
       implementation: one of :data:`CHOICES` or ``None``.
       num_blocks / num_slots / pages_per_slot: N, B, P of the state (Python ints, >= 1).
+      platform: the platform compiled for (None: the host's); picks the ``"auto"`` kernel and
+        the SMEM budget (:func:`~jmtp.pallas.block_allocator_kernel.tpu_smem_budget_bytes`).
 
     Returns:
       One of :data:`IMPLEMENTATIONS`.
@@ -214,11 +220,13 @@ def resolve_implementation(implementation: str | None, num_blocks: int, num_slot
     """
     if implementation is not None and implementation not in CHOICES:
         raise ValueError(f"implementation must be one of {CHOICES} or None, got {implementation!r}")
-    impl = default_implementation() if implementation in (None, "auto") else implementation
+    platform = platform or host_platform()
+    impl = (default_implementation(platform) if implementation in (None, "auto")
+            else implementation)
     if impl == "pallas_tpu":
         from jmtp.pallas import block_allocator_kernel as kernel
         need = kernel.tpu_smem_bytes(num_blocks, num_slots, pages_per_slot)
-        budget = kernel.tpu_smem_budget_bytes()
+        budget = kernel.tpu_smem_budget_bytes(platform)
         if need > budget:
             key = (int(num_blocks), int(num_slots), int(pages_per_slot), int(budget))
             if key not in _warned_fallbacks:
@@ -242,6 +250,7 @@ def allocate_blocks(
     *,
     implementation: str | None = None,
     interpret=None,
+    platform: str | None = None,
 ) -> AllocResult:
     """Release the blocks of finished/preempted slots, then top every slot up to ``num_needed``.
 
@@ -253,7 +262,9 @@ def allocate_blocks(
         :func:`default_implementation`; resolved by :func:`resolve_implementation`, so
         ``"pallas_tpu"`` on a state too large for its SMEM budget runs the reference (with a
         one-time warning) instead of failing.
-      interpret: Pallas kernels only. ``None`` interprets when the default backend is not the
+      platform: the platform the call is compiled for (:mod:`jmtp.core.platform`; None: the
+        host's default backend); the engine passes ``EngineConfig.platform``.
+      interpret: Pallas kernels only. ``None`` interprets when ``platform`` is not the
         kernel's platform (TPU interpret mode runs with ``detect_races=True`` and
         ``out_of_bounds_reads="raise"``); ``True``/``False`` forces it; for ``pallas_tpu`` a
         ``pltpu.InterpretParams`` is passed through. Interpret mode is slow (TPU: ~0.2-1 s per call
@@ -268,19 +279,23 @@ def allocate_blocks(
         argument) or an unknown ``implementation``.
     """
     n, b, p = validate_inputs(free_stack, free_count, block_tables, num_owned, release, num_needed)
-    impl = resolve_implementation(implementation, n, b, p)
+    platform = platform or host_platform()
+    impl = resolve_implementation(implementation, n, b, p, platform)
     if impl == "reference":
         return allocate_blocks_reference(free_stack, free_count, block_tables, num_owned, release,
                                          num_needed)
     from jmtp.pallas import block_allocator_kernel as kernel
     if impl == "pallas_tpu":
         fn = functools.partial(kernel.allocate_blocks_tpu,
-                               interpret=jax.default_backend() != "tpu" if interpret is None
+                               interpret=kernel_interpret("tpu", platform) if interpret is None
                                else interpret)
     else:
         fn = functools.partial(kernel.allocate_blocks_gpu,
-                               interpret=jax.default_backend() != "gpu" if interpret is None
+                               interpret=kernel_interpret("gpu", platform) if interpret is None
                                else interpret)
+    # On a mesh a kernel cannot be partitioned automatically (Mosaic refuses): every axis still
+    # automatic here becomes manual, the (small) allocator state replicated over it.
+    fn = manual_replicated(fn, num_outputs=5)
     stack, count, tables, owned, paused = fn(free_stack, free_count, block_tables, num_owned,
                                              release, num_needed)
     return AllocResult(free_stack=stack, free_count=count, block_tables=tables, num_owned=owned,
@@ -385,17 +400,18 @@ class BlockAllocatorState:
         return cls(free_stack=fs, free_count=fc, block_tables=bt, num_owned=no)
 
     def allocate(self, release: jax.Array, num_needed: jax.Array, *,
-                 implementation: str | None = None
+                 implementation: str | None = None, platform: str | None = None
                  ) -> tuple["BlockAllocatorState", jax.Array]:
         """:func:`allocate_blocks` on this state: release ``bool[B]`` slots, then top every slot
         up to ``num_needed i32[B]`` blocks, all or nothing. Returns ``(new state, paused bool[B])``.
         ``implementation``: one of :data:`CHOICES` or ``None`` (the engine passes
-        ``EngineConfig.block_allocator``).
+        ``EngineConfig.block_allocator``); ``platform``: as :func:`allocate_blocks`.
 
         Raises:
           ValueError: at trace time, as :func:`allocate_blocks`.
         """
         r = allocate_blocks(self.free_stack, self.free_count, self.block_tables, self.num_owned,
-                            release, num_needed, implementation=implementation)
+                            release, num_needed, implementation=implementation,
+                            platform=platform)
         return BlockAllocatorState(free_stack=r.free_stack, free_count=r.free_count,
                                    block_tables=r.block_tables, num_owned=r.num_owned), r.paused

@@ -80,12 +80,14 @@ def tpu_smem_bytes(num_blocks: int, num_slots: int, pages_per_slot: int) -> int:
     return 4 * (num_blocks + num_slots * pages_per_slot + 5 * num_slots + 2)
 
 
-def tpu_smem_budget_bytes() -> int:
-    """SMEM bytes the TPU kernel may use: :data:`TPU_SMEM_BUDGET_BYTES` (read at call time), and on
-    a TPU backend at most half the core's ``smem_capacity_bytes`` (``pltpu.get_tpu_info()``; the
-    constant alone if that query fails)."""
+def tpu_smem_budget_bytes(platform: str | None = None) -> int:
+    """SMEM bytes the TPU kernel may use: :data:`TPU_SMEM_BUDGET_BYTES` (read at call time), and
+    when compiling for TPU on a TPU host at most half the core's ``smem_capacity_bytes``
+    (``pltpu.get_tpu_info()``; the constant alone if that query fails, or when compiling ahead
+    of time from another host, :mod:`jmtp.aot`). ``platform``: the platform compiled for (None:
+    the host's)."""
     budget = TPU_SMEM_BUDGET_BYTES
-    if jax.default_backend() == "tpu":
+    if (platform or "tpu") == "tpu" and jax.default_backend() == "tpu":
         try:
             from jax.experimental.pallas import tpu as pltpu
             budget = min(budget, int(pltpu.get_tpu_info().smem_capacity_bytes) // 2)

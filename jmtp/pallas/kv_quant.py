@@ -133,8 +133,8 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
 
 
 def write_kv_quantized(
-    k_cache: jax.Array,       # q8[num_blocks, block_size, Nkv, D]
-    v_cache: jax.Array,       # q8[num_blocks, block_size, Nkv, D]
+    k_cache: jax.Array,       # q8[num_blocks, block_size, Nkv*D] merged (or split [.., Nkv, D])
+    v_cache: jax.Array,       # same shape as k_cache
     k_scale: jax.Array,       # f32[num_blocks, Nkv, block_size]
     v_scale: jax.Array,       # f32[num_blocks, Nkv, block_size]
     k_new: jax.Array,         # f[T, Nkv, D]
@@ -150,7 +150,9 @@ def write_kv_quantized(
     Raises:
       ValueError: the cache is not int8/float8_e4m3fn or the scale shapes do not match it.
     """
-    nb, bs, nkv, d = k_cache.shape
+    nb, bs = k_cache.shape[:2]
+    rows = k_cache.shape[2:]        # (Nkv*D,) merged or (Nkv, D) split
+    nkv = k_new.shape[1]
     if not is_quantized_dtype(k_cache.dtype) or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"write_kv_quantized needs int8 or float8_e4m3fn caches, got "
                          f"{k_cache.dtype} / {v_cache.dtype}")
@@ -161,8 +163,9 @@ def write_kv_quantized(
     vq, vs = quantize(v_new, v_cache.dtype)
     slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)   # out of range -> dropped
     blk, off = slots // bs, slots % bs
-    kf = k_cache.reshape(nb * bs, nkv, d).at[slots].set(kq, mode="drop")
-    vf = v_cache.reshape(nb * bs, nkv, d).at[slots].set(vq, mode="drop")
+    from jmtp.pallas.kv_layout import cache_rows
+    kf = k_cache.reshape((nb * bs,) + rows).at[slots].set(cache_rows(kq, rows), mode="drop")
+    vf = v_cache.reshape((nb * bs,) + rows).at[slots].set(cache_rows(vq, rows), mode="drop")
     k_scale = k_scale.at[blk, :, off].set(ks, mode="drop")
     v_scale = v_scale.at[blk, :, off].set(vs, mode="drop")
     return kf.reshape(k_cache.shape), vf.reshape(v_cache.shape), k_scale, v_scale

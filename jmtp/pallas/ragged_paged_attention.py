@@ -38,13 +38,15 @@ may be anything (NaN included), like the values.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jmtp.core import mesh
-from jmtp.pallas.attention_checks import check_shapes
+from jmtp.core.platform import host_platform, kernel_interpret, platform_name
+from jmtp.pallas.attention_checks import cache_dims, check_shapes, merge_heads, split_heads
+from jmtp.pallas.kv_layout import cache_rows
 from jmtp.pallas.kv_quant import gather_scales
 
 IMPLEMENTATIONS = ("reference", "xla", "pallas_tpu", "pallas_gpu")
@@ -334,22 +336,47 @@ def _by_sequence(q, kv_lens, cu_q_lens, run_tile, rows: int, sliding_window, hea
     return out[:num_tokens].reshape(q.shape).astype(q.dtype)
 
 
-def default_implementation() -> str:
-    """Best implementation for the default backend: TPU -> ``"pallas_tpu"``, GPU ->
-    ``"pallas_gpu"`` (Triton), anything else (CPU) -> ``"xla"`` (kernels would only run in the
-    slow interpret mode there)."""
-    backend = jax.default_backend()
-    if backend == "tpu":
+#: The Pallas kernels and the platform each is written for (others run in interpret mode).
+KERNEL_PLATFORMS = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+
+
+class AttentionBackend(NamedTuple):
+    """A resolved attention choice, static in the engine step: the implementation and the
+    platform the step is compiled for (which decides a kernel's interpret mode,
+    :func:`jmtp.core.platform.kernel_interpret`). Pass it as ``implementation``."""
+
+    implementation: str
+    platform: str
+
+
+def default_implementation(platform: str | None = None) -> str:
+    """Best implementation for ``platform`` (None: the host's default backend): TPU ->
+    ``"pallas_tpu"``, GPU -> ``"pallas_gpu"`` (Triton), anything else (CPU) -> ``"xla"``
+    (kernels would only run in the slow interpret mode there)."""
+    platform = platform or host_platform()
+    if platform == "tpu":
         return "pallas_tpu"
-    if backend in ("gpu", "cuda", "rocm"):
+    if platform == "gpu":
         return "pallas_gpu"
     return "xla"
 
 
+def resolve_backend(implementation: str | None, platform: str | None = None) -> AttentionBackend:
+    """``AttentionBackend(implementation or default_implementation(platform), platform)``.
+
+    Raises:
+      ValueError: an unknown ``implementation`` or platform."""
+    platform = platform_name(platform) if platform else host_platform()
+    impl = implementation or default_implementation(platform)
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
+    return AttentionBackend(impl, platform)
+
+
 def ragged_paged_attention(
     q: jax.Array,             # f[T, Nq, D]
-    k_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
-    v_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
+    k_cache: jax.Array,       # f[num_blocks, block_size, Nkv*D] merged, or [.., Nkv, D] split
+    v_cache: jax.Array,       # same shape as k_cache
     kv_lens: jax.Array,       # i32[S]
     block_tables: jax.Array,  # i32[S, pages]
     cu_q_lens: jax.Array,     # i32[S+1]
@@ -357,77 +384,106 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    implementation: str | None = None,
+    implementation: str | AttentionBackend | None = None,
     interpret: Any = None,
     k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
     v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
     rows_per_seq: int | None = None,
+    num_kv_heads: int | None = None,
 ) -> jax.Array:               # f[T, Nq, D]
     """Attention of a ragged batch of queries over a paged KV cache (see module docstring).
 
     Args:
-      implementation: one of :data:`IMPLEMENTATIONS`, or None for :func:`default_implementation`.
+      implementation: one of :data:`IMPLEMENTATIONS`, None for :func:`default_implementation`
+        of the host, or an :class:`AttentionBackend` (what the engine passes: the implementation
+        and the platform compiled for).
       k_scale / v_scale: the per-slot, per-head scales of an int8 / float8_e4m3fn cache (required
         for those dtypes, not allowed for others); see :mod:`jmtp.pallas.kv_quant`.
       rows_per_seq: ``"xla"`` only (the others ignore it): a static schedule hint, see
         :func:`ragged_paged_attention_xla`.
-      interpret: kernels only (ignored by ``"reference"`` and ``"xla"``): None = Pallas interpret mode iff the
-        default backend is CPU; a bool; or, for ``"pallas_tpu"``, a ``pltpu.InterpretParams``.
+      num_kv_heads: Nkv of a merged cache whose rows carry padding lanes
+        (:mod:`jmtp.pallas.kv_layout`); default: the row width over ``D``.
+      interpret: kernels only (ignored by ``"reference"`` and ``"xla"``): None = Pallas
+        interpret mode iff the platform compiled for (the backend's, or the host's) is not the
+        kernel's; a bool; or, for ``"pallas_tpu"``, a ``pltpu.InterpretParams``.
 
     Raises:
       ValueError: on inconsistent shapes or scales (at trace time) or an unknown
         ``implementation``.
     """
-    check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
-    impl = implementation or default_implementation()
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
-    run = functools.partial(_dispatch, impl, sm_scale=sm_scale, sliding_window=sliding_window,
-                            soft_cap=soft_cap, interpret=interpret, rows_per_seq=rows_per_seq)
+    check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale,
+                 num_kv_heads)
+    impl, platform = (implementation if isinstance(implementation, AttentionBackend)
+                      else resolve_backend(implementation))
+    if interpret is None and impl in KERNEL_PLATFORMS:
+        interpret = kernel_interpret(KERNEL_PLATFORMS[impl], platform)
     tp = mesh.model_axis_size()
-    if tp > 1 and k_cache.shape[2] % tp == 0:
+    nkv = cache_dims(q, k_cache, num_kv_heads)[2]
+    kernel_on_mesh = impl in KERNEL_PLATFORMS and bool(mesh.auto_axes())
+    sharded = (tp > 1 or kernel_on_mesh) and nkv % tp == 0
+    run = functools.partial(_dispatch, impl, sm_scale=sm_scale, sliding_window=sliding_window,
+                            soft_cap=soft_cap, interpret=interpret, rows_per_seq=rows_per_seq,
+                            num_kv_heads=nkv // tp if sharded else nkv)
+    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
+    args += (k_scale, v_scale) if k_scale is not None else ()
+    if sharded:
         # Tensor parallel (a mesh set by jmtp.core.mesh.mesh_context): every rank attends
-        # with its own kv heads and their query heads; the metadata is replicated.
-        heads, cache, scale = mesh.attention_specs()
+        # with its own kv heads and their query heads; the metadata is replicated. A kernel
+        # always runs here on a mesh (Mosaic cannot be partitioned automatically), even when
+        # the model axis has one device.
+        heads, cache, scale = mesh.attention_specs(k_cache.ndim)
         rep = jax.sharding.PartitionSpec()
-        specs = (heads, cache, cache, rep, rep, rep)
-        args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
-        if k_scale is not None:    # a quantised cache: its scales split over the kv heads too
-            specs, args = specs + (scale, scale), args + (k_scale, v_scale)
+        specs = (heads, cache, cache, rep, rep, rep) + ((scale, scale) if k_scale is not None
+                                                        else ())
         run = jax.shard_map(run, in_specs=specs, out_specs=heads,
                             axis_names=mesh.auto_axes(), check_vma=False)
         return run(*args)
-    return run(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
+    if kernel_on_mesh:   # kv heads not divisible by the model axis: every device all heads
+        return mesh.manual_replicated(lambda *a: (run(*a),), num_outputs=1)(*args)[0]
+    return run(*args)
 
 
 def _dispatch(impl, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale=None,
-              v_scale=None, *, sm_scale, sliding_window, soft_cap, interpret, rows_per_seq=None):
-    """Call implementation ``impl`` (arguments as :func:`ragged_paged_attention`)."""
+              v_scale=None, *, sm_scale, sliding_window, soft_cap, interpret, rows_per_seq=None,
+              num_kv_heads=None):
+    """Call implementation ``impl`` (arguments as :func:`ragged_paged_attention`;
+    ``num_kv_heads``: the heads of this (shard's) cache)."""
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
               k_scale=k_scale, v_scale=v_scale)
-    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
+    # The TPU kernel reads the merged [num_blocks, block_size, Nkv*D] pool as it is (a split view
+    # would be a relayout copy of the whole pool on TPU); the others take the split view (free
+    # on CPU and GPU).
+    cache_form = (merge_heads if impl == "pallas_tpu" else
+                  (lambda c: split_heads(c, q, num_kv_heads)))
+    args = (q, cache_form(k_cache), cache_form(v_cache), kv_lens, block_tables, cu_q_lens)
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kw)
     if impl == "xla":
         return ragged_paged_attention_xla(*args, **kw, rows_per_seq=rows_per_seq)
     if impl == "pallas_tpu":
         from jmtp.pallas import ragged_paged_attention_tpu as tpu
-        return tpu.ragged_paged_attention_tpu(*args, **kw, interpret=interpret)
+        return tpu.ragged_paged_attention_tpu(*args, **kw, interpret=interpret,
+                                              num_kv_heads=num_kv_heads)
     from jmtp.pallas import ragged_paged_attention_gpu as gpu
     return gpu.ragged_paged_attention_gpu(*args, **kw, interpret=interpret)
 
 
 def write_kv(
-    k_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
-    v_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
+    k_cache: jax.Array,       # f[num_blocks, block_size, Nkv*D] (or split [.., Nkv, D])
+    v_cache: jax.Array,       # same shape as k_cache
     k_new: jax.Array,         # f[T, Nkv, D]
     v_new: jax.Array,         # f[T, Nkv, D]
     slot_mapping: jax.Array,  # i32[T]  block_id * block_size + offset; -1 = padding row (dropped)
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter this step's keys/values into the paged cache. Rows with slot -1 write nothing.
-    (A quantised cache is written by :func:`jmtp.pallas.kv_quant.write_kv_quantized`.)"""
-    nb, bs, nkv, d = k_cache.shape
+    """Scatter this step's keys/values into the paged cache (merged or split heads, as given).
+    Rows with slot -1 write nothing. (A quantised cache is written by
+    :func:`jmtp.pallas.kv_quant.write_kv_quantized`.)"""
+    nb, bs = k_cache.shape[:2]
+    rows = k_cache.shape[2:]                                    # (W,) or (Nkv, D)
     slots = jnp.where(slot_mapping < 0, nb * bs, slot_mapping)  # out of range -> dropped
-    kf = k_cache.reshape(nb * bs, nkv, d).at[slots].set(k_new.astype(k_cache.dtype), mode="drop")
-    vf = v_cache.reshape(nb * bs, nkv, d).at[slots].set(v_new.astype(v_cache.dtype), mode="drop")
+    kf = k_cache.reshape((nb * bs,) + rows).at[slots].set(
+        cache_rows(k_new, rows).astype(k_cache.dtype), mode="drop")
+    vf = v_cache.reshape((nb * bs,) + rows).at[slots].set(
+        cache_rows(v_new, rows).astype(v_cache.dtype), mode="drop")
     return kf.reshape(k_cache.shape), vf.reshape(v_cache.shape)
+

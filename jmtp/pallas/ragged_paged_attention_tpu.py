@@ -15,8 +15,12 @@ paged attention, written here from scratch):
 
 * **Layout.** In the wrapper the queries are regrouped per KV head, ``q -> [Nkv, T_pad * G, D]``
   with row ``t * G + g`` holding query head ``h * G + g`` of token ``t`` (GQA: ``G = Nq / Nkv``);
-  so one MXU matmul serves the whole query-head group of a KV head. The cache is viewed (free
-  reshape) as ``[num_blocks, block_size, Nkv * D]`` so one DMA moves a whole page, all KV heads.
+  so one MXU matmul serves the whole query-head group of a KV head. The cache is read in the
+  engine's merged layout ``[num_blocks, block_size, Nkv * D]`` (:func:`jmtp.model.llama.
+  init_kv_cache`), so one DMA moves a whole page, all KV heads. (A split ``[.., Nkv, D]`` cache
+  is accepted but reshaping it is a relayout copy of the whole pool on TPU, where the tiled
+  layout covers the two minor axes: compiling for v5e showed 15 GiB of temporaries for a 3 GiB
+  pool before the engine stored caches merged.)
 * **Grid.** One grid step per *query tile* of ``tq`` packed tokens (``R = tq * G`` rows per KV
   head); tiles are independent (``"parallel"``). A tile may hold rows of several sequences: the
   sequences overlapping tile ``i`` are ``tile_seq_lo[i] .. tile_seq_hi[i]`` (computed in the
@@ -76,12 +80,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jmtp.pallas.attention_checks import check_shapes, compute_dtype
+from jmtp.pallas.attention_checks import cache_dims, check_shapes, compute_dtype, merge_heads
 
 _MASK = -1e30          # finite "minus infinity": exp(_MASK - m) == 0 and _MASK - _MASK == 0
 _TARGET_ROWS = 128     # MXU rows per query tile
 _TARGET_KEYS = 512     # keys per KV step
 _KV_VMEM_BUDGET = 4 * 1024 * 1024   # bytes for 2 slots x (K, V) buffers
+#: ``block_size`` of a quantised cache must be a multiple of this (TPU lanes) for the compiled
+#: kernel: the scale DMAs land at lane offsets ``page * block_size`` (Mosaic refuses others,
+#: found by compiling for v5e/v6e/v4 with :mod:`jmtp.aot`).
+QUANTIZED_BLOCK_MULTIPLE = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,11 +328,11 @@ def _kernel(
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "block_sizes", "interpret"))
+    "sm_scale", "sliding_window", "soft_cap", "block_sizes", "interpret", "num_kv_heads"))
 def _rpa_tpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale, *, sm_scale,
-             sliding_window, soft_cap, block_sizes: BlockSizes, interpret):
+             sliding_window, soft_cap, block_sizes: BlockSizes, interpret, num_kv_heads):
     num_tokens, num_q_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    num_blocks, block_size, num_kv_heads, _ = cache_dims(q, k_cache, num_kv_heads)
     num_seqs, pages = block_tables.shape
     group = num_q_heads // num_kv_heads
     tq, ppb = block_sizes.num_queries_per_block, block_sizes.num_kv_pages_per_block
@@ -349,8 +357,8 @@ def _rpa_tpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_s
     # caches in the q dtype.
     qw = qw.reshape(num_kv_heads, t_pad * group, head_dim).astype(
         compute_dtype(q.dtype, k_cache.dtype))
-    kf = k_cache.reshape(num_blocks, block_size, num_kv_heads * head_dim)
-    vf = v_cache.reshape(num_blocks, block_size, num_kv_heads * head_dim)
+    kf, vf = merge_heads(k_cache), merge_heads(v_cache)   # merged already: no copy
+    width = kf.shape[2]       # Nkv*D, or more with padding lanes after the heads (kv_layout)
 
     precision = (lax.Precision.HIGHEST if jnp.dtype(qw.dtype) == jnp.float32
                  else lax.Precision.DEFAULT)
@@ -363,8 +371,8 @@ def _rpa_tpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_s
     qo_spec = pl.BlockSpec((num_kv_heads, rows, head_dim), lambda i, *_: (0, i, 0))
     bkv = ppb * block_size
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    value_bufs = [pltpu.VMEM((2, bkv, num_kv_heads * head_dim), k_cache.dtype),
-                  pltpu.VMEM((2, bkv, num_kv_heads * head_dim), v_cache.dtype)]
+    value_bufs = [pltpu.VMEM((2, bkv, width), k_cache.dtype),
+                  pltpu.VMEM((2, bkv, width), v_cache.dtype)]
     inputs = [qw, kf, vf]
     if k_scale is not None:
         inputs += [k_scale, v_scale]
@@ -393,8 +401,8 @@ def _rpa_tpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_s
 
 def ragged_paged_attention_tpu(
     q: jax.Array,             # f[T, Nq, D]   packed queries (RoPE applied)
-    k_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
-    v_cache: jax.Array,       # f[num_blocks, block_size, Nkv, D]
+    k_cache: jax.Array,       # f[num_blocks, block_size, Nkv*D] (merged; split [.., Nkv, D] is
+    v_cache: jax.Array,       #   reshaped, a relayout copy on TPU)
     kv_lens: jax.Array,       # i32[S]        keys per sequence, this step's tokens included
     block_tables: jax.Array,  # i32[S, pages] physical block ids (entries past kv_lens unused)
     cu_q_lens: jax.Array,     # i32[S+1]      exclusive prefix sums of query lengths
@@ -407,6 +415,7 @@ def ragged_paged_attention_tpu(
     interpret: Any = None,
     k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
     v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
+    num_kv_heads: int | None = None,
 ) -> jax.Array:               # f[T, Nq, D]  (q.dtype)
     """Pallas-TPU ragged paged attention; contract of ``ragged_paged_attention_reference``.
 
@@ -418,12 +427,16 @@ def ragged_paged_attention_tpu(
       interpret: None (interpret iff the default backend is CPU), a bool, or a
         ``pltpu.InterpretParams`` (e.g. ``detect_races=True``) for TPU interpret mode.
       k_scale / v_scale: scales of an int8 / float8_e4m3fn cache (:mod:`jmtp.pallas.kv_quant`).
+      num_kv_heads: Nkv of a merged cache with padding lanes (:mod:`jmtp.pallas.kv_layout`).
 
     Raises:
+      ValueError: compiled (not interpreted) with a quantised cache whose ``block_size`` is not
+        a multiple of :data:`QUANTIZED_BLOCK_MULTIPLE`.
       ValueError: inconsistent shapes or scales, ``k_cache.dtype != v_cache.dtype``, a
         non-positive ``sliding_window``/``soft_cap``/block size, or a bad ``interpret``.
     """
-    check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale)
+    check_shapes(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale, v_scale,
+                 num_kv_heads)
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache.dtype ({k_cache.dtype}) != v_cache.dtype ({v_cache.dtype})")
     if sliding_window is not None and int(sliding_window) < 1:
@@ -431,7 +444,14 @@ def ragged_paged_attention_tpu(
     if soft_cap is not None and not float(soft_cap) > 0:
         raise ValueError(f"soft_cap must be > 0 or None, got {soft_cap}")
     num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    _, block_size, num_kv_heads, _ = cache_dims(q, k_cache, num_kv_heads)
+    interpret = resolve_interpret(interpret)
+    if k_scale is not None and interpret is False and block_size % QUANTIZED_BLOCK_MULTIPLE:
+        raise ValueError(
+            f"a quantised cache needs block_size a multiple of {QUANTIZED_BLOCK_MULTIPLE} for the "
+            f"compiled TPU kernel (got {block_size}): each page's scales land at lane offset "
+            "page * block_size of the scale buffer, and Mosaic DMAs need lane-aligned offsets; "
+            "use attention_backend='xla' (the engine falls back to it by itself)")
     sizes = default_block_sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size,
                                 block_tables.shape[1], k_cache.dtype)
     tq = sizes.num_queries_per_block if num_queries_per_block is None else num_queries_per_block
@@ -444,4 +464,4 @@ def ragged_paged_attention_tpu(
                     sliding_window=None if sliding_window is None else int(sliding_window),
                     soft_cap=None if soft_cap is None else float(soft_cap),
                     block_sizes=BlockSizes(int(tq), int(ppb)),
-                    interpret=resolve_interpret(interpret))
+                    interpret=interpret, num_kv_heads=num_kv_heads)

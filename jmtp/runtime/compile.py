@@ -92,7 +92,8 @@ def setup_compilation_cache(cache_dir: str | bool | None = "auto") -> str | None
 def compile_ahead(fn: Callable, arg_lists: Sequence[tuple], *, labels: Sequence[Any] | None = None,
                   desc: str = "compile", progress: bool = True,
                   budget: MapBudget | None = None,
-                  on_compiled: Callable[[int], None] | None = None) -> dict[Any, float]:
+                  on_compiled: Callable[[int], None] | None = None,
+                  on_executable: Callable[[Any, Any], None] | None = None) -> dict[Any, float]:
     """Compile the jitted ``fn`` once per argument tuple, ahead of its first call.
 
     Args:
@@ -108,6 +109,8 @@ def compile_ahead(fn: Callable, arg_lists: Sequence[tuple], *, labels: Sequence[
         to come must fit in the process's ``vm.max_map_count`` before the next one starts.
       on_compiled: called with the index of each tuple as soon as its compile is done (so a
         caller keeps track of the finished ones when a later compile raises).
+      on_executable: called with ``(label, jax.stages.Compiled)`` after each compile (memory
+        analysis, HLO text, serialisation: :mod:`jmtp.aot`).
 
     Returns:
       ``{label: seconds}`` spent lowering and compiling each (a persistent-cache hit is quick).
@@ -131,8 +134,10 @@ def compile_ahead(fn: Callable, arg_lists: Sequence[tuple], *, labels: Sequence[
                 budget.check(label, remaining=len(arg_lists) - i)
                 budget.start()
             t0 = time.perf_counter()
-            fn.lower(*args).compile()
+            exe = fn.lower(*args).compile()
             times[label] = time.perf_counter() - t0
+            if on_executable is not None:
+                on_executable(label, exe)
             if budget is not None:
                 budget.stop()
             if on_compiled is not None:

@@ -5,6 +5,7 @@ import dataclasses
 from typing import Callable
 
 from jmtp.core.checks import check_one_of
+from jmtp.core.platform import host_platform, platform_name
 from jmtp.pallas.block_allocator import CHOICES as BLOCK_ALLOCATORS
 from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.pallas.kv_quant import check_kv_cache_dtype
@@ -174,6 +175,11 @@ class EngineConfig:
         shared prefix blocks (``num_shared``, ``shared_tables``), the step reads through them and
         no longer returns a finished slot's blocks itself: the host retires the slot, keeping
         the full blocks it caches (:mod:`jmtp.runtime.prefix_cache`).
+      platform: the platform the step is compiled for (:data:`jmtp.core.platform.PLATFORMS`);
+        ``None`` (default): the host's default backend, resolved at construction. It decides the
+        ``"auto"`` allocator and whether Pallas kernels run in interpret mode
+        (:mod:`jmtp.core.platform`); :class:`~jmtp.runtime.engine_args.EngineArgs` sets it from
+        the engine's devices.
 
     Raises:
       ValueError: a size < 1, ``max_num_batched_tokens`` below ``max_num_seqs * (K+1)``,
@@ -194,8 +200,12 @@ class EngineConfig:
     block_allocator: str = "auto"
     kv_cache_dtype: str | None = None
     enable_prefix_caching: bool = False
+    platform: str | None = None
 
     def __post_init__(self):
+        # resolved once, here: the step's backend choices read this, never the host backend
+        object.__setattr__(self, "platform", host_platform() if self.platform is None
+                           else platform_name(self.platform))
         check_kv_cache_dtype(self.kv_cache_dtype, "EngineConfig.kv_cache_dtype")
         for name in ("max_num_seqs", "max_model_len", "block_size", "num_blocks",
                      "max_num_batched_tokens"):

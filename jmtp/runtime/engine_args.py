@@ -16,9 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.core.checks import check_one_of
+from jmtp.core.platform import host_platform, platform_of
 from jmtp.model.config import MOE_IMPLEMENTATIONS, ModelConfig
 from jmtp.model.kv_shift import with_k_shift
 from jmtp.model.llama import unstack_layers
+from jmtp.model.moe import resolve_implementation as resolve_moe
+from jmtp.model.params import replicate_kv_heads
 from jmtp.pallas.kv_quant import check_kv_cache_dtype
 from jmtp.pallas.ragged_paged_attention import IMPLEMENTATIONS
 from jmtp.runtime import compile as jc
@@ -33,7 +36,7 @@ log = logging.getLogger(__name__)
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 
 
-def resolve_layer_loop(layer_loop: str, one_device: bool, backend: str | None = None) -> str:
+def resolve_layer_loop(layer_loop: str, one_device: bool, platform: str | None = None) -> str:
     """The layer loop ``layer_loop="auto"`` stands for: ``"unrolled"`` on XLA:CPU with one device
     (there the scan copies every layer's weights out of the stack each step, which makes the
     engine step slower: figures in ``docs/performance.md``), else ``"scan"`` (a mesh needs the
@@ -42,17 +45,18 @@ def resolve_layer_loop(layer_loop: str, one_device: bool, backend: str | None = 
     Args:
       layer_loop: one of :data:`LAYER_LOOPS`.
       one_device: the engine runs on one device (no mesh, or a mesh of one device).
-      backend: the platform (default ``jax.default_backend()``).
+      platform: the platform compiled for (default: the host's, :mod:`jmtp.core.platform`).
     """
     if layer_loop != "auto":
         return layer_loop
-    backend = backend or jax.default_backend()
-    return "unrolled" if backend == "cpu" and one_device else "scan"
+    platform = platform or host_platform()
+    return "unrolled" if platform == "cpu" and one_device else "scan"
 
 
-def default_dtype():
-    """fp32 on CPU (much faster than bf16 matmuls there), bf16 on TPU/GPU."""
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+def default_dtype(platform: str | None = None):
+    """fp32 on CPU (much faster than bf16 matmuls there), bf16 on TPU/GPU. ``platform``: the
+    platform compiled for (default: the host's)."""
+    return jnp.float32 if (platform or host_platform()) == "cpu" else jnp.bfloat16
 
 
 def with_draft_vocab(cfg: ModelConfig, params: dict, draft_vocab_size: int | None
@@ -131,6 +135,13 @@ class EngineArgs:
       enable_prefix_caching: reuse the target and MTP KV of full blocks of earlier requests'
         prompts and outputs (vLLM's option name; :mod:`jmtp.runtime.prefix_cache`); on a mesh
         each data shard caches its own blocks (:mod:`jmtp.runtime.prefix_slots`).
+      devices: the devices the engine runs on (default ``jax.devices()``): the mesh is built
+        from them, one device runs ``devices[0]``; their platform is the engine's
+        (``EngineConfig.platform``: attention, allocator and MoE choices, kernel interpret mode,
+        default dtype and layer loop). Compile-only TPU topology devices work with ``abstract``.
+      abstract: build the engine from shapes only, no weights and no arrays
+        (``model_config`` required; ``params`` may be given as ``jax.ShapeDtypeStruct``s, else
+        their shapes come from the config): it compiles (:mod:`jmtp.aot`) but cannot run.
       layer_loop: how the step runs the target's decoder layers: ``"scan"`` (one ``lax.scan``
         over the stacked layers, compiles fastest), ``"unrolled"`` (a Python loop over per-layer
         weights, :func:`jmtp.model.llama.unstack_layers`; one device only: the parameter
@@ -172,6 +183,8 @@ class EngineArgs:
     mesh: object = None
     enable_prefix_caching: bool = False
     layer_loop: str = "auto"
+    devices: object = None
+    abstract: bool = False
 
     def build(self) -> "BuiltEngine":
         """Check the arguments, load the model if needed and build the runner."""
@@ -180,21 +193,31 @@ class EngineArgs:
         cache_dir = prepare_process(a.compilation_cache_dir)
         check_kv_cache_dtype(a.kv_cache_dtype)   # before anything is loaded
         check_one_of("layer_loop", a.layer_loop, LAYER_LOOPS)
+        devices = (list(a.mesh.devices.flat) if a.mesh is not None
+                   else list(a.devices) if a.devices is not None else None)
+        platform = platform_of(devices) if devices else host_platform()
         one_device = (a.mesh.size == 1 if a.mesh is not None
                       else (a.tensor_parallel_size, a.data_parallel_size) == (1, 1))
-        layer_loop = resolve_layer_loop(a.layer_loop, one_device)
+        layer_loop = resolve_layer_loop(a.layer_loop, one_device, platform)
         if layer_loop == "unrolled" and not one_device:
             raise ValueError("layer_loop='unrolled' with a device mesh is not supported: the "
                              "parameter shardings are stated for the stacked layers; use "
                              "layer_loop='scan'")
         compile_mode = jc.resolve_compile_mode(a.compile)
-        dtype = jnp.dtype(a.dtype or default_dtype())
+        dtype = jnp.dtype(a.dtype or default_dtype(platform))
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
         if a.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {a.block_size}")
         model_config, params, tokenizer = a.model_config, a.params, a.tokenizer
-        if params is None:
+        spec = a.speculative_config or SpeculativeConfig(method=None)
+        if a.abstract:
+            if model_config is None:
+                raise ValueError("abstract=True needs model_config (the engine is built from "
+                                 "shapes; jmtp.aot.model_config_of reads one from a model file)")
+            params = params if params is not None else abstract_params(
+                model_config, dtype, spec.method == "mtp", a.kv_cache_dtype)
+        elif params is None:
             from jmtp.model.loader import load_checkpoint, load_tokenizer
             model_config, params = load_checkpoint(a.model, dtype=dtype, mtp_head=a.mtp_head)
             if tokenizer is None:
@@ -215,19 +238,29 @@ class EngineArgs:
         if a.moe_backend not in (None,) + MOE_IMPLEMENTATIONS:
             raise ValueError(f"moe_backend must be one of {MOE_IMPLEMENTATIONS} or None, got "
                              f"{a.moe_backend!r}")
-        if a.moe_backend is not None and model_config.moe is not None:
-            model_config = model_config.replace(
-                moe=model_config.moe.replace(implementation=a.moe_backend))
-        spec = a.speculative_config or SpeculativeConfig(method=None)
+        if model_config.moe is not None:   # "auto" resolved once, for the engine's platform
+            model_config = model_config.replace(moe=model_config.moe.replace(
+                implementation=resolve_moe(a.moe_backend or model_config.moe.implementation,
+                                           platform)))
         if spec.method == "mtp" and "mtp" not in params:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
-        mesh = _make_mesh(model_config, a.tensor_parallel_size, a.data_parallel_size, a.mesh)
+        mesh = _make_mesh(model_config, a.tensor_parallel_size, a.data_parallel_size, a.mesh,
+                          devices)
         draft_vocab_size = 0
         if spec.method == "mtp":
             params, draft_vocab_size = with_draft_vocab(model_config, params,
                                                         spec.draft_vocab_size)
         # An int8 cache stores keys minus a calibrated per-layer mean (jmtp.model.kv_shift).
         params = with_k_shift(model_config, params, a.kv_cache_dtype)
+        tp = shd.mesh_sizes(mesh)[1] if mesh is not None else 1
+        if (not model_config.is_mla and tp > model_config.num_kv_heads
+                and tp % model_config.num_kv_heads == 0):
+            factor = tp // model_config.num_kv_heads
+            log.info("tensor_parallel_size=%d > num_kv_heads=%d: each kv head replicated %dx",
+                     tp, model_config.num_kv_heads, factor)
+            model_config, params = replicate_kv_heads(model_config, params, factor)
+        if mesh is not None:
+            shd.check_tensor_parallel(model_config, tp)
         if layer_loop == "unrolled":
             params = unstack_layers(params)
         dp = shd.mesh_sizes(mesh)[0] if mesh is not None else 1
@@ -238,7 +271,8 @@ class EngineArgs:
             max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, block_size=a.block_size,
             num_blocks=a.num_blocks or 1, max_num_batched_tokens=tokens, max_stop_ids=8,
             max_logprobs=a.max_logprobs, spec=spec, block_allocator=a.block_allocator,
-            kv_cache_dtype=a.kv_cache_dtype, enable_prefix_caching=bool(a.enable_prefix_caching))
+            kv_cache_dtype=a.kv_cache_dtype, enable_prefix_caching=bool(a.enable_prefix_caching),
+            platform=platform)
         if not a.num_blocks:      # default: every slot can hold a full-length sequence
             ec = dataclasses.replace(ec, num_blocks=a.max_num_seqs * ec.pages_per_seq)
         num_mtp_cache_layers = max(model_config.num_mtp_layers, 1) if spec.method == "mtp" else 0
@@ -251,10 +285,12 @@ class EngineArgs:
                         "output stays lossless; acceptance and seeded sampled output may vary)",
                         model_config.num_mtp_layers)
         runner = DeviceRunner(model_config, params, ec, mesh=mesh, dtype=dtype,
-                              attention_backend=a.attention_backend,
+                              attention_backend=attention_fallback(
+                                  a.attention_backend, platform, a.kv_cache_dtype, a.block_size),
                               num_mtp_cache_layers=num_mtp_cache_layers,
-                              compile_mode=compile_mode)
-        if mesh is not None:
+                              compile_mode=compile_mode, abstract=bool(a.abstract),
+                              device=devices[0] if devices and mesh is None else None)
+        if mesh is not None and not a.abstract:
             log.info("mesh %s: %s", dict(mesh.shape), runner.memory_per_device())
         return BuiltEngine(runner, tokenizer, draft_vocab_size, layer_loop, compile_mode,
                            cache_dir)
@@ -272,21 +308,60 @@ class BuiltEngine:
     compilation_cache_dir: str | None
 
 
-def _make_mesh(cfg: ModelConfig, tp: int, dp: int, mesh):
+def attention_fallback(attention_backend: str | None, platform: str,
+                       kv_cache_dtype: str | None, block_size: int) -> str | None:
+    """``attention_backend``, or ``"xla"`` (with a logged reason) where the compiled Pallas TPU
+    kernel cannot serve the configuration: a quantised cache with ``block_size`` not a multiple
+    of :data:`~jmtp.pallas.ragged_paged_attention_tpu.QUANTIZED_BLOCK_MULTIPLE`."""
+    from jmtp.pallas.ragged_paged_attention import default_implementation
+    from jmtp.pallas.ragged_paged_attention_tpu import QUANTIZED_BLOCK_MULTIPLE
+    impl = attention_backend or default_implementation(platform)
+    if (impl == "pallas_tpu" and platform == "tpu" and kv_cache_dtype is not None
+            and block_size % QUANTIZED_BLOCK_MULTIPLE):
+        log.warning("kv_cache_dtype=%r with block_size=%d: the Pallas TPU attention kernel needs "
+                    "block_size a multiple of %d with a quantised cache (lane-aligned scale "
+                    "DMAs); attention runs the 'xla' implementation instead", kv_cache_dtype,
+                    block_size, QUANTIZED_BLOCK_MULTIPLE)
+        return "xla"
+    return attention_backend
+
+
+def abstract_params(cfg: ModelConfig, dtype, with_mtp: bool, kv_cache_dtype: str | None) -> dict:
+    """The parameter dict of ``cfg`` as ``jax.ShapeDtypeStruct``s (nothing allocated): the
+    target, the MTP head when ``with_mtp`` (``cfg.num_mtp_layers`` modules, at least one) and the
+    int8 cache's key shift."""
+    from jmtp.model.params import param_shapes
+    c = (cfg.replace(num_mtp_layers=max(cfg.num_mtp_layers, 1)) if with_mtp
+         else cfg.replace(num_mtp_layers=0))
+
+    def sds(tree, name=""):   # shape tuples -> ShapeDtypeStructs (router biases stay f32)
+        if isinstance(tree, dict):
+            return {k: sds(v, k) for k, v in tree.items()}
+        if tree and isinstance(tree[0], dict):
+            return tuple(sds(v) for v in tree)
+        return jax.ShapeDtypeStruct(tuple(tree), jnp.float32 if name == "router_bias" else dtype)
+    params = sds(param_shapes(c))
+    if kv_cache_dtype == "int8" and not cfg.is_mla:
+        params["k_shift"] = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+                                                 jnp.float32)
+    return params
+
+
+def _make_mesh(cfg: ModelConfig, tp: int, dp: int, mesh, devices=None):
     """The engine's mesh, or None for a single device (checks sizes against the model)."""
     if mesh is None:
         if (tp, dp) == (1, 1):
             return None
-        mesh = shd.make_mesh(tp, dp)
+        mesh = shd.make_mesh(tp, dp, devices)
     else:
         shd.check_mesh(mesh)
         sizes = shd.mesh_sizes(mesh)
         if (dp, tp) not in ((1, 1), sizes):
             raise ValueError(f"mesh has (data, model) = {sizes} but data_parallel_size={dp}, "
                              f"tensor_parallel_size={tp} were given")
-    shd.check_tensor_parallel(cfg, shd.mesh_sizes(mesh)[1])
+    # (tensor parallelism is checked by the caller, after any kv-head replication)
     return mesh if mesh.size > 1 else None
 
 
 __all__ = ["EngineArgs", "BuiltEngine", "LAYER_LOOPS", "resolve_layer_loop", "default_dtype",
-           "with_draft_vocab"]
+           "with_draft_vocab", "abstract_params", "attention_fallback"]

@@ -77,7 +77,7 @@ class RequestState:
         ``input_ids`` cut to the tokens in the sequence, ``i32[prompt_len + step_idx]``; the
         sampling fields as ``"sampling.<name>"``).
       kv: the KV pages the request owns, in sequence order: ``target_k`` / ``target_v``
-        ``[L, n, block_size, Nkv, D]``, ``mtp_k`` / ``mtp_v`` ``[M_layers, n, ...]`` (no MTP
+        ``[L, n, block_size, Nkv·D]``, ``mtp_k`` / ``mtp_v`` ``[M_layers, n, ...]`` (no MTP
         cache: absent), and ``*_k_scale`` / ``*_v_scale`` ``f32[L, n, Nkv, block_size]`` for a
         quantised cache.
     """
@@ -344,7 +344,8 @@ def import_slot(ec: EngineConfig, state: EngineState, cache: KVCache,
     N = state.blocks.free_stack.shape[0]
     need = jnp.where(jnp.arange(B) == slot, num_pages, 0).astype(jnp.int32)
     blocks, paused = state.blocks.allocate(jnp.zeros((B,), bool), need,
-                                           implementation=ec.block_allocator)
+                                           implementation=ec.block_allocator,
+                                           platform=ec.platform)
     ok = ~paused[slot]          # all or nothing: a failed import writes no page and no row
     ids = blocks.block_tables[slot]                                      # i32[P]
     pb = kv["target_k"].shape[1]

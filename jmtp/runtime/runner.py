@@ -26,8 +26,9 @@ import numpy as np
 from flax import nnx
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.llama import init_kv_cache
+from jmtp.model.llama import cache_row_width, init_kv_cache
 from jmtp.model.modules import LlamaForCausalLM
+from jmtp.pallas.ragged_paged_attention import resolve_backend
 from jmtp.runtime import data_parallel as dpar
 from jmtp.runtime import multihost as mh
 from jmtp.runtime import sharding as shd
@@ -50,12 +51,23 @@ class OneDevice:
 
     def __init__(self, runner: "DeviceRunner", dtype, num_mtp_cache_layers: int):
         mc, ec = runner.model_config, runner.engine_config
-        runner.state = init_state(ec, mc.vocab_size)
-        runner.cache = init_kv_cache(mc, mc.num_layers, ec.num_blocks, ec.block_size, dtype,
-                                     ec.kv_cache_dtype)
-        runner.mtp_cache = (init_kv_cache(mc, num_mtp_cache_layers, ec.num_blocks,
-                                          ec.block_size, dtype, ec.kv_cache_dtype)
-                            if num_mtp_cache_layers else None)
+        dev = runner.device
+        self.arg_sharding = None if dev is None else jax.sharding.SingleDeviceSharding(dev)
+        width = cache_row_width(mc, 1, ec.platform)
+        make = lambda: (
+            init_state(ec, mc.vocab_size),
+            init_kv_cache(mc, mc.num_layers, ec.num_blocks, ec.block_size, dtype,
+                          ec.kv_cache_dtype, width),
+            init_kv_cache(mc, num_mtp_cache_layers, ec.num_blocks, ec.block_size, dtype,
+                          ec.kv_cache_dtype, width) if num_mtp_cache_layers else None)
+        if runner.abstract:     # shapes only, on the (possibly compile-only) device
+            trees = abstract_on(jax.eval_shape(make), self.arg_sharding)
+            runner.params = abstract_on(runner.params, self.arg_sharding)
+        else:
+            trees = make() if dev is None else jax.device_put(make(), dev)
+            if dev is not None:
+                runner.params = jax.device_put(runner.params, dev)
+        runner.state, runner.cache, runner.mtp_cache = trees
         self.step = jax.jit(engine_step, static_argnums=_STEP_STATICS,
                             donate_argnums=_STEP_DONATED)
         self.insert_fn = jax.jit(insert_request, donate_argnums=0)
@@ -66,7 +78,10 @@ class OneDevice:
 
     @staticmethod
     def host_lanes(x: np.ndarray):
-        return jnp.asarray(x)
+        return x
+
+    def to_device(self, x: np.ndarray):
+        return jnp.asarray(x) if self.arg_sharding is None else jax.device_put(x, self.arg_sharding)
 
     @staticmethod
     def slot_args(b: int) -> tuple:
@@ -115,13 +130,22 @@ class OnMesh:
         st = shd.state_sharding(mesh)
         kv = shd.kv_cache_shardings(mesh, mc.kv_cache_heads, ec.kv_cache_dtype is not None,
                                     stacked=True)
-        runner.params = mh.put(runner.params, shd.param_shardings(runner.params, mesh),
-                               what="parameters")
-        runner.state = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
-                               out_shardings=st)()
-        make = lambda n: jax.jit(lambda: dpar.stack_shards(
-            init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype, ec.kv_cache_dtype), dp),
-            out_shardings=kv)()
+        self.arg_sharding = rep
+        pshard = shd.param_shardings(runner.params, mesh)
+        init_st = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
+                          out_shardings=st)
+        width = cache_row_width(mc, shd.mesh_sizes(mesh)[1], ec.platform)
+        init_kv = lambda n: jax.jit(lambda: dpar.stack_shards(
+            init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype, ec.kv_cache_dtype, width),
+            dp), out_shardings=kv)
+        if runner.abstract:     # shapes and shardings only (compile-only devices: jmtp.aot)
+            runner.params = abstract_on(runner.params, pshard)
+            runner.state = abstract_on(init_st.eval_shape(), st)
+            make = lambda n: abstract_on(init_kv(n).eval_shape(), kv)
+        else:
+            runner.params = mh.put(runner.params, pshard, what="parameters")
+            runner.state = init_st()
+            make = lambda n: init_kv(n)()
         runner.cache = make(mc.num_layers)
         runner.mtp_cache = make(num_mtp_cache_layers) if num_mtp_cache_layers else None
         mkv = kv if runner.mtp_cache is not None else None
@@ -154,6 +178,10 @@ class OnMesh:
 
     def host_lanes(self, x: np.ndarray):
         return x.reshape(self.num_shards, self.Bl)
+
+    @staticmethod
+    def to_device(x: np.ndarray):
+        return x     # numpy: jit places it (the same on every process)
 
     def slot_args(self, b: int) -> tuple:
         return jnp.int32(b // self.Bl), jnp.int32(b % self.Bl)
@@ -197,6 +225,16 @@ class OnMesh:
                 self.free_counts(state, free))
 
 
+def abstract_on(tree, shardings):
+    """``tree``'s arrays (or ``ShapeDtypeStruct``s) as ``jax.ShapeDtypeStruct``s placed by
+    ``shardings`` (one sharding for every leaf, a tree of them matching ``tree``, or None)."""
+    def one(x, s):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: one(x, shardings), tree)
+    return jax.tree.map(one, tree, shardings)
+
+
 class DeviceRunner:
     """Parameters, engine state, KV caches and the jitted step, insert, release, retire and
     hand-off functions of one engine, on one device or a mesh.
@@ -212,6 +250,11 @@ class DeviceRunner:
       attention_backend: the step's attention implementation (static).
       num_mtp_cache_layers: layers of the MTP KV cache (0: none).
       compile_mode: ``"eager"`` or ``"lazy"`` (only :meth:`bucket_to_run` reads it).
+      device: without a mesh, the device to run on (default: JAX's default device).
+      abstract: build with ``jax.ShapeDtypeStruct``s only (``params`` may be abstract too): no
+        array is allocated, the devices may be compile-only (a TPU topology); the runner then
+        only compiles (:meth:`compile_buckets`, :meth:`compile_slot_ops`, :mod:`jmtp.aot`),
+        running raises ``RuntimeError``.
 
     Attributes (public, read by the engine and tests): ``graphdef``, ``params``, ``state``,
     ``cache``, ``mtp_cache``, ``mesh``, ``shard_config`` (one data shard's config),
@@ -222,9 +265,12 @@ class DeviceRunner:
 
     def __init__(self, model_config: ModelConfig, params: dict, engine_config: EngineConfig, *,
                  mesh, dtype, attention_backend: str | None, num_mtp_cache_layers: int,
-                 compile_mode: str = "eager"):
+                 compile_mode: str = "eager", device=None, abstract: bool = False):
         self.model_config, self.engine_config, self.mesh = model_config, engine_config, mesh
         self.attention_backend, self.compile_mode = attention_backend, compile_mode
+        self.device, self.abstract = device, abstract
+        # what the step resolves attention_backend to (engine_step does it, from ec.platform)
+        self.attention = resolve_backend(attention_backend, engine_config.platform)
         self.drafter = engine_config.spec.drafter
         self.num_shards = shd.mesh_sizes(mesh)[0] if mesh is not None else 1
         self.shard_config = dpar.shard_config(engine_config, self.num_shards)
@@ -263,48 +309,78 @@ class DeviceRunner:
 
     def step_args(self, bucket: StepBucket) -> tuple:
         """The jitted step's arguments for ``bucket`` with all-zero chunks and limits."""
-        zeros = self.placement.host_lanes(np.zeros((self.engine_config.max_num_seqs,), np.int32))
+        zeros = self.lift(self.placement.host_lanes(
+            np.zeros((self.engine_config.max_num_seqs,), np.int32)))
         return (self.graphdef, self.shard_config, self.drafter, bucket, self.attention_backend,
                 self.params, self.state, self.cache, self.mtp_cache, zeros, zeros)
 
+    def lift(self, x):
+        """A host value as a device argument: ``jnp.asarray`` (on the runner's device, if one was
+        given), or for an abstract runner a ``ShapeDtypeStruct`` replicated on its devices."""
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        x = np.asarray(x)
+        if self.abstract:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.placement.arg_sharding)
+        return self.placement.to_device(x)
+
+    def context(self):
+        """The context every trace of the runner's functions runs in: the mesh
+        (:func:`jmtp.core.mesh.mesh_context`), or the runner's device as JAX's default device
+        (what Pallas reads the target chip from when compiling for a compile-only device)."""
+        if self.mesh is None and self.device is not None:
+            return jax.default_device(self.device)
+        return shd.mesh_context(self.mesh)
+
+    def _check_concrete(self):
+        if self.abstract:
+            raise RuntimeError("this engine was built abstractly (shapes only, for ahead-of-time "
+                               "compiles, jmtp.aot); it cannot run")
+
     def compile_buckets(self, buckets: Iterable[StepBucket] | None = None, *,
-                        progress: bool = False) -> dict[str, float]:
+                        progress: bool = False, on_executable=None) -> dict[str, float]:
         """Compile step buckets (default: every uncompiled one) without running them;
-        ``{bucket label: seconds}`` (see :meth:`LLMEngine.compile_buckets`)."""
+        ``{bucket label: seconds}`` (see :meth:`LLMEngine.compile_buckets`). ``on_executable``:
+        as :func:`~jmtp.runtime.compile.compile_ahead`."""
         from jmtp.runtime.compile import compile_ahead
         todo = (list(self.uncompiled_buckets()) if buckets is None
                 else [b for b in buckets if b not in self._compiled])
         if not todo:
             return {}
-        with shd.mesh_context(self.mesh):
+        with self.context():
             return compile_ahead(self.jitted_step, [self.step_args(b) for b in todo],
                                  labels=[b.label for b in todo], desc="compile step buckets",
                                  progress=progress, on_compiled=lambda i: self._compiled
-                                 .add(todo[i]), budget=(self.map_budget if
-                                                        jax.process_count() == 1 else None))
+                                 .add(todo[i]), on_executable=on_executable,
+                                 budget=(self.map_budget if jax.process_count() == 1
+                                         and not self.abstract else None))
 
-    def compile_slot_ops(self, sampling_row: dict) -> dict[str, float]:
+    def compile_slot_ops(self, sampling_row: dict, on_executable=None) -> dict[str, float]:
         """Compile the request insert and the slot release (and, with prefix caching, the slot
-        retire and the free-block push) ahead; ``{label: seconds}``."""
+        retire and the free-block push) ahead; ``{label: seconds}``. ``on_executable``: as
+        :func:`~jmtp.runtime.compile.compile_ahead`."""
         from jmtp.runtime.compile import compile_ahead
         sec, p = self.shard_config, self.placement
+        a = self.lift if self.abstract else jnp.asarray
+        fix = (lambda args: tuple(jax.tree.map(a, args))) if self.abstract else tuple
         slot = p.slot_args(0)
+        ops = [("insert", p.insert_fn, (
+            self.state, *slot, a(np.zeros((sec.seq_buffer_len,), np.int32)),
+            jnp.int32(1), jnp.int32(1), {k: a(v) for k, v in sampling_row.items()},
+            jnp.int32(-1), *self._prefix_args([]))),
+            ("release", p.release_fn, (self.state, *slot))]
+        if self.engine_config.enable_prefix_caching:
+            shard = () if self.mesh is None else (jnp.int32(0),)
+            ops += [("retire", p.retire_fn, (self.state, *slot,
+                                              jnp.zeros((sec.pages_per_seq,), bool))),
+                    ("push_free", p.push_free_fn, (self.state, *shard,
+                                                    jnp.full((sec.num_blocks,), -1, jnp.int32)))]
         times = {}
-        with shd.mesh_context(self.mesh):
-            times.update(compile_ahead(p.insert_fn, [(
-                self.state, *slot, jnp.asarray(np.zeros((sec.seq_buffer_len,), np.int32)),
-                jnp.int32(1), jnp.int32(1), {k: jnp.asarray(v) for k, v in sampling_row.items()},
-                jnp.int32(-1), *self._prefix_args([]))], labels=["insert"], progress=False))
-            times.update(compile_ahead(p.release_fn, [(self.state, *slot)], labels=["release"],
-                                       progress=False))
-            if self.engine_config.enable_prefix_caching:
-                times.update(compile_ahead(p.retire_fn, [(
-                    self.state, *slot, jnp.zeros((sec.pages_per_seq,), bool))],
-                    labels=["retire"], progress=False))
-                shard = () if self.mesh is None else (jnp.int32(0),)
-                times.update(compile_ahead(p.push_free_fn, [(
-                    self.state, *shard, jnp.full((sec.num_blocks,), -1, jnp.int32))],
-                    labels=["push_free"], progress=False))
+        with self.context():
+            for label, fn, args in ops:
+                args = (args[0],) + fix(args[1:])    # the state is abstract already
+                times.update(compile_ahead(fn, [args], labels=[label], progress=False,
+                                           on_executable=on_executable))
         return times
 
     def time_decode_buckets(self, repeats: int) -> dict[StepBucket, float]:
@@ -335,16 +411,17 @@ class DeviceRunner:
           of a bucket is timed into :attr:`first_call_seconds` and measured for the memory-map
           budget (checked before by :meth:`check_bucket`).
         """
+        self._check_concrete()
         first = bucket not in self._compiled
         if first:
             self.map_budget.start()
             t0 = time.perf_counter()
         p = self.placement
-        with shd.mesh_context(self.mesh):
+        with self.context():
             self.state, self.cache, self.mtp_cache, out = self.jitted_step(
                 self.graphdef, self.shard_config, self.drafter, bucket, self.attention_backend,
-                self.params, self.state, self.cache, self.mtp_cache, p.host_lanes(chunks),
-                p.host_lanes(limits))
+                self.params, self.state, self.cache, self.mtp_cache,
+                self.lift(p.host_lanes(chunks)), self.lift(p.host_lanes(limits)))
         out = p.fetch_step(out)
         if first:
             self.first_call_seconds[bucket.label] = time.perf_counter() - t0
@@ -368,22 +445,23 @@ class DeviceRunner:
         (prompt, padded), ``remaining`` tokens to generate, a sampling ``row``
         (:func:`~jmtp.runtime.sampling.make_row`), ``resume_token`` (-1: a new request) and,
         with prefix caching, the shard-local ids of the cached prefix blocks it reads."""
+        self._check_concrete()
         args = (jnp.asarray(ids), jnp.int32(prompt_len), jnp.int32(remaining),
                 {k: jnp.asarray(v) for k, v in row.items()}, jnp.int32(resume_token))
-        with shd.mesh_context(self.mesh):
+        with self.context():
             self.state = self.placement.insert_fn(self.state, *self.placement.slot_args(b),
                                                   *args, *self._prefix_args(shared_ids))
 
     def release(self, b: int) -> None:
         """Return slot ``b``'s KV blocks and mark it idle (:func:`~jmtp.runtime.step.release_slot`)."""
-        with shd.mesh_context(self.mesh):
+        with self.context():
             self.state, self.free_counts = self.placement.release(self.state, b)
 
     def retire(self, b: int, keep: np.ndarray) -> np.ndarray:
         """Empty slot ``b`` keeping its owned blocks ``keep bool[P]`` out of the allocator
         (:func:`~jmtp.runtime.step.retire_slot`); returns the kept ids ``i32[P]`` (-1 padded,
         shard-local)."""
-        with shd.mesh_context(self.mesh):
+        with self.context():
             self.state, kept, self.free_counts = self.placement.retire(self.state, b, keep)
         return kept
 
@@ -392,7 +470,7 @@ class DeviceRunner:
         (:func:`~jmtp.runtime.step.push_free_blocks`)."""
         buf = np.full((self.shard_config.num_blocks,), -1, np.int32)
         buf[:len(ids)] = ids
-        with shd.mesh_context(self.mesh):
+        with self.context():
             self.state = self.placement.push_free(self.state, shard, buf)
         self.free_counts = list(self.free_counts)
         self.free_counts[shard] += len(ids)
@@ -408,7 +486,7 @@ class DeviceRunner:
         owned = self.placement.owned_blocks(self.state, b)
         ids = np.zeros((page_bucket(len(owned), self.engine_config.pages_per_seq),), np.int32)
         ids[:len(owned)] = owned
-        with shd.mesh_context(self.mesh):
+        with self.context():
             row, kv = self.placement.gather(self.state, self.cache, self.mtp_cache, b, ids)
         return ({k: np.asarray(v) for k, v in row.items()},
                 {k: np.asarray(v)[:, :len(owned)] for k, v in kv.items()})
@@ -422,7 +500,7 @@ class DeviceRunner:
             pad = np.zeros((a.shape[0], pb) + a.shape[2:], a.dtype)
             pad[:, :num_pages] = a
             padded[k] = jnp.asarray(pad)
-        with shd.mesh_context(self.mesh):
+        with self.context():
             (self.state, self.cache, self.mtp_cache, ok,
              self.free_counts) = self.placement.import_(
                 self.state, self.cache, self.mtp_cache, b,

@@ -29,8 +29,9 @@ paged attention runs under ``jax.shard_map`` over the kv heads
 :func:`mesh_context`).
 
 A dimension mapped to ``model`` must split into whole pieces: ``tensor_parallel_size`` must divide
-``num_heads`` and ``num_kv_heads`` (else :func:`check_tensor_parallel` raises; replicating kv heads
-when TP exceeds them, as tpu-inference does, is not implemented yet). A ``vocab`` or ``mlp``
+``num_heads`` and ``num_kv_heads``, or be a multiple of ``num_kv_heads`` dividing ``num_heads``:
+the engine then replicates each kv head (:func:`jmtp.model.params.replicate_kv_heads`); else
+:func:`check_tensor_parallel` raises. A ``vocab`` or ``mlp``
 dimension that TP does not divide leaves that one tensor replicated.
 
 Data parallelism splits the request slots and the KV-block pool into ``data_parallel_size``
@@ -137,7 +138,8 @@ def mesh_sizes(mesh: Mesh) -> tuple[int, int]:
 
 def check_tensor_parallel(cfg, tensor_parallel_size: int) -> None:
     """Raise ``ValueError`` unless ``tensor_parallel_size`` divides the query and kv heads of
-    ``cfg`` (a :class:`~jmtp.model.config.ModelConfig`)."""
+    ``cfg`` (a :class:`~jmtp.model.config.ModelConfig`; the engine has replicated the kv heads
+    first where TP is a multiple of them, :func:`jmtp.model.params.replicate_kv_heads`)."""
     tp = tensor_parallel_size
     if tp > 1 and getattr(cfg, "is_mla", False):
         raise ValueError(f"tensor_parallel_size={tp}: tensor parallelism is not implemented for "
@@ -146,8 +148,8 @@ def check_tensor_parallel(cfg, tensor_parallel_size: int) -> None:
         if n % tp:
             raise ValueError(
                 f"tensor_parallel_size={tp} must divide {name}={n} (the model has "
-                f"num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}); replicating kv "
-                "heads across tensor-parallel ranks is not implemented")
+                f"num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}); a multiple of "
+                "num_kv_heads that divides num_heads also works (kv heads replicated)")
 
 
 def logical_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
@@ -189,15 +191,16 @@ def param_shardings(model_state: nnx.State, mesh: Mesh) -> nnx.State:
 
     A Variable without ``out_sharding`` metadata is replicated."""
     def one(path, v):
-        names = v.get_metadata().get("out_sharding") or (None,) * v[...].ndim
+        shape = v.get_value().shape     # an array or a ShapeDtypeStruct (abstract params)
+        names = v.get_metadata().get("out_sharding") or (None,) * len(shape)
         where = ".".join(str(getattr(k, "key", k)) for k in path)
-        return v.replace(NamedSharding(mesh, logical_spec(names, v[...].shape, mesh, where)))
+        return v.replace(NamedSharding(mesh, logical_spec(names, shape, mesh, where)))
     return jax.tree_util.tree_map_with_path(one, model_state, is_leaf=_is_var)
 
 
 def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, stacked: bool = False,
                       scales: bool = False) -> NamedSharding:
-    """Sharding of a KV cache array ``f[L, num_blocks, block_size, Nkv, D]``
+    """Sharding of a KV cache array ``f[L, num_blocks, block_size, Nkv·D]``
     (:data:`jmtp.model.axes.KV_CACHE_AXES`), or with ``scales`` of a quantised cache's scales
     ``f32[L, num_blocks, Nkv, block_size]`` (:data:`~jmtp.model.axes.KV_SCALE_AXES`): kv heads over
     ``model``; with ``stacked``, the per-data-shard arrays with a leading axis over ``data``
@@ -234,10 +237,17 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def per_device_bytes(tree) -> tuple[int, int]:
     """``(total bytes, bytes on the first device)`` of the arrays of ``tree`` (Variables
-    unwrapped): what each device holds, for the start-up report and the tests."""
+    unwrapped; ``jax.ShapeDtypeStruct`` leaves count their sharding's shard): what each device
+    holds, for the start-up report, :mod:`jmtp.aot` and the tests."""
     total = local = 0
     for a in jax.tree_util.tree_leaves(tree):
-        a = a[...] if isinstance(a, nnx.Variable) else a
+        a = a.get_value() if isinstance(a, nnx.Variable) else a
+        if isinstance(a, jax.ShapeDtypeStruct):   # abstract (jmtp.aot): its sharding's shard
+            size = np.dtype(a.dtype).itemsize
+            total += int(np.prod(a.shape)) * size
+            local += int(np.prod(a.sharding.shard_shape(a.shape) if a.sharding is not None
+                                 else a.shape)) * size
+            continue
         total += a.nbytes
         shards = getattr(a, "addressable_shards", None)
         local += shards[0].data.nbytes if shards else a.nbytes

@@ -24,7 +24,8 @@ def release_finished(ec: EngineConfig, state: EngineState, finished: jax.Array) 
     allocator ``ec.block_allocator``."""
     B = finished.shape[0]
     blocks, _ = state.blocks.allocate(finished, jnp.zeros((B,), jnp.int32),
-                                      implementation=ec.block_allocator)
+                                      implementation=ec.block_allocator,
+                                      platform=ec.platform)
     return dataclasses.replace(state, blocks=blocks)
 
 

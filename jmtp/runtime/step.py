@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmtp.pallas.ragged_paged_attention import AttentionBackend, resolve_backend
 from jmtp.model.llama import KVCache
 from jmtp.runtime.buckets import StepBucket
 from jmtp.runtime.config import EngineConfig
@@ -129,7 +130,7 @@ def engine_step(
     ec: EngineConfig,
     drafter,                    # None (MTP head / no speculation) or callable(state) -> i32[B, K]
     bucket: StepBucket | int,   # static (T, A) bucket; an int T means A = max_num_seqs
-    attention_impl: str | None,
+    attention_impl,             # static: str | None | AttentionBackend
     model_state: nnx.State,     # the model's arrays (nnx.split)
     state: EngineState,
     cache: KVCache,             # target cache (L layers)
@@ -150,7 +151,10 @@ def engine_step(
         (:func:`~jmtp.runtime.buckets.choose_bucket`): T token rows, at least
         ``sum(seq_lens_this_time)``, and A slot rows, at least the number of slots with work; the
         window logits, verification and MTP substeps run over those A compacted slots only. An int
-        is taken as T with ``A = max_num_seqs``.
+        is taken as T with ``A = max_num_seqs``. ``attention_impl``: an attention implementation
+        name, None (the best for ``ec.platform``) or a resolved
+        :class:`~jmtp.pallas.ragged_paged_attention.AttentionBackend`; either way the kernels'
+        interpret mode follows ``ec.platform``, not the host.
       model_state: the model's ``nnx.State`` (with an MTP head when drafting with it).
       state, cache, mtp_cache: donated by :class:`~jmtp.runtime.llm_engine.LLMEngine`; returned
         updated.
@@ -172,6 +176,8 @@ def engine_step(
     if not 1 <= bucket.num_slots <= B:
         raise ValueError(f"StepBucket.num_slots={bucket.num_slots} must lie in "
                          f"[1, max_num_seqs={B}]")
+    if not isinstance(attention_impl, AttentionBackend):
+        attention_impl = resolve_backend(attention_impl, ec.platform)
     model = nnx.merge(graphdef, model_state)
     prev = state
     sched = schedule(ec, prev, prefill_chunk)

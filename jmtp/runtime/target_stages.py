@@ -212,7 +212,8 @@ def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedu
     if num_shared is not None:
         need = jnp.where(query_lens > 0, jnp.maximum(need - num_shared, 0), 0)
     blocks, paused = blocks.allocate(jnp.zeros((B,), bool), need.astype(jnp.int32),
-                                     implementation=ec.block_allocator)
+                                     implementation=ec.block_allocator,
+                                     platform=ec.platform)
     paused = paused & (query_lens > 0)
     return blocks, Schedule(
         seq_lens_this_time=jnp.where(paused, 0, query_lens),

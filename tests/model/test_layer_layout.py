@@ -38,8 +38,9 @@ def _reference_kv(params, ids, positions, slots, cache_k, cache_v):
         _, k, v = project_qkv(CFG, p, x, positions)
         for row, s in enumerate(np.asarray(slots)):
             if s >= 0:
-                k_ref[layer, s // BS, s % BS] = np.asarray(k[row])
-                v_ref[layer, s // BS, s % BS] = np.asarray(v[row])
+                # the cache stores the kv heads merged, head h at [h*D, (h+1)*D)
+                k_ref[layer, s // BS, s % BS] = np.asarray(k[row]).reshape(-1)
+                v_ref[layer, s // BS, s % BS] = np.asarray(v[row]).reshape(-1)
     return k_ref, v_ref
 
 

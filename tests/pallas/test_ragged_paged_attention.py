@@ -245,14 +245,23 @@ def test_kernel_lowers_for_hardware(kernel, platform, dtype):
 def test_quantized_kernel_lowers_for_hardware(kernel, platform, kv_quant):
     """bf16 queries over an 8-bit cache with f32 scales lower to Mosaic TPU / Triton IR (Triton
     has no integer fill value for fp8 loads: the kernel loads fp8 unfilled and zeros after the
-    cast)."""
+    cast). The compiled TPU kernel needs ``block_size`` a multiple of 128 with a quantised cache
+    (the real Mosaic compiler refuses the scale DMAs at other offsets, tests/test_aot.py): a
+    smaller block is refused early, with a ValueError naming the limit."""
     q8 = jnp.dtype(jnp.int8 if kv_quant == "int8" else jnp.float8_e4m3fn)
-    q, k, v, *rest = _abstract_args(jnp.bfloat16)
-    k, v = (jax.ShapeDtypeStruct(x.shape, q8) for x in (k, v))
-    sc = jax.ShapeDtypeStruct((k.shape[0], k.shape[2], k.shape[1]), jnp.float32)
-    fn = jax.jit(lambda *a: kernel(*a[:6], sm_scale=0.125, sliding_window=32, interpret=False,
-                                   k_scale=a[6], v_scale=a[7]))
-    text = fn.trace(q, k, v, *rest, sc, sc).lower(lowering_platforms=(platform,)).as_text()
+
+    def lower(bs):
+        q, k, v, *rest = _abstract_args(jnp.bfloat16, bs=bs)
+        k, v = (jax.ShapeDtypeStruct(x.shape, q8) for x in (k, v))
+        sc = jax.ShapeDtypeStruct((k.shape[0], k.shape[2], k.shape[1]), jnp.float32)
+        fn = jax.jit(lambda *a: kernel(*a[:6], sm_scale=0.125, sliding_window=32, interpret=False,
+                                       k_scale=a[6], v_scale=a[7]))
+        return fn.trace(q, k, v, *rest, sc, sc).lower(lowering_platforms=(platform,)).as_text()
+
+    if platform == "tpu":
+        with pytest.raises(ValueError, match="multiple of 128"):
+            lower(16)
+    text = lower(128 if platform == "tpu" else 16)
     assert ("tpu_custom_call" if platform == "tpu" else "__gpu$xla.gpu.triton") in text
 
 

@@ -155,8 +155,8 @@ def test_no_write_outside_own_blocks(offset):
     final_len = len(prompt) + len(ref)
     # Blocks ever owned: at most those covering the last window (final_len + K + M overhang).
     max_owned = -(-(final_len + 2 * K) // bs)
-    touched = ~np.all(np.isnan(np.asarray(llm.cache.k)), axis=(0, 2, 3, 4))
-    touched_mtp = ~np.all(np.isnan(np.asarray(llm.mtp_cache.k)), axis=(0, 2, 3, 4))
+    touched = ~np.all(np.isnan(np.asarray(llm.cache.k)), axis=(0, 2, 3))
+    touched_mtp = ~np.all(np.isnan(np.asarray(llm.mtp_cache.k)), axis=(0, 2, 3))
     assert 0 < touched.sum() <= max_owned
     assert touched_mtp.sum() <= max_owned
     assert set(np.flatnonzero(touched_mtp)) <= set(np.flatnonzero(touched)) | set(

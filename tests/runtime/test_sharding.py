@@ -43,10 +43,13 @@ DEFAULT_RUNS = [(1, 1, 0), (1, 1, 3), (2, 2, 0), (1, 2, 3), (2, 1, 3), (2, 4, 3)
 RUNS = ([(dp, tp, k) for dp, tp in [(1, 1)] + MESHES for k in KS] if FULL else DEFAULT_RUNS)
 HEADS = ["dp=1,tp=3,k=3,heads=9/3"] if FULL else []
 MOE_CASE = "dp=2,tp=2,k=3,moe=1"   # the tiny MoE target (conftest.TINY_MOE) on a 2x2 mesh
+# 8 query / 2 kv heads on 4 model devices: each kv head replicated twice (issue 35)
+REPLICATED = "dp=1,tp=4,k=3,heads=8/2"
 # an int8 KV cache (values and scales split over the kv heads) against the same on one device
 QUANT = ["dp=1,tp=1,k=3,kv=int8", "dp=2,tp=2,k=3,kv=int8"]
 CASES = ([f"dp={dp},tp={tp},k={k}" + (",hlo=1" if (dp, tp, k) == (1, 2, 3) else "")
-          for dp, tp, k in RUNS] + HEADS + ["dp=2,tp=3,k=3,heads=9/3"] + QUANT + [MOE_CASE])
+          for dp, tp, k in RUNS] + HEADS + ["dp=2,tp=3,k=3,heads=9/3"] + QUANT + [MOE_CASE]
+         + [REPLICATED])
 # Prefix caching on a data-only mesh without MTP and on a (data, model) mesh with MTP K=3
 # (JMTP_FULL_MESH=1: (1,2), (2,1), (2,2), each with and without MTP).
 PREFIX_CASES = [f"prefix:dp={dp},tp={tp},k={k}" for dp, tp, k in (
@@ -92,9 +95,10 @@ SHARDED = [r for r in RUNS if r[:2] != (1, 1)]
 def test_sharded_greedy_equals_one_device(results, reference, dp, tp, k):
     res = _case(results, tp, k, dp)
     assert res["tokens"] == reference
-    # stacked per data shard: the leading axis over data (when dp > 1), kv heads over model
+    # stacked per data shard: the leading axis over data (when dp > 1), the merged kv heads
+    # (last axis, Nkv*D) over model
     assert res["cache_spec"] == str(P(shd.DATA if dp > 1 else None, None, None, None,
-                                      shd.MODEL if tp > 1 else None, None))
+                                      shd.MODEL if tp > 1 else None))
     assert res["free_blocks"] == res["num_blocks"]          # every block returned
     assert res["cache_donated"]                             # the step updated it in place
     assert res["step_executables"] <= res["num_buckets"]    # no recompiles
@@ -131,7 +135,7 @@ def test_int8_kv_cache_on_a_mesh_equals_one_device(results):
     one, res = results[QUANT[0]], results[QUANT[1]]
     assert "error" not in one and "error" not in res, (one.get("error"), res.get("error"))
     assert res["cache_dtype"] == one["cache_dtype"] == "int8"
-    assert res["cache_spec"] == str(P(shd.DATA, None, None, None, shd.MODEL, None))
+    assert res["cache_spec"] == str(P(shd.DATA, None, None, None, shd.MODEL))
     assert res["scale_spec"] == str(P(shd.DATA, None, None, shd.MODEL, None))
     assert res["tokens"] == one["tokens"] and res["sampled"] == one["sampled"]
     assert res["free_blocks"] == res["num_blocks"] and res["cache_donated"]
@@ -164,6 +168,19 @@ def test_smollm2_head_counts_tp3_replicates_what_does_not_split(results):
         sharded = {path for path, _, _, is_sharded in res["params"] if is_sharded}
         assert sharded and all(any(n in p for n in ("wq", "wk", "wv", "wo")) for p in sharded)
         assert res["memory"]["kv_cache"][0] * 3 * dp == res["memory"]["kv_cache"][1]
+
+
+def test_tensor_parallel_beyond_the_kv_heads_replicates_them(results):
+    """TP=4 over 2 kv heads: the engine repeats each kv head twice
+    (jmtp.model.params.replicate_kv_heads); greedy MTP output equals the one-device reference of
+    the original model, and each device holds a quarter of the (doubled) pool."""
+    cfg, params = worker.model("8/2")
+    want = [reference_greedy(cfg, params, p, worker.MAX_TOKENS) for p in worker.PROMPTS]
+    res = results[REPLICATED]
+    assert "error" not in res, res.get("error")
+    assert res["tokens"] == want
+    local, total = res["memory"]["kv_cache"]
+    assert local * 4 == total
 
 
 @pytest.mark.parametrize("dp,tp", [(dp, tp) for dp, tp, k in RUNS if k == 3 and tp > 1])

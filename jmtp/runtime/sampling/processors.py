@@ -176,8 +176,17 @@ def vocab_argmax(x: jax.Array) -> jax.Array:
     """
     n = x.shape[-1]
     if (n < ARGMAX_SPLIT_MIN or not jnp.issubdtype(x.dtype, jnp.floating)
-            or jax.default_backend() != "cpu" or model_axis_size() > 1):
+            or model_axis_size() > 1):
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    # The two-level form helps XLA:CPU only: chosen when XLA lowers for CPU, so a program
+    # compiled for TPU/GPU (even from a CPU host, jmtp.aot) keeps the plain argmax.
+    return jax.lax.platform_dependent(
+        x, cpu=_two_level_argmax, default=lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32))
+
+
+def _two_level_argmax(x: jax.Array) -> jax.Array:
+    """:func:`vocab_argmax` for XLA:CPU (same result): block maxima, then the winning block."""
+    n = x.shape[-1]
     b = _argmax_block(n)
     if b == 0:   # no divisor in range: pad with -inf, which never beats a real entry
         b = 512

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The compiles behind docs/scaling.md and the README's `jmtp compile` table (CPU only, libtpu's
+# compiler; about 15 minutes on 2 cores). Writes docs/aot/<name>.{json,md}.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+J=".venv/bin/jmtp compile --buckets largest --fit"
+$J --topology v5e:1x1 --max-num-seqs 64 --max-model-len 2048 \
+   --json docs/aot/smollm2.json --markdown docs/aot/smollm2.md
+$J --model configs/llama-3-8b.json --topology v5e:2x2 --tensor-parallel-size 4 \
+   --max-num-seqs 64 --max-model-len 4096 --json docs/aot/llama3-8b.json --markdown docs/aot/llama3-8b.md
+$J --model configs/llama-3.1-70b.json --topology v6e:2x4 --tensor-parallel-size 8 \
+   --max-num-seqs 64 --max-model-len 4096 --json docs/aot/llama31-70b-v6e8.json \
+   --markdown docs/aot/llama31-70b-v6e8.md || true
+$J --model configs/llama-3.1-70b.json --topology v5e:4x4 --tensor-parallel-size 16 \
+   --max-num-seqs 64 --max-model-len 4096 --json docs/aot/llama31-70b-v5e16.json \
+   --markdown docs/aot/llama31-70b-v5e16.md || true
+$J --model configs/llama-3.1-70b.json --topology v5e:16x16 --tensor-parallel-size 16 \
+   --data-parallel-size 16 --max-num-seqs 256 --max-model-len 4096 \
+   --json docs/aot/llama31-70b-v5e256.json --markdown docs/aot/llama31-70b-v5e256.md || true

@@ -1,0 +1,183 @@
+"""Ahead-of-time compiles for TPU topologies with libtpu's real compiler (no TPU needed):
+:mod:`jmtp.aot` and ``jmtp compile``.
+
+Interpret mode cannot pass these tests: they count the Mosaic custom calls in the compiled TPU
+executables. Each compile of the tiny engine takes a few seconds; the module runs in about a
+minute on 2 cores.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from jmtp import aot
+from jmtp.model.config import ModelConfig
+from jmtp.runtime.config import SpeculativeConfig
+from jmtp.runtime.engine_args import EngineArgs
+
+pytestmark = pytest.mark.xdist_group("aot")
+
+# Nkv·D = 256: the merged KV rows fill whole 128-lane tiles.
+CFG = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=128, num_mtp_layers=1)
+K = 2
+
+
+def args(**kw) -> EngineArgs:
+    base = dict(model_config=CFG, max_num_seqs=4, max_model_len=256,
+                speculative_config=SpeculativeConfig(method="mtp", num_speculative_tokens=K))
+    return EngineArgs(**{**base, **kw})
+
+
+def expected_kernels(m: int) -> dict[str, int]:
+    """Mosaic call sites of one step, from the step's structure: attention once in the scanned
+    target layer and once per MTP substep (M); the allocator once for the step's allocation and
+    once for releasing finished slots."""
+    return {"jmtp_ragged_paged_attention_tpu": 1 + m, "jmtp_allocate_blocks_tpu": 2}
+
+
+@pytest.fixture(scope="module")
+def one_chip():
+    return aot.compile_engine(args(), topology="v5e:1x1", buckets="largest")
+
+
+def test_one_chip_compiles_the_real_kernels(one_chip):
+    r = one_chip
+    assert (r.platform, r.device_kind, r.num_devices) == ("tpu", "TPU v5 lite", 1)
+    assert r.config["attention"] == "pallas_tpu" and r.config["dtype"] == "bfloat16"
+    steps = r.step_reports
+    assert steps and all(e.mosaic_kernels == expected_kernels(K) for e in steps)
+    labels = {e.label for e in r.executables}
+    assert {"insert", "release"} <= labels
+    release = next(e for e in r.executables if e.label == "release")
+    assert release.mosaic_kernels == {"jmtp_allocate_blocks_tpu": 1}
+    assert all(sum(e.collectives.values()) == 0 for e in steps)   # one chip: no collectives
+    assert r.fits and r.hbm_bytes == pytest.approx(16 * 2**30, rel=0.01)
+
+
+def test_prediction_matches_the_compiler(one_chip):
+    """jmtp's per-device bytes (params + KV + state from shapes) against the compiler's
+    argument bytes of the step (the same buffers plus two i32[B] lanes): within 10 %."""
+    assert abs(one_chip.prediction_error) < 0.10
+    assert one_chip.compiler_argument_bytes >= one_chip.predicted["total"]
+
+
+@pytest.mark.parametrize("topology,dp,tp", [("v5e:2x2", 2, 2), ("v6e:2x2", 1, 4),
+                                            ("v4:2x2x1", 2, 1)])
+def test_meshes_compile_with_kernels_under_shard_map(topology, dp, tp):
+    """Every mesh shape compiles with the Mosaic kernels (before issue 35 any mesh failed:
+    'Mosaic kernels cannot be automatically partitioned'). TP=4 > 2 kv heads replicates each kv
+    head twice (jmtp.model.params.replicate_kv_heads): the pool per device is then half of the
+    one-chip pool, not a quarter."""
+    r = aot.compile_engine(args(tensor_parallel_size=tp, data_parallel_size=dp),
+                           topology=topology, buckets="largest", slot_ops=False)
+    assert r.mesh == {"data": dp, "model": tp}
+    assert all(e.mosaic_kernels == expected_kernels(K) for e in r.step_reports)
+    if tp > 1:   # tensor parallelism: the attention output projection reduces over heads
+        assert all(e.collectives["all-reduce"] > 0 for e in r.step_reports)
+    # per device: the KV pool splits over both axes, the parameters over the model axis only
+    full = aot.compile_engine(args(), topology="v5e:1x1", buckets="none", slot_ops=False)
+    replicas = max(1, tp // CFG.num_kv_heads)
+    assert r.predicted["kv_cache"] == full.predicted["kv_cache"] * replicas // (dp * tp)
+
+
+# SmolLM2's head shape: 3 kv heads of 64 lanes, rows of 192 lanes (padded to 256 on TPU)
+NARROW = CFG.replace(num_heads=6, num_kv_heads=3, head_dim=64)
+
+
+@pytest.mark.parametrize("cfg,topology,tp", [(CFG, "v5e:1x1", 1), (NARROW, "v5e:1x1", 1),
+                                             (NARROW, "v5e:2x2", 3)])
+def test_no_copy_of_the_kv_pool(cfg, topology, tp):
+    """Temporaries stay below a quarter of the KV bytes on a pool-dominated engine. Before the
+    merged cache layout the pool was laid out transposed at entry and copied whole around the
+    step (SmolLM2 at 64 slots: 15.2 GiB of temporaries for 2.9 GiB of KV); merged rows of 192
+    lanes still were (3.9 GiB) until each shard's row was padded to whole 128-lane tiles."""
+    r = aot.compile_engine(args(model_config=cfg, num_blocks=4096, tensor_parallel_size=tp),
+                           topology=topology, buckets="largest", slot_ops=False)
+    kv = r.predicted["kv_cache"]
+    assert kv * tp > 150 * 2**20
+    for e in r.step_reports:
+        assert e.temp_bytes < kv / 4, (e.label, e.temp_bytes, kv)
+    assert all(e.mosaic_kernels == expected_kernels(K) for e in r.step_reports)
+
+
+def test_int8_cache(caplog):
+    """An int8 cache compiles: with block_size 128 through the Mosaic attention kernel; with
+    block_size 16 (the kernel's scale DMAs would be lane-misaligned, which Mosaic refuses) the
+    engine falls back to the XLA attention with a logged reason."""
+    r = aot.compile_engine(args(kv_cache_dtype="int8", block_size=128, max_model_len=512),
+                           topology="v5e:1x1", buckets="largest", slot_ops=False)
+    assert all(e.mosaic_kernels == expected_kernels(K) for e in r.step_reports)
+    assert r.config["kv_cache_dtype"] == "int8"
+    with caplog.at_level(logging.WARNING, logger="jmtp.runtime.engine_args"):
+        r16 = aot.compile_engine(args(kv_cache_dtype="int8"), topology="v6e:1x1",
+                                 buckets="largest", slot_ops=False)
+    assert "attention runs the 'xla' implementation" in caplog.text
+    assert r16.config["attention"] == "xla"
+    assert all(e.mosaic_kernels == {"jmtp_allocate_blocks_tpu": 2} for e in r16.step_reports)
+
+
+def test_platform_comes_from_the_devices_not_the_host():
+    """Built for TPU devices on a CPU host, every backend choice is the TPU one."""
+    assert jax.default_backend() == "cpu"
+    runner = args(abstract=True, devices=aot.topology_devices("v5e:1x1")).build().runner
+    ec = runner.engine_config
+    assert ec.platform == "tpu" and runner.attention.implementation == "pallas_tpu"
+    assert runner.cache.k.dtype == np.dtype("bfloat16")
+    leaves = jax.tree_util.tree_leaves(runner.params)
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)   # no arrays
+    with pytest.raises(RuntimeError, match="abstract"):
+        runner.run_step(runner.uncompiled_buckets()[0], np.zeros(4, np.int32),
+                        np.zeros(4, np.int32))
+
+
+def test_bad_topology_and_arguments():
+    with pytest.raises(ValueError, match="v5e:2x2"):
+        aot.topology_devices("v5e")
+    with pytest.raises(ValueError, match="cannot describe TPU topology"):
+        aot.topology_devices("v99:2x2")
+    with pytest.raises(ValueError, match="memory_fraction"):
+        aot.compile_engine(args(), topology="v5e:1x1", memory_fraction=1.5)
+    with pytest.raises(ValueError, match="model_config"):
+        EngineArgs(abstract=True).build()
+
+
+def test_compile_command(tmp_path, capsys):
+    """``jmtp compile`` on an HF config.json: the table on stdout, JSON and markdown files, the
+    largest num_blocks that fits, serialized executables."""
+    from jmtp.cli import main
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+          "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024,
+          "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(hf))
+    out_json, out_md = tmp_path / "r.json", tmp_path / "r.md"
+    rc = main(["compile", "--model", str(cfg), "--topology", "v5e:1x1", "--max-num-seqs", "4",
+               "--max-model-len", "256", "--num-speculative-tokens", "1", "--buckets", "largest",
+               "--fit", "--json", str(out_json), "--markdown", str(out_md),
+               "--serialize-dir", str(tmp_path / "exe")])
+    assert rc == 0
+    assert "| config.json | v5e:1x1 | (1,1) |" in capsys.readouterr().out
+    rep = json.loads(out_json.read_text())[0]
+    assert rep["fits"] and rep["max_num_blocks"] > rep["config"]["num_blocks"]
+    assert "### config.json on v5e:1x1 (1 x TPU v5 lite)" in out_md.read_text()
+    assert sorted(p.name for p in (tmp_path / "exe" / "v5e_1x1").iterdir())
+
+
+def test_an_engine_that_does_not_fit():
+    """A pool larger than the chip (18.3 GiB of KV on a 16 GiB v5e): the compiler's RESOURCE_EXHAUSTED becomes a ValueError naming
+    the blocks; with ``fit`` the blocks are halved until the engine compiles, and the report
+    gives the largest num_blocks that fits and the number asked for."""
+    big = args(num_blocks=600_000, speculative_config=None, max_model_len=64)
+    with pytest.raises(ValueError, match="does not fit v5e:1x1 at num_blocks=600000"):
+        aot.compile_engine(big, topology="v5e:1x1", buckets="largest", slot_ops=False)
+    r = aot.compile_engine(big, topology="v5e:1x1", buckets="largest", slot_ops=False, fit=True)
+    assert r.requested_num_blocks == 600_000 and r.config["num_blocks"] == 300_000
+    assert r.fits and 300_000 <= r.max_num_blocks < 600_000
+    assert "(asked 600000: no fit)" in r.summary_row()["max num_blocks"]
