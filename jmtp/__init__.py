@@ -7,7 +7,8 @@ Public API::
     outs = llm.generate(["Hello"], jmtp.SamplingParams(max_tokens=32))
 
     # compile for a TPU slice on any machine (libtpu's compiler) and read per-device HBM
-    report = jmtp.compile_engine(jmtp.EngineArgs(model_config=cfg), topology="v5e:2x2")
+    report = jmtp.compile_engine(jmtp.EngineArgs(model_config=cfg, tensor_parallel_size=4),
+                                 topology="v5e:2x2")
 
 ``import jmtp`` changes nothing process-wide; what building an engine or the command line changes
 (malloc settings on the CPU, JAX's compilation cache) is listed in :mod:`jmtp.runtime.process`.

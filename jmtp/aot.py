@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
+import sys
 import time
 from typing import Any, Sequence
 
@@ -30,6 +32,8 @@ import jax
 import numpy as np
 
 from jmtp.runtime import sharding as shd
+
+log = logging.getLogger(__name__)
 
 #: HLO collectives counted in each executable.
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
@@ -169,18 +173,21 @@ class AotReport:
 
     @property
     def peak_bytes(self) -> int:
-        """The largest per-device peak of any executable."""
-        return max(e.peak_bytes for e in self.executables)
+        """The largest per-device peak of any executable (jmtp's own prediction of the
+        parameters, KV and state when nothing was compiled)."""
+        return max((e.peak_bytes for e in self.executables), default=self.predicted["total"])
 
     @property
-    def compiler_argument_bytes(self) -> int:
-        """The step's per-device argument bytes (parameters, state, caches, two ``i32[B]``)."""
-        return max(e.argument_bytes for e in self.step_reports)
+    def compiler_argument_bytes(self) -> int | None:
+        """The step's per-device argument bytes (parameters, state, caches, two ``i32[B]``);
+        None when no step bucket was compiled."""
+        return max((e.argument_bytes for e in self.step_reports), default=None)
 
     @property
-    def prediction_error(self) -> float:
-        """``compiler_argument_bytes / predicted["total"] - 1``."""
-        return self.compiler_argument_bytes / self.predicted["total"] - 1.0
+    def prediction_error(self) -> float | None:
+        """``compiler_argument_bytes / predicted["total"] - 1`` (None without a step)."""
+        args = self.compiler_argument_bytes
+        return None if args is None else args / self.predicted["total"] - 1.0
 
     @property
     def fits(self) -> bool:
@@ -202,15 +209,17 @@ class AotReport:
         return {
             "topology": self.topology, "mesh (DP,TP)": f"({self.mesh['data']},{self.mesh['model']})",
             "params": g(self.predicted["params"]), "KV": g(self.predicted["kv_cache"]),
-            "temp (max)": g(max(e.temp_bytes for e in self.executables)),
+            "temp (max)": g(max((e.temp_bytes for e in self.executables), default=0)),
             "peak": g(self.peak_bytes), "HBM": g(self.hbm_bytes),
             "fits": "yes" if self.fits else "no",
             "max num_blocks": ("-" if self.max_num_blocks is None else str(self.max_num_blocks))
             + ("" if self.requested_num_blocks is None
                else f" (asked {self.requested_num_blocks}: no fit)"),
-            "compiler/jmtp args": f"{self.compiler_argument_bytes / self.predicted['total']:.3f}",
-            "Mosaic kernels/step": str(max(e.num_mosaic_kernels for e in steps)),
-            "collectives/step": str(max(sum(e.collectives.values()) for e in steps)),
+            "compiler/jmtp args": ("-" if not steps else
+                                   f"{self.compiler_argument_bytes / self.predicted['total']:.3f}"),
+            "Mosaic kernels/step": str(max((e.num_mosaic_kernels for e in steps), default="-")),
+            "collectives/step": str(max((sum(e.collectives.values()) for e in steps),
+                                        default="-")),
             "buckets": str(len(steps)),
         }
 
@@ -277,7 +286,10 @@ def compile_engine(args, *, topology: str | None = None, name: str = "model", bu
                                  f"num_blocks={nb}: {msg} (fewer blocks or --fit)") from None
             dp = max(1, args.data_parallel_size)
             requested = requested or nb
-            args = dataclasses.replace(args, num_blocks=max(dp, nb // 2 // dp * dp))
+            half = max(dp, nb // 2 // dp * dp)
+            if half >= nb:
+                break
+            args = dataclasses.replace(args, num_blocks=half)
     raise ValueError(f"the engine does not fit {topology or 'the device'} even at "
                      f"num_blocks={args.num_blocks}")
 
@@ -348,15 +360,24 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
     state_b = shd.per_device_bytes(runner.state)[1]
     ec = runner.engine_config
     dp, tp = shd.mesh_sizes(runner.mesh) if runner.mesh is not None else (1, 1)
+    label = topology or devices[0].device_kind
+    total = len(args.devices) if args.devices is not None else len(devices)
+    if len(devices) < total:
+        log.warning("the engine uses %d of the %d devices of %s (data_parallel_size x "
+                    "tensor_parallel_size = %d); set them to use the whole slice", len(devices),
+                    total, label, len(devices))
+        label = f"{label} ({len(devices)} of {total} devices)"
     report = AotReport(
-        topology=topology or devices[0].device_kind, device_kind=devices[0].device_kind,
+        topology=label, device_kind=devices[0].device_kind,
         num_devices=len(devices), mesh={"data": dp, "model": tp}, platform=ec.platform,
         config=dict(model=name,
                     max_num_seqs=ec.max_num_seqs, max_model_len=ec.max_model_len,
                     block_size=ec.block_size, num_blocks=ec.num_blocks,
                     max_num_batched_tokens=ec.max_num_batched_tokens,
                     speculative=repr(ec.spec.method), k=ec.k, kv_cache_dtype=ec.kv_cache_dtype,
-                    dtype=str(runner.cache.k.dtype), attention=runner.attention.implementation,
+                    dtype=str(jax.tree_util.tree_leaves(runner.params)[0].dtype),
+                    cache_dtype=str(runner.cache.k.dtype),
+                    attention=runner.attention.implementation,
                     block_allocator=ec.block_allocator),
         predicted=dict(params=params_b, kv_cache=kv_b, state=state_b,
                        total=params_b + kv_b + state_b),
@@ -376,6 +397,8 @@ def _fit_num_blocks(report: AotReport, args, runner) -> None:
     nb = runner.engine_config.num_blocks
     dp = report.mesh["data"]
     half = max(dp, nb // 2 // dp * dp)
+    if half >= nb:      # too few blocks to halve: no second point for the model
+        return
     small = dataclasses.replace(args, num_blocks=half).build().runner
     bucket = next(b for b in runner.uncompiled_buckets() + tuple(runner.compiled_buckets)
                   if b.label == worst.label)
@@ -432,8 +455,9 @@ def add_compile_args(p) -> None:
     p.add_argument("--speculative-method", default="mtp", choices=["mtp", "ngram", "none"])
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
-    p.add_argument("--attention-backend", default=None,
-                   choices=[None, "reference", "xla", "pallas_tpu", "pallas_gpu"])
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "reference", "xla", "pallas_tpu", "pallas_gpu"],
+                   help="auto: the best for the topology (pallas_tpu)")
     p.add_argument("--dtype", default=None, help="parameter dtype (default bf16 on TPU)")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--buckets", default="all", choices=["all", "largest", "none"],
@@ -441,7 +465,9 @@ def add_compile_args(p) -> None:
     p.add_argument("--memory-fraction", type=float, default=0.9,
                    help="HBM share the engine may use (vLLM's gpu_memory_utilization)")
     p.add_argument("--fit", action="store_true",
-                   help="also find the largest num_blocks that fits (one more compile)")
+                   help="also find the largest num_blocks that fits (one more compile at half "
+                        "the blocks); when the compiler reports the engine does not fit, halve "
+                        "num_blocks until it does (at most 6 times) and report that engine")
     p.add_argument("--json", default=None, help="write the reports as JSON here")
     p.add_argument("--markdown", default=None, help="write the reports as markdown here")
     p.add_argument("--serialize-dir", default=None,
@@ -462,7 +488,8 @@ def run_compile(args) -> int:
                     max_model_len=args.max_model_len, num_blocks=args.num_blocks,
                     block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                     kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
-                    attention_backend=args.attention_backend, dtype=args.dtype,
+                    attention_backend=(None if args.attention_backend == "auto"
+                                       else args.attention_backend), dtype=args.dtype,
                     tensor_parallel_size=args.tensor_parallel_size,
                     data_parallel_size=args.data_parallel_size,
                     enable_prefix_caching=args.enable_prefix_caching)
@@ -476,6 +503,11 @@ def run_compile(args) -> int:
     names = [name] * len(reports)
     print(markdown_table(reports, names))
     write_report(reports, names, args.json, args.markdown)
+    for r in reports:
+        if not r.fits:
+            print(f"error: on {r.topology} the peak {r.peak_bytes / GiB:.2f} GiB exceeds "
+                  f"{r.memory_fraction:.0%} of {r.hbm_bytes / GiB:.2f} GiB HBM",
+                  file=sys.stderr)
     return 0 if all(r.fits for r in reports) else 1
 
 

@@ -67,7 +67,7 @@ def test_prediction_matches_the_compiler(one_chip):
 
 
 @pytest.mark.parametrize("topology,dp,tp", [("v5e:2x2", 2, 2), ("v6e:2x2", 1, 4),
-                                            ("v4:2x2x1", 2, 1)])
+                                            ("v4:2x2x1", 4, 2)])
 def test_meshes_compile_with_kernels_under_shard_map(topology, dp, tp):
     """Every mesh shape compiles with the Mosaic kernels (before issue 35 any mesh failed:
     'Mosaic kernels cannot be automatically partitioned'). TP=4 > 2 kv heads replicates each kv
@@ -181,3 +181,27 @@ def test_an_engine_that_does_not_fit():
     assert r.requested_num_blocks == 600_000 and r.config["num_blocks"] == 300_000
     assert r.fits and 300_000 <= r.max_num_blocks < 600_000
     assert "(asked 600000: no fit)" in r.summary_row()["max num_blocks"]
+
+
+def test_part_of_a_slice_and_no_buckets():
+    """An engine on fewer devices than the topology has says so in its report; buckets='none'
+    reports jmtp's own prediction without a step (no crash on the empty step list)."""
+    r = aot.compile_engine(args(tensor_parallel_size=2), topology="v5e:2x2", buckets="none",
+                           slot_ops=False)
+    assert r.topology == "v5e:2x2 (2 of 4 devices)" and r.executables == []
+    assert r.compiler_argument_bytes is None and r.prediction_error is None
+    row = r.summary_row()
+    assert row["Mosaic kernels/step"] == "-" and row["compiler/jmtp args"] == "-"
+    assert r.peak_bytes == r.predicted["total"]
+
+
+def test_handoff_fingerprint_covers_the_row_layout():
+    """Exported KV pages are raw cache rows: engines whose rows differ in width, or are padded
+    per different shard counts at the same width (2 heads of 96 lanes: one 256-lane row at TP 1,
+    two 128-lane halves at TP 2), must not exchange requests."""
+    from jmtp.runtime.config import EngineConfig
+    from jmtp.runtime.handoff import engine_fingerprint, fingerprint_hash
+    ec = EngineConfig(max_num_seqs=2, max_model_len=64, num_blocks=16, max_num_batched_tokens=16)
+    fp = lambda w, g: fingerprint_hash(engine_fingerprint(CFG, ec, 0, "bfloat16", {}, w, g))
+    assert fp(256, 1) != fp(256, 2) != fp(384, 2)
+    assert fp(256, 1) == fp(256, 1)

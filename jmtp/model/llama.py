@@ -21,7 +21,7 @@ leading layer axis L so that the layers run under one ``lax.scan``)::
   [k_shift     f32[L,Nkv,D]]        (int8 KV caches only: key shift, jmtp.model.kv_shift)
 
 The KV cache of a stack of ``L`` layers is :class:`KVCache` with ``k, v: f[L, num_blocks, block_size,
-Nkv, D]`` (8-bit values plus ``k_scale, v_scale: f32[L, num_blocks, Nkv, block_size]`` when
+W]``, the kv heads merged head-major into ``W >= Nkv·D`` lanes (:mod:`jmtp.pallas.kv_layout`; 8-bit values plus ``k_scale, v_scale: f32[L, num_blocks, Nkv, block_size]`` when
 ``kv_cache_dtype`` quantises it, :mod:`jmtp.pallas.kv_quant`). The MTP head has its own
 one-layer-per-MTP-module cache addressed by the same block ids.
 """
@@ -227,7 +227,7 @@ def decoder_layer(
     x: jax.Array,              # f[T, H] residual stream
     positions: jax.Array,      # i32[T]
     meta: AttentionMetadata,
-    pool: KVCache,             # k, v f[num_blocks, block_size, Nkv, D] (+ scales f32[num_blocks,
+    pool: KVCache,             # k, v f[num_blocks, block_size, W] (+ scales f32[num_blocks,
                                #   Nkv, block_size]): the cache pool holding this layer's blocks
                                #   (``meta`` addresses them; see _layer_view)
     attention_impl: str | None = None,
@@ -308,7 +308,7 @@ def _layer_view(meta: AttentionMetadata, cache: KVCache, i) -> AttentionMetadata
 
 
 def _flat(c: jax.Array) -> jax.Array:
-    """``f[L, num_blocks, block_size, Nkv, D]`` -> ``f[L·num_blocks, block_size, Nkv, D]`` (a view;
+    """``f[L, num_blocks, block_size, W]`` -> ``f[L·num_blocks, block_size, W]`` (a view;
     scales ``f32[L, num_blocks, Nkv, bs]`` likewise)."""
     return c.reshape((c.shape[0] * c.shape[1],) + c.shape[2:])
 

@@ -2,7 +2,8 @@
 
 Same contract as :func:`jmtp.pallas.ragged_paged_attention.ragged_paged_attention_reference` (read
 that module's docstring first): packed queries ``q f[T, Nq, D]`` of S sequences (prefill chunks and
-(K+1)-token verify windows mixed), a paged cache ``f[num_blocks, block_size, Nkv, D]``, per-sequence
+(K+1)-token verify windows mixed), a paged cache ``f[num_blocks, block_size, W]`` (kv heads merged,
+``W >= Nkv·D`` with padding lanes after the heads, :mod:`jmtp.pallas.kv_layout`), per-sequence
 ``kv_lens``, ``block_tables`` and ``cu_q_lens``. The new K/V must already be in the cache: this
 kernel only *reads* the cache; :func:`jmtp.pallas.ragged_paged_attention.write_kv` stays the
 companion op that scatters them (a fused write would need the cache donated and aliased through
@@ -115,7 +116,7 @@ def _round_up(x: int, m: int) -> int:
 
 def default_block_sizes(
     num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-    pages_per_seq: int, dtype: Any,
+    pages_per_seq: int, dtype: Any, row_width: int | None = None,
 ) -> BlockSizes:
     """The documented heuristic (module docstring) for ``tq`` and ``ppb``; all arguments static."""
     itemsize = jnp.dtype(dtype).itemsize
@@ -123,7 +124,7 @@ def default_block_sizes(
     group = num_q_heads // num_kv_heads
     tq = max(sub, _pow2_floor(max(1, _TARGET_ROWS // group)))
     tq = min(tq, _round_up(max(num_tokens, 1), sub))
-    bytes_per_key = 4 * num_kv_heads * head_dim * itemsize
+    bytes_per_key = 4 * (row_width or num_kv_heads * head_dim) * itemsize   # padded rows count
     keys = min(_TARGET_KEYS, max(block_size, _KV_VMEM_BUDGET // bytes_per_key))
     ppb = max(1, min(pages_per_seq, keys // block_size))
     return BlockSizes(tq, ppb)
@@ -453,7 +454,8 @@ def ragged_paged_attention_tpu(
             "page * block_size of the scale buffer, and Mosaic DMAs need lane-aligned offsets; "
             "use attention_backend='xla' (the engine falls back to it by itself)")
     sizes = default_block_sizes(num_tokens, num_q_heads, num_kv_heads, head_dim, block_size,
-                                block_tables.shape[1], k_cache.dtype)
+                                block_tables.shape[1], k_cache.dtype,
+                                k_cache.shape[2] if k_cache.ndim == 3 else None)
     tq = sizes.num_queries_per_block if num_queries_per_block is None else num_queries_per_block
     ppb = sizes.num_kv_pages_per_block if num_kv_pages_per_block is None else num_kv_pages_per_block
     if tq < 1 or ppb < 1:

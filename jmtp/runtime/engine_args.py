@@ -214,7 +214,7 @@ class EngineArgs:
         if a.abstract:
             if model_config is None:
                 raise ValueError("abstract=True needs model_config (the engine is built from "
-                                 "shapes; jmtp.aot.model_config_of reads one from a model file)")
+                                 "shapes; jmtp.model.loader.load_config reads one from a model file)")
             params = params if params is not None else abstract_params(
                 model_config, dtype, spec.method == "mtp", a.kv_cache_dtype)
         elif params is None:

@@ -44,7 +44,8 @@ from jmtp.runtime.sampling import SamplingParams
 from jmtp.runtime.state import EngineState
 
 #: Layout version of :class:`RequestState` (bumped whenever a field or its meaning changes).
-HANDOFF_VERSION = 2    # 2: EngineState.actual_draft_token_num (the window's draft budget)
+HANDOFF_VERSION = 3    # 3: KV pages in the merged row layout (jmtp.pallas.kv_layout); 2: the
+                       # window's draft budget (EngineState.actual_draft_token_num)
 
 #: Per-slot fields of :class:`EngineState` carried in ``RequestState.row`` (``blocks`` is carried
 #: as KV pages; ``draft_probs`` only when the engine samples drafts).
@@ -226,11 +227,14 @@ def params_digest(params) -> str:
 
 
 def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, cache_dtype: str,
-                       params) -> dict:
+                       params, row_width: int | None = None, row_groups: int = 1) -> dict:
     """What two engines must share for a request to move between them: the model config, a
     :func:`params_digest` of the weights, the speculative settings the state depends on (method,
     K, M, draft sampling, verify strategy, n-gram sizes, FR-Spec vocabulary), the KV layout
-    (block size, cache dtype) and the sampling-row capacities. Not included (may differ):
+    (block size, cache dtype, the cache row width ``row_width`` and, when rows carry padding lanes,
+    the ``row_groups`` they are padded per, :mod:`jmtp.pallas.kv_layout`: exported pages are
+    raw rows, so a TPU engine's padded rows and a CPU engine's unpadded ones do not mix) and the
+    sampling-row capacities. Not included (may differ):
     ``max_num_seqs``, ``num_blocks``, ``max_num_batched_tokens``, the attention backend, the
     block allocator, the speculation policy, ``max_model_len`` (checked per request), and the
     model's implementation choices that compute the same function (the MoE experts
@@ -249,7 +253,8 @@ def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, ca
                   max_candidate_len=spec.max_candidate_len, verify_window=spec.verify_window,
                   ngram_sizes=list(spec.ngram_sizes), draft_vocab_size=int(draft_vocab_size)),
         kv=dict(block_size=ec.block_size, cache_dtype=cache_dtype,
-                kv_cache_dtype=ec.kv_cache_dtype),
+                kv_cache_dtype=ec.kv_cache_dtype, row_width=row_width,
+                row_groups=row_groups),
         sampling=dict(max_stop_ids=ec.max_stop_ids, max_bad_words=ec.max_bad_words,
                       max_bad_word_len=ec.max_bad_word_len))
 

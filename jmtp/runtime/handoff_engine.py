@@ -46,9 +46,13 @@ class HandOff:
         """This engine's :func:`~jmtp.runtime.handoff.engine_fingerprint` (computed once)."""
         if self._compat is None:
             r = self.runner
-            self._compat = engine_fingerprint(r.model_config, r.engine_config,
-                                              self.draft_vocab_size, str(r.cache.k.dtype),
-                                              r.params)
+            width = int(r.cache.k.shape[-1])
+            mc = r.model_config
+            padded = not mc.is_mla and width != mc.num_kv_heads * mc.head_dim
+            self._compat = engine_fingerprint(mc, r.engine_config, self.draft_vocab_size,
+                                              str(r.cache.k.dtype), r.params, width,
+                                              getattr(r, "tensor_parallel_size", 1) if padded
+                                              else 1)
         return self._compat
 
     def export(self, seq: Sequence) -> RequestState:

@@ -273,6 +273,7 @@ class DeviceRunner:
         self.attention = resolve_backend(attention_backend, engine_config.platform)
         self.drafter = engine_config.spec.drafter
         self.num_shards = shd.mesh_sizes(mesh)[0] if mesh is not None else 1
+        self.tensor_parallel_size = shd.mesh_sizes(mesh)[1] if mesh is not None else 1
         self.shard_config = dpar.shard_config(engine_config, self.num_shards)
         # The model as an NNX module, split once: the jitted step takes the pure state (arrays
         # with their logical-axis metadata) and merges it with the static graph definition inside.
