@@ -256,13 +256,32 @@ def compile_engine(args, *, topology: str | None = None, name: str = "model", bu
                    slot_ops: bool = True, memory_fraction: float = 0.9, fit: bool = False,
                    serialize_dir: str | None = None, progress: bool = False) -> AotReport:
     """Build ``args`` (an :class:`~jmtp.runtime.engine_args.EngineArgs`) abstractly and compile
-    its step buckets and slot operations; the per-device report (:func:`_compile_engine` has
-    the arguments).
+    its step buckets and slot operations; the per-device report.
 
     When the TPU compiler finds that the engine does not fit the chip's HBM
     (``RESOURCE_EXHAUSTED``), ``fit`` halves ``num_blocks`` until it compiles (at most
     :data:`MAX_FIT_HALVINGS` times) and reports that engine, its ``max_num_blocks`` and the
     ``requested_num_blocks``; without ``fit`` a ``ValueError`` carries the compiler's message.
+
+    Args:
+      args: the engine's arguments; ``abstract`` is forced on and ``devices`` set from
+        ``topology`` when given (else ``args.devices`` / ``args.mesh`` are used as they are).
+      topology: a TPU topology name (:func:`topology_devices`).
+      name: the model's name in the report.
+      buckets: ``"all"`` (every step bucket), ``"largest"`` (the largest prefill bucket and the
+        largest decode bucket) or ``"none"``.
+      slot_ops: also compile the request insert and slot release (retire/push with prefix
+        caching).
+      memory_fraction: the HBM share the engine may use (``0 < f <= 1``).
+      fit: compile the bucket with the most temporaries again at half the blocks and report
+        :attr:`AotReport.max_num_blocks`.
+      serialize_dir: write each executable there (``jax.experimental.serialize_executable``),
+        loadable by a TPU host with the same jax/libtpu.
+      progress: a tqdm bar over the compiles.
+
+    Raises:
+      ValueError: bad ``buckets``/``memory_fraction``, the engine arguments' own errors, or
+        an engine that does not fit (see above).
     """
     if topology is not None:
         args = dataclasses.replace(args, devices=topology_devices(topology), mesh=None)
@@ -298,28 +317,7 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
                     buckets: str = "all", slot_ops: bool = True, memory_fraction: float = 0.9,
                     fit: bool = False, serialize_dir: str | None = None,
                     progress: bool = False) -> AotReport:
-    """Build ``args`` (an :class:`~jmtp.runtime.engine_args.EngineArgs`) abstractly and compile
-    its step buckets and slot operations; the per-device report.
-
-    Args:
-      args: the engine's arguments; ``abstract`` is forced on and ``devices`` set from
-        ``topology`` when given (else ``args.devices`` / ``args.mesh`` are used as they are).
-      topology: a TPU topology name (:func:`topology_devices`).
-      name: the model's name in the report.
-      buckets: ``"all"`` (every step bucket), ``"largest"`` (the largest prefill bucket and the
-        largest decode bucket) or ``"none"``.
-      slot_ops: also compile the request insert and slot release (retire/push with prefix
-        caching).
-      memory_fraction: the HBM share the engine may use (``0 < f <= 1``).
-      fit: compile the bucket with the most temporaries again at half the blocks and report
-        :attr:`AotReport.max_num_blocks`.
-      serialize_dir: write each executable there (``jax.experimental.serialize_executable``),
-        loadable by a TPU host with the same jax/libtpu.
-      progress: a tqdm bar over the compiles.
-
-    Raises:
-      ValueError: bad ``buckets``/``memory_fraction``, or the engine arguments' own errors.
-    """
+    """One compile of ``args`` (no retry): :func:`compile_engine`."""
     from jmtp.runtime.buckets import StepBucket, decode_buckets, slot_buckets
     from jmtp.runtime.sampling import SamplingParams, make_row
     if buckets not in ("all", "largest", "none"):
