@@ -6,6 +6,10 @@ Public API::
     llm = jmtp.LLM(speculative_config=jmtp.SpeculativeConfig("mtp", num_speculative_tokens=3))
     outs = llm.generate(["Hello"], jmtp.SamplingParams(max_tokens=32))
 
+    # constrained to a JSON schema (also regex, choice, grammar), inside the speculative step
+    sp = jmtp.SamplingParams(max_tokens=64, structured_outputs=jmtp.StructuredOutputsParams(
+        json={"type": "object", "properties": {"ok": {"type": "boolean"}}}))
+
     # compile for a TPU slice on any machine (libtpu's compiler) and read per-device HBM
     report = jmtp.compile_engine(jmtp.EngineArgs(model_config=cfg, tensor_parallel_size=4),
                                  topology="v5e:2x2")
@@ -23,8 +27,10 @@ from jmtp.runtime.host_maps import MapLimitError
 from jmtp.runtime.llm_engine import LLMEngine
 from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetrics
 from jmtp.runtime.sampling import SamplingParams
+from jmtp.runtime.structured import StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "SpeculativeConfig", "EngineConfig",
            "RequestOutput", "CompletionOutput", "SpecDecodeMetrics", "RequestState",
-           "MapLimitError", "InvalidRequestError", "EngineArgs", "compile_engine", "AotReport"]
+           "MapLimitError", "InvalidRequestError", "EngineArgs", "compile_engine", "AotReport",
+           "StructuredOutputsParams"]

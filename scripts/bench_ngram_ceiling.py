@@ -141,9 +141,9 @@ def main(argv=None):
             eng, rec = llm.llm_engine, collections.defaultdict(list)
             run = eng.runner.run_step
 
-            def timed(bucket, chunks, limits, run=run, rec=rec):
+            def timed(bucket, chunks, limits, guide=None, run=run, rec=rec):
                 t = time.perf_counter()
-                out = run(bucket, chunks, limits)
+                out = run(bucket, chunks, limits, guide)
                 if not chunks.any():                      # decode steps only
                     rec[bucket.num_tokens].append(time.perf_counter() - t)
                 return out

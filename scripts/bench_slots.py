@@ -16,7 +16,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 from jmtp import LLM, SamplingParams, SpeculativeConfig
 from jmtp.model import load_checkpoint, load_tokenizer
@@ -59,11 +58,10 @@ def compile_all(llm):
     """AOT-compile every bucket of ``step_buckets`` and print each compile time."""
     ec = llm.engine_config
     total = 0.0
-    zeros = jnp.zeros((ec.max_num_seqs,), jnp.int32)     # prefill chunks, draft limits
     for bucket in step_buckets(ec):
         t0 = time.perf_counter()
-        llm.llm_engine.runner.jitted_step.lower(llm.graphdef, ec, llm.speculative_config.drafter, bucket, llm.attention_backend,
-                        llm.params, llm.state, llm.cache, llm.mtp_cache, zeros, zeros).compile()
+        runner = llm.llm_engine.runner
+        runner.jitted_step.lower(*runner.step_args(bucket)).compile()
         dt = time.perf_counter() - t0
         total += dt
         print(f"  compile T={bucket.num_tokens:4d} A={bucket.num_slots}: {dt:5.1f} s", flush=True)

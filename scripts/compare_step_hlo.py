@@ -43,6 +43,8 @@ for k, B, loop in json.loads(sys.argv[1]):
     for bk in (bks[0], bks[len(bks) // 2], bks[-1]):
         args = (e.graphdef, sec, e.speculative_config.drafter, bk, e.attention_backend, e.params,
                 e.state, e.cache, e.mtp_cache, zeros, zeros)
+        if run is not None and hasattr(run, "neutral_guide"):   # structured-output inputs
+            args += run.neutral_guide()
         text = step.lower(*args).as_text()
         out[f"K={k} B={B} {loop} T={bk.num_tokens} A={bk.num_slots}"] = hashlib.sha256(
             text.encode()).hexdigest()[:16]

@@ -99,7 +99,8 @@ def _on_shard(mesh: Mesh, body, in_specs, out_specs):
 
 
 def data_parallel_step(mesh: Mesh, graphdef, ec: EngineConfig, drafter, bucket, attention_impl,
-                       model_state, state, cache, mtp_cache, prefill_chunk, draft_limit):
+                       model_state, state, cache, mtp_cache, prefill_chunk, draft_limit,
+                       token_bitmask, draft_override):
     """:func:`~jmtp.runtime.step.engine_step` on every data shard at once.
 
     Args:
@@ -108,21 +109,23 @@ def data_parallel_step(mesh: Mesh, graphdef, ec: EngineConfig, drafter, bucket, 
         (``model_state`` replicated over ``data``).
       ec: the *shard's* config (:func:`shard_config`), static.
       state, cache, mtp_cache: stacked (module docstring).
-      prefill_chunk, draft_limit: i32[D, B/D].
+      prefill_chunk, draft_limit: i32[D, B/D]; token_bitmask: i32[D, B/D, K+1, NW];
+        draft_override: i32[D, B/D, K] (as for ``engine_step``, per shard).
 
     Returns:
       ``(state, cache, mtp_cache, StepOutput)``, all stacked: ``StepOutput`` fields are
       ``[D, B/D, ...]`` and ``free_count`` is ``i32[D]``.
     """
-    def body(model_state, state, cache, mtp_cache, chunk, limit):
+    def body(model_state, state, cache, mtp_cache, chunk, limit, bitmask, override):
         out = engine_step(graphdef, ec, drafter, bucket, attention_impl, model_state,
                           _squeeze(state), _squeeze(cache), _squeeze(mtp_cache), chunk[0],
-                          limit[0])
+                          limit[0], bitmask[0], override[0])
         return _expand(out)
 
     d = P(DATA)
-    return _on_shard(mesh, body, (P(), d, d, d, d, d), d)(
-        model_state, state, cache, mtp_cache, prefill_chunk, draft_limit)
+    return _on_shard(mesh, body, (P(), d, d, d, d, d, d, d), d)(
+        model_state, state, cache, mtp_cache, prefill_chunk, draft_limit, token_bitmask,
+        draft_override)
 
 
 def data_parallel_insert(mesh: Mesh, state, shard, slot, prompt, prompt_len, max_dec_len,

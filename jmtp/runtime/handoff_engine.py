@@ -13,6 +13,7 @@ import dataclasses
 
 import numpy as np
 
+from jmtp.core.errors import InvalidRequestError
 from jmtp.runtime.handoff import (HANDOFF_VERSION, RequestState, compat_diff, engine_fingerprint,
                                   fingerprint_hash)
 from jmtp.runtime.requests import RequestTable, Sequence
@@ -183,6 +184,10 @@ class HandOffAPI:
         if isinstance(sp, SamplingParams) and sp.n != 1:
             raise ValueError(f"request {request_id!r}: the hand-off supports n=1 only, got "
                              f"SamplingParams.n={sp.n}")
+        if isinstance(sp, SamplingParams) and sp.structured_outputs is not None:
+            raise InvalidRequestError(
+                f"request {request_id!r}: the hand-off does not carry a grammar state yet; run "
+                "structured-output requests on one engine", "structured_outputs")
         self.requests.add(request_id, prompt, sampling_params,
                           f"request {request_id!r}").export = True
 

@@ -111,6 +111,7 @@ class LLMEngine(HandOffAPI):
                     sec, min(-(-rows // dp), sec.max_num_batched_tokens),
                     min(-(-n // dp), sec.max_num_seqs), has_prefill=False))
         self.num_steps = 0
+        self._pending_drafts = None   # i32[B, K] drafts of the pending windows (last StepOutput)
         self.last_step_seconds = 0.0
         self.policy_seconds = 0.0     # host time in the dynamic policy (plan + observe)
 
@@ -249,6 +250,9 @@ class LLMEngine(HandOffAPI):
         sch.admit_waiting(req.waiting, free, self._admit)
         if not sch.num_running:
             return req.pop_ready()
+        guide, ended = self._structured_inputs()
+        if not sch.num_running:
+            return req.pop_ready() + ended
         chunks, bucket = sch.plan()
         bucket = self.bucket_to_run(bucket)
         run.check_bucket(bucket)   # before the policy and the prefix cache change anything
@@ -258,7 +262,9 @@ class LLMEngine(HandOffAPI):
             for d in range(run.num_shards):
                 pcs.ensure_free(run, d, sch.block_bound(chunks, d))
         t_step = time.perf_counter()
-        out = run.run_step(bucket, chunks, limits)
+        out = (run.run_step(bucket, chunks, limits) if guide is None else
+               run.run_step(bucket, chunks, limits, guide))
+        self._pending_drafts = out.draft_tokens
         if self.spec_policy is not None:
             # the proposing depth prices the drafting; a step with a prefill chunk is not timed;
             # the committed tokens feed the policy's guard on the realised rate
@@ -273,9 +279,32 @@ class LLMEngine(HandOffAPI):
         for d in starved:   # every occupied slot of the shard waits for KV blocks
             self._preempt(d)
             sch.hold[d] = True
-        outputs = ready + [req.make_output(g) for g in touched]
+        outputs = ended + ready + [req.make_output(g) for g in touched]
         self.last_step_seconds = time.perf_counter() - t0
         return outputs
+
+    def _structured_inputs(self):
+        """The step's structured-output inputs (:meth:`StructuredOutputs.prepare`; None when no
+        running sample is constrained) and the outputs of samples it finished: a grammar that
+        allows no token ends its sample with ``finish_reason="abort"`` and the reason in
+        ``stop_reason``."""
+        sch, req = self.scheduler, self.requests
+        sch.next_drafts = np.array(sch.next_drafts)        # prepare repairs the windows
+        guide, dead = req.structured.prepare(sch.slots, sch.next_drafts, self._pending_drafts,
+                                             self.engine_config.max_model_len)
+        ended = {}
+        for b in dead:
+            seq = sch.slots[b]
+            seq.finish_reason = "abort"
+            seq.stop_reason = f"structured output: {seq.grammar.error}"
+            log.warning("request %r sample %d: %s", seq.group.request_id, seq.index,
+                        seq.stop_reason)
+            self._free_slot(b, release=True)
+            ended[seq.group.request_id] = seq.group
+        if dead and guide is not None and not any(
+                s is not None and s.grammar is not None for s in sch.slots):
+            guide = None
+        return guide, [req.make_output(g) for g in ended.values()]
 
     def _draft_limits(self, chunks: np.ndarray) -> tuple[np.ndarray, float]:
         """Per-slot draft limits ``i32[B]`` for the step (K, or the dynamic policy's plan) and
@@ -303,6 +332,8 @@ class LLMEngine(HandOffAPI):
             if seq.resuming and n:      # the re-emitted last token of a resumed request
                 first, seq.resuming = 1, False
             kept = req.record(seq, out, b, first, n, was_decode)
+            if seq.grammar is not None and kept:
+                req.structured.commit(seq.grammar, out.tokens[b, first:first + kept])
             if seq.finish_reason is not None:   # the step released the slots it finished
                 self._free_slot(b, release=not out.finished[b], cache_blocks=True)
             if seq.group.export and (seq.finish_reason is not None
@@ -378,10 +409,16 @@ class LLMEngine(HandOffAPI):
         read by no slot) and ``num_evicted_blocks``, summed over data shards. With
         ``speculation_policy="dynamic"`` also ``spec_policy_plans``,
         ``spec_policy_drafting_plans``, ``spec_policy_holds`` and ``spec_policy_host_seconds``
-        (host time in the policy, s; :class:`DynamicSpeculation`).
+        (host time in the policy, s; :class:`DynamicSpeculation`). Structured outputs:
+        ``structured_host_seconds`` (host time building bitmasks and repairing drafts, s),
+        ``structured_constrained_steps`` (steps with a constrained sample) and
+        ``structured_forced_drafts`` (drafts the grammar forced: jump-forward).
         """
+        so = self.requests.structured
         stats = dict(
-            **self.requests.stats(), num_running=self.scheduler.num_running,
+            **self.requests.stats(), structured_host_seconds=so.host_seconds,
+            structured_constrained_steps=so.num_constrained_steps,
+            structured_forced_drafts=so.num_forced_drafts, num_running=self.scheduler.num_running,
             num_free_blocks=sum(self.runner.free_counts), num_blocks=self.engine_config.num_blocks,
             num_steps=self.num_steps, last_step_seconds=self.last_step_seconds,
             num_preemptions=self.scheduler.num_preemptions)

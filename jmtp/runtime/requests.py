@@ -22,6 +22,8 @@ from jmtp.runtime.detokenizer import IncrementalDetokenizer
 from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetrics
 from jmtp.runtime.sampling import SamplingParams, make_row
 from jmtp.runtime.state import FINISH_REASONS
+from jmtp.runtime.structured.grammar import SequenceGrammar
+from jmtp.runtime.structured.manager import StructuredOutputs
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -60,6 +62,8 @@ class Sequence:
     dev_decoded: int = 0
     mtp_valid: int = 0
     handoff: object | None = None  # an imported RequestState to admit (jmtp.runtime.handoff)
+    # structured outputs: the sample's grammar state over its output (None: unconstrained)
+    grammar: SequenceGrammar | None = None
     # reported so far
     sent_tokens: int = 0
     sent_text: int = 0
@@ -113,6 +117,11 @@ class RequestTable:
         self.ready: list[SequenceGroup] = []
         self.totals = SpecDecodeMetrics(accepted_per_position=[0] * engine_config.k)
         self.num_generated = 0
+        spec = engine_config.spec
+        self.structured = StructuredOutputs(
+            tokenizer, model_config.vocab_size, model_config.eos_token_ids, engine_config.window,
+            draft_sampling=bool(spec.enabled and spec.draft_sampling),
+            verify_strategy=spec.verify_strategy)
 
     def _detokenizer(self) -> IncrementalDetokenizer | None:
         return IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
@@ -156,7 +165,9 @@ class RequestTable:
                     else int(self._seed_rng.integers(0, 2**32)))
             group.seqs.append(Sequence(group, i, dataclasses.replace(sp, seed=seed),
                                        self._detokenizer(), context_ids=list(ids),
-                                       logprobs=[] if sp.logprobs is not None else None))
+                                       logprobs=[] if sp.logprobs is not None else None,
+                                       grammar=(self.structured.matcher(sp.structured_outputs)
+                                                if sp.structured_outputs is not None else None)))
         self.groups[request_id] = group
         self.waiting.extend(group.seqs)
         return group
@@ -165,7 +176,8 @@ class RequestTable:
         """Raise :class:`InvalidRequestError` (naming the field) for a request this engine cannot
         run: empty or too long prompt, ids outside the vocabulary, more KV blocks than exist,
         ``logprobs`` above ``max_logprobs``, bad words without a tokenizer, or a sampling row
-        over the engine's capacities."""
+        over the engine's capacities, or a structured-output constraint the grammar engine
+        rejects (or no tokenizer to apply it with)."""
         ec, mc = self.engine_config, self.model_config
         if len(prompt_ids) == 0:
             raise InvalidRequestError(f"{where}: prompt is empty (a prompt needs at least one "
@@ -190,6 +202,8 @@ class RequestTable:
         if sp.bad_words and self.tokenizer is None:
             raise InvalidRequestError(f"{where}: bad_words need a tokenizer (use bad_token_ids)",
                                       "bad_words")
+        if sp.structured_outputs is not None:   # compiles (cached): a bad grammar fails here
+            self.structured.check(sp.structured_outputs, where)
         # Builds (and so validates) the sampling row: stop ids, bad words, capacities.
         self.sampling_row(sp, prompt_ids, self.bad_words_ids(sp), 0)
 

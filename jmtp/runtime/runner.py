@@ -37,6 +37,7 @@ from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.handoff import gather_slot, import_slot, page_bucket, row_keys
 from jmtp.runtime.host_maps import MapBudget
 from jmtp.runtime.state import init_state, insert_request
+from jmtp.runtime.structured.bitmask import neutral_inputs
 from jmtp.runtime.step import engine_step, push_free_blocks, release_slot, retire_slot
 
 _STEP_STATICS = (0, 1, 2, 3, 4)      # graphdef, EngineConfig, drafter, StepBucket, attention impl
@@ -177,7 +178,7 @@ class OnMesh:
                                                      name=name))
 
     def host_lanes(self, x: np.ndarray):
-        return x.reshape(self.num_shards, self.Bl)
+        return x.reshape((self.num_shards, self.Bl) + x.shape[1:])
 
     @staticmethod
     def to_device(x: np.ndarray):
@@ -289,6 +290,7 @@ class DeviceRunner:
         # {bucket label: seconds} of each bucket's first run (tracing, then compiling or loading
         # it from the persistent cache, then the step itself): where lazy compiles go
         self.first_call_seconds: dict[str, float] = {}
+        self._neutral: tuple | None = None
 
     # ------------------------------------------------------------------ buckets and compiles
     @property
@@ -309,11 +311,23 @@ class DeviceRunner:
             self.map_budget.check(bucket.label)
 
     def step_args(self, bucket: StepBucket) -> tuple:
-        """The jitted step's arguments for ``bucket`` with all-zero chunks and limits."""
+        """The jitted step's arguments for ``bucket`` with all-zero chunks and limits and no
+        structured-output constraint."""
         zeros = self.lift(self.placement.host_lanes(
             np.zeros((self.engine_config.max_num_seqs,), np.int32)))
         return (self.graphdef, self.shard_config, self.drafter, bucket, self.attention_backend,
-                self.params, self.state, self.cache, self.mtp_cache, zeros, zeros)
+                self.params, self.state, self.cache, self.mtp_cache, zeros, zeros,
+                *self.neutral_guide())
+
+    def neutral_guide(self) -> tuple:
+        """The step's ``token_bitmask`` / ``draft_override`` arguments that constrain nothing,
+        placed once and reused (they are not donated)."""
+        if self._neutral is None:
+            ec = self.engine_config
+            self._neutral = tuple(self.lift(self.placement.host_lanes(x)) for x in
+                                  neutral_inputs(ec.max_num_seqs, ec.window,
+                                                 self.model_config.vocab_size))
+        return self._neutral
 
     def lift(self, x):
         """A host value as a device argument: ``jnp.asarray`` (on the runner's device, if one was
@@ -403,8 +417,11 @@ class DeviceRunner:
         return seconds
 
     # ------------------------------------------------------------------ device calls
-    def run_step(self, bucket: StepBucket, chunks: np.ndarray, limits: np.ndarray):
-        """Run the jitted step in ``bucket`` with prefill chunks and draft limits ``i32[B]``.
+    def run_step(self, bucket: StepBucket, chunks: np.ndarray, limits: np.ndarray,
+                 guide: tuple[np.ndarray, np.ndarray] | None = None):
+        """Run the jitted step in ``bucket`` with prefill chunks and draft limits ``i32[B]``, and
+        ``guide`` = ``(token_bitmask i32[B, K+1, NW], draft_override i32[B, K])`` when a
+        structured-output request runs (None: the placed neutral pair).
 
         Returns:
           its :class:`~jmtp.runtime.step.StepOutput` on the host, fields ``[B, ...]`` and
@@ -422,7 +439,9 @@ class DeviceRunner:
             self.state, self.cache, self.mtp_cache, out = self.jitted_step(
                 self.graphdef, self.shard_config, self.drafter, bucket, self.attention_backend,
                 self.params, self.state, self.cache, self.mtp_cache,
-                self.lift(p.host_lanes(chunks)), self.lift(p.host_lanes(limits)))
+                self.lift(p.host_lanes(chunks)), self.lift(p.host_lanes(limits)),
+                *(self.neutral_guide() if guide is None else
+                  (self.lift(p.host_lanes(x)) for x in guide)))
         out = p.fetch_step(out)
         if first:
             self.first_call_seconds[bucket.label] = time.perf_counter() - t0

@@ -81,6 +81,7 @@ from jmtp.runtime.draft_stages import draft_model_postprocess
 from jmtp.runtime.proposers import propose
 from jmtp.runtime.slots import push_free_blocks, release_finished, release_slot, retire_slot
 from jmtp.runtime.state import EngineState, effective_block_tables
+from jmtp.runtime.structured.bitmask import override_drafts
 from jmtp.runtime.target_stages import (allocate_blocks, schedule, speculate_update,
                                         speculate_verify, target_forward)
 
@@ -109,6 +110,9 @@ class StepOutput:
                                ``1 + num_next_drafts`` rows for a decoding slot).
       logprobs: f32[B, K+1]    logprob of each emitted token (None unless max_logprobs > 0).
       top_logprob_ids: i32[B, K+1, n] / top_logprobs: f32[B, K+1, n]  the target's top-n.
+      draft_tokens: i32[B, K]  the drafts of the slot's next verify window (-1 past
+                               ``num_next_drafts``); the host's grammar masks them
+                               (:mod:`jmtp.runtime.structured`).
     """
 
     tokens: jax.Array
@@ -124,6 +128,8 @@ class StepOutput:
     logprobs: jax.Array | None = None
     top_logprob_ids: jax.Array | None = None
     top_logprobs: jax.Array | None = None
+    draft_tokens: jax.Array | None = None
+
 
 def engine_step(
     graphdef: nnx.GraphDef,     # static: the LlamaForCausalLM's graph definition (nnx.split)
@@ -137,6 +143,8 @@ def engine_step(
     mtp_cache: KVCache | None,  # MTP cache (num_mtp_layers), None without MTP
     prefill_chunk: jax.Array,   # i32[B] prompt tokens each prefilling slot processes this step
     draft_limit: jax.Array | None = None,  # i32[B] max drafts proposed for the next step
+    token_bitmask: jax.Array | None = None,   # i32[B, K+1, ceil(V/32)] allowed tokens per row
+    draft_override: jax.Array | None = None,  # i32[B, K] forced / cut drafts of this window
 ):
     """One engine step: the stages of the module docstring, in order.
 
@@ -163,6 +171,14 @@ def engine_step(
       draft_limit: i32[B] or None: at most this many drafts are proposed per slot for the next
         step (the dynamic speculation policy's choice, :mod:`jmtp.runtime.spec_policy`); data,
         so new limits never recompile. None = K.
+      token_bitmask: i32[B, K+1, ceil(V/32)] or None: the structured-output constraint of every
+        verify-window row (row 0 also for the token that ends a prefill); the target's window
+        logits are masked before verification, so greedy and rejection-sampled outputs follow
+        the constrained distribution exactly (:mod:`jmtp.runtime.structured.bitmask`). All ones
+        (or None) constrains nothing.
+      draft_override: i32[B, K] or None: the host's repair of this step's windows before they
+        are scheduled (forced tokens with one-hot q, cut windows;
+        :func:`~jmtp.runtime.structured.bitmask.override_drafts`).
 
     Returns:
       ``(state, cache, mtp_cache, StepOutput)``.
@@ -179,13 +195,19 @@ def engine_step(
     if not isinstance(attention_impl, AttentionBackend):
         attention_impl = resolve_backend(attention_impl, ec.platform)
     model = nnx.merge(graphdef, model_state)
+    if draft_override is not None:
+        tokens, probs = override_drafts(state.draft_tokens, state.draft_probs, draft_override)
+        count = jnp.sum(tokens[:, 1:] >= 0, axis=1).astype(jnp.int32)
+        state = dataclasses.replace(
+            state, draft_tokens=tokens, draft_probs=probs,
+            actual_draft_token_num=jnp.maximum(state.actual_draft_token_num, count))
     prev = state
     sched = schedule(ec, prev, prefill_chunk)
     blocks, sched = allocate_blocks(ec, prev.blocks, sched, prev.seq_lens_decoder,
                                     prev.num_shared)
     target, cache = target_forward(ec, bucket, attention_impl, model, prev, sched,
                                    effective_block_tables(prev, blocks.block_tables), cache)
-    verified = speculate_verify(model.cfg, ec, prev, sched, target)
+    verified = speculate_verify(model.cfg, ec, prev, sched, target, token_bitmask)
     state, done = speculate_update(ec, prev, sched, verified, blocks)
     budget = done.draft_budget
     if draft_limit is not None:
@@ -204,5 +226,6 @@ def engine_step(
                      num_allowed=jnp.where(sched.decoding, prev.actual_draft_token_num,
                                            0).astype(jnp.int32),
                      logprobs=verified.logprobs,
-                     top_logprob_ids=verified.top_logprob_ids, top_logprobs=verified.top_logprobs)
+                     top_logprob_ids=verified.top_logprob_ids, top_logprobs=verified.top_logprobs,
+                     draft_tokens=state.draft_tokens[:, 1:])
     return state, cache, mtp_cache, out

@@ -24,6 +24,7 @@ from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.sharding import uniform_any
 from jmtp.runtime.sampling import update_history
 from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState
+from jmtp.runtime.structured.bitmask import apply_token_bitmask
 from jmtp.runtime.verify import verify
 
 from jmtp.pallas.block_allocator import BlockAllocatorState, blocks_needed
@@ -290,10 +291,12 @@ def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | N
 
 
 def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sched: Schedule,
-                     target: TargetOutput) -> Verified:
+                     target: TargetOutput, token_bitmask: jax.Array | None = None) -> Verified:
     """Verify each decoding slot's drafts against the target's window logits (penalties,
     min_tokens and bad words applied at every row; strategy ``ec.spec.verify_strategy``, see
     :func:`jmtp.runtime.verify.verify`), and take the first token of a slot whose prefill ends.
+    ``token_bitmask`` (``i32[B, K+1, ceil(V/32)]`` or None) masks each window row's logits first
+    (structured outputs; :func:`~jmtp.runtime.structured.bitmask.apply_token_bitmask`).
 
     Returns:
       :class:`Verified` over the B slots (no stop truncation: :func:`speculate_update` does it).
@@ -317,7 +320,10 @@ def speculate_verify(mc: ModelConfig, ec: EngineConfig, state: EngineState, sche
     def verify_width(width: int):
         """verify over the first ``width`` window positions, padded back to K+1 columns."""
         probs = None if prev.draft_probs is None else prev.draft_probs[slot_rows, :width - 1]
-        res = verify(target.window_logits(width), prev.draft_tokens[slot_rows, 1:width],
+        logits = target.window_logits(width)
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, token_bitmask[slot_rows, :width])
+        res = verify(logits, prev.draft_tokens[slot_rows, 1:width],
                      jnp.minimum(num_drafts, width - 1), probs, sampling,
                      prev.step_idx[slot_rows], jnp.asarray(mc.eos_token_ids or (-1,), jnp.int32),
                      strategy=ec.spec.verify_strategy,

@@ -10,7 +10,8 @@ none for 0, ``kv`` its ``kv_cache_dtype``, the number of compiled step executabl
 per-parameter bytes on the first device, and with ``hlo=1`` the collectives of its compiled decode
 step), ``errors`` (the ValueErrors of engines whose mesh does not fit the model or the devices),
 ``dp_host`` (the host side of data parallelism: balanced admission, per-shard preemption),
-``prefix:dp=D,tp=N,k=K`` (prefix caching on that mesh), ``handoff`` (prefill → decode hand-off
+``prefix:dp=D,tp=N,k=K`` (prefix caching on that mesh), ``structured`` (constrained greedy
+decoding on a (2, 2) mesh with MTP), ``handoff`` (prefill → decode hand-off
 between TP=2 and one device, both ways), ``tie`` (greedy verification of
 vocabulary-sharded logits with tied maxima on different shards) or ``attention`` (every attention
 implementation under ``shard_map``).
@@ -82,12 +83,9 @@ def collectives(llm) -> dict:
     ``[op, dtype, result shape]``, with every weight shape (stacked, and one layer's slice)."""
     from jmtp.runtime.buckets import StepBucket
     eng = llm.llm_engine
-    zeros = np.zeros((engine_of(eng).runner.num_shards, engine_of(eng).runner.shard_config.max_num_seqs), np.int32)
+    runner = engine_of(eng).runner
     with shd.mesh_context(eng.mesh):
-        text = engine_of(eng).runner.jitted_step.lower(
-            eng.graphdef, engine_of(eng).runner.shard_config, eng.speculative_config.drafter, StepBucket(1, 1),
-            eng.attention_backend, eng.params, eng.state, eng.cache, eng.mtp_cache, zeros,
-            zeros).compile().as_text()
+        text = runner.jitted_step.lower(*runner.step_args(StepBucket(1, 1))).compile().as_text()
     ops = [[m.group(3), m.group(1), [int(x) for x in m.group(2).split(",") if x]]
            for m in _OP.finditer(text)]
     weights = set()
@@ -290,6 +288,23 @@ def attention_case() -> dict:
     return out
 
 
+def structured_case():
+    """Constrained greedy tokens (the tiny JSON schema) on a (2, 2) mesh with MTP K=3."""
+    from jmtp.runtime.structured import StructuredOutputsParams
+    from tests.runtime.structured_fixtures import SCHEMA, VOCAB_SIZE, tiny_tokenizer
+    cfg, params = tiny_model(0, vocab_size=VOCAB_SIZE, **MODEL)
+    llm = LLM(model_config=cfg, params=params, tokenizer=tiny_tokenizer(),
+              speculative_config=SpeculativeConfig("mtp", 3, 3), data_parallel_size=2,
+              tensor_parallel_size=2, max_num_seqs=4, max_model_len=64, block_size=4,
+              max_num_batched_tokens=16, compile="lazy")
+    sp = SamplingParams(max_tokens=24, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    outs = llm.generate(STRUCTURED_PROMPTS, sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+STRUCTURED_PROMPTS = ["ab", "hello", "{x}"]
+
+
 def main(cases: list[str]) -> None:
     results = {}
     for case in cases:
@@ -305,6 +320,8 @@ def main(cases: list[str]) -> None:
                 results[case] = dp_host_case()
             elif case == "handoff":
                 results[case] = handoff_case()
+            elif case == "structured":
+                results[case] = structured_case()
             elif case.startswith("prefix:"):
                 kv = dict(part.split("=") for part in case[len("prefix:"):].split(","))
                 results[case] = prefix_case(int(kv["dp"]), int(kv["tp"]), int(kv["k"]))

@@ -201,7 +201,8 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny, model):
     for bucket in step_buckets(ec):   # idle state: every step is a no-op
         llm.state, llm.cache, llm.mtp_cache, _ = engine_of(llm).runner.jitted_step(
             llm.graphdef, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache,
-            jnp.zeros((ec.max_num_seqs,), jnp.int32), jnp.zeros((ec.max_num_seqs,), jnp.int32))
+            jnp.zeros((ec.max_num_seqs,), jnp.int32), jnp.zeros((ec.max_num_seqs,), jnp.int32),
+            *engine_of(llm).runner.neutral_guide())
     compiled = engine_of(llm).runner.jitted_step._cache_size()
     # 4 slots: decode (T, A): (1|2|3, 1), (2|4|6, 2), (4|8|12, 4); prefill (3|6|12|16|32, 4)
     assert compiled - before == len(step_buckets(ec))

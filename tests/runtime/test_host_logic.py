@@ -110,9 +110,9 @@ class Fake(FakeRunner):
         self.shared_ids[b] = [int(x) for x in shared_ids]
         self.mtp_valid[b] = self.slots[b].computed
 
-    def run_step(self, bucket, chunks, limits):
+    def run_step(self, bucket, chunks, limits, guide=None):
         before = {b: s.computed for b, s in enumerate(self.slots) if s is not None}
-        out = super().run_step(bucket, chunks, limits)
+        out = super().run_step(bucket, chunks, limits, guide)
         for b, s in enumerate(self.slots):
             if s is not None and b in before and not out.paused[b]:
                 # the MTP does not run in a slot's last step

@@ -222,7 +222,7 @@ def test_no_recompiles_when_limits_change_and_windows_report_their_budget():
     for bucket in step_buckets(ec):   # warm every step shape on the idle state (a no-op step)
         llm.state, llm.cache, llm.mtp_cache, _ = engine_of(llm).runner.jitted_step(
             llm.graphdef, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache, zeros,
-            zeros)
+            zeros, *engine_of(llm).runner.neutral_guide())
     compiled = engine_of(llm).runner.jitted_step._cache_size()
     seen = set()
     policy = llm.spec_policy

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jmtp.model import axes as ax
 from jmtp.runtime import sharding as shd
 from tests.runtime import sharding_worker as worker
-from tests.runtime.conftest import reference_greedy
+from tests.runtime.conftest import reference_greedy, tiny_model
 
 pytestmark = pytest.mark.xdist_group("sharding")  # one worker runs the module-scoped fixture once
 
@@ -69,7 +69,8 @@ def results(tmp_path_factory):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["JMTP_CACHE_DIR"] = str(tmp_path_factory.mktemp("sharding-xla-cache"))
     proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", "errors", "tie",
-                           "attention", "dp_host", *CASES, "handoff", *PREFIX_CASES],
+                           "attention", "dp_host", *CASES, "handoff", *PREFIX_CASES,
+                           "structured"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -325,3 +326,20 @@ def test_handoff_between_tensor_parallel_and_one_device(results, reference):
     for direction in ("tp2->tp1", "tp1->tp2"):
         assert res[direction]["tokens"] == reference, direction
         assert res[direction]["free"] == res[direction]["num_blocks"], direction
+
+
+def test_structured_outputs_on_a_mesh_equal_the_masked_reference(results):
+    """The step's bitmask and draft-override inputs travel through the data-parallel shard_map:
+    constrained greedy decoding with MTP on (data, model) = (2, 2) equals the one-device
+    reference (plain forward, masked one token at a time)."""
+    from tests.runtime.sharding_worker import MODEL, STRUCTURED_PROMPTS
+    from tests.runtime.structured_fixtures import (SCHEMA, VOCAB_SIZE, reference_constrained_greedy,
+                                                   tiny_tokenizer)
+    from jmtp.runtime.structured import StructuredOutputsParams
+    res = results["structured"]
+    assert "error" not in res, res
+    cfg, params = tiny_model(0, vocab_size=VOCAB_SIZE, **MODEL)
+    sop = StructuredOutputsParams(json=SCHEMA)
+    for prompt, got in zip(STRUCTURED_PROMPTS, res):
+        want = reference_constrained_greedy(cfg, params, sop, tiny_tokenizer().encode(prompt), 24)
+        assert got == want, prompt

@@ -463,7 +463,8 @@ def test_engine_step_traces_once_per_bucket(tiny):
         for bucket in buckets:
             eng.state, eng.cache, eng.mtp_cache, _ = engine_of(eng).runner.jitted_step(
                 eng.graphdef, ec, None, bucket, None, eng.params, eng.state, eng.cache, eng.mtp_cache,
-                jnp.zeros((B,), jnp.int32), jnp.full((B,), K, jnp.int32))
+                jnp.zeros((B,), jnp.int32), jnp.full((B,), K, jnp.int32),
+                *engine_of(eng).runner.neutral_guide())
     assert engine_of(eng).runner.jitted_step._cache_size() == len(buckets)
     rng = np.random.default_rng(1)      # traffic: any retrace would raise in assert_max_traces
     prompts = [list(rng.integers(2, 64, rng.integers(1, 20))) for _ in range(5)]

@@ -15,6 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from jmtp.core.errors import InvalidRequestError
+from jmtp.runtime.structured.params import StructuredOutputsParams
 
 #: Rows with ``temperature < GREEDY_EPS`` are greedy (vLLM's ``_SAMPLING_EPS``).
 GREEDY_EPS = 1e-5
@@ -54,6 +55,11 @@ class SamplingParams:
         text contains one (checked after every token, also inside a multi-token verify step) and
         cuts the text before it (``finish_reason="stop"``, ``stop_reason`` = the string).
       include_stop_str_in_output: keep the matched stop string at the end of the text.
+      structured_outputs: None or a
+        :class:`~jmtp.runtime.structured.params.StructuredOutputsParams` (JSON schema, JSON
+        object, regex, choice or grammar) the output must match; enforced per draft position
+        inside the speculative step (:mod:`jmtp.runtime.structured`). Needs an engine with a
+        tokenizer.
 
     Raises:
       InvalidRequestError: (a ``ValueError``) naming the field (``.field``) and its limit for any
@@ -78,6 +84,7 @@ class SamplingParams:
     n: int = 1
     stop: str | Sequence[str] | None = None
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         stop = self.stop
@@ -149,6 +156,10 @@ class SamplingParams:
             raise _field_error("ignore_eos", self.ignore_eos, "a bool")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**32):
             raise _field_error("seed", self.seed, "None or an int in [0, 2**32)")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise _field_error("structured_outputs", self.structured_outputs,
+                               "None or a StructuredOutputsParams")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise _field_error("logprobs", self.logprobs, "None or an int >= 0")
 

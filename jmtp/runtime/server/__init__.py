@@ -6,6 +6,9 @@ Endpoints (OpenAI API reference, https://platform.openai.com/docs/api-reference)
 * ``POST /v1/chat/completions`` -- ``messages`` rendered with the model's chat template;
 * both stream with ``"stream": true`` as server-sent events (``data: {json}\\n\\n`` chunks, then
   ``data: [DONE]\\n\\n``); ``stream_options.include_usage`` adds a final usage chunk;
+* output constraints: ``response_format`` (``json_object``, ``json_schema``), vLLM's
+  ``structured_outputs`` / ``guided_*``, and chat ``tools`` with ``tool_choice`` ``"required"`` or
+  a named function (the response carries ``tool_calls``);
 * ``GET /v1/models``, ``GET /health`` (503 once the engine thread stopped), ``GET /metrics``
   (Prometheus text format, see :class:`ServerMetrics`).
 
@@ -21,6 +24,10 @@ Modules, one job each:
   error bodies, finish reasons, server-sent events, usage;
 * :mod:`~jmtp.runtime.server.serving` -- :class:`OpenAIServing`: requests to
   ``SamplingParams`` and engine calls, engine outputs to responses and streams;
+* :mod:`~jmtp.runtime.server.structured` -- the output constraint (``response_format``,
+  ``structured_outputs``, ``guided_*``, forced tool calls) as one ``StructuredOutputsParams``;
+* :mod:`~jmtp.runtime.server.tools` -- chat ``tools`` / ``tool_choice``: the forced call's JSON
+  schema, the response's ``tool_calls``;
 * :mod:`~jmtp.runtime.server.metrics` -- :class:`ServerMetrics` (Prometheus);
 * :mod:`~jmtp.runtime.server.app` -- the FastAPI app (:func:`build_app`) and :func:`serve`.
 """

@@ -8,7 +8,7 @@ names the request field a jmtp error is about from the error's type, never its m
 from __future__ import annotations
 
 import json
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,8 +24,29 @@ class StreamOptions(_Base):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Base):
+    """``response_format.json_schema``: ``{"name", "schema", "strict", "description"}``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: Union[dict, bool, None] = Field(None, alias="schema")   # `schema` shadows pydantic
+    strict: bool | None = None
+
+
+class ResponseFormat(_Base):
+    """OpenAI's ``response_format``: ``{"type": "text" | "json_object" | "json_schema"}``
+    (the type is checked by :func:`jmtp.runtime.server.structured.request_constraint`, which
+    names it in its error)."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Base):
-    """Fields shared by both endpoints (OpenAI, plus vLLM's extras top_k / min_p / ...)."""
+    """Fields shared by both endpoints (OpenAI, plus vLLM's extras top_k / min_p / ...), and the
+    output constraints (OpenAI's ``response_format``; vLLM's ``structured_outputs`` and its older
+    ``guided_*`` fields)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -45,6 +66,12 @@ class _SamplingFields(_Base):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -62,16 +89,60 @@ class TextPart(_Base):
     text: str
 
 
+class FunctionCall(_Base):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Base):
+    """An assistant message's tool call (``{"id", "type": "function", "function"}``)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Base):
     role: str
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None      # assistant turns that called tools
+    tool_call_id: str | None = None               # role "tool": the call it answers
+
+
+class FunctionDefinition(_Base):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: Union[dict, bool, None] = None     # a JSON schema; None: {"type": "object"}
+    strict: bool | None = None
+
+
+class Tool(_Base):
+    """An OpenAI function tool: ``{"type": "function", "function": {"name", "description",
+    "parameters"}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Base):
+    name: str
+
+
+class NamedToolChoice(_Base):
+    """``tool_choice={"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions`` body."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

@@ -1,10 +1,12 @@
 """OpenAI requests → ``SamplingParams`` and engine calls; engine outputs → OpenAI responses and
 server-sent-event streams (:class:`OpenAIServing`). A client that disconnects has its requests
-aborted, so their KV blocks are freed at the engine's next pass."""
+aborted, so their KV blocks are freed at the engine's next pass. Output constraints and tools:
+:mod:`~jmtp.runtime.server.structured`, :mod:`~jmtp.runtime.server.tools`."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -18,6 +20,8 @@ from jmtp.runtime.sampling import SamplingParams
 from jmtp.runtime.server.metrics import ServerMetrics
 from jmtp.runtime.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest,
                                           Usage, error_body, finish_reason, param_of, sse)
+from jmtp.runtime.server.structured import Constraint, constraint_sources, resolve
+from jmtp.runtime.server.tools import ToolPlan, plan_tools
 
 log = logging.getLogger("jmtp.runtime.server")   # the server's one logger name
 
@@ -75,7 +79,8 @@ class OpenAIServing:
                              code="model_not_found")
 
     def _sampling_params(self, req, max_tokens: int | None, prompt_len: int, logprobs,
-                         default_max: int | None, prompt_field: str) -> SamplingParams:
+                         default_max: int | None, prompt_field: str,
+                         constraint: Constraint | None = None) -> SamplingParams:
         if req.n < 1:
             raise BadRequest(f"n={req.n}: must be >= 1", "n")
         if prompt_len >= self.max_model_len:
@@ -98,18 +103,26 @@ class OpenAIServing:
             kw["stop_token_ids"] = tuple(req.stop_token_ids)
         if logprobs is not None:
             kw["logprobs"] = logprobs
+        if constraint is not None:
+            kw["structured_outputs"] = constraint.params
         try:
             return SamplingParams(**kw)
         except (ValueError, TypeError) as e:
-            raise BadRequest(str(e), param_of(e, "prompt")) from e
+            raise BadRequest(str(e), self._param(e, "prompt", constraint)) from e
 
-    async def _submit(self, request_id: str, prompt, sp: SamplingParams, prompt_field: str):
+    @staticmethod
+    def _param(err: Exception, prompt_field: str, constraint: Constraint | None) -> str | None:
+        param = param_of(err, prompt_field)
+        return constraint.rename(param) if constraint is not None else param
+
+    async def _submit(self, request_id: str, prompt, sp: SamplingParams, prompt_field: str,
+                      constraint: Constraint | None = None):
         try:
             return await self.engine.add_request(request_id, prompt, sp)
         except EngineDeadError:
             raise
-        except (ValueError, TypeError) as e:
-            raise BadRequest(str(e), param_of(e, prompt_field)) from e
+        except (ValueError, TypeError) as e:   # grammar errors too: before the request runs
+            raise BadRequest(str(e), self._param(e, prompt_field, constraint)) from e
 
     def _prompt_len(self, prompt) -> int:
         return len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
@@ -160,13 +173,15 @@ class OpenAIServing:
         if req.logprobs is not None and req.logprobs > max(self.max_logprobs, 0):
             raise BadRequest(f"logprobs={req.logprobs} exceeds the server's max_logprobs="
                              f"{self.max_logprobs} (start it with --max-logprobs)", "logprobs")
+        constraint = resolve(constraint_sources(req))
         # OpenAI's default max_tokens for completions is 16.
         sps = [self._sampling_params(req, req.max_tokens, self._prompt_len(pr), req.logprobs,
-                                     default_max=16, prompt_field="prompt") for pr in prompts]
+                                     default_max=16, prompt_field="prompt",
+                                     constraint=constraint) for pr in prompts]
         base = f"cmpl-{uuid.uuid4().hex}"
         return await self._serve(
             raw, req, base, prompts, sps, "prompt", "text_completion", self._completion_choice,
-            self._completion_chunk_choice)
+            self._completion_chunk_choice, constraint)
 
     def _completion_choice(self, idx, c, req) -> dict:
         return {"index": idx, "text": c.text,
@@ -183,16 +198,35 @@ class OpenAIServing:
                 "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
 
     # ---------------------------------------------------------------- chat
-    async def chat(self, req: ChatCompletionRequest, raw: Request):
-        self._check_model(req)
+    @staticmethod
+    def _template_messages(req: ChatCompletionRequest) -> list[dict]:
+        """The messages as the chat template gets them: text content ("" for none), plus
+        ``name``, ``tool_calls`` and ``tool_call_id`` where the client sent them."""
         msgs = []
-        for i, m in enumerate(req.messages):
+        for m in req.messages:
             content = m.content
             if isinstance(content, list):
                 content = "".join(part.text for part in content)
-            msgs.append({"role": m.role, "content": content or ""})
+            msg = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                msg["name"] = m.name
+            if m.tool_calls is not None:
+                msg["tool_calls"] = [tc.model_dump(exclude_none=True) for tc in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            msgs.append(msg)
+        return msgs
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request):
+        self._check_model(req)
+        plan = plan_tools(req)
+        sources = constraint_sources(req)
+        if plan.forced:
+            sources.append(("tools", {"json": plan.schema}))
+        constraint = resolve(sources)
+        extra = {} if plan.template_tools is None else {"tools": plan.template_tools}
         try:
-            prompt = self.tokenizer.apply_chat_template(msgs)
+            prompt = self.tokenizer.apply_chat_template(self._template_messages(req), **extra)
         except Exception as e:  # noqa: BLE001 -- template errors are the request's fault
             raise BadRequest(f"messages: cannot apply the chat template: {e}", "messages") from e
         top = None
@@ -207,41 +241,75 @@ class OpenAIServing:
             else req.max_tokens
         try:
             sp = self._sampling_params(req, max_tokens, self._prompt_len(prompt), top,
-                                       default_max=None, prompt_field="messages")
+                                       default_max=None, prompt_field="messages",
+                                       constraint=constraint)
         except BadRequest as e:
             if e.param == "max_tokens" and req.max_completion_tokens is not None:
                 e.param = "max_completion_tokens"     # name the field the client sent
             raise
         base = f"chatcmpl-{uuid.uuid4().hex}"
         return await self._serve(raw, req, base, [prompt], [sp], "messages", "chat.completion",
-                                 self._chat_choice, self._chat_chunk_choice)
+                                 functools.partial(self._chat_choice, plan=plan),
+                                 functools.partial(self._chat_chunk_choice, plan=plan),
+                                 constraint)
 
-    def _chat_choice(self, idx, c, req) -> dict:
-        return {"index": idx, "message": {"role": "assistant", "content": c.text},
+    @staticmethod
+    def _tool_result(plan: ToolPlan, c) -> tuple[list | None, str | None]:
+        """``(tool_calls, finish_reason)`` of a finished sample: the parsed calls of a forced
+        tool call (None if the output is not one) and "tool_calls" for a call that ended
+        normally ("length" stays)."""
+        reason = finish_reason(c.finish_reason)
+        calls = plan.parse(c.text) if plan.forced else None
+        if calls is not None and reason == "stop":
+            reason = "tool_calls"
+        return calls, reason
+
+    def _chat_choice(self, idx, c, req, plan: ToolPlan) -> dict:
+        calls, reason = self._tool_result(plan, c)
+        message = {"role": "assistant", "content": c.text} if calls is None else \
+            {"role": "assistant", "content": None, "tool_calls": calls}
+        return {"index": idx, "message": message,
                 "logprobs": (self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                              if req.logprobs else None),
-                "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
+                "finish_reason": reason, "stop_reason": c.stop_reason}
 
-    def _chat_chunk_choice(self, idx, c, req, first: bool, offset: int) -> dict:
-        delta = {"role": "assistant", "content": c.delta_text} if first else \
-            ({"content": c.delta_text} if c.delta_text else {})
+    def _chat_chunk_choice(self, idx, c, req, first: bool, offset: int,
+                           plan: ToolPlan) -> dict | None:
         lp = None
         if req.logprobs:
             n = len(c.delta_token_ids)
             lp = self._chat_logprobs(c.delta_token_ids, (c.logprobs or [])[-n:] if n else [],
                                      req.top_logprobs or 0)
+        reason = finish_reason(c.finish_reason)
+        if not plan.forced:
+            delta = {"role": "assistant", "content": c.delta_text} if first else \
+                ({"content": c.delta_text} if c.delta_text else {})
+        else:
+            # A forced tool call streams no content: its calls come in the last chunk, whole
+            # (or, when the output is not a call, its whole text as content).
+            delta = {"role": "assistant"} if first else {}
+            if c.finish_reason is None:
+                if not first and lp is None:
+                    return None
+            else:
+                calls, reason = self._tool_result(plan, c)
+                if calls is None:
+                    delta["content"] = c.text
+                else:
+                    delta["tool_calls"] = [dict(call, index=j) for j, call in enumerate(calls)]
         return {"index": idx, "delta": delta, "logprobs": lp,
-                "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
+                "finish_reason": reason, "stop_reason": c.stop_reason}
 
     # ---------------------------------------------------------------- shared serving
     async def _serve(self, raw: Request, req, base: str, prompts: list, sps: list,
-                     prompt_field: str, obj: str, choice_fn, chunk_fn):
+                     prompt_field: str, obj: str, choice_fn, chunk_fn,
+                     constraint: Constraint | None = None):
         n = req.n
         ids = [f"{base}-{i}" for i in range(len(prompts))]
         streams = []
         try:
             for rid, pr, sp in zip(ids, prompts, sps):
-                streams.append(await self._submit(rid, pr, sp, prompt_field))
+                streams.append(await self._submit(rid, pr, sp, prompt_field, constraint))
         except BaseException:
             for rid in ids:
                 await self.engine.abort(rid)
@@ -327,7 +395,9 @@ class OpenAIServing:
                     if c.finish_reason is not None:
                         done.add(idx)
                     started.add(idx)
-                    choices.append(chunk_fn(idx, c, req, first, offsets.get(idx, 0)))
+                    choice = chunk_fn(idx, c, req, first, offsets.get(idx, 0))
+                    if choice is not None:      # None: nothing to send yet (a tool call)
+                        choices.append(choice)
                     offsets[idx] = offsets.get(idx, 0) + len(c.delta_text)
                     if c.finish_reason is not None:
                         usage.completion += len(c.token_ids)
