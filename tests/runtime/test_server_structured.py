@@ -586,3 +586,11 @@ def test_e2e_twenty_schemas_validate(client, model_id):
         for s, choice in pool.map(one, schemas):
             assert choice.finish_reason == "stop", (s["name"], choice.message.content)
             jsonschema.validate(json.loads(choice.message.content), s["schema"])
+
+
+def test_forbidden_tokens_logprobs_are_json_safe():
+    """A constrained request's top logprobs include tokens the grammar forbids (-inf); the
+    server sends vLLM's -9999.0 (JSON has no infinity; Starlette refuses NaN/inf)."""
+    from jmtp.runtime.server.serving import LOGPROB_FLOOR, OpenAIServing
+    assert OpenAIServing._lp(float("-inf")) == LOGPROB_FLOOR == -9999.0
+    assert OpenAIServing._lp(-1.5) == -1.5 and OpenAIServing._lp(None) is None

@@ -106,6 +106,26 @@ def test_bad_params_name_the_field(kwargs, field):
     assert e.value.field == field
 
 
+def test_min_tokens_is_refused_with_a_constraint():
+    """EOS banned before min_tokens could leave a complete constraint with no token at all."""
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(min_tokens=5, structured_outputs=SOP(choice=["yes"]))
+    assert e.value.field == "min_tokens"
+
+
+def test_ignore_eos_continues_with_eos_only():
+    """A complete constraint allows EOS alone, also in the window rows after an EOS draft (with
+    ignore_eos the verify rows past an EOS are emitted)."""
+    for k in (0, 3):
+        out = engine(k).generate(["ab"], SamplingParams(
+            max_tokens=12, ignore_eos=True, structured_outputs=SOP(choice=["nabab"])),
+            use_tqdm=False)[0].outputs[0]
+        ids = out.token_ids
+        first_eos = ids.index(1)
+        assert tiny_tokenizer().decode(ids[:first_eos]) == "nabab", k
+        assert ids[first_eos:] == [1] * (12 - first_eos) and out.finish_reason == "length", k
+
+
 def test_grammar_errors_fail_at_intake_and_the_engine_goes_on():
     llm = engine(0)
     eng = llm.llm_engine

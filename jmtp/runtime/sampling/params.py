@@ -59,7 +59,8 @@ class SamplingParams:
         :class:`~jmtp.runtime.structured.params.StructuredOutputsParams` (JSON schema, JSON
         object, regex, choice or grammar) the output must match; enforced per draft position
         inside the speculative step (:mod:`jmtp.runtime.structured`). Needs an engine with a
-        tokenizer.
+        tokenizer; ``min_tokens`` must then be 0. Once the constraint is complete only EOS is
+        allowed (with ``ignore_eos`` the output continues with EOS tokens up to ``max_tokens``).
 
     Raises:
       InvalidRequestError: (a ``ValueError``) naming the field (``.field``) and its limit for any
@@ -160,6 +161,12 @@ class SamplingParams:
                                                                   StructuredOutputsParams):
             raise _field_error("structured_outputs", self.structured_outputs,
                                "None or a StructuredOutputsParams")
+        if self.structured_outputs is not None and self.min_tokens:
+            # the grammar decides where the output may end; banning EOS before min_tokens could
+            # leave a complete constraint with no token allowed at all
+            raise _field_error("min_tokens", self.min_tokens,
+                               "0 with structured_outputs (the constraint decides where the "
+                               "output ends)")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise _field_error("logprobs", self.logprobs, "None or an int >= 0")
 

@@ -24,6 +24,8 @@ from jmtp.runtime.server.structured import Constraint, constraint_sources, resol
 from jmtp.runtime.server.tools import ToolPlan, plan_tools
 
 log = logging.getLogger("jmtp.runtime.server")   # the server's one logger name
+#: Logprobs below this (``-inf``) are sent as this value (vLLM's convention; JSON has no inf).
+LOGPROB_FLOOR = -9999.0
 
 
 async def _merge(streams: list):
@@ -128,6 +130,12 @@ class OpenAIServing:
         return len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
 
     # ---------------------------------------------------------------- logprobs
+    @staticmethod
+    def _lp(v):
+        """A logprob as JSON can carry it: ``-inf`` (a token the request's mask, bad words or a
+        structured-output grammar forbids) becomes vLLM's -9999.0."""
+        return v if v is None or v > LOGPROB_FLOOR else LOGPROB_FLOOR
+
     def _token_str(self, tid: int) -> str:
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
@@ -137,8 +145,8 @@ class OpenAIServing:
         for tid, d in zip(token_ids, logprobs or []):
             s = self._token_str(tid)
             toks.append(s)
-            lps.append(d.get(tid))
-            tops.append({self._token_str(t): v for t, v in d.items()})
+            lps.append(self._lp(d.get(tid)))
+            tops.append({self._token_str(t): self._lp(v) for t, v in d.items()})
             offs.append(pos)
             pos += len(s)
         return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
@@ -148,8 +156,9 @@ class OpenAIServing:
         for tid, d in zip(token_ids, logprobs or []):
             s = self._token_str(tid)
             top = sorted(d.items(), key=lambda kv: -kv[1])[:top_n]
-            content.append({"token": s, "logprob": d.get(tid), "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": self._token_str(t), "logprob": v,
+            content.append({"token": s, "logprob": self._lp(d.get(tid)),
+                            "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": self._token_str(t), "logprob": self._lp(v),
                                               "bytes": list(self._token_str(t).encode())}
                                              for t, v in top]})
         return {"content": content}

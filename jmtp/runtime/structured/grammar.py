@@ -176,7 +176,13 @@ class SequenceGrammar:
         queue: list[int] = []    # forced tokens still ahead (llguidance gives them all at once)
         token = None
         for w in range(W):
-            if token in self.eos_token_ids:   # the window ends at an EOS draft
+            if token in self.eos_token_ids:
+                # the window ends at an EOS draft; the rows after it (used only with ignore_eos)
+                # allow EOS alone, as a complete constraint does
+                masks[w:] = 0
+                for t in self.eos_token_ids:
+                    if t >> 5 < masks.shape[1]:
+                        masks.view(np.uint32)[w:, t >> 5] |= np.uint32(1 << (t & 31))
                 break
             row = masks[w]
             self.fill_mask_of(m, row)
