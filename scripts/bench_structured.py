@@ -12,7 +12,8 @@ Engines (SmolLM2-135M-Instruct, greedy, chat template): ``plain`` (no speculatio
 * ``mixed``: every other prompt constrained, the rest free with the constrained lengths
   (``plain`` only): what constrained requests cost their unconstrained batch mates.
 
-Every engine is built with ``compile="eager"`` and warmed; the timed runs interleave the cases
+Every engine is built with ``compile="eager"`` (or ``--compile lazy --warmup``: one untimed
+round first) and warmed; the timed runs interleave the cases
 ``--rounds`` times and each case's tok/s is total tokens / total seconds over its rounds. Printed
 per row: tok/s, ratio to the same engine's ``free`` run and to ``plain`` with the same constraint,
 mean acceptance length (tokens per decode step), forced drafts, host seconds spent on bitmasks
@@ -58,6 +59,11 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--compile", default="eager", choices=["eager", "lazy"],
+                    help="lazy: compile on first use (then --warmup keeps compiles out of the "
+                         "timed rounds)")
+    ap.add_argument("--warmup", action="store_true",
+                    help="run every case once, untimed, before the timed rounds")
     args = ap.parse_args(argv)
     args.batches = [int(x) for x in args.batches.split(",")]
     return args
@@ -79,7 +85,7 @@ def main(argv=None):
         for name, spec in (("plain", None), ("mtp", SpeculativeConfig("mtp", 3, 3))):
             t0 = time.perf_counter()
             llm = LLM(speculative_config=spec, max_num_seqs=batch, max_model_len=1024,
-                      compile="eager")
+                      compile=args.compile)
             llm.chat([[{"role": "user", "content": prompts[0]}]], constrained, use_tqdm=False)
             engines[name], compile_s[name] = llm, time.perf_counter() - t0
         cases = [("plain", "json"), ("plain", "free"), ("plain", "mixed"), ("mtp", "json"),
@@ -88,7 +94,7 @@ def main(argv=None):
         acc = {c: dict(tokens=0, seconds=0.0, steps=0, dtokens=0, forced=0, host=0.0,
                        csteps=0, valid=True, texts=None) for c in cases}
         msgs = [[{"role": "user", "content": p}] for p in prompts]
-        for _ in range(args.rounds):
+        for rnd in range(-1 if args.warmup else 0, args.rounds):
             for case in cases:
                 name, kind = case
                 llm = engines[name]
@@ -103,6 +109,10 @@ def main(argv=None):
                 outs = llm.chat(msgs, sp, use_tqdm=False)
                 secs = time.perf_counter() - t
                 after = eng.get_stats()
+                if case == ("plain", "json") and lengths is None:
+                    lengths = [len(o.outputs[0].token_ids) for o in outs]
+                if rnd < 0:          # the warm-up round compiles; nothing is counted
+                    continue
                 a = acc[case]
                 a["seconds"] += secs
                 a["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
@@ -112,8 +122,6 @@ def main(argv=None):
                                   ("csteps", "structured_constrained_steps")):
                     a[key] += after[stat] - before[stat]
                 a["texts"] = [o.outputs[0].text for o in outs]
-                if case == ("plain", "json") and lengths is None:
-                    lengths = [len(o.outputs[0].token_ids) for o in outs]
                 if kind != "free":
                     for o in (outs if kind != "mixed" else outs[::2]):
                         try:

@@ -18,10 +18,12 @@
 #             --gen-batch, sampled responses: ~1M generated tokens), time-boxed; then the latest
 #             checkpoint is exported (OUT_DIR/train/mtp_head.safetensors) and train.png plotted
 #   evalhead  held-out acceptance/speed of the new head (batch 1 and 32)
+#   structured_test / structured_bench  structured outputs: tests/runtime/test_structured.py on
+#             the GPU, then scripts/bench_structured.py (constrained plain vs MTP, batch 1 and 8)
 # --dry-run: run every stage's command on this machine's CPU with tiny sizes, in the existing
 #   .venv (no install), to check the wiring. The CPU test suite never depends on this script.
 # Stage time limits (seconds) can be overridden: T_SETUP, T_KERNELS, T_LOSSLESS, T_BENCH, T_TRAIN,
-# T_EXPORT, T_EVALHEAD. STAGES=a,b,... runs only those stages (e.g. STAGES=bench,bench_plot).
+# T_EXPORT, T_EVALHEAD, T_STEST, T_SBENCH. STAGES=a,b,... runs only those stages (e.g. STAGES=bench,bench_plot).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -115,6 +117,17 @@ if [ "$DRY" = 1 ]; then LSEL="pallas_gpu or plain_engine_matches"; else LSEL="";
 stage lossless "$T_LOSSLESS" env JAX_DEFAULT_MATMUL_PRECISION=highest JMTP_COMPILE=lazy \
   "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_engine_backends.py \
   tests/runtime/test_engine_lossless.py ${LSEL:+-k "$LSEL"} --junitxml="$LOG/lossless.xml"
+
+# ------------------------------------------------------------------------------ structured
+# Structured outputs (issue 37) on the GPU: constrained greedy equal to the masked reference and
+# constrained sampling lossless (tiny models), then constrained plain vs MTP tok/s (SmolLM2).
+if [ "$DRY" = 1 ]; then SSEL="greedy_equals and 0"; SARGS=(--batches 1 --num-prompts 2 --max-tokens 48 --rounds 1);
+else SSEL=""; SARGS=(--batches 1,8 --num-prompts 8 --max-tokens 160 --rounds 2); fi
+stage structured_test "${T_STEST:-120}" env JAX_DEFAULT_MATMUL_PRECISION=highest \
+  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_structured.py ${SSEL:+-k "$SSEL"} \
+  --junitxml="$LOG/structured_test.xml"
+stage structured_bench "${T_SBENCH:-200}" "$PY" scripts/bench_structured.py --compile lazy \
+  --warmup "${SARGS[@]}" --json "$OUT_DIR/structured_bench.json"
 
 # ------------------------------------------------------------------------------ bench
 if [ "$DRY" = 1 ]; then
