@@ -91,6 +91,9 @@ class HandOff:
             raise ValueError(f"{where}: the request was exported by an incompatible engine; "
                              f"differs in: {'; '.join(diff)}")
         ec, sp = self.runner.engine_config, state.sampling_params
+        if getattr(sp, "structured_outputs", None) is not None:
+            raise InvalidRequestError(f"{where}: the hand-off does not carry a grammar state "
+                                      "(structured_outputs)", "structured_outputs")
         if rid in self.requests.groups:
             raise ValueError(f"{where}: request_id {rid!r} is already in use by an "
                              "unfinished request")

@@ -166,11 +166,20 @@ class RequestTable:
             group.seqs.append(Sequence(group, i, dataclasses.replace(sp, seed=seed),
                                        self._detokenizer(), context_ids=list(ids),
                                        logprobs=[] if sp.logprobs is not None else None,
-                                       grammar=(self.structured.matcher(sp.structured_outputs)
-                                                if sp.structured_outputs is not None else None)))
+                                       grammar=self._grammar(sp, group.bad_words_ids)))
         self.groups[request_id] = group
         self.waiting.extend(group.seqs)
         return group
+
+    def _grammar(self, sp: SamplingParams, bad_words_ids) -> SequenceGrammar | None:
+        """A sample's grammar state (None when unconstrained); the ids the request bans
+        everywhere (``bad_token_ids``, one-token bad words) are cleared from its masks."""
+        if sp.structured_outputs is None:
+            return None
+        g = self.structured.matcher(sp.structured_outputs)
+        g.banned = tuple(sorted({int(t) for t in sp.bad_token_ids}
+                                | {w[0] for w in bad_words_ids if len(w) == 1}))
+        return g
 
     def validate(self, prompt_ids: list[int], sp: SamplingParams, where: str) -> None:
         """Raise :class:`InvalidRequestError` (naming the field) for a request this engine cannot

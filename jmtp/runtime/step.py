@@ -81,7 +81,8 @@ from jmtp.runtime.draft_stages import draft_model_postprocess
 from jmtp.runtime.proposers import propose
 from jmtp.runtime.slots import push_free_blocks, release_finished, release_slot, retire_slot
 from jmtp.runtime.state import EngineState, effective_block_tables
-from jmtp.runtime.structured.bitmask import override_drafts
+from jmtp.runtime.sharding import uniform_any
+from jmtp.runtime.structured.bitmask import KEEP_DRAFT, override_drafts
 from jmtp.runtime.target_stages import (allocate_blocks, schedule, speculate_update,
                                         speculate_verify, target_forward)
 
@@ -195,12 +196,16 @@ def engine_step(
     if not isinstance(attention_impl, AttentionBackend):
         attention_impl = resolve_backend(attention_impl, ec.platform)
     model = nnx.merge(graphdef, model_state)
-    if draft_override is not None:
-        tokens, probs = override_drafts(state.draft_tokens, state.draft_probs, draft_override)
-        count = jnp.sum(tokens[:, 1:] >= 0, axis=1).astype(jnp.int32)
-        state = dataclasses.replace(
-            state, draft_tokens=tokens, draft_probs=probs,
-            actual_draft_token_num=jnp.maximum(state.actual_draft_token_num, count))
+    if draft_override is not None and ec.window > 1:
+        def repair(state):
+            tokens, probs = override_drafts(state.draft_tokens, state.draft_probs, draft_override)
+            count = jnp.sum(tokens[:, 1:] >= 0, axis=1).astype(jnp.int32)
+            return dataclasses.replace(
+                state, draft_tokens=tokens, draft_probs=probs,
+                actual_draft_token_num=jnp.maximum(state.actual_draft_token_num, count))
+        # skipped at run time when nothing is overridden (no constrained window)
+        state = jax.lax.cond(uniform_any(draft_override != KEEP_DRAFT), repair, lambda s: s,
+                             state)
     prev = state
     sched = schedule(ec, prev, prefill_chunk)
     blocks, sched = allocate_blocks(ec, prev.blocks, sched, prev.seq_lens_decoder,

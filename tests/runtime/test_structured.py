@@ -45,9 +45,10 @@ def engine(k, draft_sampling: bool = False):
     cfg, params = tiny_model(0, vocab_size=V)
     spec = SPECS[k] if isinstance(k, str) else (
         SpeculativeConfig("mtp", k, k, draft_sampling=draft_sampling) if k else None)
+    # fp32 everywhere: the references run the fp32 forward (an accelerator's default is bf16)
     return LLM(model_config=cfg, params=params, tokenizer=tiny_tokenizer(),
                speculative_config=spec, max_num_seqs=8, max_model_len=96, block_size=8,
-               max_num_batched_tokens=64, compile="lazy")
+               max_num_batched_tokens=64, compile="lazy", dtype=jnp.float32)
 
 
 # ------------------------------------------------------------------------------ bitmask, override
@@ -301,11 +302,16 @@ def test_jump_forward_drafts_are_accepted():
 
 
 # ------------------------------------------------------------------------------ lossless sampling
-TV_CONSTRAINT = SOP(regex=r"(ab|ba|a)(b|c)?")
+TV_CONSTRAINTS = {
+    "short": SOP(regex=r"(ab|ba|a)(b|c)?"),
+    # a forced token in mid-window ("x") replaces a sampled draft while later sampled drafts stay
+    "forced_mid": SOP(regex=r"(a|b)x(c|d)(e|f)(g|h)"),
+}
 TV_PROMPT = "n"
 
 
-def exact_constrained_distribution() -> dict[tuple, float]:
+@functools.lru_cache(maxsize=None)
+def exact_constrained_distribution(name: str = "short") -> dict[tuple, float]:
     """P(token ids) of constrained sampling at temperature 1 without speculation, enumerated
     over the (finite) language through the plain forward with the masks of the reference."""
     cfg, params = tiny_model(0, vocab_size=V)
@@ -314,7 +320,7 @@ def exact_constrained_distribution() -> dict[tuple, float]:
     row = np.zeros(compiler().num_words, np.int32)
 
     def walk(prefix, prob):
-        g = compiler().matcher(TV_CONSTRAINT)
+        g = compiler().matcher(TV_CONSTRAINTS[name])
         g.commit(prefix)
         g.fill_mask(row)
         ids = prompt + prefix
@@ -334,17 +340,19 @@ def exact_constrained_distribution() -> dict[tuple, float]:
     return out
 
 
-@pytest.mark.parametrize("k, draft_sampling", [(0, False), (2, False), (2, True)])
-def test_constrained_sampling_with_speculation_is_lossless(k, draft_sampling):
+@pytest.mark.parametrize("k, draft_sampling, name", [(0, False, "short"), (2, False, "short"),
+                                                     (2, True, "short"),
+                                                     (3, True, "forced_mid")])
+def test_constrained_sampling_with_speculation_is_lossless(k, draft_sampling, name):
     """Total variation between the engine's empirical distribution of constrained samples and
     the exact one, against the statistical noise of N samples (the same check as the
     speculative-sampling tests in test_verify_distribution.py, at engine level)."""
-    truth = exact_constrained_distribution()
+    truth = exact_constrained_distribution(name)
     assert abs(sum(truth.values()) - 1) < 1e-9 and len(truth) >= 6
     llm = engine(k, draft_sampling)
     N = 1200
     sps = [SamplingParams(max_tokens=8, temperature=1.0, seed=1000 + i,
-                          structured_outputs=TV_CONSTRAINT) for i in range(N)]
+                          structured_outputs=TV_CONSTRAINTS[name]) for i in range(N)]
     outs = llm.generate([TV_PROMPT] * N, sps, use_tqdm=False)
     counts = {}
     for o in outs:
@@ -366,7 +374,7 @@ def test_preempted_constrained_requests_resume_their_grammar():
     llm = LLM(model_config=cfg, params=params, tokenizer=tiny_tokenizer(),
               speculative_config=SpeculativeConfig("mtp", 3, 3), max_num_seqs=4,
               max_model_len=64, block_size=4, num_blocks=24, max_num_batched_tokens=32,
-              compile="lazy")
+              compile="lazy", dtype=jnp.float32)
     tok = tiny_tokenizer()
     prompts = ["ab", "hello", "{x}", "z"]
     sop = SOP(json=SCHEMA)
@@ -376,3 +384,65 @@ def test_preempted_constrained_requests_resume_their_grammar():
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == reference_constrained_greedy(
             cfg, params, sop, tok.encode(p), 40), p
+
+
+class _ForcedIntoDeadEnd:
+    """A matcher double: tokens {5, 6} are allowed first and 5 is forced (fast-forward), but
+    after 5 nothing is allowed (a dead end); after anything else everything is."""
+
+    def __init__(self, toks=()):
+        self.toks = list(toks)
+
+    def deep_copy(self):
+        return _ForcedIntoDeadEnd(self.toks)
+
+    def is_error(self):
+        return False
+
+    def stop_reason(self):
+        return "NoExtension"
+
+    def compute_ff_tokens(self):
+        return [5] if not self.toks else []
+
+    def consume_token(self, t):
+        self.toks.append(t)
+        return True
+
+    def unsafe_compute_mask_ptr(self, ptr, nbytes):
+        import ctypes
+        arr = np.ctypeslib.as_array((ctypes.c_int32 * (nbytes // 4)).from_address(ptr))
+        arr[:] = 0
+        if not self.toks:
+            arr[0] = (1 << 5) | (1 << 6)
+        elif self.toks != [5]:
+            arr[:] = -1
+
+
+def test_forced_draft_into_a_dead_end_is_cut_not_swapped_back():
+    """Sampled drafts (exact q): the forced token 5 replaces the draft, leads into a dead end, is
+    forbidden and cut; the proposer's draft 6 must not come back in its place with an unmasked
+    row after it (review of issue 37). A greedy slot keeps its valid draft 6 instead."""
+    from jmtp.runtime.structured.grammar import SequenceGrammar
+    g = SequenceGrammar(_ForcedIntoDeadEnd(), 2, {1})
+    masks = np.zeros((4, 2), np.int32)
+    override = g.fill_window(masks, [6, 7, 8], 3, exact_q=True)
+    assert list(override) == [NO_DRAFT] * 3
+    assert list(np.flatnonzero(unpack_row(masks[0], 64))) == [6]
+    override = g.fill_window(masks, [6, 7, 8], 3, exact_q=False)
+    assert list(override) == [KEEP_DRAFT] * 3
+
+
+def test_banned_tokens_that_empty_the_constraint_end_the_sample_cleanly():
+    """bad_token_ids removing every token the constraint allows: a dead end found on the host
+    (no arbitrary token from an all -inf row), with the reason."""
+    ban = tiny_tokenizer().encode("x")
+    out = engine(2).generate(["ab"], SamplingParams(
+        max_tokens=8, bad_token_ids=ban, structured_outputs=SOP(choice=["x"])),
+        use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [] and out.finish_reason == "abort"
+    assert "dead end" in str(out.stop_reason)
+    ok = engine(2).generate(["ab"], SamplingParams(
+        max_tokens=8, bad_token_ids=ban, structured_outputs=SOP(choice=["x", "yz"])),
+        use_tqdm=False)[0].outputs[0]
+    assert ok.text == "yz"

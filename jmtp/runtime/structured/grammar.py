@@ -3,10 +3,10 @@
 The grammar engine is llguidance (Microsoft's Rust Earley/derivative-regex engine; PyPI
 ``llguidance``): JSON schema, regex and Lark grammars, token bitmasks into NumPy memory,
 cheap copies of a parser state and forced ("fast-forward") tokens, with no torch dependency.
-Measured against xgrammar 0.2.9 on SmolLM2's tokenizer (docs/structured_outputs.md): xgrammar
-fills one mask faster (8 µs vs 50 µs mean) but needs torch and triton installed, compiles a
-schema slower (9.7 ms vs 1.0 ms) and has no token-level forced-token call; a mask costs well under
-1 % of a step either way.
+Measured against xgrammar 0.2.9 on SmolLM2's tokenizer (``scripts/bench_grammar_engines.py``,
+docs/structured_outputs.md): xgrammar fills one mask faster (6 µs vs 47 µs mean) but needs torch
+and triton installed, compiles a schema slower (8.4 ms vs 4.6 ms with the matcher) and has no
+token-level forced-token call; a mask costs well under 1 % of a step either way.
 
 :class:`GrammarCompiler` holds the llguidance tokenizer of one engine and compiles each
 :class:`~jmtp.runtime.structured.params.StructuredOutputsParams` once (an LRU cache), raising
@@ -85,7 +85,8 @@ class GrammarCompiler:
                                                 n_vocab=self.vocab_size, eos_token=eos)
         self._compile = functools.lru_cache(maxsize=256)(self._compile_uncached)
 
-    def _compile_uncached(self, key: str) -> str:
+    def _compile_uncached(self, key: str):
+        """``(grammar text, a fresh matcher to copy)`` of a constraint's key."""
         params = StructuredOutputsParams(**json.loads(key))
         grammar = params.grammar_source()
         bad, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
@@ -93,7 +94,11 @@ class GrammarCompiler:
             raise InvalidRequestError(
                 f"StructuredOutputsParams.{params.kind}: the grammar engine rejects it: "
                 f"{messages[0] if messages else 'invalid'}", f"structured_outputs.{params.kind}")
-        return grammar
+        proto = self._llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if proto.is_error():
+            raise InvalidRequestError(f"StructuredOutputsParams.{params.kind}: "
+                                      f"{proto.get_error()}", f"structured_outputs.{params.kind}")
+        return grammar, proto
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The checked llguidance grammar of ``params`` (cached by value).
@@ -101,15 +106,13 @@ class GrammarCompiler:
         Raises:
           InvalidRequestError: ``.field = "structured_outputs.<kind>"``, with llguidance's message.
         """
-        return self._compile(json.dumps(params.to_dict()))   # key order matters (properties)
+        return self._compile(json.dumps(params.to_dict()))[0]   # key order matters (properties)
 
     def matcher(self, params: StructuredOutputsParams) -> "SequenceGrammar":
         """A fresh :class:`SequenceGrammar` for one sample."""
-        m = self._llg.LLMatcher(self.tokenizer, self.compile(params), log_level=0)
-        if m.is_error():
-            raise InvalidRequestError(f"StructuredOutputsParams.{params.kind}: {m.get_error()}",
-                                      f"structured_outputs.{params.kind}")
-        return SequenceGrammar(m, self.num_words, self.eos_token_ids)
+        # compiled once per constraint (cached with its text); each sample gets a copy (~2 µs)
+        _, proto = self._compile(json.dumps(params.to_dict()))
+        return SequenceGrammar(proto.deep_copy(), self.num_words, self.eos_token_ids)
 
 
 class SequenceGrammar:
@@ -126,6 +129,7 @@ class SequenceGrammar:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.error: str | None = None
         self.num_forced = 0     # drafts the grammar forced, over the sample's life
+        self.banned: tuple[int, ...] = ()   # ids the request bans everywhere (set by the engine)
 
     def fill_mask(self, row: np.ndarray) -> None:
         """Write the bitmask of the next token (``i32[NW]``, C-contiguous) into ``row``."""
@@ -169,6 +173,8 @@ class SequenceGrammar:
         W = masks.shape[0]
         override = np.full((W - 1,), NO_DRAFT, np.int32)
         masks[:] = -1
+        if self.error is not None:     # (the first reason stands; the engine ends the sample)
+            return override
         # The window is explored on a copy (2 µs): a draft that leads into a dead end puts an
         # llguidance matcher into a sticky error state that rolling back does not clear.
         m = self.matcher.deep_copy()
@@ -186,16 +192,20 @@ class SequenceGrammar:
                 break
             row = masks[w]
             self.fill_mask_of(m, row)
+            self._ban(row)
             if m.is_error() or not row.any():
                 if w == 0:
                     self.error = (f"no token is allowed here: the grammar reached a dead end "
                                   f"({m.stop_reason()})")
                     masks[0] = -1
                     return override
-                # the previous draft leads nowhere: forbid it, end the window before it
-                masks.view(np.uint32)[w - 1, token >> 5] &= ~np.uint32(1 << (token & 31))
+                # the previous draft leads nowhere: forbid it and end the window there. A forced
+                # token is cut (its choice depended on the prefix only); a sampled draft of the
+                # proposer stays for the verifier to reject (its row now forbids it)
+                _forbid(masks, w - 1, token)
                 masks[w] = -1
-                override[w - 1] = KEEP_DRAFT if exact_q and w - 1 < len(drafts) else NO_DRAFT
+                override[w - 1] = (KEEP_DRAFT if exact_q and override[w - 1] == KEEP_DRAFT
+                                   else NO_DRAFT)
                 break
             if w >= limit:
                 break
@@ -221,13 +231,27 @@ class SequenceGrammar:
                     override[w:len(drafts)] = KEEP_DRAFT
                 break
             if not m.consume_token(token):   # cannot happen for an allowed token
-                override[w] = KEEP_DRAFT if exact_q and proposed is not None else NO_DRAFT
+                _forbid(masks, w, token)
+                override[w] = (KEEP_DRAFT if exact_q and override[w] == KEEP_DRAFT
+                               else NO_DRAFT)
                 break
         return override
 
     @staticmethod
     def fill_mask_of(matcher, row: np.ndarray) -> None:
         matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def _ban(self, row: np.ndarray) -> None:
+        """Clear the request's banned tokens (``bad_token_ids``, one-token bad words) in ``row``,
+        so a constraint they leave without any token is a dead end found on the host."""
+        for t in self.banned:
+            if t >> 5 < row.shape[0]:
+                row.view(np.uint32)[t >> 5] &= ~np.uint32(1 << (t & 31))
+
+
+def _forbid(masks: np.ndarray, w: int, token: int) -> None:
+    """Clear ``token``'s bit in row ``w`` of ``masks`` (i32[W, NW])."""
+    masks.view(np.uint32)[w, token >> 5] &= ~np.uint32(1 << (token & 31))
 
 
 def unpack_row(row: np.ndarray, vocab_size: int) -> np.ndarray:
