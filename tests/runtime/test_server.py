@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -20,6 +17,8 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 prom_parser = pytest.importorskip("prometheus_client.parser")
+
+from tests.runtime.serve_process import running_server  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server")]  # one worker: one fixture
 
@@ -33,39 +32,10 @@ COMPLETION_PROMPT = "The three primary colors are"
 MAX_TOKENS = 24
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smollm2_dir, tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "jmtp", "serve", "--host", "127.0.0.1",
-                             "--port", str(port), "--log-level", "warning"] + SERVER_ARGS,
-                            stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited ({proc.returncode}):\n{log_path.read_text()}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not healthy in 300 s:\n{log_path.read_text()}")
-            time.sleep(0.5)
+    with running_server(SERVER_ARGS, tmp_path_factory.mktemp("serve") / "server.log") as base:
         yield base
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        log.close()
 
 
 @pytest.fixture(scope="module")
