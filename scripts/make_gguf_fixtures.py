@@ -4,9 +4,13 @@ For every family: a tiny random transformers checkpoint (``save_pretrained``, fp
 deterministic seeds) plus a tiny tokenizer trained on a fixed text (byte-level BPE with
 ``tokenizers``; SentencePiece for ERNIE, whose converter reads ``tokenizer.model``), then
 llama.cpp's own ``convert_hf_to_gguf.py`` turns the directory into ``model.gguf`` (``--outtype
-f32``). The tests (``tests/model/test_gguf_moe.py``) compare jmtp's GGUF-loaded logits
-with transformers run on the committed HF files, so the converter is the independent reference
-for tensor names/layouts and metadata keys; CI never needs it.
+f32``). The tests (``tests/model/test_gguf_moe.py``; ``tests/model/test_gguf_hybrid.py`` for the
+hybrid gated-DeltaNet families ``qwen3next``, ``qwen35``, ``qwen35moe``) compare jmtp's
+GGUF-loaded logits with transformers run on the committed HF files, so the converter is the
+independent reference for tensor names/layouts and metadata keys; CI never needs it.
+
+The hybrid families also carry an ``mtp.*`` layer (``model-mtp.safetensors``: transformers
+creates none), which llama.cpp's converter writes as the NextN layer ``blk.{N}``.
 
 Usage (the converter ships in the llama-cpp-python sdist, ``vendor/llama.cpp``; the committed
 fixtures were made with llama-cpp-python 0.3.36; ERNIE also needs ``sentencepiece``, here and in
@@ -96,6 +100,44 @@ def _configs():
             moe_num_experts=8, moe_k=2, moe_num_shared_experts=2, moe_intermediate_size=16,
             moe_layer_start_index=1, moe_layer_end_index=2, moe_layer_interval=1,
             rope_theta=500000.0, use_bias=False),
+        **_hybrid_configs(),
+    }
+
+
+# The hybrid gated-DeltaNet families (tests/model/test_gguf_hybrid.py): linear layers with
+# Hk = 2 key heads serving Hv = 4 value heads (so the converter's per-key-head regrouping of
+# Qwen3-Next and its grouped -> tiled value-head order of Qwen3.5 are exercised), gated full
+# attention with partial rotary 0.5, and llama.cpp's layer rules: every Qwen3-Next / Qwen3.5-MoE
+# layer is MoE with a gated shared expert (the llama.cpp graphs have no dense layers there).
+_LIN, _FULL = "linear_attention", "full_attention"
+HYBRID = dict(num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                               "partial_rotary_factor": 0.5})
+HYBRID_FAMILIES = ("qwen3next", "qwen35", "qwen35moe")
+
+
+def _hybrid_configs():
+    import transformers
+
+    return {
+        # Qwen3-Next: no mtp_num_hidden_layers in config.json (as released; the converter counts
+        # the mtp.layers.* it finds), a layer pattern that is not full_attention_interval's
+        "qwen3next": transformers.Qwen3NextConfig(
+            **{**COMMON, "num_hidden_layers": 4}, **HYBRID,
+            layer_types=[_LIN, _FULL, _LIN, _FULL], num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=8, shared_expert_intermediate_size=16, decoder_sparse_step=1,
+            mlp_only_layers=[], norm_topk_prob=True),
+        # Qwen3.5 dense, tied embeddings (as the small Qwen3.5 releases)
+        "qwen35": transformers.Qwen3_5TextConfig(
+            **{**COMMON, "num_hidden_layers": 4, "tie_word_embeddings": True}, **HYBRID,
+            layer_types=[_LIN, _LIN, _FULL, _LIN], mtp_num_hidden_layers=1),
+        # Qwen3.5-MoE, the released pattern (full attention every 4th layer)
+        "qwen35moe": transformers.Qwen3_5MoeTextConfig(
+            **{**COMMON, "num_hidden_layers": 4}, **HYBRID,
+            layer_types=[_LIN, _LIN, _LIN, _FULL], num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=8, shared_expert_intermediate_size=16,
+            mtp_num_hidden_layers=1),
     }
 
 
@@ -125,9 +167,12 @@ OUTTYPES = {
     "qwen3moe": [("f32", "model.gguf", ()), ("q8_0", "model-q8_0.gguf", ())],
 }
 
-# special tokens per family (the converter's GLM vocabulary code looks these up by name)
+# special tokens per family (the converter's GLM vocabulary code looks these up by name; for
+# qwen3_5_moe_text configs transformers' AutoTokenizer, which the converter calls, picks
+# Qwen3_5Tokenizer, which adds <|endoftext|> past the vocabulary unless the tokenizer has it)
 SPECIALS = {
     "glm4moe": ["[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>"],
+    **{fam: ["<|endoftext|>"] for fam in ("qwen3next", "qwen35", "qwen35moe")},
 }
 
 
@@ -160,6 +205,71 @@ def _add_nextn_layer(model, out: Path, seed: int):
     for name in ("enorm", "hnorm", "shared_head.norm"):
         t[p + name + ".weight"] = 1 + 0.2 * torch.randn(h, generator=g)
     t[p + "eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    save_file(t, str(out / "model-mtp.safetensors"))
+
+
+def _hub_layout(state: dict, prefix: str) -> dict:
+    """A layer's ``state_dict`` under ``prefix``, transformers v5's fused in-memory expert tensors
+    written in the hub layout (``experts.{e}.{gate,up,down}_proj.weight``)."""
+    t = {}
+    for k, v in state.items():
+        if k == "mlp.experts.gate_up_proj":
+            i = v.shape[1] // 2
+            for e in range(v.shape[0]):
+                t[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = v[e, :i].clone().contiguous()
+                t[f"{prefix}mlp.experts.{e}.up_proj.weight"] = v[e, i:].clone().contiguous()
+        elif k == "mlp.experts.down_proj":
+            for e in range(v.shape[0]):
+                t[f"{prefix}mlp.experts.{e}.down_proj.weight"] = v[e].clone().contiguous()
+        else:
+            t[prefix + k] = v.detach().clone().contiguous()
+    return t
+
+
+def _randomize_hybrid(model, seed: int):
+    """Every tensor of a hybrid model random, as ``tests/model/hybrid_fixtures.py`` does:
+    zero-centred norms around 0 (the gated norm ``linear_attn.norm`` around 1), ``A_log`` the log
+    of U(0.5, 4), ``dt_bias`` N(0, 0.25), everything else N(0, 0.15²); so the converter's
+    ``1 + w``, ``-exp(A_log)`` and every reordering change the logits if undone wrongly."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("A_log"):
+                p.copy_(torch.log(0.5 + 3.5 * torch.rand(p.shape, generator=g)))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * noise)
+            elif "norm" in name:
+                p.copy_(0.2 * noise + (1.0 if name.endswith("linear_attn.norm.weight") else 0.0))
+            else:
+                p.copy_(0.15 * noise)
+    return model
+
+
+def _add_mtp_layer(model, out: Path, seed: int):
+    """A Qwen3-Next / Qwen3.5 MTP layer in the released layout, saved as
+    ``model-mtp.safetensors`` (the converter reads ``model*.safetensors``): ``mtp.fc`` over
+    ``[embedding; hidden]``, the zero-centred norms ``mtp.pre_fc_norm_embedding`` /
+    ``pre_fc_norm_hidden`` / ``norm``, and ``mtp.layers.0.*``, a full-attention decoder layer
+    (MoE for the MoE families) with its own random weights."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    cfg = model.config
+    n = cfg.num_hidden_layers
+    donor_cfg = cfg.__class__(**{**cfg.to_dict(), "num_hidden_layers": n + 1,
+                                 "layer_types": list(cfg.layer_types) + ["full_attention"]})
+    donor = _randomize_hybrid(
+        transformers.AutoModelForCausalLM.from_config(donor_cfg, dtype=torch.float32), seed)
+    t = _hub_layout(donor.model.layers[n].state_dict(), "mtp.layers.0.")
+    g = torch.Generator().manual_seed(seed + 1)
+    h = cfg.hidden_size
+    t["mtp.fc.weight"] = 0.15 * torch.randn(h, 2 * h, generator=g)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        t[f"mtp.{name}.weight"] = 0.2 * torch.randn(h, generator=g)
     save_file(t, str(out / "model-mtp.safetensors"))
 
 
@@ -220,13 +330,16 @@ def build(family: str, llama_cpp: Path, seed: int = 0):
     torch.manual_seed(seed)
     config = _configs()[family]
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, seed + len(family)).eval()
+    hybrid = family in HYBRID_FAMILIES
+    (_randomize_hybrid if hybrid else _randomize)(model, seed + len(family)).eval()
     out = OUT / family
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     model.save_pretrained(out)
     if getattr(config, "num_nextn_predict_layers", 0):
         _add_nextn_layer(model, out, seed + 100)
+    if hybrid:
+        _add_mtp_layer(model, out, seed + 100)
     if family.startswith("ernie"):
         _sentencepiece(out)
     else:

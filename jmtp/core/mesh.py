@@ -47,7 +47,7 @@ DATA_SHARD = "data_shard"
 LOGICAL_TO_MESH: dict[str, str | None] = {
     Q_HEADS: MODEL, KV_HEADS: MODEL, MLP: MODEL, VOCAB: MODEL,
     LAYERS: None, EMBED: None, EMBED2: None, HEAD_DIM: None,
-    BLOCKS: None, BLOCK_SIZE: None, EXPERTS: None, EXPERT_MLP: None,
+    BLOCKS: None, BLOCK_SIZE: None, EXPERTS: None, EXPERT_MLP: MODEL,
     SLOTS: DATA, DATA_SHARD: DATA,
 }
 

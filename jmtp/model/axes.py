@@ -77,6 +77,17 @@ LAYER_AXES: dict[str, tuple[str, ...]] = {
     "experts_gate": (EXPERTS, EMBED, EXPERT_MLP), "experts_up": (EXPERTS, EMBED, EXPERT_MLP),
     "experts_down": (EXPERTS, EXPERT_MLP, EMBED),
     "shared_gate": (EMBED, MLP), "shared_up": (EMBED, MLP), "shared_down": (MLP, EMBED),
+    "shared_expert_gate": (EMBED, None),
+    # gated attention output gate (Qwen3-Next / Qwen3.5)
+    "wg": (EMBED, Q_HEADS),
+    # gated DeltaNet (jmtp.model.gated_deltanet): key heads Hk·Dk and value heads Hv·Dv split
+    # over the model axis like attention heads (each device whole key heads and their value
+    # heads); the per-head vectors (a, b, dt_bias, A_log) with the value heads.
+    "lin_q": (EMBED, Q_HEADS), "lin_k": (EMBED, Q_HEADS), "lin_v": (EMBED, Q_HEADS),
+    "lin_z": (EMBED, Q_HEADS), "lin_a": (EMBED, Q_HEADS), "lin_b": (EMBED, Q_HEADS),
+    "conv_q": (None, Q_HEADS), "conv_k": (None, Q_HEADS), "conv_v": (None, Q_HEADS),
+    "dt_bias": (Q_HEADS,), "a_log": (Q_HEADS,), "lin_norm": (None,),
+    "lin_out": (Q_HEADS, EMBED),
 }
 
 # Top-level and MTP-head parameters (MTP entries without their leading ``layers`` axis).

@@ -10,11 +10,62 @@ from typing import Literal
 
 from jmtp.core.checks import check_one_of
 
-MTP_LAYOUTS = ("deepseek", "ernie", "mimo")
+MTP_LAYOUTS = ("deepseek", "ernie", "mimo", "qwen3_next")
 ATTENTION_TYPES = ("gqa", "mla")
 MLA_PATHS = ("absorbed", "expanded")
 MOE_SCORING = ("softmax", "sigmoid")
 MOE_IMPLEMENTATIONS = ("auto", "ragged", "dense")
+LAYER_TYPES = ("full_attention", "linear_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet token mixer of a hybrid model's ``"linear_attention"`` layers (Yang, Kautz &
+    Hatamizadeh 2024, arXiv 2412.06464; Qwen3-Next / Qwen3.5, transformers
+    ``Qwen3NextGatedDeltaNet``), :mod:`jmtp.model.gated_deltanet`.
+
+    Attributes:
+      num_key_heads: Hk query/key heads (HF ``linear_num_key_heads``).
+      num_value_heads: Hv value heads (``linear_num_value_heads``), a multiple of Hk: key head
+        ``h`` serves value heads ``[h·Hv/Hk, (h+1)·Hv/Hk)``.
+      key_head_dim: Dk (``linear_key_head_dim``).
+      value_head_dim: Dv (``linear_value_head_dim``).
+      conv_kernel_dim: width of the depthwise causal convolution over ``[q; k; v]``
+        (``linear_conv_kernel_dim``); its state holds the last ``conv_kernel_dim - 1`` inputs.
+    """
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel_dim: int = 4
+
+    def __post_init__(self):
+        for name in ("num_key_heads", "num_value_heads", "key_head_dim", "value_head_dim"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"LinearAttentionConfig.{name} must be >= 1, got "
+                                 f"{getattr(self, name)}")
+        if self.num_value_heads % self.num_key_heads:
+            raise ValueError(f"LinearAttentionConfig.num_value_heads ({self.num_value_heads}) "
+                             f"must be a multiple of num_key_heads ({self.num_key_heads})")
+        if self.conv_kernel_dim < 2:
+            raise ValueError(f"LinearAttentionConfig.conv_kernel_dim must be >= 2, got "
+                             f"{self.conv_kernel_dim}")
+
+    @property
+    def key_dim(self) -> int:
+        """``Hk·Dk``: width of the query and of the key projection."""
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """``Hv·Dv``: width of the value and output-gate projections."""
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: ``[q; k; v]``, ``2·Hk·Dk + Hv·Dv``."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +139,11 @@ class MoEConfig:
       n_group / topk_group: grouped top-k (DeepSeek-V3 node-limited routing); 1/1 = plain top-k.
       routed_scaling_factor: multiplies the routed experts' weights.
       shared_intermediate_size: SwiGLU width of the shared experts (``n_shared_experts ·
-        moe_intermediate_size``), 0 = none; their output is added unweighted.
+        moe_intermediate_size``), 0 = none; their output is added unweighted, or scaled by
+        ``sigmoid(x · shared_expert_gate)`` with ``shared_expert_gate``.
+      shared_expert_gate: the shared expert's output is gated per token by
+        ``sigmoid(x @ shared_gate_proj f[H, 1])`` (Qwen3-Next / Qwen3.5-MoE
+        ``shared_expert_gate``).
       implementation: ``"ragged"`` (tokens sorted by expert, ``jax.lax.ragged_dot``: grouped
         matmuls of k·T rows on TPU, whose XLA backend implements the op), ``"dense"`` (reference:
         every expert on every token, weighted; E·T rows) or ``"auto"`` (default: ``"ragged"`` on
@@ -109,6 +164,7 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     implementation: Literal["auto", "ragged", "dense"] = "auto"
 
     def __post_init__(self):
@@ -137,6 +193,9 @@ class MoEConfig:
             raise ValueError("MoEConfig.shared_intermediate_size and layers must be >= 0")
         if tuple(sorted(set(self.layers))) != tuple(self.layers):
             raise ValueError(f"MoEConfig.layers must be sorted and unique, got {self.layers}")
+        if self.shared_expert_gate and not self.shared_intermediate_size:
+            raise ValueError("MoEConfig.shared_expert_gate needs shared experts "
+                             "(shared_intermediate_size > 0)")
 
     def replace(self, **kw) -> "MoEConfig":
         return dataclasses.replace(self, **kw)
@@ -171,7 +230,9 @@ class ModelConfig:
         * ``"ernie"``: the target's final norm shared, the post-norm hidden fed back;
         * ``"mimo"`` (MiMo-7B, ``model.mtp_layers.{j}``): own ``final_layernorm``, the post-norm
           hidden fed back, the embedding zeroed at MTP position 0, and the head takes the
-          target's *pre*-final-norm hidden (:attr:`mtp_takes_prenorm_hidden`).
+          target's *pre*-final-norm hidden (:attr:`mtp_takes_prenorm_hidden`);
+        * ``"qwen3_next"`` (Qwen3-Next / Qwen3.5 ``mtp.*``, vLLM ``qwen3_next_mtp``): own final norm
+          ``mtp.norm``, the post-norm hidden fed back, the target's post-norm hidden taken.
       draft_vocab_size: FR-Spec draft vocabulary the checkpoint's MTP head was trained for (Zhao et
         al. 2025, arXiv 2502.14856; EAGLE-3's ``draft_vocab_size``): its drafts score only the N most
         frequent tokens, ranked in ``params["draft_vocab"] i32[V]``. 0 = the full vocabulary.
@@ -191,6 +252,16 @@ class ModelConfig:
       partial_rotary_factor: RoPE rotates the first ``int(D · factor)`` dims of each head only
         (GLM-4.5: 0.5, rotate-half layout within them); 1 = all of them.
       moe: the mixture-of-experts FFN of the layers it lists (:class:`MoEConfig`); None = dense.
+      layer_types: per target layer ``"full_attention"`` or ``"linear_attention"`` (HF
+        ``layer_types``; Qwen3-Next / Qwen3.5: three gated-DeltaNet layers then one full
+        attention layer); empty = every layer full attention. Only full-attention layers have a
+        paged KV cache (:attr:`kv_layers`); linear-attention layers keep a recurrent state per
+        slot (:mod:`jmtp.model.gated_deltanet`). The MTP modules are full attention.
+      linear: the gated-DeltaNet dimensions (:class:`LinearAttentionConfig`); required when a
+        layer is ``"linear_attention"``.
+      attn_output_gate: the attention output is gated per channel by ``sigmoid(x @ wg)`` before
+        ``wo`` (Qwen3-Next / Qwen3.5 gated attention: HF ``q_proj`` doubled, each head's query
+        followed by its gate); ``wg f[H, Nq·D]``.
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -211,7 +282,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     num_mtp_layers: int = 1
-    mtp_layout: Literal["deepseek", "ernie", "mimo"] = "deepseek"
+    mtp_layout: Literal["deepseek", "ernie", "mimo", "qwen3_next"] = "deepseek"
     draft_vocab_size: int = 0
     attention_type: Literal["gqa", "mla"] = "gqa"
     q_lora_rank: int | None = None
@@ -222,6 +293,9 @@ class ModelConfig:
     mla_path: Literal["absorbed", "expanded"] = "absorbed"
     partial_rotary_factor: float = 1.0
     moe: MoEConfig | None = None
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -256,6 +330,24 @@ class ModelConfig:
         check_one_of("ModelConfig.attention_type", self.attention_type, ATTENTION_TYPES)
         if self.attention_type == "mla":
             self._check_mla()
+        if self.layer_types:
+            self._check_hybrid()
+
+    def _check_hybrid(self):
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"ModelConfig.layer_types has {len(self.layer_types)} entries, "
+                             f"expected num_layers={self.num_layers}")
+        for i, t in enumerate(self.layer_types):
+            check_one_of(f"ModelConfig.layer_types[{i}]", t, LAYER_TYPES)
+        if self.linear is None and "linear_attention" in self.layer_types:
+            raise ValueError("ModelConfig.linear (LinearAttentionConfig) is required when a "
+                             "layer is 'linear_attention'")
+        if not self.kv_layers:
+            raise ValueError("ModelConfig.layer_types: at least one layer must be "
+                             "'full_attention' (the paged KV cache and the MTP layer need one)")
+        if self.is_mla and self.is_hybrid:
+            raise ValueError("ModelConfig: linear-attention layers with attention_type='mla' "
+                             "are not supported")
 
     def _check_mla(self):
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -322,6 +414,34 @@ class ModelConfig:
     def mtp_is_moe(self) -> bool:
         """Whether the MTP modules' FFN is the MoE block."""
         return self.moe is not None and self.moe.mtp_moe
+
+    def layer_type(self, i: int) -> str:
+        """``"full_attention"`` or ``"linear_attention"`` of target layer ``i``."""
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some target layer is a linear-attention (gated DeltaNet) layer."""
+        return "linear_attention" in self.layer_types
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """Indices of the full-attention layers: the layers of the paged KV cache, in order
+        (cache layer ``j`` belongs to target layer ``kv_layers[j]``)."""
+        return tuple(i for i in range(self.num_layers)
+                     if self.layer_type(i) == "full_attention")
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Indices of the linear-attention layers (state layer ``j`` is target layer
+        ``linear_layers[j]``)."""
+        return tuple(i for i in range(self.num_layers)
+                     if self.layer_type(i) == "linear_attention")
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers of the target's paged KV cache (``num_layers`` unless hybrid)."""
+        return len(self.kv_layers)
 
     @property
     def q_size(self) -> int:

@@ -26,6 +26,10 @@ per-architecture graphs ``src/models/*.cpp``; transformers ``modeling_gguf_pytor
   :func:`_deepseek2_yarn`);
 * ``glm4moe``: ``block_count`` includes the ``nextn_predict_layers`` NextN (MTP) layers; partial
   rotary (``rope.dimension_count`` < head dim).
+* the hybrid gated-DeltaNet family ``qwen3next`` (Qwen3-Next), ``qwen35`` (Qwen3.5) and
+  ``qwen35moe`` (Qwen3.5-MoE): :func:`hybrid_gguf_config` (``ssm.*`` keys for the linear layers,
+  ``attention.recurrent_layers`` / ``full_attention_interval`` for the layer pattern,
+  ``nextn_predict_layers`` MTP layers counted in ``block_count``, llama.cpp's MoE rules).
 
 The tensors themselves are read by :mod:`jmtp.model.gguf_loader`.
 """
@@ -36,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from jmtp.model.config import ModelConfig, MoEConfig, RopeScaling
+from jmtp.model.config import LinearAttentionConfig, ModelConfig, MoEConfig, RopeScaling
 
 # GGUF general.architecture -> (HF architecture, llama.cpp permuted q/k rows)
 GGUF_ARCHITECTURES = {
@@ -47,7 +51,15 @@ GGUF_ARCHITECTURES = {
     "deepseek2": ("DeepseekV3ForCausalLM", False),
     "glm4moe": ("Glm4MoeForCausalLM", False),
     "ernie4_5-moe": ("Ernie4_5_MoeForCausalLM", False),
+    "qwen3next": ("Qwen3NextForCausalLM", False),
+    "qwen35": ("Qwen3_5ForCausalLM", False),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", False),
 }
+# The hybrid gated-DeltaNet architectures (hybrid_gguf_config; tensors read by
+# jmtp.model.gguf_loader.HybridGGUFSource into jmtp.model.hf_qwen3_next's builder), and those of
+# them whose every layer is MoE with a gated shared expert.
+HYBRID_GGUF_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
+HYBRID_MOE_GGUF_ARCHITECTURES = ("qwen3next", "qwen35moe")
 MOE_GGUF_ARCHITECTURES = ("qwen3moe", "deepseek2", "glm4moe", "ernie4_5-moe")
 # architectures whose RoPE may rotate only the first rope.dimension_count dims of a head
 PARTIAL_ROTARY_GGUF_ARCHITECTURES = ("glm4moe",)
@@ -101,6 +113,8 @@ def gguf_config(reader, where: str) -> tuple[ModelConfig, bool]:
         raise ValueError(f"{where}: unknown architecture {arch!r} (field general.architecture); "
                          f"supported: {', '.join(GGUF_ARCHITECTURES)}")
     hf_arch, permuted = GGUF_ARCHITECTURES[arch]
+    if arch in HYBRID_GGUF_ARCHITECTURES:
+        return hybrid_gguf_config(reader, meta, where), permuted
     names = {t.name for t in reader.tensors}
 
     def need(key):
@@ -288,3 +302,136 @@ def _moe_config(meta: dict, arch: str, num_layers: int, need, where: str,
         topk_group=int(meta.get(f"{arch}.expert_group_used_count", 1) or 1),
         routed_scaling_factor=float(meta.get(f"{arch}.expert_weights_scale", 1.0) or 1.0),
         shared_intermediate_size=ie * int(meta.get(f"{arch}.expert_shared_count", 0) or 0))
+
+
+def hybrid_gguf_config(reader, meta: dict[str, Any], where: str) -> ModelConfig:
+    """:class:`ModelConfig` of a ``qwen3next`` / ``qwen35`` / ``qwen35moe`` file, the same as
+    :func:`jmtp.model.hf_qwen3_next.hybrid_config` gives for the transformers checkpoint it was
+    converted from (llama.cpp ``convert_hf_to_gguf.py``, classes ``Qwen3NextModel``,
+    ``Qwen3_5TextModel``, ``Qwen3_5MoeTextModel``; graphs ``src/models/qwen3next.cpp``,
+    ``qwen35.cpp``, ``qwen35moe.cpp``):
+
+    * ``block_count`` counts the ``nextn_predict_layers`` MTP layers (the converter writes HF's
+      ``mtp.layers.{j}`` as ``blk.{N+j}``);
+    * layer pattern: ``attention.recurrent_layers`` (one bool per block, MTP blocks false; the
+      converter writes it from HF's ``layer_types``), else llama.cpp's rule: layer ``i`` is full
+      attention iff ``(i + 1) % full_attention_interval == 0`` (absent: 4);
+    * linear layers: ``ssm.group_count`` key heads, ``ssm.time_step_rank`` value heads,
+      ``ssm.state_size`` key head dim, ``ssm.inner_size / time_step_rank`` value head dim,
+      ``ssm.conv_kernel``;
+    * full attention: gated (``attn_q`` holds query and gate), q/k norms, partial rotary
+      ``rope.dimension_count / attention.key_length`` (Qwen3.5's multimodal
+      ``rope.dimension_sections`` rotate every section by the same position for text);
+    * ``qwen3next`` / ``qwen35moe``: every layer MoE (llama.cpp's graphs have no dense layer), a
+      softmax router whose top-k weights are renormalised, a shared expert of
+      ``expert_shared_feed_forward_length`` (absent: ``feed_forward_length``, llama.cpp's
+      fallback) scaled by ``sigmoid(ffn_gate_inp_shexp · x)``.
+
+    Raises:
+      ValueError: naming the field for a missing or inconsistent key, rope scaling, or an expert
+        weight scale (``expert_weights_scale``) other than 1.
+    """
+    arch = meta["general.architecture"]
+    names = {t.name for t in reader.tensors}
+
+    def need(key):
+        k = f"{arch}.{key}"
+        if meta.get(k) is None:
+            raise ValueError(f"{where}: missing metadata field {k!r}")
+        return meta[k]
+
+    nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0)
+    total = int(need("block_count"))
+    n = total - nextn
+    if n < 1:
+        raise ValueError(f"{where}: field {arch}.block_count = {total} leaves no target layer "
+                         f"after {arch}.nextn_predict_layers = {nextn}")
+    h, nq = int(need("embedding_length")), int(need("attention.head_count"))
+    nkv = int(meta.get(f"{arch}.attention.head_count_kv", nq))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", h // nq))
+    vlen = int(meta.get(f"{arch}.attention.value_length", head_dim))
+    if vlen != head_dim:
+        raise ValueError(f"{where}: field {arch}.attention.value_length = {vlen} != "
+                         f"{arch}.attention.key_length = {head_dim}: unsupported")
+    rot = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if not 0 < rot <= head_dim or rot % 2:
+        raise ValueError(f"{where}: field {arch}.rope.dimension_count = {rot} must be even and lie "
+                         f"in (0, head_dim = {head_dim}]")
+    stype = meta.get(f"{arch}.rope.scaling.type", "none")
+    if stype not in ("none", None) or "rope_freqs.weight" in names:
+        raise ValueError(f"{where}: field {arch}.rope.scaling.type = {stype!r} (or a "
+                         "rope_freqs.weight tensor): rope scaling is not supported for the hybrid "
+                         "models")
+    # layer pattern
+    rec = meta.get(f"{arch}.attention.recurrent_layers")
+    if rec is not None:
+        if not isinstance(rec, (list, tuple, np.ndarray)):
+            rec = [rec] * total                            # one value for every block
+        rec = [bool(x) for x in rec]
+        if len(rec) != total:
+            raise ValueError(f"{where}: field {arch}.attention.recurrent_layers has {len(rec)} "
+                             f"entries, expected {arch}.block_count = {total}")
+        if any(rec[n:]):
+            raise ValueError(f"{where}: field {arch}.attention.recurrent_layers marks an MTP layer "
+                             f"(blk.{n + rec[n:].index(True)}) recurrent; MTP layers are full "
+                             "attention")
+        types = ["linear_attention" if r else "full_attention" for r in rec[:n]]
+    else:
+        interval = int(meta.get(f"{arch}.full_attention_interval", 4) or 4)
+        types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    if "full_attention" not in types:
+        raise ValueError(f"{where}: fields {arch}.attention.recurrent_layers / "
+                         f"{arch}.full_attention_interval leave no full-attention layer")
+    hk, hv = int(need("ssm.group_count")), int(need("ssm.time_step_rank"))
+    inner, dk = int(need("ssm.inner_size")), int(need("ssm.state_size"))
+    if hk < 1 or hv % hk or inner % hv:
+        raise ValueError(f"{where}: fields {arch}.ssm.time_step_rank = {hv} (value heads) must "
+                         f"be a multiple of {arch}.ssm.group_count = {hk} (key heads) and divide "
+                         f"{arch}.ssm.inner_size = {inner}")
+    linear = LinearAttentionConfig(num_key_heads=hk, num_value_heads=hv, key_head_dim=dk,
+                                   value_head_dim=inner // hv,
+                                   conv_kernel_dim=int(need("ssm.conv_kernel")))
+    moe = None
+    ff = meta.get(f"{arch}.feed_forward_length")
+    if arch in HYBRID_MOE_GGUF_ARCHITECTURES:
+        e, k = int(need("expert_count")), int(need("expert_used_count"))
+        if not 1 <= k <= e:
+            raise ValueError(f"{where}: field {arch}.expert_used_count = {k} must lie in "
+                             f"[1, {arch}.expert_count = {e}]")
+        scale = float(meta.get(f"{arch}.expert_weights_scale", 0.0) or 0.0)
+        if scale not in (0.0, 1.0):
+            raise ValueError(f"{where}: field {arch}.expert_weights_scale = {scale} is not "
+                             "supported for the hybrid models (only 1)")
+        shared = int(meta.get(f"{arch}.expert_shared_feed_forward_length") or ff or 0)
+        if shared < 1:
+            raise ValueError(f"{where}: missing metadata field "
+                             f"'{arch}.expert_shared_feed_forward_length' (nor "
+                             f"{arch}.feed_forward_length): the shared expert's width")
+        moe = MoEConfig(e, k, int(need("expert_feed_forward_length")), layers=tuple(range(n)),
+                        mtp_moe=True, scoring="softmax", norm_topk_prob=True,
+                        shared_intermediate_size=shared, shared_expert_gate=True)
+        inter = int(ff or moe.moe_intermediate_size)
+    else:
+        inter = int(need("feed_forward_length"))
+    first_full = types.index("full_attention")
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ValueError(f"{where}: missing tensor 'token_embd.weight'")
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                             "tokenizer.ggml.eom_token_id") if k in meta]
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch][0],
+        vocab_size=int(meta.get(f"{arch}.vocab_size", int(embd.shape[1]))),
+        hidden_size=h, intermediate_size=inter, num_layers=n, num_heads=nq, num_kv_heads=nkv,
+        head_dim=head_dim,
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=f"blk.{first_full}.attn_q.bias" in names
+        or f"blk.{first_full}.attn_qkv.bias" in names,
+        qk_norm=True, partial_rotary_factor=rot / head_dim, moe=moe,
+        max_position_embeddings=int(meta.get(f"{arch}.context_length", 2048)),
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+        layer_types=tuple(types), linear=linear, attn_output_gate=True, mtp_layout="qwen3_next",
+        num_mtp_layers=nextn)

@@ -173,7 +173,10 @@ ARCHITECTURES: dict[str, HFArchitecture] = {a.name: a for a in (
                    interleaved_rope=ConfigFlag("rope_interleave", True), moe=_deepseek_v3_moe),
     HFArchitecture("MiMoForCausalLM", attention_bias=_QWEN2_BIAS),   # MiMo's decoder is Qwen2's
 )}
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+#: The hybrid gated-DeltaNet family, loaded by :mod:`jmtp.model.hf_qwen3_next`.
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES) + HYBRID_ARCHITECTURES
 
 
 def architecture(hf: dict, where: str) -> HFArchitecture:

@@ -290,6 +290,13 @@ def load_hf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
         raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
     gen_path = d / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    from jmtp.model import hf_qwen3_next as hybrid
+    if (hf.get("architectures") or [None])[0] in hybrid.HYBRID_ARCHITECTURES:
+        if (hf.get("quantization_config") or {}):
+            raise ValueError(f"{cfg_path}: quantised hybrid checkpoints (field "
+                             "'quantization_config') are not supported")
+        return hybrid.build_hybrid_params(hybrid.hybrid_config(hf, str(cfg_path), gen),
+                                          SafetensorsSource(d), str(d), dtype)
     cfg = hf_config(hf, str(cfg_path), gen)
     block = (hf.get("quantization_config") or {}).get("weight_block_size")
     src = SafetensorsSource(d, weight_block_size=tuple(int(b) for b in block) if block else None)

@@ -37,6 +37,8 @@ import jax.numpy as jnp
 from jmtp.model import mla
 from jmtp.model.config import ModelConfig
 from jmtp.model import moe
+from jmtp.model import gated_deltanet as gdn
+from jmtp.model.gated_deltanet import LinearState
 from jmtp.model.metadata import AttentionMetadata
 from jmtp.pallas import kv_quant
 from jmtp.pallas.kv_layout import TPU_LANES, row_width
@@ -58,16 +60,25 @@ class KVCache(NamedTuple):
         device holds whole heads. MLA: the latent ``[L, num_blocks, block_size, C + dr]``.
       k_scale, v_scale: ``f32[L, num_blocks, Nkv, block_size]``, one scale per slot and KV head
         (FastDeploy's ``block_wise_fp8`` layout), or ``None`` for an unquantised cache.
+      linear: a hybrid model's recurrent state pool (:class:`jmtp.model.gated_deltanet.LinearState`,
+        per slot, K+1 checkpoints), or None. ``L`` above then counts the full-attention layers
+        only (``ModelConfig.kv_layers``).
     """
 
     k: jax.Array
     v: jax.Array
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+    linear: "LinearState | None" = None
 
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
+
+    @property
+    def paged(self) -> "KVCache":
+        """The paged part only (``linear`` dropped)."""
+        return KVCache(self.k, self.v, self.k_scale, self.v_scale)
 
     def nbytes(self) -> tuple[int, int]:
         """``(value bytes, scale bytes)`` of the whole cache."""
@@ -118,6 +129,16 @@ def init_kv_cache(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size
     sshape = (num_layers, num_blocks, cfg.num_kv_heads, block_size)
     return KVCache(jnp.zeros(shape, q8), jnp.zeros(shape, q8),
                    jnp.zeros(sshape, kv_quant.SCALE_DTYPE), jnp.zeros(sshape, kv_quant.SCALE_DTYPE))
+
+
+def init_model_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
+                     num_slots: int = 1, window: int = 1, **kw) -> KVCache:
+    """The target's cache: :func:`init_kv_cache` over its full-attention layers
+    (``cfg.num_kv_layers``) and, for a hybrid model, the recurrent state pool of ``num_slots``
+    slots with ``window`` checkpoints each (:func:`jmtp.model.gated_deltanet.init_linear_state`).
+    ``kw``: :func:`init_kv_cache`'s ``kv_cache_dtype`` / ``row_width``."""
+    cache = init_kv_cache(cfg, cfg.num_kv_layers, num_blocks, block_size, dtype, **kw)
+    return cache._replace(linear=gdn.init_linear_state(cfg, num_slots, window, dtype))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -194,11 +215,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array):
+def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array,
+                h: jax.Array | None = None):
     """Attention inputs of a pre-norm block: ``x f[T, H]`` → ``q f[T, Nq, D]``, ``k, v f[T, Nkv, D]``
-    (input RMSNorm, projections, Qwen2 biases, Qwen3 q/k-norm, RoPE at ``positions i32[T]``)."""
+    (input RMSNorm, projections, Qwen2 biases, Qwen3 q/k-norm, RoPE at ``positions i32[T]``).
+    ``h``: the normed rows when the caller has them already."""
     t = x.shape[0]
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    if h is None:
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
@@ -253,7 +277,8 @@ def decoder_layer(
         attn, k = mla.mla_attention(cfg, p, h, positions, meta, pool.k, rope, attention_impl)
         x = x + attn
         return _mlp_block(cfg, p, x), pool._replace(k=k)
-    q, k, v = project_qkv(cfg, p, x, positions)
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = project_qkv(cfg, p, x, positions, h)
     # An int8 cache stores K and V rotated (kv_quant.hadamard_rotation); the query is rotated
     # alike and the attention output rotated back, which leaves attention unchanged.
     # The rotation is applied in f32 (1/sqrt(n) is not exact in bf16 for every head dim).
@@ -270,7 +295,7 @@ def decoder_layer(
         k, v = (jnp.concatenate([a, jnp.zeros_like(a)], 0) for a in (k, v))
         slots = jnp.concatenate([slots, jnp.full((1,), -1, slots.dtype)])
     if pool.quantized:
-        pool = KVCache(*kv_quant.write_kv_quantized(*pool, k, v, slots))
+        pool = KVCache(*kv_quant.write_kv_quantized(*pool[:4], k, v, slots))
     else:
         pool = KVCache(*write_kv(pool.k, pool.v, k, v, slots))
     attn = ragged_paged_attention(
@@ -280,8 +305,23 @@ def decoder_layer(
         num_kv_heads=cfg.num_kv_heads)
     if rot is not None:
         attn = (attn.astype(jnp.float32) @ rot.T).astype(attn.dtype)
-    x = x + attn.reshape(t, cfg.q_size) @ p["wo"]
+    attn = attn.reshape(t, cfg.q_size)
+    if "wg" in p:    # gated attention (Qwen3-Next / Qwen3.5): sigmoid(h @ wg) per channel
+        attn = attn * jax.nn.sigmoid(h @ p["wg"]).astype(attn.dtype)
+    x = x + attn @ p["wo"]
     return _mlp_block(cfg, p, x), pool
+
+
+def linear_decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, rows: "gdn.PackedRows",
+                         conv_pool: jax.Array, rec_pool: jax.Array, current: jax.Array,
+                         rule=None):
+    """Pre-norm hybrid block whose token mixer is gated DeltaNet
+    (:func:`jmtp.model.gated_deltanet.linear_attention_packed` over this layer's slice of the
+    state pool), then the FFN. Returns ``(x, conv_pool, rec_pool)``."""
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    mix, conv_pool, rec_pool = gdn.linear_attention_packed(cfg, p, h, rows, conv_pool, rec_pool,
+                                                           current, rule)
+    return _mlp_block(cfg, p, x + mix), conv_pool, rec_pool
 
 
 def _mlp_block(cfg: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
@@ -314,13 +354,16 @@ def _flat(c: jax.Array) -> jax.Array:
 
 
 def _flat_cache(cache: KVCache) -> KVCache:
-    """Every array of ``cache`` as one pool of ``L·num_blocks`` blocks (:func:`_flat`)."""
-    return KVCache(*(None if a is None else _flat(a) for a in cache))
+    """Every paged array of ``cache`` as one pool of ``L·num_blocks`` blocks (:func:`_flat`);
+    the linear state is left out."""
+    return KVCache(*(None if a is None else _flat(a) for a in cache[:4]))
 
 
 def _unflat_cache(pool: KVCache, like: KVCache) -> KVCache:
-    """Inverse of :func:`_flat_cache`: the pool's arrays back in ``like``'s shapes."""
-    return KVCache(*(None if a is None else a.reshape(b.shape) for a, b in zip(pool, like)))
+    """Inverse of :func:`_flat_cache`: the pool's arrays back in ``like``'s shapes (and
+    ``like``'s linear state)."""
+    return KVCache(*(None if a is None else a.reshape(b.shape)
+                     for a, b in zip(pool[:4], like[:4])), linear=like.linear)
 
 
 def _run_layers(cfg, layers, x, positions, meta, cache: KVCache, attention_impl,
@@ -338,6 +381,8 @@ def _run_layers(cfg, layers, x, positions, meta, cache: KVCache, attention_impl,
         return decoder_layer(cfg, p, x, positions, _layer_view(meta, cache, i), pool,
                              attention_impl, None if k_shift is None else k_shift[i])
 
+    if cfg.is_hybrid:
+        return _run_hybrid_layers(cfg, layers, x, positions, meta, cache, pool, layer)
     if isinstance(layers, (list, tuple)):
         for i, p in enumerate(layers):
             x, pool = layer(x, pool, i, p)
@@ -348,6 +393,28 @@ def _run_layers(cfg, layers, x, positions, meta, cache: KVCache, attention_impl,
         n = jax.tree_util.tree_leaves(layers)[0].shape[0]
         (x, pool), _ = jax.lax.scan(body, (x, pool), (jnp.arange(n), layers))
     return x, _unflat_cache(pool, cache)
+
+
+def _run_hybrid_layers(cfg, layers, x, positions, meta, cache: KVCache, pool, attention_layer):
+    """A hybrid stack (unrolled): full-attention layer ``kv_layers[j]`` uses cache layer ``j``,
+    linear-attention layer ``linear_layers[j]`` state layer ``j`` of ``cache.linear``."""
+    lin = cache.linear
+    if lin is None:
+        raise ValueError("a hybrid model (linear-attention layers) needs KVCache.linear, the "
+                         "recurrent state pool (jmtp.model.gated_deltanet.init_linear_state)")
+    rows = gdn.packed_rows(meta.cu_q_lens, positions, lin.recurrent.shape[2])
+    kv_index = {i: j for j, i in enumerate(cfg.kv_layers)}
+    lin_index = {i: j for j, i in enumerate(cfg.linear_layers)}
+    conv, rec = lin.conv, lin.recurrent
+    for i, p in enumerate(layers):
+        if i in kv_index:
+            x, pool = attention_layer(x, pool, kv_index[i], p)
+        else:
+            j = lin_index[i]
+            x, cj, rj = linear_decoder_layer(cfg, p, x, rows, conv[j], rec[j], lin.current,
+                                             meta.linear_rule)
+            conv, rec = conv.at[j].set(cj), rec.at[j].set(rj)
+    return x, _unflat_cache(pool, cache._replace(linear=lin._replace(conv=conv, recurrent=rec)))
 
 
 def forward(

@@ -162,11 +162,14 @@ def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
             from jmtp.model.gguf_loader import open_gguf
             return gguf_config(open_gguf(p), str(p))[0]
         cfg_path = p / "config.json"
-    from jmtp.model.hf_config import hf_config
+    from jmtp.model.hf_config import HYBRID_ARCHITECTURES, hf_config
     try:
         hf = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    if (hf.get("architectures") or [None])[0] in HYBRID_ARCHITECTURES:
+        from jmtp.model.hf_qwen3_next import hybrid_config
+        return hybrid_config(hf, str(cfg_path))
     return hf_config(hf, str(cfg_path))
 
 

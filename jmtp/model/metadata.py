@@ -22,6 +22,9 @@ class AttentionMetadata:
                              (speculative verify windows), so attention may visit the rows
                              sequence by sequence (``ragged_paged_attention_xla``'s
                              ``rows_per_seq``); None = no hint. Any value is correct.
+      linear_rule: static: the packed gated-delta-rule implementation of a hybrid model's
+                             linear layers (:func:`jmtp.model.gated_deltanet.gated_delta_rule_packed`
+                             or a Pallas kernel of the same contract); None = the jnp one.
     """
 
     slot_mapping: jax.Array
@@ -29,6 +32,7 @@ class AttentionMetadata:
     cu_q_lens: jax.Array
     block_tables: jax.Array
     rows_per_seq: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+    linear_rule: object = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def packed_row_seq(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:

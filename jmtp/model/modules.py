@@ -70,6 +70,8 @@ class Attention(nnx.Module):
         shapes = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h)}
         if cfg.attention_bias:
             shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+        if cfg.attn_output_gate:    # gated attention (Qwen3-Next / Qwen3.5)
+            shapes.update(wg=(h, q))
         for name, shape in shapes.items():
             setattr(self, name, _param(_rand(rngs, lead + shape, dtype, std), ax.LAYER_AXES[name], st))
         if cfg.qk_norm:
@@ -78,6 +80,30 @@ class Attention(nnx.Module):
 
     def variables(self) -> dict:
         """``{name: nnx.Param}`` under the names of :mod:`jmtp.model.llama`'s layer dict."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+class GatedDeltaNet(nnx.Module):
+    """The gated-DeltaNet token mixer of a hybrid model's linear-attention layer
+    (:mod:`jmtp.model.gated_deltanet`; names and shapes in
+    :func:`~jmtp.model.gated_deltanet.linear_layer_shapes`), with a leading ``layers`` axis of
+    size ``num_stacked`` if given. Initialised as transformers does up to ``A``'s range:
+    ``A_log = 0``, ``dt_bias = 1``, norm weight 1."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 num_stacked: int | None = None, std: float = 0.02):
+        from jmtp.model.gated_deltanet import linear_layer_shapes
+        lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
+        for name, shape in linear_layer_shapes(cfg).items():
+            if name in ("lin_norm", "dt_bias"):
+                value = jnp.ones(lead + shape, dtype)
+            elif name == "a_log":
+                value = jnp.zeros(lead + shape, dtype)
+            else:
+                value = _rand(rngs, lead + shape, dtype, 0.5 if name.startswith("conv_") else std)
+            setattr(self, name, _param(value, ax.LAYER_AXES[name], st))
+
+    def variables(self) -> dict:
         return {k: v for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
@@ -101,19 +127,22 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm Llama block: ``attn_norm f[H]``, :class:`Attention`, ``mlp_norm f[H]``, and the
+    """Pre-norm Llama block: ``attn_norm f[H]``, :class:`Attention` (or with ``linear=True`` a
+    hybrid model's :class:`GatedDeltaNet`), ``mlp_norm f[H]``, and the
     FFN: :class:`MLP`, or with ``moe=True`` the :class:`jmtp.model.moe.MoE` block of ``cfg.moe``.
     With ``num_stacked=L`` every parameter carries a leading ``layers`` axis of size L: the stack
     of L layers :func:`jmtp.model.llama.forward` scans over."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 num_stacked: int | None = None, std: float = 0.02, moe: bool = False):
+                 num_stacked: int | None = None, std: float = 0.02, moe: bool = False,
+                 linear: bool = False):
         from jmtp.model.moe import MoE
         lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
         h = cfg.hidden_size
         self.num_stacked = num_stacked
         self.attn_norm = _param(jnp.ones(lead + (h,), dtype), ax.LAYER_AXES["attn_norm"], st)
-        self.attn = Attention(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked, std=std)
+        self.attn = (GatedDeltaNet if linear else Attention)(
+            cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked, std=std)
         self.mlp_norm = _param(jnp.ones(lead + (h,), dtype), ax.LAYER_AXES["mlp_norm"], st)
         self.mlp = (MoE if moe else MLP)(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked,
                                          std=std)
@@ -139,17 +168,19 @@ class DecoderStack(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  stacked: bool = True, std: float = 0.02):
+        from jmtp.model.params import layer_kinds
         self.stacked = stacked
-        kinds = cfg.moe_layer_kinds
+        kinds = layer_kinds(cfg)
         if stacked:
             if len(set(kinds)) > 1:
-                raise ValueError("a model mixing dense and MoE layers (ModelConfig.moe.layers = "
-                                 f"{cfg.moe.layers} of {cfg.num_layers}) cannot be stacked")
+                raise ValueError("a model mixing dense and MoE layers, or attention and linear-"
+                                 "attention layers, cannot be stacked (ModelConfig.moe.layers / "
+                                 "layer_types)")
             self.layers = DecoderLayer(cfg, rngs=rngs, dtype=dtype, num_stacked=cfg.num_layers,
-                                       std=std, moe=kinds[0])
+                                       std=std, moe=kinds[0][0], linear=kinds[0][1])
         else:
-            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, dtype=dtype, std=std, moe=m)
-                                    for m in kinds])
+            self.layers = nnx.List([DecoderLayer(cfg, rngs=rngs, dtype=dtype, std=std, moe=m,
+                                                 linear=lin) for m, lin in kinds])
 
     def variables(self):
         if self.stacked:
@@ -394,4 +425,4 @@ class LlamaForCausalLM(nnx.Module):
                                  meta, cache, attention_impl)
 
 
-MODULE_CLASSES = (Attention, MLP, DecoderLayer, DecoderStack, MTPHead, DraftHead, LlamaForCausalLM)
+MODULE_CLASSES = (Attention, GatedDeltaNet, MLP, DecoderLayer, DecoderStack, MTPHead, DraftHead, LlamaForCausalLM)

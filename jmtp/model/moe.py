@@ -59,6 +59,8 @@ def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if m.shared_intermediate_size:
         s = m.shared_intermediate_size
         shapes.update(shared_gate=(h, s), shared_up=(h, s), shared_down=(s, h))
+        if m.shared_expert_gate:
+            shapes["shared_expert_gate"] = (h, 1)
     return shapes
 
 
@@ -183,7 +185,10 @@ def moe_ffn(moe: MoEConfig, p: dict, x: jax.Array, implementation: str | None = 
     out = EXPERT_IMPLEMENTATIONS[impl](x, p["experts_gate"], p["experts_up"], p["experts_down"],
                                        weights, ids)
     if "shared_gate" in p:
-        out = out + swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"])
+        shared = swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"])
+        if "shared_expert_gate" in p:    # Qwen3-Next / Qwen3.5-MoE: sigmoid(x @ w) per token
+            shared = jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared
+        out = out + shared
     return out
 
 

@@ -12,11 +12,22 @@ from jmtp.model.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
-def layer_shapes(cfg: ModelConfig, moe: bool = False) -> dict[str, tuple[int, ...]]:
+def layer_shapes(cfg: ModelConfig, moe: bool = False,
+                 linear: bool = False) -> dict[str, tuple[int, ...]]:
     """Shapes of one decoder layer's parameters (without the leading layer axis); with ``moe``
     the FFN is the MoE block of ``cfg.moe`` (:func:`jmtp.model.moe.moe_shapes`) instead of the
-    dense ``w_gate/w_up/w_down``."""
+    dense ``w_gate/w_up/w_down``; with ``linear`` the token mixer is gated DeltaNet
+    (:func:`jmtp.model.gated_deltanet.linear_layer_shapes`) instead of attention."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    if linear:
+        from jmtp.model.gated_deltanet import linear_layer_shapes
+        shapes = {"attn_norm": (h,), **linear_layer_shapes(cfg), "mlp_norm": (h,)}
+        if moe:
+            from jmtp.model.moe import moe_shapes
+            shapes.update(moe_shapes(cfg))
+        else:
+            shapes.update(w_gate=(h, i), w_up=(h, i), w_down=(i, h))
+        return shapes
     if cfg.is_mla:  # DeepSeek multi-head latent attention
         from jmtp.model import mla
         shapes = {"attn_norm": (h,), **mla.layer_shapes(cfg), "mlp_norm": (h,)}
@@ -34,14 +45,22 @@ def layer_shapes(cfg: ModelConfig, moe: bool = False) -> dict[str, tuple[int, ..
         shapes.update(bq=(cfg.q_size,), bk=(cfg.kv_size,), bv=(cfg.kv_size,))
     if cfg.qk_norm:
         shapes.update(q_norm=(d,), k_norm=(d,))
+    if cfg.attn_output_gate:
+        shapes.update(wg=(h, cfg.q_size))
     return shapes
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple[tuple[bool, bool], ...]:
+    """``(moe, linear)`` of every target layer (the arguments of :func:`layer_shapes`)."""
+    return tuple((m, cfg.layer_type(i) == "linear_attention")
+                 for i, m in enumerate(cfg.moe_layer_kinds))
 
 
 def layers_stacked(cfg: ModelConfig) -> bool:
     """Whether the target's layers are one stack (``params["layers"]`` a dict of ``f[L, ...]``,
     run under one ``lax.scan``): every layer has the same FFN kind. A model mixing dense and MoE
     layers (dense-first layers) holds a tuple of L per-layer dicts, run as an unrolled loop."""
-    return len(set(cfg.moe_layer_kinds)) == 1
+    return len(set(layer_kinds(cfg))) == 1
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -49,11 +68,11 @@ def param_shapes(cfg: ModelConfig) -> dict:
     ``"layers"`` is a dict of stacked shapes, or a tuple of per-layer dicts when
     :func:`layers_stacked` is false."""
     h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_mtp_layers
-    kinds = cfg.moe_layer_kinds
+    kinds = layer_kinds(cfg)
     if layers_stacked(cfg):
-        layers = {k: (cfg.num_layers,) + s for k, s in layer_shapes(cfg, kinds[0]).items()}
+        layers = {k: (cfg.num_layers,) + s for k, s in layer_shapes(cfg, *kinds[0]).items()}
     else:
-        layers = tuple(layer_shapes(cfg, m) for m in kinds)
+        layers = tuple(layer_shapes(cfg, *m) for m in kinds)
     shapes = {"embed": (v, h), "final_norm": (h,), "layers": layers}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (h, v)
@@ -70,16 +89,21 @@ def _is_norm(name: str) -> bool:
 
 
 def init_layers(cfg: ModelConfig, key: jax.Array, num: int, dtype, std: float = 0.02,
-                moe: bool = False) -> dict:
+                moe: bool = False, linear: bool = False) -> dict:
     """Random stacked layers: norms = 1, biases = small normal, matrices = N(0, std²) (MoE
-    score-correction biases zero, f32)."""
+    score-correction biases zero, f32; gated-DeltaNet convolution taps N(0, 0.25),
+    ``a_log`` = 0, ``dt_bias`` = 1, as transformers initialises them up to A's range)."""
     out = {}
-    for idx, (name, shape) in enumerate(sorted(layer_shapes(cfg, moe).items())):
+    for idx, (name, shape) in enumerate(sorted(layer_shapes(cfg, moe, linear).items())):
         k = jax.random.fold_in(key, idx)
         if _is_norm(name):
             out[name] = jnp.ones((num,) + shape, dtype)
-        elif name == "router_bias":
-            out[name] = jnp.zeros((num,) + shape, jnp.float32)
+        elif name in ("router_bias", "a_log"):
+            out[name] = jnp.zeros((num,) + shape, jnp.float32 if name == "router_bias" else dtype)
+        elif name == "dt_bias":
+            out[name] = jnp.ones((num,) + shape, dtype)
+        elif name.startswith("conv_"):
+            out[name] = (0.5 * jax.random.normal(k, (num,) + shape, jnp.float32)).astype(dtype)
         else:
             out[name] = (std * jax.random.normal(k, (num,) + shape, jnp.float32)).astype(dtype)
     return out
@@ -102,18 +126,19 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
 
 
 def _init_target_layers(cfg: ModelConfig, key, dtype, std):
-    kinds = cfg.moe_layer_kinds
+    kinds = layer_kinds(cfg)
     if layers_stacked(cfg):
-        return init_layers(cfg, key, cfg.num_layers, dtype, std, kinds[0])
+        return init_layers(cfg, key, cfg.num_layers, dtype, std, *kinds[0])
     return tuple(jax.tree_util.tree_map(lambda a: a[0], init_layers(
-        cfg, jax.random.fold_in(key, i), 1, dtype, std, m)) for i, m in enumerate(kinds))
+        cfg, jax.random.fold_in(key, i), 1, dtype, std, *m)) for i, m in enumerate(kinds))
 
 
 def init_mtp_params(cfg: ModelConfig, params: dict, key: jax.Array, dtype=None) -> dict:
     """A fresh (untrained) MTP head for a target without MTP weights.
 
     The block starts as a copy of the target's last layer and ``eh_proj`` as a random projection;
-    the final norm starts as the target's final norm. (A MoE target's head therefore has the last
+    the final norm starts as the target's final norm; a hybrid target's head copies its last
+    full-attention layer. (A MoE target's head therefore has the last
     layer's FFN kind: ``cfg.moe.mtp_moe`` must say the same, see
     :func:`mtp_moe_of_fresh_head`.) Used when a checkpoint ships no MTP tensors
     (logged), and as the starting point of ``jmtp train-mtp``.
@@ -126,6 +151,8 @@ def init_mtp_params(cfg: ModelConfig, params: dict, key: jax.Array, dtype=None) 
     rng = np.random.default_rng(seed)
     cast = lambda a: jnp.asarray(np.asarray(a, np.float32), dtype)
     layers = params["layers"]
+    if cfg.is_hybrid:      # the head is full attention: copy the last full-attention layer
+        layers = (layers[cfg.kv_layers[-1]],)
     last_layer = ({k: np.asarray(a, np.float32) for k, a in layers[-1].items()}
                   if isinstance(layers, (list, tuple)) else
                   {k: np.asarray(a[-1:], np.float32)[0] for k, a in layers.items()})
@@ -142,11 +169,12 @@ def init_mtp_params(cfg: ModelConfig, params: dict, key: jax.Array, dtype=None) 
 
 
 def mtp_moe_of_fresh_head(cfg: ModelConfig) -> ModelConfig:
-    """``cfg`` with ``moe.mtp_moe`` set to the kind of the last target layer (what
-    :func:`init_mtp_params` copies)."""
+    """``cfg`` with ``moe.mtp_moe`` set to the kind of the last target layer (of a hybrid model:
+    the last full-attention layer; what :func:`init_mtp_params` copies)."""
     if cfg.moe is None:
         return cfg
-    return cfg.replace(moe=cfg.moe.replace(mtp_moe=cfg.moe_layer_kinds[-1]))
+    last = cfg.kv_layers[-1] if cfg.is_hybrid else -1
+    return cfg.replace(moe=cfg.moe.replace(mtp_moe=cfg.moe_layer_kinds[last]))
 
 
 KV_PROJECTIONS = ("wk", "wv", "bk", "bv")
@@ -212,9 +240,9 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
     if isinstance(layers, (list, tuple)):  # unstacked layers (jmtp.model.llama.unstack_layers)
         if len(layers) != cfg.num_layers:
             raise ValueError(f"{source}: {len(layers)} unstacked layers, expected {cfg.num_layers}")
-        kinds = cfg.moe_layer_kinds
+        kinds = layer_kinds(cfg)
         for i, layer in enumerate(layers):
-            walk(layer_shapes(cfg, kinds[i]), layer, f"layers[{i}]")
+            walk(layer_shapes(cfg, *kinds[i]), layer, f"layers[{i}]")
         expected = {k: v for k, v in expected.items() if k != "layers"}
     elif not layers_stacked(cfg):
         raise ValueError(f"{source}: the model mixes dense and MoE layers, so params['layers'] "

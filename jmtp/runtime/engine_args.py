@@ -244,6 +244,8 @@ class EngineArgs:
                                            platform)))
         if spec.method == "mtp" and "mtp" not in params:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
+        if model_config.is_hybrid:
+            _check_hybrid(a)
         mesh = _make_mesh(model_config, a.tensor_parallel_size, a.data_parallel_size, a.mesh,
                           devices)
         draft_vocab_size = 0
@@ -345,6 +347,21 @@ def abstract_params(cfg: ModelConfig, dtype, with_mtp: bool, kv_cache_dtype: str
         params["k_shift"] = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
                                                  jnp.float32)
     return params
+
+
+def _check_hybrid(a) -> None:
+    """Refuse what a hybrid (gated-DeltaNet) model does not support yet, naming the reason.
+
+    Raises:
+      ValueError: prefix caching (a cached prefix has KV blocks but no recurrent state at its
+        block boundary), an int8 KV cache (its key shift is calibrated per target layer)."""
+    if a.enable_prefix_caching:
+        raise ValueError("enable_prefix_caching is not supported with a hybrid linear-attention "
+                         "model: a cached prefix holds KV blocks but no recurrent state "
+                         "checkpoint at its block boundary")
+    if a.kv_cache_dtype == "int8":
+        raise ValueError("kv_cache_dtype='int8' is not supported with a hybrid linear-attention "
+                         "model (use None or 'fp8_e4m3')")
 
 
 def _make_mesh(cfg: ModelConfig, tp: int, dp: int, mesh, devices=None):

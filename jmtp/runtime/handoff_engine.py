@@ -42,6 +42,9 @@ class HandOff:
         if ec.enable_prefix_caching:
             raise ValueError(f"{where}: the hand-off does not support enable_prefix_caching=True "
                              "yet (a slot's shared prefix blocks are not exported)")
+        if self.runner.model_config.is_hybrid:
+            raise ValueError(f"{where}: the hand-off does not carry a hybrid model's recurrent "
+                             "state (linear-attention layers) yet; serve it on one engine")
 
     def compat(self) -> dict:
         """This engine's :func:`~jmtp.runtime.handoff.engine_fingerprint` (computed once)."""

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.llama import cache_row_width, init_kv_cache
+from jmtp.model.llama import cache_row_width, init_kv_cache, init_model_cache
 from jmtp.model.modules import LlamaForCausalLM
 from jmtp.pallas.ragged_paged_attention import resolve_backend
 from jmtp.runtime import data_parallel as dpar
@@ -57,8 +57,8 @@ class OneDevice:
         width = cache_row_width(mc, 1, ec.platform)
         make = lambda: (
             init_state(ec, mc.vocab_size),
-            init_kv_cache(mc, mc.num_layers, ec.num_blocks, ec.block_size, dtype,
-                          ec.kv_cache_dtype, width),
+            init_model_cache(mc, ec.num_blocks, ec.block_size, dtype, num_slots=ec.max_num_seqs,
+                             window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width),
             init_kv_cache(mc, num_mtp_cache_layers, ec.num_blocks, ec.block_size, dtype,
                           ec.kv_cache_dtype, width) if num_mtp_cache_layers else None)
         if runner.abstract:     # shapes only, on the (possibly compile-only) device
@@ -129,30 +129,39 @@ class OnMesh:
         self.num_shards, self.Bl = dp, sec.max_num_seqs
         rep = self.rep = shd.replicated(mesh)
         st = shd.state_sharding(mesh)
-        kv = shd.kv_cache_shardings(mesh, mc.kv_cache_heads, ec.kv_cache_dtype is not None,
-                                    stacked=True)
+        quant = ec.kv_cache_dtype is not None
+        kv = shd.kv_cache_shardings(mesh, mc.kv_cache_heads, quant, stacked=True)
+        # the target's cache; a hybrid model's also holds the recurrent state pool
+        tkv = shd.kv_cache_shardings(mesh, mc.kv_cache_heads, quant, stacked=True,
+                                     linear_heads=mc.linear.num_value_heads if mc.is_hybrid
+                                     else None)
         self.arg_sharding = rep
         pshard = shd.param_shardings(runner.params, mesh)
         init_st = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
                           out_shardings=st)
         width = cache_row_width(mc, shd.mesh_sizes(mesh)[1], ec.platform)
+        init_target = jax.jit(lambda: dpar.stack_shards(init_model_cache(
+            mc, sec.num_blocks, sec.block_size, dtype, num_slots=sec.max_num_seqs,
+            window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width), dp),
+            out_shardings=tkv)
         init_kv = lambda n: jax.jit(lambda: dpar.stack_shards(
             init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype, ec.kv_cache_dtype, width),
             dp), out_shardings=kv)
         if runner.abstract:     # shapes and shardings only (compile-only devices: jmtp.aot)
             runner.params = abstract_on(runner.params, pshard)
             runner.state = abstract_on(init_st.eval_shape(), st)
+            runner.cache = abstract_on(init_target.eval_shape(), tkv)
             make = lambda n: abstract_on(init_kv(n).eval_shape(), kv)
         else:
             runner.params = mh.put(runner.params, pshard, what="parameters")
             runner.state = init_st()
+            runner.cache = init_target()
             make = lambda n: init_kv(n)()
-        runner.cache = make(mc.num_layers)
         runner.mtp_cache = make(num_mtp_cache_layers) if num_mtp_cache_layers else None
         mkv = kv if runner.mtp_cache is not None else None
         self.step = jax.jit(functools.partial(dpar.data_parallel_step, mesh),
                             static_argnums=_STEP_STATICS, donate_argnums=_STEP_DONATED,
-                            out_shardings=(st, kv, mkv, rep))
+                            out_shardings=(st, tkv, mkv, rep))
         self.insert_fn = jax.jit(functools.partial(dpar.data_parallel_insert, mesh),
                                  donate_argnums=0, out_shardings=st)
         self.release_fn = jax.jit(functools.partial(dpar.data_parallel_release, mesh, sec),
@@ -162,7 +171,7 @@ class OnMesh:
         self.push_free_fn = jax.jit(functools.partial(dpar.data_parallel_push_free, mesh),
                                     donate_argnums=0, out_shardings=(st, rep))
         self.import_fn = jax.jit(functools.partial(dpar.data_parallel_import, mesh, sec),
-                                 donate_argnums=(0, 1, 2), out_shardings=(st, kv, mkv, rep, rep))
+                                 donate_argnums=(0, 1, 2), out_shardings=(st, tkv, mkv, rep, rep))
         self.gather_fn = jax.jit(dpar.shard_gather, out_shardings=rep)
         self.owned_fn = jax.jit(lambda s, d, r: (s.num_owned[d, r], s.block_tables[d, r]),
                                 out_shardings=rep)
@@ -539,15 +548,20 @@ class DeviceRunner:
         """Device bytes of the KV caches, values and quantisation scales apart.
 
         Keys: ``target_values``, ``target_scales``, ``mtp_values``, ``mtp_scales`` (0 without an
-        MTP cache), ``values``, ``scales`` (sums) and ``total``. Values take
+        MTP cache), ``values``, ``scales`` (sums), ``linear_state`` (a hybrid model's recurrent
+        state pool, :class:`~jmtp.model.gated_deltanet.LinearState`: ``max_num_seqs · (K+1)``
+        checkpoints of every linear layer's convolution and delta-rule state; 0 otherwise) and
+        ``total``. Values take
         ``2 · layers · num_blocks · block_size · Nkv · D · itemsize`` bytes (itemsize 1 for
         ``kv_cache_dtype`` ``"int8"`` / ``"fp8_e4m3"``); scales ``2 · layers · num_blocks ·
         block_size · Nkv · 4`` (0 unquantised).
         """
         tv, ts = self.cache.nbytes()
         mv, ms = self.mtp_cache.nbytes() if self.mtp_cache is not None else (0, 0)
+        lin = self.cache.linear.nbytes() if self.cache.linear is not None else 0
         return dict(target_values=tv, target_scales=ts, mtp_values=mv, mtp_scales=ms,
-                    values=tv + mv, scales=ts + ms, total=tv + mv + ts + ms)
+                    values=tv + mv, scales=ts + ms, linear_state=lin,
+                    total=tv + mv + ts + ms + lin)
 
 
 __all__ = ["DeviceRunner", "OneDevice", "OnMesh"]

@@ -212,16 +212,36 @@ def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, stacked: bool = False,
     return NamedSharding(mesh, logical_spec(names, shape, mesh, "kv_cache"))
 
 
-def kv_cache_shardings(mesh: Mesh, num_kv_heads: int, quantized: bool, stacked: bool = False):
+def kv_cache_shardings(mesh: Mesh, num_kv_heads: int, quantized: bool, stacked: bool = False,
+                       linear_heads: int | None = None):
     """The shardings of a whole :class:`jmtp.model.llama.KVCache` (a pytree prefix of it): values
     and, for a ``quantized`` cache, scales, each with its kv heads over ``model``
-    (:func:`kv_cache_sharding`)."""
+    (:func:`kv_cache_sharding`); with ``linear_heads`` (a hybrid model's value heads Hv) also its
+    recurrent state pool (:func:`linear_state_shardings`)."""
     from jmtp.model.llama import KVCache
     values = kv_cache_sharding(mesh, num_kv_heads, stacked)
+    lin = None if linear_heads is None else linear_state_shardings(mesh, linear_heads, stacked)
     if not quantized:
-        return KVCache(values, values)
+        return KVCache(values, values, linear=lin)
     sc = kv_cache_sharding(mesh, num_kv_heads, stacked, scales=True)
-    return KVCache(values, values, sc, sc)
+    return KVCache(values, values, sc, sc, lin)
+
+
+def linear_state_shardings(mesh: Mesh, num_value_heads: int, stacked: bool = False):
+    """Shardings of a :class:`jmtp.model.gated_deltanet.LinearState`: the delta-rule state
+    ``f32[Ll, B, W, Hv, Dk, Dv]`` with its value heads over ``model`` (as the linear layers'
+    value-head projections), the small convolution state and ``current`` replicated over
+    ``model``; with ``stacked`` a leading ``data_shard`` axis over ``data``."""
+    from jmtp.model.gated_deltanet import LinearState
+    lead = (DATA_SHARD,) if stacked else ()
+    dn = (int(mesh.shape[DATA]),) if stacked else ()
+
+    def spec(names, shape):
+        return NamedSharding(mesh, logical_spec(lead + names, dn + shape, mesh, "linear_state"))
+
+    rec = spec((None, None, None, ax.Q_HEADS, None, None), (1, 1, 1, num_value_heads, 1, 1))
+    return LinearState(conv=spec((None,) * 5, (1,) * 5), recurrent=rec,
+                       current=spec((None,), (1,)))
 
 
 def state_sharding(mesh: Mesh) -> NamedSharding:
@@ -257,5 +277,5 @@ def per_device_bytes(tree) -> tuple[int, int]:
 __all__ = ["DATA", "MODEL", "MESH_AXES", "SLOTS", "DATA_SHARD", "state_sharding",
            "LOGICAL_TO_MESH", "make_mesh", "mesh_devices", "check_mesh",
            "mesh_sizes", "check_tensor_parallel", "logical_spec", "param_shardings",
-           "kv_cache_sharding", "kv_cache_shardings", "replicated", "attention_specs", "mesh_context",
+           "kv_cache_sharding", "kv_cache_shardings", "linear_state_shardings", "replicated", "attention_specs", "mesh_context",
            "per_device_bytes", "model_axis_size", "auto_axes", "uniform_any"]

@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmtp.model.gated_deltanet import next_checkpoint
 from jmtp.pallas.ragged_paged_attention import AttentionBackend, resolve_backend
 from jmtp.model.llama import KVCache
 from jmtp.runtime.buckets import StepBucket
@@ -214,6 +215,12 @@ def engine_step(
                                    effective_block_tables(prev, blocks.block_tables), cache)
     verified = speculate_verify(model.cfg, ec, prev, sched, target, token_bitmask)
     state, done = speculate_update(ec, prev, sched, verified, blocks)
+    if cache.linear is not None:
+        # a hybrid model's slots continue from the checkpoint of their last committed row
+        # (jmtp.model.gated_deltanet: one recurrent-state checkpoint per window position)
+        cache = cache._replace(linear=cache.linear._replace(current=next_checkpoint(
+            cache.linear.current, sched.seq_lens_this_time, done.num_tokens, sched.prefilling,
+            ec.window)))
     budget = done.draft_budget
     if draft_limit is not None:
         budget = jnp.minimum(budget, jnp.maximum(draft_limit, 0))

@@ -26,10 +26,12 @@ def _model(cfg=CFG, **kw):
 
 
 def test_model_classes_are_nnx_modules():
-    for cls in (Attention, MLP, DecoderLayer, DecoderStack, MTPHead, DraftHead, LlamaForCausalLM):
+    from jmtp.model.modules import GatedDeltaNet
+    for cls in (Attention, GatedDeltaNet, MLP, DecoderLayer, DecoderStack, MTPHead, DraftHead,
+                LlamaForCausalLM):
         assert issubclass(cls, nnx.Module), cls
-    assert set(MODULE_CLASSES) == {Attention, MLP, DecoderLayer, DecoderStack, MTPHead, DraftHead,
-                                   LlamaForCausalLM}
+    assert set(MODULE_CLASSES) == {Attention, GatedDeltaNet, MLP, DecoderLayer, DecoderStack,
+                                   MTPHead, DraftHead, LlamaForCausalLM}
     m = _model()
     assert isinstance(m.layers, DecoderStack) and isinstance(m.layers.layers, DecoderLayer)
     assert isinstance(m.layers.layers.attn, Attention) and isinstance(m.layers.layers.mlp, MLP)
@@ -246,3 +248,29 @@ def test_draft_head_scores_and_maps_back_to_the_vocabulary():
     with pytest.raises(ValueError, match="draft_ids and draft_head"):
         LlamaForCausalLM.from_params(CFG, dict(init_params(CFG, jax.random.key(0)),
                                                draft_ids=jnp.arange(3, dtype=jnp.int32)))
+
+
+def test_hybrid_module_layers_carry_logical_axes_and_run_the_pure_forward():
+    """A hybrid (gated-DeltaNet) model as NNX modules: an unstacked DecoderStack whose linear
+    layers hold a GatedDeltaNet with logical axis names (value heads over the model axis); its
+    parameter dict is the pure function's, and ``from_params`` rebuilds the same module."""
+    from jmtp.model import axes as ax
+    from jmtp.model.llama import init_model_cache
+    from jmtp.model.metadata import ragged_batch
+    from jmtp.model.modules import GatedDeltaNet
+    from tests.runtime.conftest import TINY, TINY_HYBRID
+    cfg = TINY.replace(**TINY_HYBRID)
+    m = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), stacked=False)
+    lin = m.layers.layers[0].attn
+    assert isinstance(lin, GatedDeltaNet) and isinstance(m.layers.layers[1].attn, Attention)
+    assert lin.lin_v.get_metadata()["out_sharding"] == (ax.EMBED, ax.Q_HEADS)
+    assert "wg" in m.layers.layers[1].attn.variables()
+    params = m.to_params()
+    again = LlamaForCausalLM.from_params(cfg, params)
+    ids = jnp.asarray(SEQ[:8], jnp.int32)
+    pos, meta = ragged_batch(jnp.array([8]), jnp.array([0]), jnp.arange(2)[None], 4, 8)
+    cache = init_model_cache(cfg, 2, 4)
+    h1, c1 = m(ids, pos, meta, cache)
+    h2, c2 = again(ids, pos, meta, cache)
+    np.testing.assert_array_equal(np.asarray(h1), np.asarray(h2))
+    assert c1.linear is not None and np.isfinite(np.asarray(c1.linear.recurrent)).all()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jmtp.model import ModelConfig, forward_logits, init_params
-from jmtp.model.config import MoEConfig
+from jmtp.model.config import LinearAttentionConfig, MoEConfig
 
 TINY = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=8, eos_token_ids=(1,), num_mtp_layers=1)
@@ -18,6 +18,13 @@ TINY_MOE = dict(num_layers=3, partial_rotary_factor=0.5, moe=MoEConfig(
     8, 3, 16, layers=(1, 2), mtp_moe=True, scoring="sigmoid", norm_topk_prob=True,
     score_bias=True, n_group=2, topk_group=1, routed_scaling_factor=1.5,
     shared_intermediate_size=16))
+
+# A tiny hybrid target in Qwen3-Next's shape: gated-DeltaNet layers around a gated full-attention
+# layer (jmtp.model.gated_deltanet), partial rotary; the MTP layer is full attention.
+TINY_HYBRID = dict(num_layers=3, layer_types=("linear_attention", "full_attention",
+                                              "linear_attention"),
+                   linear=LinearAttentionConfig(2, 4, 8, 8, 4), attn_output_gate=True,
+                   qk_norm=True, partial_rotary_factor=0.5, mtp_layout="qwen3_next")
 
 
 @functools.lru_cache(maxsize=None)

@@ -11,7 +11,8 @@ per-parameter bytes on the first device, and with ``hlo=1`` the collectives of i
 step), ``errors`` (the ValueErrors of engines whose mesh does not fit the model or the devices),
 ``dp_host`` (the host side of data parallelism: balanced admission, per-shard preemption),
 ``prefix:dp=D,tp=N,k=K`` (prefix caching on that mesh), ``structured`` (constrained greedy
-decoding on a (2, 2) mesh with MTP), ``handoff`` (prefill → decode hand-off
+decoding on a (2, 2) mesh with MTP), ``hybrid`` (the tiny gated-DeltaNet target with MTP on a
+(2, 2) mesh), ``handoff`` (prefill → decode hand-off
 between TP=2 and one device, both ways), ``tie`` (greedy verification of
 vocabulary-sharded logits with tied maxima on different shards) or ``attention`` (every attention
 implementation under ``shard_map``).
@@ -305,6 +306,22 @@ def structured_case():
 STRUCTURED_PROMPTS = ["ab", "hello", "{x}"]
 
 
+def hybrid_case():
+    """Greedy tokens of the tiny hybrid (gated-DeltaNet) target with MTP K=2 on a
+    (data, model) = (2, 2) mesh (chunked prefill, the recurrent state pool stacked per data
+    shard with its value heads over ``model``), and the pool's sharding."""
+    from tests.runtime.conftest import TINY_HYBRID
+    cfg, params = tiny_model(0, **TINY_HYBRID)
+    llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
+              data_parallel_size=2, tensor_parallel_size=2, max_num_seqs=4, max_model_len=32,
+              block_size=4, max_num_batched_tokens=12, compile="lazy")
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
+    rec = engine_of(llm).runner.cache.linear.recurrent
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "spec": [str(a) for a in rec.sharding.spec], "shape": list(rec.shape),
+            "local": list(rec.addressable_shards[0].data.shape)}
+
+
 def main(cases: list[str]) -> None:
     results = {}
     for case in cases:
@@ -322,6 +339,8 @@ def main(cases: list[str]) -> None:
                 results[case] = handoff_case()
             elif case == "structured":
                 results[case] = structured_case()
+            elif case == "hybrid":
+                results[case] = hybrid_case()
             elif case.startswith("prefix:"):
                 kv = dict(part.split("=") for part in case[len("prefix:"):].split(","))
                 results[case] = prefix_case(int(kv["dp"]), int(kv["tp"]), int(kv["k"]))

@@ -70,7 +70,7 @@ def results(tmp_path_factory):
     env["JMTP_CACHE_DIR"] = str(tmp_path_factory.mktemp("sharding-xla-cache"))
     proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", "errors", "tie",
                            "attention", "dp_host", *CASES, "handoff", *PREFIX_CASES,
-                           "structured"],
+                           "structured", "hybrid"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -343,3 +343,18 @@ def test_structured_outputs_on_a_mesh_equal_the_masked_reference(results):
     for prompt, got in zip(STRUCTURED_PROMPTS, res):
         want = reference_constrained_greedy(cfg, params, sop, tiny_tokenizer().encode(prompt), 24)
         assert got == want, prompt
+
+
+def test_hybrid_model_on_a_mesh_equals_the_reference(results):
+    """A gated-DeltaNet target with MTP K=2 on (data, model) = (2, 2): greedy tokens equal the
+    one-device plain forward's; the recurrent state pool is stacked per data shard (leading axis
+    over ``data``) with its value heads over ``model``."""
+    from tests.runtime.conftest import TINY_HYBRID
+    res = results["hybrid"]
+    assert "error" not in res, res.get("error")
+    cfg, params = tiny_model(0, **TINY_HYBRID)
+    assert res["tokens"] == [reference_greedy(cfg, params, p, worker.MAX_TOKENS)
+                             for p in worker.PROMPTS]
+    assert res["spec"][0] == "data" and res["spec"][4] == "model"
+    # [D, Ll, B/D, W, Hv, Dk, Dv]: one data shard's slots and half the value heads per device
+    assert res["local"] == [1, 2, 2, 3, 2, 8, 8] and res["shape"] == [2, 2, 2, 3, 4, 8, 8]

@@ -1,0 +1,158 @@
+"""The engine on a hybrid gated-DeltaNet target (tiny random Qwen3-Next with an ``mtp.*`` layer,
+loaded from a transformers checkpoint): greedy output with MTP speculation at K = 1, 2, 3 equals
+transformers' greedy decoding, with chunked prefill and forced preemptions; an oracle drafter that
+is right up to a chosen position rejects in the middle of windows, every position of the window
+in turn; seeded sampling with ``target_match`` verification reproduces plain seeded sampling;
+what the state pool does not support is refused with a reason; its bytes are reported."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmtp.model.hf_loader import load_hf
+from jmtp.runtime.config import SpeculativeConfig
+from jmtp.runtime.engine import LLM, SamplingParams
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)
+pytest.importorskip("transformers")
+from tests.model import hybrid_fixtures as hx  # noqa: E402
+
+PROMPTS = [[5, 6, 7], list(range(2, 40)), [9, 10] * 8, [11, 12, 13, 14, 15, 16]]
+MAX_TOKENS = 14
+ARGS = dict(max_num_seqs=3, max_model_len=64, block_size=4, max_num_batched_tokens=12,
+            num_blocks=16, dtype="float32", compile="lazy")
+
+
+@functools.lru_cache(maxsize=None)
+def _model(tmp: str):
+    model = hx.hf_model("qwen3_next")
+    path = hx.save_checkpoint(model, Path(tmp) / "qwen3_next", hx.mtp_tensors(model))
+    cfg, params = load_hf(path, jnp.float32)
+    refs = []
+    for p in PROMPTS:        # transformers' greedy decoding: the independent reference
+        ids, out = list(p), []
+        with torch.no_grad():
+            for _ in range(MAX_TOKENS):
+                tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+                out.append(tok)
+                ids.append(tok)
+        refs.append(out)
+    return cfg, params, refs
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    return _model(str(tmp_path_factory.mktemp("hybrid_engine")))
+
+
+@functools.lru_cache(maxsize=None)
+def _llm(cfg, params_id, spec):
+    return LLM(model_config=cfg, params=_PARAMS[params_id], speculative_config=spec, **ARGS)
+
+
+_PARAMS: dict = {}
+
+
+def llm(hybrid, spec=None):
+    cfg, params, _ = hybrid
+    _PARAMS[id(params)] = params
+    return _llm(cfg, id(params), spec)
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_greedy_equals_transformers(hybrid, k):
+    """MTP at K = 1, 2, 3: transformers' greedy tokens, with a 38-token prompt prefilled in
+    chunks of at most 12 and preemptions (16 blocks for 3 slots); every block is free after."""
+    eng = llm(hybrid, SpeculativeConfig("mtp", k, k))
+    outs = eng.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == hybrid[2]
+    stats = eng.llm_engine.get_stats()
+    assert stats["num_preemptions"] > 0 and stats["num_draft_tokens"] > 0
+    assert stats["num_free_blocks"] == ARGS["num_blocks"]
+
+
+def oracle_with_a_wrong_draft(refs: list[list[int]], k: int):
+    """A custom drafter that drafts the reference continuation of the slot's request (found by its
+    first prompt token) but replaces draft ``(seq_len mod (K+1))`` by a wrong token: windows are
+    accepted up to a position that moves along the window, then rejected."""
+    width = 128
+    table = np.full((256, width), 0, np.int32)
+    for p, r in zip(PROMPTS, refs):
+        seq = p + r
+        table[p[0], :len(seq)] = seq
+    table = jnp.asarray(table)
+
+    def drafter(state):
+        seq_len = state.prompt_lens + state.step_idx
+        idx = jnp.clip(seq_len[:, None] + jnp.arange(k)[None], 0, width - 1)
+        d = jnp.take_along_axis(table[state.input_ids[:, 0]], idx, axis=1)
+        wrong = (seq_len % (k + 1))[:, None] == jnp.arange(k)[None]
+        return jnp.where(wrong, (d + 1) % hx.V, d)
+
+    return drafter
+
+
+def test_rejections_in_the_middle_of_windows(hybrid):
+    """Drafts right up to a moving position then wrong: every position accepts sometimes and
+    some windows are cut after 1 and 2 accepted drafts; greedy output is still transformers'."""
+    k = 3
+    spec = SpeculativeConfig("custom", k, drafter=oracle_with_a_wrong_draft(hybrid[2], k))
+    eng = llm(hybrid, spec)
+    outs = eng.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == hybrid[2]
+    stats = eng.llm_engine.get_stats()
+    per_pos = stats["accepted_per_position"]
+    assert per_pos[0] > per_pos[1] > per_pos[2] > 0      # windows cut after 1 and after 2 drafts
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+
+
+def test_seeded_sampling_with_target_match_equals_plain(hybrid):
+    """Seeded sampled requests: MTP K=2 with ``target_match`` verification gives plain decoding's
+    seeded tokens exactly (each window row is sampled from the target with the plain stream)."""
+    sp = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_p=0.9, seed=s,
+                         ignore_eos=True) for s in range(len(PROMPTS))]
+    plain = llm(hybrid).generate(PROMPTS, sp, use_tqdm=False)
+    tm = llm(hybrid, SpeculativeConfig("mtp", 2, 2, verify_strategy="target_match"))
+    assert ([o.token_ids for o in tm.generate(PROMPTS, sp, use_tqdm=False)]
+            == [o.token_ids for o in plain])
+
+
+def test_state_pool_bytes_reported(hybrid):
+    """``kv_cache_bytes()["linear_state"]``: per linear layer, slot and checkpoint, the
+    convolution state (Kc-1 inputs of conv_dim channels, fp32 here) and the fp32 delta-rule
+    state, plus the slots' current checkpoint."""
+    cfg = hybrid[0]
+    eng = llm(hybrid, SpeculativeConfig("mtp", 2, 2))
+    lc, n = cfg.linear, len(cfg.linear_layers)
+    per = (lc.conv_kernel_dim - 1) * lc.conv_dim * 4 + lc.num_value_heads * lc.key_head_dim * (
+        lc.value_head_dim * 4)
+    want = n * ARGS["max_num_seqs"] * 3 * per + ARGS["max_num_seqs"] * 4
+    got = eng.llm_engine.kv_cache_bytes()
+    assert got["linear_state"] == want and got["total"] >= want + got["values"]
+    # the paged cache covers the full-attention layers only
+    assert eng.llm_engine.runner.cache.k.shape[0] == len(cfg.kv_layers) == 2
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(enable_prefix_caching=True), "enable_prefix_caching"),
+    (dict(kv_cache_dtype="int8"), "int8"),
+])
+def test_unsupported_options_refused(hybrid, kw, match):
+    cfg, params, _ = hybrid
+    with pytest.raises(ValueError, match=match):
+        LLM(model_config=cfg, params=params, **{**ARGS, **kw})
+
+
+def test_handoff_refused(hybrid):
+    from jmtp.runtime.handoff_engine import HandOff
+    eng = llm(hybrid)
+    with pytest.raises(ValueError, match="recurrent state"):
+        HandOff(eng.llm_engine.runner, eng.llm_engine.requests, 0).check("prefill_request")
