@@ -17,3 +17,8 @@ $J --model configs/llama-3.1-70b.json --topology v5e:4x4 --tensor-parallel-size 
 $J --model configs/llama-3.1-70b.json --topology v5e:16x16 --tensor-parallel-size 16 \
    --data-parallel-size 16 --max-num-seqs 256 --max-model-len 4096 \
    --json docs/aot/llama31-70b-v5e256.json --markdown docs/aot/llama31-70b-v5e256.md || true
+# Qwen3-Next-80B-A3B (hybrid gated DeltaNet + MoE, its MTP layer, K=2) on 4 v5p chips: the linear
+# layers' Pallas kernel under shard_map over value heads, experts split over the model axis.
+.venv/bin/jmtp compile --buckets largest --model configs/qwen3-next-80b-a3b.json \
+   --topology v5p:2x2x1 --tensor-parallel-size 4 --max-num-seqs 16 --max-model-len 4096 \
+   --num-speculative-tokens 2 --json docs/aot/qwen3-next-80b.json --markdown docs/aot/qwen3-next-80b.md

@@ -20,10 +20,13 @@
 #   evalhead  held-out acceptance/speed of the new head (batch 1 and 32)
 #   structured_test / structured_bench  structured outputs: tests/runtime/test_structured.py on
 #             the GPU, then scripts/bench_structured.py (constrained plain vs MTP, batch 1 and 8)
+#   hybrid_test / hybrid_bench  gated-DeltaNet targets: tests/model/test_hybrid.py and
+#             tests/runtime/test_hybrid_engine.py on the GPU (fp32 at "highest" precision), then
+#             scripts/bench_gdn.py at Qwen3-Next's per-device head shape (recurrent vs chunked)
 # --dry-run: run every stage's command on this machine's CPU with tiny sizes, in the existing
 #   .venv (no install), to check the wiring. The CPU test suite never depends on this script.
 # Stage time limits (seconds) can be overridden: T_SETUP, T_KERNELS, T_LOSSLESS, T_BENCH, T_TRAIN,
-# T_EXPORT, T_EVALHEAD, T_STEST, T_SBENCH. STAGES=a,b,... runs only those stages (e.g. STAGES=bench,bench_plot).
+# T_EXPORT, T_EVALHEAD, T_STEST, T_SBENCH, T_HTEST, T_HBENCH. STAGES=a,b,... runs only those stages (e.g. STAGES=bench,bench_plot).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -128,6 +131,13 @@ stage structured_test "${T_STEST:-120}" env JAX_DEFAULT_MATMUL_PRECISION=highest
   --junitxml="$LOG/structured_test.xml"
 stage structured_bench "${T_SBENCH:-200}" "$PY" scripts/bench_structured.py --compile lazy \
   --warmup "${SARGS[@]}" --json "$OUT_DIR/structured_bench.json"
+
+if [ "$DRY" = 1 ]; then HSEL="next_checkpoint or packed_rule"; HARGS=(--heads 2 --dim 16 --tokens 64 --slots 2);
+else HSEL=""; HARGS=(--heads 8 --dim 128 --tokens 2048 --slots 32); fi
+stage hybrid_test "${T_HTEST:-150}" env JAX_DEFAULT_MATMUL_PRECISION=highest \
+  "$PY" -m pytest -q -p no:cacheprovider tests/model/test_hybrid.py tests/runtime/test_hybrid_engine.py \
+  ${HSEL:+-k "$HSEL"} --junitxml="$LOG/hybrid_test.xml"
+stage hybrid_bench "${T_HBENCH:-90}" "$PY" scripts/bench_gdn.py "${HARGS[@]}"
 
 # ------------------------------------------------------------------------------ bench
 if [ "$DRY" = 1 ]; then

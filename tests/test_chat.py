@@ -164,3 +164,26 @@ def test_chat_subcommand_defaults_and_pipe(llm, monkeypatch, capsys):
             seen["layer_loop"]) == (True, 1, "lazy", "scan")
     out, err = capsys.readouterr()
     assert "=== start-up: " in err and err.count("[ttft ") == 1 and out.strip()
+
+
+def test_chat_turns_prefix_caching_off_for_a_hybrid_model(monkeypatch, capsys):
+    """``jmtp chat`` keeps turns warm with prefix caching, which hybrid linear-attention models
+    refuse: for them it is turned off (and said) instead of failing at start-up."""
+    from pathlib import Path
+    from jmtp import cli
+
+    class Stop(BaseException):
+        pass
+
+    seen = {}
+
+    def fake_build(args):
+        seen.update(vars(args))
+        raise Stop
+
+    monkeypatch.setattr(cli, "build_llm", fake_build)
+    gguf = Path(__file__).parent / "model" / "fixtures" / "gguf_moe" / "qwen35" / "model.gguf"
+    with pytest.raises(Stop):
+        cli.main(["chat", "--model", str(gguf)])
+    assert seen["enable_prefix_caching"] is False
+    assert "prefix caching off" in capsys.readouterr().out

@@ -77,16 +77,6 @@ def init_linear_state(cfg: ModelConfig, num_slots: int, window: int,
         current=jnp.zeros((num_slots,), jnp.int32))
 
 
-def linear_state_bytes(cfg: ModelConfig, num_slots: int, window: int, dtype_bytes: int) -> int:
-    """Bytes of :func:`init_linear_state`'s pool (0 without linear layers)."""
-    if not cfg.is_hybrid:
-        return 0
-    lc, n = cfg.linear, len(cfg.linear_layers)
-    per = (lc.conv_kernel_dim - 1) * lc.conv_dim * dtype_bytes + (
-        lc.num_value_heads * lc.key_head_dim * lc.value_head_dim * 4)
-    return n * num_slots * window * per + num_slots * 4
-
-
 def next_checkpoint(current: jax.Array, query_lens: jax.Array, num_committed: jax.Array,
                     prefilling: jax.Array, window: int) -> jax.Array:
     """``i32[B]``: the checkpoint each slot continues from after a step.

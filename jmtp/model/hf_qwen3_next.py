@@ -73,10 +73,21 @@ def hybrid_config(hf: dict, where: str, generation_config: dict | None = None) -
     if t.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: field 'hidden_act' = {t.get('hidden_act')!r}; only 'silu'")
     rope = dict(t.get("rope_parameters") or {})
-    prf = float(rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0)))
     if rope.get("rope_type", "default") not in (None, "default"):
         raise ValueError(f"{where}: rope type {rope.get('rope_type')!r} (field "
                          "rope_parameters.rope_type) is not supported for the hybrid models")
+    if t.get("rope_scaling"):
+        raise ValueError(f"{where}: field 'rope_scaling' ({t['rope_scaling']}) is not supported "
+                         "for the hybrid models (plain RoPE only; remove it, e.g. the long-context "
+                         "YaRN recipe, to serve within max_position_embeddings)")
+    # transformers' defaults of these fields differ between the Qwen3-Next and Qwen3.5 classes
+    # and from jmtp's other architectures (head_dim 256, partial_rotary_factor 0.25): a config
+    # must state them rather than have one guessed
+    prf = rope.get("partial_rotary_factor", t.get("partial_rotary_factor"))
+    if prf is None:
+        raise ValueError(f"{where}: missing required field 'partial_rotary_factor' (top level or "
+                         "in rope_parameters)")
+    prf = float(prf)
     theta, _ = _rope_params({**t, "rope_parameters": {"rope_theta": rope.get(
         "rope_theta", t.get("rope_theta", 10000.0))}}, where)
     moe = None
@@ -96,8 +107,8 @@ def hybrid_config(hf: dict, where: str, generation_config: dict | None = None) -
     return ModelConfig(
         architecture=arch, vocab_size=int(need("vocab_size")), hidden_size=h,
         intermediate_size=int(t.get("intermediate_size") or t.get("moe_intermediate_size") or 1),
-        num_layers=n, num_heads=nq, num_kv_heads=int(t.get("num_key_value_heads") or nq),
-        head_dim=int(t.get("head_dim") or h // nq), rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        num_layers=n, num_heads=nq, num_kv_heads=int(need("num_key_value_heads")),
+        head_dim=int(need("head_dim")), rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         rope_theta=theta, tie_word_embeddings=bool(tie) if tie is not None else False,
         attention_bias=bool(t.get("attention_bias", False)), qk_norm=True,
         partial_rotary_factor=prf, moe=moe,

@@ -245,8 +245,9 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
             walk(layer_shapes(cfg, *kinds[i]), layer, f"layers[{i}]")
         expected = {k: v for k, v in expected.items() if k != "layers"}
     elif not layers_stacked(cfg):
-        raise ValueError(f"{source}: the model mixes dense and MoE layers, so params['layers'] "
-                         "must be a tuple of per-layer dicts")
+        raise ValueError(f"{source}: the model mixes dense and MoE layers (or attention and "
+                         "linear-attention layers), so params['layers'] must be a tuple of "
+                         "per-layer dicts")
     walk(expected, params, "")
 
 

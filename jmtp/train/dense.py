@@ -160,6 +160,9 @@ def dense_mtp_forward(
         vs.append(v)
         attn = _attend(cfg, q, jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1),
                        _pass_mask(segment_ids, i))
+        if "wg" in layer:   # gated attention (Qwen3-Next / Qwen3.5 MTP layer), as decoder_layer
+            hg = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+            attn = attn * jax.nn.sigmoid(hg @ layer["wg"]).astype(attn.dtype)
         x = x + attn @ layer["wo"]
         hm = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
         x = x + ffn(cfg, layer, hm.reshape(-1, hm.shape[-1])).reshape(hm.shape)  # dense or MoE

@@ -98,6 +98,11 @@ def generate_tokens(
             raise ValueError(f"prompts[{i}] is empty")
         if min(p) < 0 or max(p) >= cfg.vocab_size:
             raise ValueError(f"prompts[{i}] holds ids outside [0, vocab_size={cfg.vocab_size})")
+    if cfg.is_hybrid:
+        raise ValueError("generate_tokens does not run hybrid linear-attention targets (its "
+                         "one-sequence prefills have no recurrent state slots); generate with the "
+                         "engine instead (jmtp.train.generation.engine_generate, train_mtp.py "
+                         "--generator engine)")
     eos = set(cfg.eos_token_ids if eos_ids is None else eos_ids)
     rng = np.random.default_rng(seed)
     dtype = params["embed"].dtype

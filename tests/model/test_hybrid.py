@@ -339,8 +339,19 @@ def test_loader_errors_name_the_tensor(tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ValueError, match="linear_attn.A_log"):
         load_hf(path, jnp.float32)
-    cfg = json.loads((path / "config.json").read_text())
-    del cfg["linear_num_value_heads"]
+    good = json.loads((path / "config.json").read_text())
+    for field in ("linear_num_value_heads", "head_dim", "num_key_value_heads"):
+        cfg = dict(good)
+        del cfg[field]
+        (path / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=field):
+            load_hf(path, jnp.float32)
+    # transformers' defaults differ per class (partial rotary 0.25): it must be stated
+    cfg = {**good, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="linear_num_value_heads"):
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        load_hf(path, jnp.float32)
+    (path / "config.json").write_text(json.dumps({**good, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}))
+    with pytest.raises(ValueError, match="rope_scaling"):
         load_hf(path, jnp.float32)

@@ -52,7 +52,8 @@ def engine_sizes(dp: int = 1) -> dict:
 def model(heads: str = "8/8", moe: bool = False):
     """The tiny model with ``"Nq/Nkv"`` heads (``"9/3"``: SmolLM2's head counts; its vocabulary
     and MLP (64) then split into no whole thirds and stay replicated); with ``moe`` the MoE target
-    of ``conftest.TINY_MOE`` (routed experts replicated, shared expert split over ``model``)."""
+    of ``conftest.TINY_MOE`` (each routed expert's and the shared expert's intermediate width
+    split over ``model``)."""
     nq, nkv = (int(x) for x in heads.split("/"))
     return tiny_model(0, **dict(MODEL, num_heads=nq, num_kv_heads=nkv, **(TINY_MOE if moe else {})))
 

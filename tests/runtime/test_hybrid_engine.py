@@ -79,10 +79,11 @@ def test_mtp_greedy_equals_transformers(hybrid, k):
     assert stats["num_free_blocks"] == ARGS["num_blocks"]
 
 
-def oracle_with_a_wrong_draft(refs: list[list[int]], k: int):
+def oracle_with_a_wrong_draft(refs: list[list[int]], k: int, short: bool = False):
     """A custom drafter that drafts the reference continuation of the slot's request (found by its
     first prompt token) but replaces draft ``(seq_len mod (K+1))`` by a wrong token: windows are
-    accepted up to a position that moves along the window, then rejected."""
+    accepted up to a position that moves along the window, then rejected. With ``short`` it also
+    drafts only ``(7·seq_len + 1) mod (K+1)`` tokens (-1 after them): windows of 1..K+1 rows."""
     width = 128
     table = np.full((256, width), 0, np.int32)
     for p, r in zip(PROMPTS, refs):
@@ -95,7 +96,11 @@ def oracle_with_a_wrong_draft(refs: list[list[int]], k: int):
         idx = jnp.clip(seq_len[:, None] + jnp.arange(k)[None], 0, width - 1)
         d = jnp.take_along_axis(table[state.input_ids[:, 0]], idx, axis=1)
         wrong = (seq_len % (k + 1))[:, None] == jnp.arange(k)[None]
-        return jnp.where(wrong, (d + 1) % hx.V, d)
+        d = jnp.where(wrong, (d + 1) % hx.V, d)
+        if short:
+            n = (seq_len * 7 + 1) % (k + 1)
+            d = jnp.where(jnp.arange(k)[None] < n[:, None], d, -1)
+        return d
 
     return drafter
 
@@ -112,6 +117,18 @@ def test_rejections_in_the_middle_of_windows(hybrid):
     per_pos = stats["accepted_per_position"]
     assert per_pos[0] > per_pos[1] > per_pos[2] > 0      # windows cut after 1 and after 2 drafts
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+
+
+def test_short_windows_under_the_dynamic_policy(hybrid):
+    """Windows of every length 1..K+1 (drafts cut by the drafter, and the dynamic policy's own
+    limits): the checkpoint each slot continues from depends on the window's length; greedy output
+    is still transformers'."""
+    k = 3
+    spec = SpeculativeConfig("custom", k, drafter=oracle_with_a_wrong_draft(hybrid[2], k, True),
+                             speculation_policy="dynamic")
+    eng = llm(hybrid, spec)
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY, use_tqdm=False)] == hybrid[2]
+    assert eng.llm_engine.get_stats()["num_accepted_tokens"] > 0
 
 
 def test_seeded_sampling_with_target_match_equals_plain(hybrid):

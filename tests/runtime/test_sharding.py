@@ -269,8 +269,9 @@ def test_check_tensor_parallel_names_the_sizes():
 
 
 def test_rules_table_and_logical_spec():
+    # each routed expert's intermediate width too (tensor-parallel experts, issue 38)
     assert {k for k, v in shd.LOGICAL_TO_MESH.items() if v == shd.MODEL} == {
-        ax.Q_HEADS, ax.KV_HEADS, ax.MLP, ax.VOCAB}
+        ax.Q_HEADS, ax.KV_HEADS, ax.MLP, ax.VOCAB, ax.EXPERT_MLP}
     assert shd.LOGICAL_TO_MESH[shd.SLOTS] == shd.DATA
     assert set(ax.ALL) <= set(shd.LOGICAL_TO_MESH)
 

@@ -60,7 +60,7 @@ _dense = jax.jit(dense_mtp_forward, static_argnums=(0, 6))
 # The training forward is the inference forward.
 
 
-@pytest.mark.parametrize("variant", ["deepseek", "ernie", "moe"])
+@pytest.mark.parametrize("variant", ["deepseek", "ernie", "moe", "gated"])
 def test_dense_pass1_equals_mtp_forward_on_packed_segments(variant):
     # The ERNIE variant also turns on q/k/v biases and q/k norms (Qwen-style blocks); the MoE one
     # is GLM-4.5-shaped (MoE MTP block: sigmoid router with bias, shared expert; partial rotary).
@@ -69,7 +69,10 @@ def test_dense_pass1_equals_mtp_forward_on_packed_segments(variant):
            "ernie": TINY.replace(mtp_layout="ernie", attention_bias=True, qk_norm=True),
            "moe": TINY.replace(partial_rotary_factor=0.5, moe=MoEConfig(
                4, 2, 16, layers=(0,), mtp_moe=True, scoring="sigmoid", score_bias=True,
-               norm_topk_prob=True, shared_intermediate_size=16))}[variant]
+               norm_topk_prob=True, shared_intermediate_size=16)),
+           # Qwen3-Next / Qwen3.5's MTP layer: gated attention, q/k norm, partial rotary
+           "gated": TINY.replace(attn_output_gate=True, qk_norm=True, partial_rotary_factor=0.5,
+                                 mtp_layout="qwen3_next")}[variant]
     params = _params(cfg)
     rng = np.random.default_rng(1)
     lens, w = [5, 7], 16
@@ -86,7 +89,7 @@ def test_dense_pass1_equals_mtp_forward_on_packed_segments(variant):
     np.testing.assert_allclose(np.asarray(h[0, :n]), np.asarray(ref_h[:n]), atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(np.asarray(hn[0, :n]), np.asarray(ref_hn[:n]), atol=2e-5, rtol=2e-5)
     assert np.asarray(valid[0]).tolist() == [True] * n + [False] * (w - n)
-    if variant == "ernie":   # ernie feeds back the post-norm state, deepseek the pre-norm one
+    if variant in ("ernie", "gated"):   # post-norm state fed back (deepseek: pre-norm)
         np.testing.assert_array_equal(np.asarray(h), np.asarray(hn))
 
 
