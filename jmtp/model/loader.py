@@ -131,7 +131,9 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
 
         cfg, params = load_hf(p, dtype)
     head = None
-    if mtp_head == "auto":    # GGUF files carry no MTP weights; HF checkpoints keep their own
+    # "auto": a GGUF jmtp ships a head for (SmolLM2) gets it; other files keep the MTP layers
+    # they carry (GGUF NextN blocks, HF MTP tensors)
+    if mtp_head == "auto":
         head = shipped_head_path(p) if kind == "gguf" else None
     elif mtp_head is not None:
         head = Path(os.fspath(mtp_head))

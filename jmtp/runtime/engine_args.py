@@ -265,6 +265,8 @@ class EngineArgs:
             shd.check_tensor_parallel(model_config, tp)
         if layer_loop == "unrolled":
             params = unstack_layers(params)
+        if model_config.is_hybrid:   # per-layer dicts: the layers always run as an unrolled loop
+            layer_loop = "unrolled"
         dp = shd.mesh_sizes(mesh)[0] if mesh is not None else 1
         tokens = a.max_num_batched_tokens
         if tokens is None:   # (a multiple of data_parallel_size: split per shard)

@@ -154,8 +154,9 @@ def test_state_pool_bytes_reported(hybrid):
     want = n * ARGS["max_num_seqs"] * 3 * per + ARGS["max_num_seqs"] * 4
     got = eng.llm_engine.kv_cache_bytes()
     assert got["linear_state"] == want and got["total"] >= want + got["values"]
-    # the paged cache covers the full-attention layers only
+    # the paged cache covers the full-attention layers only; the layers run unrolled
     assert eng.llm_engine.runner.cache.k.shape[0] == len(cfg.kv_layers) == 2
+    assert eng.llm_engine.layer_loop == "unrolled"
 
 
 @pytest.mark.parametrize("kw,match", [
