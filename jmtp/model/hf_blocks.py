@@ -78,6 +78,20 @@ def _read_swiglu(rd: TensorReader, p: str, h: int, i: int, paddle: bool) -> tupl
     return gate, up, rd.linear(p + "down_proj.weight", i, h, paddle)
 
 
+def read_routed_experts(rd: TensorReader, p: str, e: int, i: int, h: int,
+                        paddle: bool = False) -> dict[str, np.ndarray]:
+    """The E routed experts under ``p`` (``...mlp.``) as ``experts_gate, experts_up f[E, H, I]``,
+    ``experts_down f[E, I, H]``: transformers v5's fused ``experts.gate_up_proj f[E, 2I, H]`` /
+    ``experts.down_proj f[E, H, I]``, or per-expert ``experts.{j}.{gate,up,down}_proj``."""
+    if rd.has(p + "experts.gate_up_proj"):        # transformers v5 in-memory layout
+        gu = rd.get(p + "experts.gate_up_proj", (e, 2 * i, h))
+        return {"experts_gate": gu[:, :i].transpose(0, 2, 1),
+                "experts_up": gu[:, i:].transpose(0, 2, 1),
+                "experts_down": rd.get(p + "experts.down_proj", (e, h, i)).transpose(0, 2, 1)}
+    g, u, d = zip(*(_read_swiglu(rd, f"{p}experts.{j}.", h, i, paddle) for j in range(e)))
+    return {"experts_gate": np.stack(g), "experts_up": np.stack(u), "experts_down": np.stack(d)}
+
+
 def _read_moe(rd: TensorReader, p: str, cfg: ModelConfig, paddle: bool) -> dict[str, np.ndarray]:
     """One MoE FFN (:mod:`jmtp.model.moe` names) from the tensors under ``p`` (``...mlp.``)."""
     m, h = cfg.moe, cfg.hidden_size
@@ -94,15 +108,7 @@ def _read_moe(rd: TensorReader, p: str, cfg: ModelConfig, paddle: bool) -> dict[
         if out["router_bias"].shape != (e,):
             raise ValueError(f"{rd.where}: {p} score-correction bias has {out['router_bias'].size} "
                              f"entries, expected num_experts = {e}")
-    if rd.has(p + "experts.gate_up_proj"):        # transformers v5 in-memory layout
-        gu = rd.get(p + "experts.gate_up_proj", (e, 2 * i, h))
-        out["experts_gate"] = gu[:, :i].transpose(0, 2, 1)
-        out["experts_up"] = gu[:, i:].transpose(0, 2, 1)
-        out["experts_down"] = rd.get(p + "experts.down_proj", (e, h, i)).transpose(0, 2, 1)
-    else:
-        g, u, d = zip(*(_read_swiglu(rd, f"{p}experts.{j}.", h, i, paddle) for j in range(e)))
-        out["experts_gate"], out["experts_up"], out["experts_down"] = (np.stack(g), np.stack(u),
-                                                                       np.stack(d))
+    out.update(read_routed_experts(rd, p, e, i, h, paddle))
     if m.shared_intermediate_size:
         out["shared_gate"], out["shared_up"], out["shared_down"] = _read_swiglu(
             rd, p + "shared_experts.", h, m.shared_intermediate_size, paddle)

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.model.config import LinearAttentionConfig, ModelConfig, MoEConfig
-from jmtp.model.hf_blocks import TensorReader, _read_swiglu, np_dtype
+from jmtp.model.hf_blocks import TensorReader, _read_swiglu, np_dtype, read_routed_experts
 from jmtp.model.params import check_params, layer_kinds, layer_shapes
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ def hybrid_config(hf: dict, where: str, generation_config: dict | None = None) -
 
     Raises:
       ValueError: naming the field, for a missing required field or an unsupported feature."""
-    from jmtp.model.hf_config import _eos_ids, _rope_params
+    from jmtp.model.hf_config import _eos_ids
     arch = hf["architectures"][0]
     t = text_config(hf)
 
@@ -88,8 +88,7 @@ def hybrid_config(hf: dict, where: str, generation_config: dict | None = None) -
         raise ValueError(f"{where}: missing required field 'partial_rotary_factor' (top level or "
                          "in rope_parameters)")
     prf = float(prf)
-    theta, _ = _rope_params({**t, "rope_parameters": {"rope_theta": rope.get(
-        "rope_theta", t.get("rope_theta", 10000.0))}}, where)
+    theta = float(rope.get("rope_theta", t.get("rope_theta", 10000.0)))
     moe = None
     e = int(t.get("num_experts") or 0)
     if e:
@@ -193,15 +192,7 @@ def _ffn(rd: TensorReader, p: str, cfg: ModelConfig, moe: bool) -> dict:
     mc = cfg.moe
     e, i = mc.num_experts, mc.moe_intermediate_size
     out = {"router": rd.get(m + "gate.weight", (e, h)).T}
-    if rd.has(m + "experts.gate_up_proj"):                     # transformers v5 layout
-        gu = rd.get(m + "experts.gate_up_proj", (e, 2 * i, h))
-        out["experts_gate"] = gu[:, :i].transpose(0, 2, 1)
-        out["experts_up"] = gu[:, i:].transpose(0, 2, 1)
-        out["experts_down"] = rd.get(m + "experts.down_proj", (e, h, i)).transpose(0, 2, 1)
-    else:
-        g, u, d = zip(*(_read_swiglu(rd, f"{m}experts.{j}.", h, i, False) for j in range(e)))
-        out["experts_gate"], out["experts_up"], out["experts_down"] = (
-            np.stack(g), np.stack(u), np.stack(d))
+    out.update(read_routed_experts(rd, m, e, i, h))
     if mc.shared_intermediate_size:
         out["shared_gate"], out["shared_up"], out["shared_down"] = _read_swiglu(
             rd, m + "shared_expert.", h, mc.shared_intermediate_size, False)
