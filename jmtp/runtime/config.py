@@ -10,8 +10,8 @@ from jmtp.pallas.block_allocator import CHOICES as BLOCK_ALLOCATORS
 from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.pallas.kv_quant import check_kv_cache_dtype
 
-METHODS = (None, "mtp", "ngram", "custom")
-MTP_STRATEGIES = ("default", "with_ngram")
+METHODS = (None, "mtp", "ngram", "suffix", "custom")
+MTP_STRATEGIES = ("default", "with_ngram", "with_suffix")
 SPECULATION_POLICIES = ("fixed", "dynamic")
 
 
@@ -22,16 +22,22 @@ class SpeculativeConfig:
     Attributes:
       method: ``"mtp"`` (the model's MTP head drafts), ``"ngram"`` (prompt + history n-gram
         matching inside the jitted step, FastDeploy's ``ngram_match``; no MTP weights or cache;
-        see :mod:`jmtp.runtime.ngram`), ``"custom"`` (``drafter`` drafts; used by tests for
-        oracle / null drafters) or ``None`` (no speculation).
+        see :mod:`jmtp.runtime.ngram`), ``"suffix"`` (suffix decoding: the host drafts from
+        suffix trees over each request's prompt and output and over earlier requests' outputs,
+        :mod:`jmtp.runtime.suffix_decoding`; no MTP weights or cache), ``"custom"``
+        (``drafter`` drafts; used by tests for oracle / null drafters) or ``None`` (no
+        speculation).
       num_speculative_tokens: K, the verify window holds ``[last token, d1..dK]``.
       num_model_steps: M, MTP substeps (= drafts) per engine step, ``1 <= M <= K``. Substep ``s``
         uses MTP module ``s mod num_mtp_layers``, so one module is applied recursively. With M < K
         the window has room for K drafts but only M are proposed, unless
         ``mtp_strategy="with_ngram"`` fills the rest with n-gram matches.
-      mtp_strategy: ``"default"`` or ``"with_ngram"`` (FastDeploy's ``hybrid_mtp_ngram`` op:
+      mtp_strategy: ``"default"``, ``"with_ngram"`` (FastDeploy's ``hybrid_mtp_ngram`` op:
         with M < K, the last n tokens of history + the M MTP drafts are matched against earlier
-        history and the tokens following the match extend the drafts up to K).
+        history and the tokens following the match extend the drafts up to K) or
+        ``"with_suffix"`` (per slot and window, the suffix draft, up to K tokens, where its score
+        reaches M, else the M MTP drafts; the MTP head rests while a slot follows a suffix match:
+        :mod:`jmtp.runtime.suffix_decoding`).
       max_ngram_size / min_ngram_size: n-gram sizes tried, longest first (``1 <= min <= max``).
         ``min_ngram_size=None`` = FastDeploy's default for the method: 1 for ``"ngram"``, 2 for
         the hybrid.
@@ -60,10 +66,23 @@ class SpeculativeConfig:
         stays lossless (the target verifies; with ``draft_sampling`` q is exact, zero outside the N
         tokens). None = the model's default (``ModelConfig.draft_vocab_size``, set by the shipped
         head), 0 = the full vocabulary.
+      suffix_decoding_max_tree_depth: the longest string the suffix trees count (a match plus
+        its draft spans at most this many tokens); vLLM's name and default (24).
+      suffix_decoding_max_cached_requests: how many requests' outputs the global suffix tree
+        holds (running ones included; the oldest finished ones are evicted first); 0 turns the
+        global tree off (each request then drafts from its own prompt and output only). vLLM's
+        name and default (10000).
+      suffix_decoding_corpus_tokens: the most output tokens the global tree holds (vLLM's name;
+        jmtp's default 65536, not vLLM's 1M: the host trees are Python, about
+        ``max_tree_depth`` nodes per token of text that repeats nothing, ~130 bytes each).
+      suffix_decoding_max_spec_factor: a match of ``m`` tokens drafts at most
+        ``floor(m * factor)`` tokens (and at most K); vLLM's name and default (1.0).
+      suffix_decoding_min_token_prob: a draft stops before a token whose estimated probability
+        (its count over the matched string's) is below this; vLLM's name and default (0.1).
 
     Raises:
       ValueError: unknown method or strategy, K < 1, M outside ``[1, K]``, custom method without
-        drafter.
+        drafter, a suffix knob out of range, suffix decoding with the dynamic policy.
     """
 
     method: str | None = "mtp"
@@ -82,6 +101,11 @@ class SpeculativeConfig:
     max_ngram_size: int = 5
     min_ngram_size: int | None = None
     speculation_policy: str = "fixed"
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_corpus_tokens: int = 65536
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self):
         from jmtp.runtime.verify import STRATEGIES
@@ -101,10 +125,16 @@ class SpeculativeConfig:
         if mn is not None and (not isinstance(mn, int) or not 1 <= mn <= self.max_ngram_size):
             raise ValueError(f"SpeculativeConfig.min_ngram_size must be an int in [1, "
                              f"max_ngram_size={self.max_ngram_size}], got {mn!r}")
+        self._check_suffix()
         if self.method is None:
             return
-        if self.mtp_strategy == "with_ngram" and self.method != "mtp":
-            raise ValueError("SpeculativeConfig.mtp_strategy='with_ngram' needs method='mtp'")
+        if self.mtp_strategy != "default" and self.method != "mtp":
+            raise ValueError(f"SpeculativeConfig.mtp_strategy={self.mtp_strategy!r} needs "
+                             "method='mtp'")
+        if self.uses_suffix and self.speculation_policy != "fixed":
+            raise ValueError("SpeculativeConfig.speculation_policy='dynamic' is not supported "
+                             "with suffix decoding (its drafts adapt per request already); use "
+                             "'fixed'")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"SpeculativeConfig.num_speculative_tokens must be an int >= 1, got {k!r}")
@@ -119,9 +149,31 @@ class SpeculativeConfig:
         if self.method == "custom" and self.drafter is None:
             raise ValueError("SpeculativeConfig.drafter is required when method='custom'")
 
+    def _check_suffix(self) -> None:
+        ints = (("suffix_decoding_max_tree_depth", 2), ("suffix_decoding_max_cached_requests", 0),
+                ("suffix_decoding_corpus_tokens", 1))
+        for name, low in ints:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"SpeculativeConfig.{name} must be an int >= {low}, got {v!r}")
+        f, p = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not f >= 0:
+            raise ValueError("SpeculativeConfig.suffix_decoding_max_spec_factor must be a number "
+                             f">= 0, got {f!r}")
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p <= 1:
+            raise ValueError("SpeculativeConfig.suffix_decoding_min_token_prob must lie in "
+                             f"[0, 1], got {p!r}")
+
     @property
     def enabled(self) -> bool:
         return self.method is not None
+
+    @property
+    def uses_suffix(self) -> bool:
+        """The host drafts by suffix decoding: ``method="suffix"`` or the MTP hybrid
+        ``mtp_strategy="with_suffix"``."""
+        return self.method == "suffix" or (self.method == "mtp"
+                                           and self.mtp_strategy == "with_suffix")
 
     @property
     def ngram_sizes(self) -> tuple[int, int]:

@@ -31,6 +31,7 @@ from jmtp.runtime.requests import RequestTable, Sequence
 from jmtp.runtime.sampling import SamplingParams
 from jmtp.runtime.scheduler import Scheduler, reuse_bucket
 from jmtp.runtime.spec_policy import DynamicSpeculation
+from jmtp.runtime.suffix_decoding import SuffixDecoding, merge_overrides
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,8 @@ class LLMEngine(HandOffAPI):
     ``scheduler`` (:class:`~jmtp.runtime.scheduler.Scheduler`), ``requests``
     (:class:`~jmtp.runtime.requests.RequestTable`), ``prefix_caches``
     (:class:`~jmtp.runtime.prefix_slots.ShardedPrefixCache` or None), ``handoff``,
-    ``spec_policy`` (:class:`DynamicSpeculation` or None).
+    ``spec_policy`` (:class:`DynamicSpeculation` or None), ``suffix``
+    (:class:`~jmtp.runtime.suffix_decoding.SuffixDecoding` or None).
 
     Start-up times: ``compile_seconds`` ``{label: seconds}`` of the compiles done ahead
     (``compile="eager"``); ``first_call_seconds`` ``{bucket label: seconds}`` of each bucket's
@@ -110,6 +112,7 @@ class LLMEngine(HandOffAPI):
                 ec.max_num_seqs, ec.k, lambda rows, n: choose_bucket(
                     sec, min(-(-rows // dp), sec.max_num_batched_tokens),
                     min(-(-n // dp), sec.max_num_seqs), has_prefill=False))
+        self.suffix = SuffixDecoding(ec.spec, ec.max_num_seqs) if ec.spec.uses_suffix else None
         self.num_steps = 0
         self._pending_drafts = None   # i32[B, K] drafts of the pending windows (last StepOutput)
         self.last_step_seconds = 0.0
@@ -258,6 +261,8 @@ class LLMEngine(HandOffAPI):
         run.check_bucket(bucket)   # before the policy and the prefix cache change anything
         ready = req.pop_ready()
         limits, plan_seconds = self._draft_limits(chunks)
+        if self.suffix is not None:    # the MTP head rests where a slot follows a suffix match
+            limits = self.suffix.mtp_limits(limits)
         if pcs is not None:
             for d in range(run.num_shards):
                 pcs.ensure_free(run, d, sch.block_bound(chunks, d))
@@ -284,12 +289,16 @@ class LLMEngine(HandOffAPI):
         return outputs
 
     def _structured_inputs(self):
-        """The step's structured-output inputs (:meth:`StructuredOutputs.prepare`; None when no
-        running sample is constrained) and the outputs of samples it finished: a grammar that
-        allows no token ends its sample with ``finish_reason="abort"`` and the reason in
-        ``stop_reason``."""
+        """The step's draft-override inputs: suffix drafts (:meth:`SuffixDecoding.prepare`) and
+        structured outputs (:meth:`StructuredOutputs.prepare`) merged (None when neither changes
+        anything), and the outputs of samples it finished: a grammar that allows no token ends
+        its sample with ``finish_reason="abort"`` and the reason in ``stop_reason``."""
         sch, req = self.scheduler, self.requests
         sch.next_drafts = np.array(sch.next_drafts)        # prepare repairs the windows
+        drafted = None
+        if self.suffix is not None:     # suffix drafts first: the grammar checks them
+            drafted, self._pending_drafts = self.suffix.prepare(
+                sch.slots, sch.next_drafts, self._pending_drafts, self.engine_config.max_model_len)
         guide, dead = req.structured.prepare(sch.slots, sch.next_drafts, self._pending_drafts,
                                              self.engine_config.max_model_len)
         ended = {}
@@ -304,7 +313,7 @@ class LLMEngine(HandOffAPI):
         if dead and guide is not None and not any(
                 s is not None and s.grammar is not None for s in sch.slots):
             guide = None
-        return guide, [req.make_output(g) for g in ended.values()]
+        return merge_overrides(guide, drafted), [req.make_output(g) for g in ended.values()]
 
     def _draft_limits(self, chunks: np.ndarray) -> tuple[np.ndarray, float]:
         """Per-slot draft limits ``i32[B]`` for the step (K, or the dynamic policy's plan) and
@@ -332,6 +341,8 @@ class LLMEngine(HandOffAPI):
             if seq.resuming and n:      # the re-emitted last token of a resumed request
                 first, seq.resuming = 1, False
             kept = req.record(seq, out, b, first, n, was_decode)
+            if self.suffix is not None and kept:
+                self.suffix.record(seq, out.tokens[b, first:first + kept])
             if seq.grammar is not None and kept:
                 req.structured.commit(seq.grammar, out.tokens[b, first:first + kept])
             if seq.finish_reason is not None:   # the step released the slots it finished
@@ -365,6 +376,8 @@ class LLMEngine(HandOffAPI):
             seq.resuming = resume_token >= 0
         if self.spec_policy is not None:
             self.spec_policy.reset_slot(b)
+        if self.suffix is not None:
+            self.suffix.admit(seq)
         if not seq.metrics.accepted_per_position:
             seq.metrics.accepted_per_position = [0] * self.engine_config.k
         sch.occupy(b, seq, drafts)
@@ -379,6 +392,8 @@ class LLMEngine(HandOffAPI):
                                       cache_blocks)
         elif release:
             self.runner.release(b)
+        if self.suffix is not None:
+            self.suffix.release(seq)
         self.scheduler.vacate(b)
 
     def _preempt(self, shard: int) -> None:
@@ -412,7 +427,13 @@ class LLMEngine(HandOffAPI):
         (host time in the policy, s; :class:`DynamicSpeculation`). Structured outputs:
         ``structured_host_seconds`` (host time building bitmasks and repairing drafts, s),
         ``structured_constrained_steps`` (steps with a constrained sample) and
-        ``structured_forced_drafts`` (drafts the grammar forced: jump-forward).
+        ``structured_forced_drafts`` (drafts the grammar forced: jump-forward). Suffix decoding:
+        ``suffix_host_seconds`` (host time in the suffix trees, s), ``suffix_windows`` /
+        ``suffix_draft_tokens`` (windows drafted from the trees, their drafts),
+        ``suffix_mtp_windows`` (hybrid: windows left to the MTP head), the trees' size
+        (``suffix_running_requests``, ``suffix_cached_requests``, ``suffix_cached_tokens``,
+        ``suffix_global_tree_nodes``, ``suffix_tree_nodes``, ``suffix_tree_bytes``: estimated
+        host bytes of all trees) and ``suffix_evicted_requests``.
         """
         so = self.requests.structured
         stats = dict(
@@ -424,6 +445,8 @@ class LLMEngine(HandOffAPI):
             num_preemptions=self.scheduler.num_preemptions)
         if self.prefix_caches is not None:
             stats.update(self.prefix_caches.stats())
+        if self.suffix is not None:
+            stats.update(self.suffix.stats())
         pol = self.spec_policy
         if pol is not None:
             stats.update(spec_policy_plans=pol.num_plans,

@@ -15,6 +15,8 @@ Registry (:data:`PROPOSERS`):
 * ``"ngram"``: prompt-lookup n-gram matching (:func:`~jmtp.runtime.ngram.ngram_match`,
   FastDeploy ``ngram_match``);
 * ``"custom"``: ``SpeculativeConfig.drafter(state) -> i32[B, K]``;
+* ``"suffix"``: nothing on the device: the host's suffix drafts enter the next step through its
+  ``draft_override`` input (:mod:`jmtp.runtime.suffix_decoding`);
 * ``None``: no speculation (``K = 0``).
 
 A new proposer is a function here and an entry in :data:`PROPOSERS` (plus the method name in
@@ -141,7 +143,8 @@ def propose_none(x: ProposeInputs):
 
 #: ``SpeculativeConfig.method`` → proposer.
 PROPOSERS: dict[str | None, Callable] = {
-    "mtp": propose_mtp, "ngram": propose_ngram, "custom": propose_custom, None: propose_none}
+    "mtp": propose_mtp, "ngram": propose_ngram, "custom": propose_custom, "suffix": propose_none,
+    None: propose_none}
 
 
 def propose(ec: EngineConfig, drafter, num_tokens: int, attention_impl: str | None,

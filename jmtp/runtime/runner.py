@@ -430,7 +430,8 @@ class DeviceRunner:
                  guide: tuple[np.ndarray, np.ndarray] | None = None):
         """Run the jitted step in ``bucket`` with prefill chunks and draft limits ``i32[B]``, and
         ``guide`` = ``(token_bitmask i32[B, K+1, NW], draft_override i32[B, K])`` when a
-        structured-output request runs (None: the placed neutral pair).
+        structured-output request runs or the host drafts (None: the placed neutral pair; a None
+        element: that one of the pair).
 
         Returns:
           its :class:`~jmtp.runtime.step.StepOutput` on the host, fields ``[B, ...]`` and
@@ -450,7 +451,8 @@ class DeviceRunner:
                 self.params, self.state, self.cache, self.mtp_cache,
                 self.lift(p.host_lanes(chunks)), self.lift(p.host_lanes(limits)),
                 *(self.neutral_guide() if guide is None else
-                  (self.lift(p.host_lanes(x)) for x in guide)))
+                  (n if x is None else self.lift(p.host_lanes(x))
+                   for x, n in zip(guide, self.neutral_guide()))))
         out = p.fetch_step(out)
         if first:
             self.first_call_seconds[bucket.label] = time.perf_counter() - t0

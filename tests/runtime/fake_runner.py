@@ -23,7 +23,10 @@ contract as ``jmtp.runtime.step`` states it, with a model that is a known functi
   ``max_model_len`` tokens (:func:`jmtp.runtime.target_stages.truncate_at_stop`), tokens after it
   cut; the next window's drafts are capped as the device caps them (``min(K, draft limit,
   max_tokens - emitted - 1, max_model_len - len(sequence) - 1)``, 0 once finished);
-* each data shard's rows must fit the bucket's ``T`` and its slots with work its ``A``.
+* each data shard's rows must fit the bucket's ``T`` and its slots with work its ``A``;
+* a ``draft_override`` (the step's ``guide`` without token masks: suffix decoding) makes a
+  window's drafts real tokens, forced up to a cut: the leading ones equal to the target's are
+  accepted (the override must respect the caps above).
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.data_parallel import shard_config
 from jmtp.runtime.state import FINISH_LENGTH, FINISH_STOP
 from jmtp.runtime.step import StepOutput
+from jmtp.runtime.structured.grammar import KEEP_DRAFT, NO_DRAFT
 
 FAKE_MODEL = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=16, num_layers=1,
                          num_heads=1, num_kv_heads=1, head_dim=8, eos_token_ids=(1,),
@@ -106,9 +110,11 @@ class FakeRunner:
                  max_model_len: int = 64, max_num_batched_tokens: int | None = None, k: int = 2,
                  data_parallel_size: int = 1, enable_prefix_caching: bool = False,
                  max_logprobs: int = 0, accept=default_accept, speculation_policy: str = "fixed",
-                 model_config: ModelConfig = FAKE_MODEL):
-        spec = (SpeculativeConfig("mtp", k, speculation_policy=speculation_policy) if k
-                else SpeculativeConfig(method=None))
+                 model_config: ModelConfig = FAKE_MODEL, spec: SpeculativeConfig | None = None):
+        if spec is None:
+            spec = (SpeculativeConfig("mtp", k, speculation_policy=speculation_policy) if k
+                    else SpeculativeConfig(method=None))
+        k = spec.k
         ec = EngineConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           block_size=block_size, num_blocks=num_blocks or 1,
                           max_num_batched_tokens=max_num_batched_tokens or max(
@@ -206,9 +212,29 @@ class FakeRunner:
             self.pinned[shard].remove(int(i))
             self.free[shard].append(int(i))
 
-    def run_step(self, bucket, chunks, limits, guide=None) -> StepOutput:
-        if guide is not None:
+    def _forced_windows(self, guide) -> dict[int, list[int]]:
+        """The windows a ``draft_override`` replaces: ``{slot: drafts}`` (forced tokens, then a
+        cut; every token under the caps of the module docstring)."""
+        masks, override = guide
+        if masks is not None:
             raise NotImplementedError("the numpy double applies no structured-output masks")
+        ec, out = self.engine_config, {}
+        for b, s in enumerate(self.slots):
+            row = [int(v) for v in override[b]]
+            if s is None or all(v == KEEP_DRAFT for v in row):
+                continue
+            n = next((w for w, v in enumerate(row) if v < 0), len(row))
+            assert all(v == NO_DRAFT for v in row[n:]), ("forced tokens, then a cut", row)
+            assert s.computed >= s.prompt_len and not s.done, "a window of a decoding slot"
+            assert n <= min(ec.k, s.remaining - s.emitted - 1,
+                            ec.max_model_len - len(s.seq) - 1), ("drafts past a cap", b, n)
+            out[b] = row[:n]
+        return out
+
+    def run_step(self, bucket, chunks, limits, guide=None) -> StepOutput:
+        forced = self._forced_windows(guide) if guide is not None else {}
+        for b, drafts in forced.items():
+            self.slots[b].drafts = len(drafts)
         self._compiled.add(bucket)
         self.buckets_run.append(bucket)
         ec, bs = self.engine_config, self.engine_config.block_size
@@ -252,7 +278,14 @@ class FakeRunner:
                 new = [s.resume] if s.resume >= 0 else [next_token(s.seq)]
                 s.resume = -1
             else:
-                a = min(self.accept(b, self.steps, s.drafts), s.drafts)
+                if b in forced:     # real drafts: the leading ones the target agrees with
+                    a, ctx = 0, list(s.seq)
+                    for d in forced[b]:
+                        if d != next_token(ctx):
+                            break
+                        a, ctx = a + 1, ctx + [d]
+                else:
+                    a = min(self.accept(b, self.steps, s.drafts), s.drafts)
                 out["num_drafts"][b], out["num_allowed"][b] = s.drafts, s.drafts
                 new = []
                 for _ in range(a + 1):
@@ -276,6 +309,8 @@ class FakeRunner:
             out["num_tokens"][b] = len(keep)
             allowed = min(K, int(limits[b]), s.remaining - s.emitted - 1,
                           ec.max_model_len - len(s.seq) - 1)
+            if ec.spec.method == "suffix":    # the device proposes nothing: the host drafts
+                allowed = 0
             s.drafts = max(allowed, 0) if not finished[b] else 0
             s.done = bool(finished[b])
         for b, s in enumerate(self.slots):   # the release of finished slots ends the step

@@ -1,0 +1,213 @@
+"""Suffix decoding through the engine (``jmtp/runtime/suffix_decoding.py``).
+
+The host wiring runs over the numpy double of the runner (``tests/runtime/fake_runner.py``: a
+``draft_override`` window's drafts are accepted where they equal the fake target's tokens), so
+outputs are checked against the fake's plain greedy decoding and every override against the
+device's draft caps, without XLA. The tiny random model then checks that greedy output with
+suffix drafts (and with the MTP hybrid) is plain decoding's, and that a seeded sampled request
+verified with ``target_match`` samples plain decoding's tokens."""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from jmtp.runtime.config import SpeculativeConfig
+from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.llm_engine import LLMEngine
+from jmtp.runtime.structured.grammar import KEEP_DRAFT
+from tests.runtime.conftest import free_blocks, reference_greedy, tiny_model
+from tests.runtime.fake_runner import FakeRunner, reference
+from tests.runtime.test_host_logic import drive
+
+SUFFIX = SpeculativeConfig("suffix", 3)
+HYBRID = SpeculativeConfig("mtp", 3, 1, mtp_strategy="with_suffix")
+PROMPT = [5, 6, 7, 8]
+
+
+def fake_engine(spec, **kw):
+    runner = FakeRunner(spec=spec, **kw)
+    return LLMEngine.from_runner(runner), runner
+
+
+def record_calls(runner):
+    """Wrap ``runner.run_step``: the list of ``(limits, override or None)`` it is given."""
+    calls, run = [], runner.run_step
+
+    def recorded(bucket, chunks, limits, guide=None):
+        calls.append((np.array(limits), None if guide is None else np.array(guide[1])))
+        return run(bucket, chunks, limits, guide)
+    runner.run_step = recorded
+    return calls
+
+
+# ---------------------------------------------------------------- host wiring (no XLA)
+def test_a_repeated_request_drafts_the_earlier_output():
+    """r1 repeats r0's prompt after r0 finished: its drafts come from r0's output in the
+    global tree, are accepted, and it needs a fraction of r0's steps; r2 (another prompt,
+    alongside) stays exact. All outputs equal plain greedy decoding."""
+    eng, runner = fake_engine(SUFFIX, max_num_seqs=2, max_model_len=64)
+    eng.add_request("r0", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    first, _ = drive(eng, runner)
+    eng.add_request("r1", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.add_request("r2", [9, 3, 4], SamplingParams(max_tokens=30, ignore_eos=True))
+    finals, _ = drive(eng, runner)
+    want = reference(PROMPT, 30, stop_ids=())
+    assert first["r0"].outputs[0].token_ids == want == finals["r1"].outputs[0].token_ids
+    assert finals["r2"].outputs[0].token_ids == reference([9, 3, 4], 30, stop_ids=())
+    m0, m1 = first["r0"].metrics, finals["r1"].metrics
+    # after its first token: one draft (a 1-token match, which may pick another continuation of
+    # that token: the fake's vocabulary is small), then K=3 drafts and a bonus per step
+    assert m1.num_decode_steps <= 2 + -(-(30 - 3) // 4) < m0.num_decode_steps
+    assert m1.num_accepted_tokens >= 0.75 * m1.num_draft_tokens
+    stats = eng.get_stats()
+    assert stats["suffix_running_requests"] == 0 and stats["suffix_cached_requests"] == 3
+    assert stats["suffix_draft_tokens"] == stats["num_draft_tokens"]
+    assert stats["suffix_host_seconds"] > 0
+
+
+@pytest.mark.parametrize("max_tokens,max_model_len", [(1, 64), (2, 64), (5, 64), (30, 16),
+                                                      (30, 12)])
+def test_drafts_respect_max_tokens_and_max_model_len(max_tokens, max_model_len):
+    """Suffix windows never pass ``max_tokens`` or ``max_model_len`` (the fake asserts each
+    override against the device's caps); outputs stay exact."""
+    eng, runner = fake_engine(SUFFIX, max_num_seqs=3, max_model_len=max_model_len)
+    for i in range(4):    # the same prompt: long suffix matches from the first request on
+        eng.add_request(f"r{i}", PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    finals, _ = drive(eng, runner)
+    want = reference(PROMPT, max_tokens, stop_ids=(), max_model_len=max_model_len)
+    assert all(f.outputs[0].token_ids == want for f in finals.values())
+    assert eng.get_stats()["suffix_running_requests"] == 0
+
+
+def test_preemption_abort_and_eviction_keep_outputs_and_bounds():
+    """Too few KV blocks (preemption: the sample's trees are rebuilt on re-admission), an abort
+    in flight, and a global tree of 2 outputs at most: outputs exact, bounds kept."""
+    spec = SpeculativeConfig("suffix", 3, suffix_decoding_max_cached_requests=2)
+    eng, runner = fake_engine(spec, max_num_seqs=3, max_model_len=48, num_blocks=14)
+    prompts = {f"r{i}": [PROMPT, [9, 3, 4]][i % 2] for i in range(6)}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, SamplingParams(max_tokens=24, ignore_eos=True))
+    outs = []
+    for _ in range(3):
+        outs += eng.step()
+    eng.abort_request("r1")
+    finals, _ = drive(eng, runner, prior=outs)
+    stats = eng.get_stats()
+    assert stats["num_preemptions"] > 0
+    assert set(finals) == set(prompts) - {"r1"}
+    for rid, f in finals.items():
+        assert f.outputs[0].token_ids == reference(prompts[rid], 24, stop_ids=()), rid
+    assert stats["suffix_running_requests"] == 0
+    assert stats["suffix_cached_requests"] <= 2 and stats["suffix_evicted_requests"] >= 4
+    assert stats["num_accepted_tokens"] > 0
+
+
+def test_hybrid_rests_the_mtp_head_while_following_a_match():
+    """MTP K=3, M=1 with suffix windows: a slot drafts from the trees where the match scores at
+    least M, and the step after gives its MTP a limit of 0; the window after such a step is the
+    host's again (no MTP drafts came). Outputs exact; both drafters drafted."""
+    eng, runner = fake_engine(HYBRID, max_num_seqs=2, max_model_len=64)
+    calls = record_calls(runner)
+    eng.add_request("r0", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    drive(eng, runner)
+    eng.add_request("r1", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.add_request("r2", [9, 3, 4], SamplingParams(max_tokens=20, ignore_eos=True))
+    finals, _ = drive(eng, runner)
+    assert finals["r1"].outputs[0].token_ids == reference(PROMPT, 30, stop_ids=())
+    assert finals["r2"].outputs[0].token_ids == reference([9, 3, 4], 20, stop_ids=())
+    rested = 0
+    for (limits, _), (_, override) in zip(calls, calls[1:]):
+        for b in np.flatnonzero(limits == 0):
+            if override is not None and (override[b] != KEEP_DRAFT).any():
+                rested += 1
+            else:            # a limit of 0 for a slot without a window (prefill, finished)
+                assert override is None or (override[b] == KEEP_DRAFT).all()
+    assert rested >= 3
+    stats = eng.get_stats()
+    assert stats["suffix_windows"] > 0 and stats["suffix_mtp_windows"] > 0
+    assert finals["r1"].metrics.num_decode_steps < 15
+
+
+def test_config_names_the_field():
+    for kw, field in [(dict(suffix_decoding_max_tree_depth=1), "max_tree_depth"),
+                      (dict(suffix_decoding_max_cached_requests=-1), "max_cached_requests"),
+                      (dict(suffix_decoding_corpus_tokens=0), "corpus_tokens"),
+                      (dict(suffix_decoding_max_spec_factor=-0.5), "max_spec_factor"),
+                      (dict(suffix_decoding_min_token_prob=1.5), "min_token_prob"),
+                      (dict(speculation_policy="dynamic"), "speculation_policy"),
+                      (dict(mtp_strategy="with_suffix"), "mtp_strategy")]:
+        with pytest.raises(ValueError, match=field):
+            SpeculativeConfig("suffix", 3, **kw)
+    with pytest.raises(ValueError, match="speculation_policy"):
+        SpeculativeConfig("mtp", 3, 1, mtp_strategy="with_suffix", speculation_policy="dynamic")
+    assert SpeculativeConfig("suffix", 5).uses_suffix and HYBRID.uses_suffix
+    assert not SpeculativeConfig("ngram", 3).uses_suffix
+    assert HYBRID.ngram_sizes == (0, 0)
+
+
+# ---------------------------------------------------------------- the tiny model (XLA)
+MAX_LEN = 96
+
+
+@functools.lru_cache(maxsize=None)
+def engine(spec: SpeculativeConfig | None):
+    cfg, params = tiny_model(1, std=1.0)     # its greedy output repeats itself now and then
+    return LLM(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=3,
+               max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=16)
+
+
+def _prompt(data, label):
+    unit = data.draw(st.lists(st.integers(2, 63), min_size=1, max_size=6), label=label + "_unit")
+    reps = data.draw(st.integers(1, 5), label=label + "_reps")
+    return (unit * reps)[:30]
+
+
+@pytest.mark.parametrize("spec", [SUFFIX, HYBRID], ids=["suffix", "mtp-with-suffix"])
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_greedy_equals_plain_decoding(spec, data):
+    """More requests than slots, prompts past the 16-token step budget (chunked prefill), some
+    repeated (so later ones draft from earlier outputs): the non-paged reference's tokens."""
+    cfg, params = tiny_model(1, std=1.0)
+    uniq = [_prompt(data, f"p{i}") for i in range(data.draw(st.integers(1, 3), label="n"))]
+    prompts = [uniq[data.draw(st.integers(0, len(uniq) - 1), label=f"pick{i}")]
+               for i in range(4)]
+    sps = [SamplingParams(max_tokens=data.draw(st.integers(1, 24), label="max_tokens"),
+                          ignore_eos=True) for _ in prompts]
+    llm = engine(spec)
+    outs = llm.generate(prompts, sps, use_tqdm=False)
+    for p, o, sp in zip(prompts, outs, sps):
+        assert o.token_ids == reference_greedy(cfg, params, p, sp.max_tokens, stop_ids=())
+        assert o.metrics.num_accepted_tokens <= o.metrics.num_draft_tokens
+    assert free_blocks(llm) == llm.engine_config.num_blocks
+    assert (llm.mtp_cache is None) == (spec.method == "suffix")
+
+
+def test_drafts_from_the_global_tree_are_accepted():
+    """A prompt seen before: its greedy output is drafted from the earlier one and accepted."""
+    llm = engine(SUFFIX)
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    first = llm.generate([[7, 9, 11]], sp, use_tqdm=False)[0]
+    again = llm.generate([[7, 9, 11]], sp, use_tqdm=False)[0]
+    assert again.token_ids == first.token_ids
+    assert again.metrics.num_accepted_tokens == again.metrics.num_draft_tokens >= 15
+    assert again.metrics.mean_acceptance_length > 2.5
+
+
+def test_seeded_sampling_with_target_match_equals_plain():
+    """``verify_strategy="target_match"`` draws each row's token as plain decoding does, so a
+    seeded sampled request with suffix drafts (from an identical earlier request, here) samples
+    plain decoding's tokens."""
+    cfg, params = tiny_model(1, std=1.0)
+    mk = lambda spec: LLM(model_config=cfg, params=params, speculative_config=spec,
+                          max_num_seqs=2, max_model_len=64, block_size=4,
+                          max_num_batched_tokens=8)
+    sp = SamplingParams(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True)
+    plain = mk(None).generate([[7, 9, 11]], sp, use_tqdm=False)[0].token_ids
+    llm = mk(SpeculativeConfig("suffix", 3, verify_strategy="target_match"))
+    outs = [llm.generate([[7, 9, 11]], sp, use_tqdm=False)[0] for _ in range(2)]
+    assert [o.token_ids for o in outs] == [plain, plain]
+    assert outs[1].metrics.num_accepted_tokens > 0
