@@ -43,12 +43,15 @@ def build_llm(args):
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The engine options ``jmtp generate`` and ``jmtp serve`` share."""
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M)")
-    p.add_argument("--speculative-method", default="mtp", choices=["mtp", "ngram"],
-                   help="drafter: the model's MTP head, or n-gram matches of the prompt and history")
+    p.add_argument("--speculative-method", default="mtp", choices=["mtp", "ngram", "suffix"],
+                   help="drafter: the model's MTP head, n-gram matches of the prompt and history, "
+                        "or suffix decoding (suffix trees over prompts and earlier outputs)")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--num-model-steps", type=int, default=None)
-    p.add_argument("--mtp-strategy", default="default", choices=["default", "with_ngram"],
-                   help="with_ngram: n-gram matches extend the MTP drafts up to K (hybrid)")
+    p.add_argument("--mtp-strategy", default="default",
+                   choices=["default", "with_ngram", "with_suffix"],
+                   help="with_ngram: n-gram matches extend the MTP drafts up to K (hybrid); "
+                        "with_suffix: suffix drafts where the match is strong, MTP elsewhere")
     p.add_argument("--max-ngram-size", type=int, default=5)
     p.add_argument("--min-ngram-size", type=int, default=None)
     p.add_argument("--speculation-policy", default="fixed", choices=["fixed", "dynamic"],

@@ -211,3 +211,29 @@ def test_seeded_sampling_with_target_match_equals_plain():
     outs = [llm.generate([[7, 9, 11]], sp, use_tqdm=False)[0] for _ in range(2)]
     assert [o.token_ids for o in outs] == [plain, plain]
     assert outs[1].metrics.num_accepted_tokens > 0
+
+
+def test_constrained_requests_with_suffix_drafts_equal_the_masked_reference():
+    """Structured outputs and suffix drafts share the step's ``draft_override``: the grammar
+    masks are built over the suffix drafts and its forced tokens win. Repeated constraints and
+    prompts (so the trees draft), greedy: constrained greedy decoding's tokens."""
+    import jax.numpy as jnp
+
+    from jmtp.runtime.structured import StructuredOutputsParams as SOP
+    from tests.runtime.structured_fixtures import (SCHEMA, VOCAB_SIZE,
+                                                   reference_constrained_greedy, tiny_tokenizer)
+    cfg, params = tiny_model(0, vocab_size=VOCAB_SIZE)
+    llm = LLM(model_config=cfg, params=params, tokenizer=tiny_tokenizer(), speculative_config=SUFFIX,
+              max_num_seqs=3, max_model_len=96, block_size=8, max_num_batched_tokens=16,
+              dtype=jnp.float32)
+    tok = tiny_tokenizer()
+    prompts = ["ab", "hello", "ab"]
+    for sop in (SOP(json=SCHEMA), SOP(regex=r"(ab|ba)+c[0-9]{3}"), SOP(json=SCHEMA)):
+        outs = llm.generate(prompts, SamplingParams(max_tokens=40, structured_outputs=sop),
+                            use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == reference_constrained_greedy(
+                cfg, params, sop, tok.encode(p), 40), (sop.kind, p)
+    stats = llm.llm_engine.get_stats()
+    assert stats["suffix_draft_tokens"] > 0 and stats["structured_forced_drafts"] > 0
+    assert stats["num_accepted_tokens"] > 0
