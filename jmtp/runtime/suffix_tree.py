@@ -26,6 +26,19 @@ which the tail below them extends by itself): one dict look-up each, so the work
 follows the length of the text the sequence currently repeats (at most ``D``), and a query for
 a stored sequence's own context needs no walk.
 
+**Drafting** (:meth:`SuffixTree.speculate`). For each match length ``m`` (the context's last
+``m`` tokens, ``m <= min(len(context), D - 1)``, as long as that string was seen), from the
+matched string repeatedly take the child with the highest count (ties: the smaller token id)
+while fewer than ``min(max_spec_tokens, floor(m * max_spec_factor + max_spec_offset), D - m)``
+tokens are drafted and the token's estimated probability ``count(s + d_1..d_j) / count(s)``
+(the product of the parent-to-child count ratios along the path) is at least
+``min_token_prob``; a draft's score is the sum of its tokens' probabilities (the expected number
+of them to be accepted, if the counts were the truth). The draft with the highest score wins, a
+longer match on ties. A longer match drafts more (the speculation length follows the match
+length) and a rarer continuation fewer (it follows the frequency): where nothing repeats, the
+draft is empty and the step verifies no draft. The search runs from the longest match down and
+stops at a match whose length limit (an upper bound of its score) cannot beat the best.
+
 Tested against a naive scan of the stored sequences (``tests/runtime/test_suffix_tree.py``).
 """
 from __future__ import annotations
@@ -33,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 from array import array
-
 
 __all__ = ["SuffixDraft", "SuffixTree", "EMPTY_DRAFT"]
 
@@ -69,7 +81,7 @@ class SuffixTree:
 
     A *position* in the tree (what :meth:`match_nodes` returns per match length) is a node id
     (int) or, inside the single-occurrence chain below a tail, ``(sequence id, index of the
-    string's last token, depth)``.
+    string's last token)``.
 
     Raises:
       ValueError: ``max_depth < 2``. KeyError: removing an unknown sequence.
@@ -84,7 +96,6 @@ class SuffixTree:
         self._count = array("q", [0])       # occurrences of the node's string
         self._best = array("q", [-1])       # its most frequent child (ties: smaller token); -1
         self._token = array("q", [-1])      # the last token of its string
-        self._depth = array("q", [0])       # the string's length
         self._ref = array("q", [-1])        # a tail's sequence id (-1: an ordinary node)
         self._pos = array("q", [-1])        # a tail's index of its string's last token
         self._first = array("q", [-1])      # first child, then siblings in a doubly linked list
@@ -111,7 +122,7 @@ class SuffixTree:
         """Host bytes held (an estimate): the per-node arrays, the edge dict with its key and
         value objects (about 32 + 28 bytes each) and the stored token lists."""
         arrays = sum(a.itemsize * len(a) for a in (
-            self._count, self._best, self._token, self._depth, self._ref, self._pos,
+            self._count, self._best, self._token, self._ref, self._pos,
             self._first, self._next, self._prev))
         seqs = sum(sys.getsizeof(s) for s in self._seqs.values())
         return arrays + sys.getsizeof(self._edge) + 60 * len(self._edge) + seqs
@@ -124,16 +135,16 @@ class SuffixTree:
         return self._seqs[seq_id]
 
     # ------------------------------------------------------------------ updates
-    def _new_node(self, parent: int, token: int, depth: int, ref: int, pos: int) -> int:
+    def _new_node(self, parent: int, token: int, ref: int, pos: int) -> int:
         if self._free:
             n = self._free.pop()
             self._count[n], self._best[n], self._token[n] = 1, -1, token
-            self._depth[n], self._ref[n], self._pos[n] = depth, ref, pos
+            self._ref[n], self._pos[n] = ref, pos
             self._first[n], self._prev[n] = -1, -1
         else:
             n = len(self._count)
             for a, v in ((self._count, 1), (self._best, -1), (self._token, token),
-                         (self._depth, depth), (self._ref, ref), (self._pos, pos),
+                         (self._ref, ref), (self._pos, pos),
                          (self._first, -1), (self._prev, -1), (self._next, -1)):
                 a.append(v)
         head = self._first[parent]
@@ -169,14 +180,14 @@ class SuffixTree:
             for l, node in enumerate(act):          # the string act[l] + t, of l + 1 tokens
                 c = edge.get((node << _SHIFT) | t)
                 if c is None:                       # first seen: a tail at this occurrence
-                    c = self._new_node(node, t, l + 1, seq_id, n)
+                    c = self._new_node(node, t, seq_id, n)
                     spelled = False                 # (and so are all longer ones)
                 elif ref[c] >= 0:                   # seen once: a second occurrence
                     other, at = ref[c], pos[c]
                     oseq = self._seqs[other]
                     ref[c], count[c] = -1, 2
                     if l + 2 <= D and at + 1 < len(oseq):    # the old occurrence goes on
-                        self._best[c] = self._new_node(c, oseq[at + 1], l + 2, other, at + 1)
+                        self._best[c] = self._new_node(c, oseq[at + 1], other, at + 1)
                     elif at == len(oseq) - 1 and other != seq_id and l + 1 < D:
                         self._active[other].append(c)   # it ends that sequence: extend it too
                 else:
@@ -255,7 +266,7 @@ class SuffixTree:
                 seq, at, rest = self._seqs[ref[c]], self._pos[c], len(tokens) - j - 1
                 if seq[at + 1:at + 1 + rest] != [int(x) for x in tokens[j + 1:]]:
                     return None
-                return (ref[c], at + rest, len(tokens)) if rest else c
+                return (ref[c], at + rest) if rest else c
             node = c
         return node
 
