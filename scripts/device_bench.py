@@ -187,12 +187,10 @@ def shape_configs(tiny: bool):
     return {"SmolLM2-shaped": smol, "Llama-3-8B-shaped": l8}
 
 
-def measure_engine(cfg, params, spec, batches, depths, *, context, new_tokens, dtype, tiny,
-                   deadline, seed=0):
+def measure_engine(cfg, params, spec, batches, depths, *, context, new_tokens, dtype, deadline,
+                   seed=0):
     """Decode-step times of one engine per (batch, depth, bucket): ``batch`` requests of
     ``context`` random prompt tokens, ``new_tokens`` each, every slot drafting ``depth``."""
-    import jax.numpy as jnp
-
     from jmtp import LLM, SamplingParams
     k = spec.num_speculative_tokens if spec is not None else 0
     t0 = time.perf_counter()
@@ -291,7 +289,7 @@ def cmd_rows(a) -> int:
         params = params_of[name]
         try:
             rows, build, cut = measure_engine(cfg, params, spec, batches, depths, context=context,
-                                              new_tokens=new_tokens, dtype=dtype, tiny=a.tiny,
+                                              new_tokens=new_tokens, dtype=dtype,
                                               deadline=deadline)
         except Exception as e:          # one engine failing must not lose the others
             out["engines"].append({"shape": name, "method": label, "error": repr(e)[:500]})

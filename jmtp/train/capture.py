@@ -117,9 +117,12 @@ def dense_target_forward(cfg: ModelConfig, params: dict, ids, lens=None,
     lens = jnp.full((b,), w, jnp.int32) if lens is None else jnp.asarray(lens, jnp.int32)
     if lens.shape != (b,):
         raise ValueError(f"lens must be i32[{b}], got shape {lens.shape}")
-    if not isinstance(lens, jax.core.Tracer):
-        if int(lens.min()) < 1 or int(lens.max()) > w:
-            raise ValueError(f"lens must lie in [1, W={w}]")
+    try:
+        lo, hi = int(jnp.min(lens)), int(jnp.max(lens))
+    except jax.errors.ConcretizationTypeError:      # traced by a caller's jit: not checked
+        lo, hi = 1, w
+    if lo < 1 or hi > w:
+        raise ValueError(f"lens must lie in [1, W={w}]")
     bad = [i for i in feature_layers if not 0 <= i < cfg.num_layers]
     if bad:
         raise ValueError(f"feature_layers {bad} outside [0, num_layers={cfg.num_layers})")

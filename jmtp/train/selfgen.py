@@ -102,7 +102,7 @@ class EngineGenerator:
         """
         from jmtp.runtime.sampling import SamplingParams
 
-        todo = cache.missing(jobs)
+        todo = list({job_key(j): j for j in cache.missing(jobs)}.values())   # each job once
         eng = self.engine
         t0 = time.perf_counter()
         steps0 = eng.num_steps
