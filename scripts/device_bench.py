@@ -58,6 +58,26 @@ def device_info() -> dict:
 
 
 # ------------------------------------------------------------------------------------- kernels
+def attention_batch(b: int, q: int, ctx: int, nq: int, nkv: int, d: int, dtype, seed: int = 0,
+                    block_size: int = 16):
+    """``b`` sequences of ``q`` query rows over ``ctx`` cached positions each, their pages
+    scattered over a shuffled pool (random values drawn on the device: a Llama-3-8B pool at
+    batch 64 x 4096 positions is 1 GB); returns the kernel's arguments and the KV bytes it must
+    read."""
+    import jax
+    import jax.numpy as jnp
+    rng = np.random.default_rng(seed)
+    pages = -(-ctx // block_size)
+    nb = b * pages + 1
+    tables = rng.permutation(nb)[:b * pages].reshape(b, pages).astype(np.int32)
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+    shape = (nb, block_size, nkv, d)
+    args = (jax.random.normal(kq, (b * q, nq, d), dtype), jax.random.normal(kk, shape, dtype),
+            jax.random.normal(kv, shape, dtype), jnp.full((b,), ctx, jnp.int32),
+            jnp.asarray(tables), jnp.asarray(np.arange(b + 1, dtype=np.int32) * q))
+    return args, 2 * b * ctx * nkv * d * jnp.dtype(dtype).itemsize
+
+
 def cmd_kernels(a) -> int:
     """Copy bandwidth, bf16 matmul rate, attention and block-allocator kernels against HBM."""
     import functools
@@ -68,8 +88,6 @@ def cmd_kernels(a) -> int:
     from jmtp.pallas.block_allocator import allocate_blocks, init_allocator_state
     from jmtp.pallas.ragged_paged_attention import ragged_paged_attention
     from jmtp.runtime.roofline import H200, H200_DATASHEET_BW
-    sys.path.insert(0, HERE)
-    from bench_kernels import make_batch
 
     out = {"device": device_info(), "datasheet_bytes_per_s": H200_DATASHEET_BW, "rows": []}
     t_end = time.perf_counter() + a.seconds
@@ -105,9 +123,8 @@ def cmd_kernels(a) -> int:
                     if time.perf_counter() > t_end:
                         out["cut_short"] = True
                         break
-                    batch, kv_bytes = make_batch([q] * b, [ctx] * b, num_q_heads=nq,
-                                                 num_kv_heads=nkv, head_dim=d, block_size=16,
-                                                 dtype=jnp.bfloat16 if gpu else jnp.float32)
+                    batch, kv_bytes = attention_batch(b, q, ctx, nq, nkv, d,
+                                                      jnp.bfloat16 if gpu else jnp.float32)
                     fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=d ** -0.5,
                                                    implementation=impl))
                     t, first = _timed(fn, batch, iters)
@@ -263,23 +280,26 @@ def cmd_rows(a) -> int:
         shapes = {n: c for i, (n, c) in enumerate(shapes.items()) if str(i) in a.shapes.split(",")}
     plans = []        # the anchors of the prediction first (plain and MTP), n-gram last
     methods = a.methods.split(",")
-    for name, cfg in shapes.items():
-        if "plain" in methods:
-            plans.append((name, cfg, "plain", None, [0]))
-        if "mtp" in methods:
-            plans.append((name, cfg, f"mtp K={k}", SpeculativeConfig("mtp", k, num_model_steps=k),
-                          sorted({0, 1, k})))
+    small = [b for b in batches if b <= 8] or batches[:1]
+    large = [b for b in batches if b not in small]
+    mtp = SpeculativeConfig("mtp", k, num_model_steps=k)
+    # small batches of both shapes first (the prediction's anchors), then the large batch, n-gram
+    # last: a time box cuts the least informative measurements
+    for group in (small, large):
+        for name, cfg in shapes.items():
+            if group and "plain" in methods:
+                plans.append((name, cfg, "plain", None, [0], group))
+            if group and "mtp" in methods:
+                plans.append((name, cfg, f"mtp K={k}", mtp, sorted({0, 1, k}), group))
     for name, cfg in shapes.items():
         if "ngram" in methods:
-            plans.append((name, cfg, f"ngram K={k}", SpeculativeConfig("ngram", k), [k]))
+            plans.append((name, cfg, f"ngram K={k}", SpeculativeConfig("ngram", k), [k], batches))
     params_of = {}
-    for name, cfg, label, spec, depths in plans:
+    for name, cfg, label, spec, depths, group in plans:
         if time.perf_counter() > deadline:
             out["cut_short"] = True
             break
         if name not in params_of:
-            params_of.clear()
-            gc.collect()
             t0 = time.perf_counter()
             p = init_params(cfg, jax.random.PRNGKey(0), dtype=dtype)
             p["mtp"] = init_mtp_params(cfg, p, jax.random.PRNGKey(1), dtype=dtype)
@@ -288,7 +308,7 @@ def cmd_rows(a) -> int:
             print(f"[rows] {name}: random params in {time.perf_counter() - t0:.1f} s", flush=True)
         params = params_of[name]
         try:
-            rows, build, cut = measure_engine(cfg, params, spec, batches, depths, context=context,
+            rows, build, cut = measure_engine(cfg, params, spec, group, depths, context=context,
                                               new_tokens=new_tokens, dtype=dtype,
                                               deadline=deadline)
         except Exception as e:          # one engine failing must not lose the others
