@@ -56,8 +56,36 @@ def parse_args(argv=None):
                     help="use only the first N training prompts (a multiple of --gen-batch reuses "
                          "the cached batches of a longer, interrupted generation)")
     ap.add_argument("--generator", choices=("auto", "engine", "simple"), default="auto",
-                    help="auto: the jmtp engine for greedy responses when importable, the simple "
-                         "generator (jmtp.train.generation.generate_tokens) for sampled ones")
+                    help="engine (auto when jmtp.runtime imports): one jmtp engine answers every "
+                         "request (continuous batching at --gen-batch slots) into the token cache "
+                         "(--token-cache), hidden states captured afterwards in batches "
+                         "(jmtp.train.capture); simple: jmtp.train.generation.generate_tokens, "
+                         "hidden states captured during generation (OUT/data/gen batches)")
+    ap.add_argument("--token-cache", default=None,
+                    help="content-addressed cache of generated sequences (engine generator; "
+                         "default DATA_DIR/tokens): a later run with more --samples, prompts or "
+                         "another --seed adds to it, and training uses every cached sequence of "
+                         "this model")
+    ap.add_argument("--shard-size", type=int, default=None,
+                    help="requests per generation job / cache shard (default 4 x --gen-batch)")
+    ap.add_argument("--gen-seconds", type=float, default=None,
+                    help="generation time budget of this run (no new job starts after it)")
+    ap.add_argument("--gen-tokens", type=int, default=None,
+                    help="budget of newly generated tokens in this run")
+    ap.add_argument("--capture-batch-tokens", type=int, default=8192,
+                    help="token rows per batched hidden-state capture call (engine generator)")
+    ap.add_argument("--no-hidden-cache", action="store_true",
+                    help="do not save captured hidden states per cache shard (DATA_DIR/hidden); "
+                         "an accelerator recaptures faster than it writes them")
+    ap.add_argument("--device-data", action="store_true",
+                    help="keep the training hidden states on the device and gather batches there")
+    ap.add_argument("--epochs", type=float, default=None,
+                    help="set --steps to this many passes over the packed training rows")
+    ap.add_argument("--train-seconds", type=float, default=None,
+                    help="time box: training stops (checkpoint, export) after the step that "
+                         "passes it, the schedule cut where it stands")
+    ap.add_argument("--report-json", default=None,
+                    help="write a summary (data, generation, capture, training, eval) as JSON")
     ap.add_argument("--corpus-docs", default=None,
                     help="teacher-forced prose: a Sphinx _sources dir of the Python docs (e.g. "
                          "/usr/share/doc/python3.11/html/_sources from Debian's python3.11-doc)")
@@ -189,6 +217,93 @@ def _generations(args, cfg, params, tok, data_dir, log):
     return [r for r in recs if r["split"] == "train"], [r for r in recs if r["split"] == "eval"]
 
 
+def model_digest(path) -> str:
+    """Identity of the target for the token and hidden-state caches: SHA-256 of a checkpoint
+    file; of a checkpoint directory, SHA-256 over its config.json and its weight files' names
+    and sizes."""
+    import hashlib
+    from pathlib import Path
+
+    from jmtp.model.loader import resolve_checkpoint
+    from jmtp.model.weights_cache import file_digest
+    p, _ = resolve_checkpoint(path)
+    if Path(p).is_file():
+        return file_digest(p)
+    h = hashlib.sha256(Path(p, "config.json").read_bytes())
+    for f in sorted(Path(p).glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def _engine_data(args, cfg, params, tok, data_dir, log, report):
+    """Engine generation into the token cache, then hidden states per cache shard: returns
+    ``(train MTPData, eval MTPData or None)`` over every cached sequence of this model."""
+    from jmtp.train import prompts as P
+    from jmtp.train import selfgen as S
+    from jmtp.train.token_cache import TokenCache
+
+    digest = model_digest(args.model)
+    cache = TokenCache(args.token_cache or os.path.join(data_dir, "tokens"))
+    prompts = P.load_prompts(args.num_prompts)
+    train_p, eval_p = P.split_prompts(prompts, args.eval_frac, args.seed)
+    if args.gen_limit is not None:
+        train_p = train_p[:args.gen_limit]
+    enc = {p.id: P.encode_chat(tok, p.text) for p in train_p + eval_p}
+    shard = args.shard_size or 4 * args.gen_batch
+    common = dict(model=digest, max_tokens=args.gen_max_tokens, seed=args.seed, shard_size=shard)
+    pairs = lambda ps: [(p.id, enc[p.id]) for p in ps]
+    jobs = (S.plan_jobs(pairs(eval_p), split="eval", kind="greedy", temperature=0.0,
+                        samples=[0], **common)
+            + S.plan_jobs(pairs(train_p), split="train", kind="greedy", temperature=0.0,
+                          samples=[0], **common)
+            + S.plan_jobs(pairs(train_p), split="train", kind="sampled",
+                          temperature=args.temperature, samples=range(args.samples), **common))
+    todo = cache.missing(jobs)
+    log.info("token cache %s: %s; %d of this run's %d jobs to generate", cache.root,
+             cache.summary(), len(todo), len(jobs))
+    gen = {"jobs_done": 0, "tokens": 0, "seconds": 0.0}
+    if todo:
+        longest = max(len(enc[r[0]]) for j in todo for r in j["requests"])
+        t0 = time.perf_counter()
+        g = S.EngineGenerator(cfg, params, batch_size=args.gen_batch,
+                              max_model_len=longest + args.gen_max_tokens + 1)
+        build = time.perf_counter() - t0
+        gen = g.fill(cache, todo, enc, seconds=args.gen_seconds, max_new_tokens=args.gen_tokens,
+                     progress=not args.no_progress)
+        gen["engine_build_seconds"] = build
+        log.info("generated %d jobs (%d sequences, %d tokens) in %.0f s: %.0f tok/s; %d jobs "
+                 "left for a later run", gen["jobs_done"], gen["sequences"], gen["tokens"],
+                 gen["seconds"], gen["tokens_per_second"], gen["jobs_left"])
+        del g
+        import gc
+        gc.collect()            # the engine's caches leave the device before capture and training
+    report["generation"] = {**gen, "cache": cache.summary()}
+    hidden_dir = (None if args.no_hidden_cache else
+                  os.path.join(data_dir, "hidden", digest[:16]))
+    ours = lambda e, split: e["job"].get("model") == digest and e["job"]["split"] == split
+    train_e = [e for e in cache.entries().values() if ours(e, "train")]
+    eval_e = [e for e in cache.entries().values() if ours(e, "eval")
+              and e["job"]["kind"] == "greedy" and e["job"]["max_tokens"] == args.gen_max_tokens]
+    if not train_e:
+        raise SystemExit("no training sequence in the token cache (generation budget too small?)")
+    t0 = time.perf_counter()
+    kw = dict(hidden_dir=hidden_dir, batch_tokens=args.capture_batch_tokens,
+              top1_chunk=1024 if jax_backend() == "cpu" else 4096, progress=not args.no_progress)
+    train = S.shard_data(cache, train_e, cfg, params, **kw)
+    evald = S.shard_data(cache, eval_e, cfg, params, **kw)
+    report["capture"] = {"seconds": time.perf_counter() - t0, "train_tokens": int(len(train.tokens)),
+                         "eval_tokens": int(len(evald.tokens)) if evald is not None else 0,
+                         "shards": len(train_e) + len(eval_e)}
+    log.info("hidden states of %d train / %d eval tokens ready in %.0f s", len(train.tokens),
+             report["capture"]["eval_tokens"], report["capture"]["seconds"])
+    return train, evald
+
+
+def jax_backend() -> str:
+    import jax
+    return jax.default_backend()
+
+
 def _dataset(cfg, params, recs, directory, log, progress):
     from jmtp.train.data import MTPData, build_dataset, target_top1
 
@@ -299,11 +414,16 @@ def main(argv=None) -> int:
         params = dict(params, mtp=init_mtp_params(cfg, params, jax.random.PRNGKey(args.seed)))
 
     data_dir = args.data_dir or os.path.join(args.out, "data")
-    train_recs, eval_recs = _generations(args, cfg, params, tok, data_dir, log)
     progress = not args.no_progress
-    train = _dataset(cfg, params, train_recs, os.path.join(data_dir, "train"), log, progress)
-    evald = (_dataset(cfg, params, eval_recs, os.path.join(data_dir, "eval"), log, progress)
-             if eval_recs else None)
+    report = {"args": vars(args), "backend": jax_backend()}
+    from jmtp.train.generation import engine_available
+    if args.generator == "engine" or (args.generator == "auto" and engine_available()):
+        train, evald = _engine_data(args, cfg, params, tok, data_dir, log, report)
+    else:
+        train_recs, eval_recs = _generations(args, cfg, params, tok, data_dir, log)
+        train = _dataset(cfg, params, train_recs, os.path.join(data_dir, "train"), log, progress)
+        evald = (_dataset(cfg, params, eval_recs, os.path.join(data_dir, "eval"), log, progress)
+                 if eval_recs else None)
 
     # The FR-Spec ranking counts the target's own responses only (what drafts must predict).
     freq = token_frequencies(train, cfg.vocab_size)
@@ -326,13 +446,23 @@ def main(argv=None) -> int:
                             "temperature": args.temperature, "num_prompts": args.num_prompts,
                             "eval_frac": args.eval_frac},
              "draft_vocab_coverage": covered}
+    if args.epochs:
+        import dataclasses
+        from jmtp.train.data import pack_rows
+        n_rows = len(pack_rows(train, tcfg.seq_len, prompt_rows=tcfg.prompt_rows))
+        steps = max(int(np.ceil(args.epochs * n_rows / tcfg.batch_size)), 2)
+        tcfg = dataclasses.replace(tcfg, steps=steps, warmup_steps=(
+            args.warmup if args.warmup is not None else steps // 20),
+            ckpt_every=min(tcfg.ckpt_every, steps))
+        log.info("%g epochs of %d packed rows: %d steps", args.epochs, n_rows, steps)
     trainer = MTPTrainer(cfg, params, train, evald, tcfg, args.out, draft_vocab=draft_vocab,
-                         extra_config=extra)
+                         extra_config=extra, device_data=args.device_data)
     before = trainer.evaluate(trainer.init_mtp) if evald is not None else {}
     log.info("eval before training: %s", before)
     t1 = time.perf_counter()
     # --export-only: export the latest checkpoint of an interrupted (or stopped) run as it is.
-    state = trainer.restore() if args.export_only else trainer.train()
+    deadline = t1 + args.train_seconds if args.train_seconds else None
+    state = trainer.restore() if args.export_only else trainer.train(deadline=deadline)
     train_s = time.perf_counter() - t1
     after = trainer.evaluate(state["mtp"]) if evald is not None else {}
     log.info("eval after training: %s", after)
@@ -346,6 +476,19 @@ def main(argv=None) -> int:
                                     f"eval_al{tcfg.eval_passes}": round(
                                         after.get(f"al{tcfg.eval_passes}", float("nan")), 4)})
     log.info("wrote %s (%.1f MB)", path, os.path.getsize(path) / 2 ** 20)
+    if args.report_json:
+        from jmtp.train.step import state_step
+        done = state_step(state)
+        report.update({"train": {"steps": done, "planned_steps": tcfg.steps,
+                                 "batch": tcfg.batch_size, "seq_len": tcfg.seq_len,
+                                 "seconds": train_s, "train_tokens": int(len(train.tokens)),
+                                 "stopped_by_time_box": trainer.stopped_early is not None,
+                                 "rows_per_second": done * tcfg.batch_size * tcfg.seq_len
+                                 / max(train_s, 1e-9) if not args.export_only else None},
+                       "eval_before": before, "eval_after": after, "head": path,
+                       "total_seconds": time.perf_counter() - t0})
+        with open(args.report_json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
     return 0
 
 

@@ -7,6 +7,10 @@ in):
   prompt, chat templating;
 * :mod:`jmtp.train.generation` — the frozen target's responses (batched paged generator, or the
   engine), optionally with its hidden states captured on the way;
+* :mod:`jmtp.train.selfgen` — generation at scale: one serving engine answers planned jobs into
+  the content-addressed :mod:`jmtp.train.token_cache` (resumable, sessions add to it);
+* :mod:`jmtp.train.capture` — the target's hidden states of many sequences in batched dense
+  forwards (any device), optionally several layers' (EAGLE-3's features);
 * :mod:`jmtp.train.corpus` — teacher-forced text (Python docs and stdlib, PSF) as chat turns;
 * :mod:`jmtp.train.data` — cached target hidden states (:class:`MTPData`), packed ``[B, W]`` batches.
 

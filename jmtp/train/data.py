@@ -278,22 +278,32 @@ def pack_rows(data: MTPData, seq_len: int, min_labels: int = 1, prompt_rows: boo
                 lo, hi = max(start, pl - 2), min(start + cnt, n_rows - 1)
             if hi - lo >= min_labels:
                 chunks.append((s, start, cnt))
+    # First fit (the lowest-numbered row with room), found in O(log n) with a max-tree over the
+    # rows' free space; unopened rows have free space seq_len.
+    size = 1
+    while size < max(len(chunks), 1):
+        size *= 2
+    tree = [seq_len] * (2 * size)
     rows: list[list[tuple[int, int, int]]] = []
-    free: list[int] = []
     for c in chunks:
-        for r, f in enumerate(free):
-            if f >= c[2]:
-                rows[r].append(c)
-                free[r] -= c[2]
-                break
-        else:
-            rows.append([c])
-            free.append(seq_len - c[2])
+        i = 1
+        while i < size:                       # descend to the leftmost leaf with room
+            i = 2 * i if tree[2 * i] >= c[2] else 2 * i + 1
+        r = i - size
+        if r == len(rows):
+            rows.append([])
+        rows[r].append(c)
+        tree[i] -= c[2]
+        i //= 2
+        while i:
+            tree[i] = max(tree[2 * i], tree[2 * i + 1])
+            i //= 2
     return rows
 
 
 def make_batch(data: MTPData, rows: Sequence[Sequence[tuple[int, int, int]]], seq_len: int,
-               labels: str = "data", prompt_rows: bool = False) -> dict[str, np.ndarray]:
+               labels: str = "data", prompt_rows: bool = False, with_hidden: bool = True
+               ) -> dict[str, np.ndarray]:
     """Dense arrays for :func:`jmtp.train.dense.dense_mtp_forward` from packed rows.
 
     Args:
@@ -307,7 +317,11 @@ def make_batch(data: MTPData, rows: Sequence[Sequence[tuple[int, int, int]]], se
       ``ids i32[B,W]`` token x_{p+1}; ``hidden f32[B,W,H]`` target h_p; ``target_hidden f32[B,W,H]``
       target h_{p+1} (its logits are the target's distribution over x_{p+2});
       ``labels i32[B,W]`` (0 where absent); ``loss_mask f32[B,W]`` 1 on labelled rows;
-      ``positions i32[B,W]`` p; ``segment_ids i32[B,W]`` (-1 = padding).
+      ``positions i32[B,W]`` p; ``segment_ids i32[B,W]`` (-1 = padding); ``src i32[B,W]`` the
+      index of h_p in ``data.tokens`` / ``data.hidden`` (0 on padding rows).
+
+    With ``with_hidden=False`` the two hidden arrays are left out (no ``[B, W, H]`` copy on the
+    host): :func:`gather_hidden` takes them from a device copy of ``data.hidden`` by ``src``.
 
     Raises:
       ValueError: ``labels`` not "data"/"target", or "target" without ``data.top1``.
@@ -320,9 +334,11 @@ def make_batch(data: MTPData, rows: Sequence[Sequence[tuple[int, int, int]]], se
     out = {
         "ids": np.zeros((b, w), np.int32), "labels": np.zeros((b, w), np.int32),
         "loss_mask": np.zeros((b, w), np.float32), "positions": np.zeros((b, w), np.int32),
-        "segment_ids": np.full((b, w), -1, np.int32),
-        "hidden": np.zeros((b, w, h), np.float32), "target_hidden": np.zeros((b, w, h), np.float32),
+        "segment_ids": np.full((b, w), -1, np.int32), "src": np.zeros((b, w), np.int32),
     }
+    if with_hidden:
+        out["hidden"] = np.zeros((b, w, h), np.float32)
+        out["target_hidden"] = np.zeros((b, w, h), np.float32)
     for r, segs in enumerate(rows):
         o = 0
         for k, (s, start, cnt) in enumerate(segs):
@@ -331,8 +347,10 @@ def make_batch(data: MTPData, rows: Sequence[Sequence[tuple[int, int, int]]], se
             p = np.arange(start, start + cnt)
             dst = slice(o, o + cnt)
             out["ids"][r, dst] = data.tokens[base + p + 1]
-            out["hidden"][r, dst] = data.hidden[base + start:base + start + cnt]
-            out["target_hidden"][r, dst] = data.hidden[base + start + 1:base + start + cnt + 1]
+            out["src"][r, dst] = base + p
+            if with_hidden:
+                out["hidden"][r, dst] = data.hidden[base + start:base + start + cnt]
+                out["target_hidden"][r, dst] = data.hidden[base + start + 1:base + start + cnt + 1]
             if labels == "target":
                 has = np.ones(cnt, bool)
                 out["labels"][r, dst] = data.top1[base + p + 1]
@@ -346,3 +364,24 @@ def make_batch(data: MTPData, rows: Sequence[Sequence[tuple[int, int, int]]], se
             out["segment_ids"][r, dst] = k
             o += cnt
     return out
+
+
+@jax.jit
+def gather_hidden(hidden: jax.Array, src: jax.Array, segment_ids: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    """The ``hidden`` / ``target_hidden`` arrays of :func:`make_batch`, gathered on the device.
+
+    Args:
+      hidden: f[N, H] ``data.hidden`` held on the device (any float dtype).
+      src: i32[B, W] the batch's ``src`` (index of h_p); segment_ids: i32[B, W] (-1 = padding).
+
+    Returns:
+      ``(f32[B, W, H] h_p, f32[B, W, H] h_{p+1})``, zero on padding rows, equal to
+      :func:`make_batch`'s (``src + 1`` is always inside the row's sequence: an MTP row p has
+      p <= n-2).
+    """
+    real = (segment_ids >= 0)[..., None]
+    n = hidden.shape[0]
+    h = jnp.where(real, hidden[src].astype(jnp.float32), 0.0)
+    t = jnp.where(real, hidden[jnp.minimum(src + 1, n - 1)].astype(jnp.float32), 0.0)
+    return h, t

@@ -30,7 +30,7 @@ from jmtp.model.mtp_head import (HEAD_FORMAT, export_mtp_head, head_metadata, lo
                                  load_mtp_head, save_token_freq)
 from jmtp.model.params import init_mtp_params
 from jmtp.train.config import TrainConfig
-from jmtp.train.data import MTPData, make_batch, pack_rows
+from jmtp.train.data import MTPData, gather_hidden, make_batch, pack_rows
 from jmtp.train.dense import check_trainable
 from jmtp.train.objective import eval_batch, summarize_eval
 from jmtp.train.step import MTPTrainModel, make_optimizer, state_step, train_step
@@ -83,6 +83,9 @@ class MTPTrainer:
       draft_vocab: ``i32[N]`` ids for the FR-Spec training vocabulary (required iff
         ``tcfg.draft_vocab_size > 0``; N must equal it).
       extra_config: merged into ``config.json`` (model / data description).
+      device_data: keep ``train_data.hidden`` on the device and gather each batch's hidden rows
+        there (:func:`jmtp.train.data.gather_hidden`) instead of copying ``[B, W, H]`` arrays
+        from the host every step (the accelerator path; same batches, same values).
 
     Raises:
       ValueError: no trainable rows in ``train_data``, bad ``draft_vocab``, or a resume whose saved
@@ -91,7 +94,8 @@ class MTPTrainer:
 
     def __init__(self, cfg: ModelConfig, params: dict, train_data: MTPData,
                  eval_data: MTPData | None, tcfg: TrainConfig, workdir: str,
-                 draft_vocab: np.ndarray | None = None, extra_config: dict | None = None):
+                 draft_vocab: np.ndarray | None = None, extra_config: dict | None = None,
+                 device_data: bool = False):
         check_trainable(cfg, "MTPTrainer")
         self.cfg, self.tcfg, self.workdir = cfg, tcfg, os.path.abspath(workdir)
         self.train_data, self.eval_data = train_data, eval_data
@@ -144,10 +148,12 @@ class MTPTrainer:
                      "eval_packed_rows": len(self.eval_rows)},
         }
         self.config_record.update(extra_config or {})
+        self._dev_hidden = jnp.asarray(train_data.hidden) if device_data else None
         self._perms: dict[int, np.ndarray] = {}
         self._mgr = None
         self.history: dict[int, float] = {}
         self.last_eval: dict = {}
+        self.stopped_early: int | None = None     # steps done when a deadline stopped training
 
     # -------------------------------------------------------------- state
     def _build_model(self) -> MTPTrainModel:
@@ -190,9 +196,17 @@ class MTPTrainer:
         return rows
 
     def batch(self, step: int) -> dict:
-        return {k: jnp.asarray(v) for k, v in
-                make_batch(self.train_data, self.batch_rows(step), self.tcfg.seq_len,
-                           labels=self.tcfg.labels, prompt_rows=self.tcfg.prompt_rows).items()}
+        """The device arrays of step ``step``'s batch (:func:`make_batch` of :meth:`batch_rows`;
+        with ``device_data`` the hidden rows are gathered on the device)."""
+        dev = self._dev_hidden is not None
+        out = {k: jnp.asarray(v) for k, v in
+               make_batch(self.train_data, self.batch_rows(step), self.tcfg.seq_len,
+                          labels=self.tcfg.labels, prompt_rows=self.tcfg.prompt_rows,
+                          with_hidden=not dev).items()}
+        if dev:
+            out["hidden"], out["target_hidden"] = gather_hidden(self._dev_hidden, out["src"],
+                                                                out["segment_ids"])
+        return out
 
     # -------------------------------------------------------------- checkpoints
     @property
@@ -286,9 +300,14 @@ class MTPTrainer:
                           for k, v in res.items()})
         return summarize_eval(parts, self.tcfg.eval_passes)
 
-    def train(self, callback: Callable[[int, dict], None] | None = None) -> nnx.State:
+    def train(self, callback: Callable[[int, dict], None] | None = None,
+              deadline: float | None = None) -> nnx.State:
         """Run (or resume) training up to ``tcfg.steps``; returns the final train state (also
         ``self.state``; :meth:`head` gives its module).
+
+        ``deadline`` (a ``time.perf_counter()`` value): stop after the step that passes it, with a
+        checkpoint, even if fewer than ``tcfg.steps`` ran (a time box; the schedule is cut where
+        it stands; :attr:`stopped_early` says so).
 
         Writes ``config.json`` first, appends one JSON line per step to ``metrics.jsonl`` (step, loss,
         lr, grad norm, wall and process-CPU seconds, eval figures when evaluated; on resume the lines
@@ -340,6 +359,11 @@ class MTPTrainer:
                 t_last, cpu_last = time.perf_counter(), time.process_time()
             if callback is not None:
                 callback(step, rec)
+            if deadline is not None and done < tc.steps and time.perf_counter() > deadline:
+                log.warning("time box reached after step %d of %d: stopping", done, tc.steps)
+                self.save(state)
+                self.stopped_early = done
+                break
         if bar is not None:
             bar.close()
         self.state = state
