@@ -29,6 +29,7 @@ def build_llm(args):
     max_num_seqs = DEFAULT_MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs
     return LLM(args.model, speculative_config=spec, max_num_seqs=max_num_seqs,
                max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+               max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
                attention_backend=args.attention_backend, block_allocator=args.block_allocator,
                kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
                max_logprobs=args.max_logprobs,
@@ -62,6 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="batch slots (default: generate: min(8, number of prompts); serve: 8)")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step, the largest step bucket (default 256, or "
+                        "more when max-num-seqs x (K+1) needs it)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: every slot can hold max-model-len tokens)")
     p.add_argument("--max-logprobs", type=int, default=0,
@@ -289,6 +293,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "file/directory name)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--max-n", type=int, default=128,
+                   help="most samples one request may ask for: n, and len(prompt) x n for a "
+                        "completions request with a list of prompts (default 128, OpenAI's)")
+    s.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                   help="largest request body in bytes (default 8 MiB); a larger one gets HTTP "
+                        "413 before it is read")
+    s.add_argument("--ignore-unknown-fields", action="store_true",
+                   help="log and drop unknown request fields (listed in the response header "
+                        "Jmtp-Ignored-Fields) instead of answering HTTP 400")
+    s.add_argument("--engine-stall-seconds", type=float, default=60.0,
+                   help="/health answers 503 while the engine thread has spent longer than this "
+                        "in one step (default 60; raise it with --compile lazy on large models)")
     add_engine_args(s)
     from jmtp.launch import add_launch_args
     la = sub.add_parser("launch", help="run a jmtp subcommand as N processes of one "
@@ -324,8 +340,12 @@ def main(argv=None) -> int:
             name = args.served_model_name or (
                 "SmolLM2-135M-Instruct" if args.model is None
                 else os.path.basename(os.path.normpath(args.model)))
+            from jmtp.runtime.server import ServerOptions
+            options = ServerOptions(max_n=args.max_n, max_request_bytes=args.max_request_bytes,
+                                    ignore_unknown_fields=args.ignore_unknown_fields,
+                                    engine_stall_seconds=args.engine_stall_seconds)
             return serve(build_llm(args), model_name=name, host=args.host, port=args.port,
-                         log_level=args.log_level)
+                         log_level=args.log_level, options=options)
         if args.cmd == "chat":
             return _chat(args)
         if args.cmd == "compile":

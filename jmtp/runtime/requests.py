@@ -226,10 +226,20 @@ class RequestTable:
                     out.append(ids)
         return out
 
+    def device_params(self, sp: SamplingParams) -> SamplingParams:
+        """``sp`` with ``max_tokens`` and ``min_tokens`` capped at ``max_model_len``, as the
+        device gets them (i32): a sample never runs past ``max_model_len`` tokens, so the cap
+        changes nothing it does, and any int a caller sends fits the device's arrays."""
+        cap = self.engine_config.max_model_len
+        if sp.max_tokens <= cap and sp.min_tokens <= cap:
+            return sp
+        return dataclasses.replace(sp, max_tokens=min(sp.max_tokens, cap),
+                                   min_tokens=min(sp.min_tokens, cap))
+
     def sampling_row(self, sp, prompt_ids, bad_words_ids, seed) -> dict:
         """One row of the device's sampling arrays (:func:`jmtp.runtime.sampling.make_row`)."""
         ec = self.engine_config
-        return make_row(sp, prompt_ids, self.model_config.vocab_size, max_stop=ec.max_stop_ids,
+        return make_row(self.device_params(sp), prompt_ids, self.model_config.vocab_size, max_stop=ec.max_stop_ids,
                         max_bad_words=ec.max_bad_words, max_bad_word_len=ec.max_bad_word_len,
                         eos_ids=self.model_config.eos_token_ids, request_seed=seed,
                         bad_words_ids=bad_words_ids)
@@ -256,7 +266,7 @@ class RequestTable:
                               if ec.max_bad_word_len > 1 else [], np.int32)
             row["recent_tokens"][ec.max_bad_word_len - 1 - tail.size:] = tail
         row["rng_offset"] = np.int32(len(hist))
-        return (ids, row, seq.params.max_tokens - len(hist),
+        return (ids, row, self.device_params(seq.params).max_tokens - len(hist),
                 seq.output_ids[-1] if resume else -1)
 
     def imported(self, state, rid: str) -> Sequence:

@@ -21,6 +21,16 @@ from jmtp.runtime.structured.params import StructuredOutputsParams
 GREEDY_EPS = 1e-5
 #: Limits for frequency / presence penalties (OpenAI / vLLM).
 PENALTY_LIMIT = 2.0
+#: Largest magnitude of a float field: the device holds them as f32 (a larger value would be inf).
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _finite_f32(x) -> bool:
+    try:
+        x = float(x)
+    except OverflowError:       # an int past float64's range
+        return False
+    return math.isfinite(x) and abs(x) <= FLOAT32_MAX
 
 
 def _field_error(field: str, value, limit: str) -> InvalidRequestError:
@@ -120,8 +130,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                      "presence_penalty"):
             value = getattr(self, name)
-            if not is_num(value) or not math.isfinite(float(value)):
-                raise _field_error(name, value, "a finite number")
+            if not is_num(value) or not _finite_f32(value):
+                raise _field_error(name, value, "a finite number within float32's range")
         if self.max_tokens < 1:
             raise _field_error("max_tokens", self.max_tokens, ">= 1")
         if self.temperature < 0:
