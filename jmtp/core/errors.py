@@ -20,8 +20,8 @@ class InvalidRequestError(ValueError):
 
 
 class RequestFailedError(RuntimeError):
-    """One request failed inside an engine step (its admission into a batch slot raised) and was
-    aborted; the engine stays usable and the other requests go on at the next step.
+    """One request failed inside an engine step (its admission into a batch slot raised); the
+    error names it, so the caller can abort that request alone and go on with the others.
 
     Attributes:
       request_id: the failed request's id. The original exception is ``__cause__``.

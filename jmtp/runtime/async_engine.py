@@ -14,8 +14,8 @@ run join the running batch at the next step (continuous batching; admission is t
 
 A request that fails (``add_request`` raises, e.g. a prompt longer than ``max_model_len``) gets the
 exception on its own stream and the loop goes on; so does a request whose admission into a batch
-slot fails inside ``step()`` (the engine aborts it and raises
-:class:`~jmtp.core.errors.RequestFailedError` naming it): the other requests go on untouched. If
+slot fails inside ``step()`` (the engine raises :class:`~jmtp.core.errors.RequestFailedError`
+naming it; this thread aborts it): the other requests go on untouched. If
 ``step()`` raises anything else, the error cannot be pinned on one request: every in-flight request
 gets it and is aborted, and the loop goes on serving new requests; if even the abort fails the
 engine is marked dead (``is_dead``) and every later request fails at once with
@@ -311,9 +311,14 @@ class AsyncLLMEngine:
         return waited
 
     def _fail_one(self, exc: RequestFailedError) -> None:
-        """``step()`` failed one request (the engine already aborted it): end its stream with
-        the error; every other request goes on."""
+        """``step()`` failed one request: abort it and end its stream with the error; every
+        other request goes on."""
         stream = self._forget(exc.request_id)
+        try:
+            self.engine.abort_request(exc.request_id)
+        except Exception as e:  # noqa: BLE001 -- it would fail every step from now on
+            log.exception("engine unusable: cannot abort a failed request")
+            self._dead = e
         try:
             self._snapshot()
             self._notify([], None)

@@ -243,9 +243,11 @@ class LLMEngine(HandOffAPI):
           MapLimitError: (a ``RuntimeError``) the step needs a bucket that is not compiled yet
             (``compile="lazy"``) and compiling it would cross the process's memory-map limit.
             Raised before anything runs or is planned; abort requests to go on.
-          RequestFailedError: a waiting request's admission into a slot raised (its
-            ``__cause__``); that request was aborted, nothing ran, and the next call goes on
-            with the others.
+          RequestFailedError: (a ``RuntimeError``) admitting the waiting request
+            ``request_id`` into a slot raised (its ``__cause__``). Nothing ran and nothing
+            changed for it on the host: it stays first in line. Abort it to go on with the
+            others (``AsyncLLMEngine`` does, failing that request alone), or step again to
+            retry.
         """
         t0 = time.perf_counter()
         sch, req, run, pcs = self.scheduler, self.requests, self.runner, self.prefix_caches
@@ -256,8 +258,10 @@ class LLMEngine(HandOffAPI):
             sch.admit_waiting(req.waiting, free, self._admit)
         except MapLimitError:
             raise
-        except Exception as e:  # noqa: BLE001 -- one sequence's admission: fail its request alone
-            self._fail_admission(e)
+        except Exception as e:  # noqa: BLE001 -- one sequence's admission: name its request
+            rid = req.waiting[0].group.request_id
+            raise RequestFailedError(f"request {rid!r} failed at admission: "
+                                     f"{type(e).__name__}: {e}", rid) from e
         if not sch.num_running:
             return req.pop_ready()
         guide, ended = self._structured_inputs()
@@ -378,17 +382,6 @@ class LLMEngine(HandOffAPI):
         if not seq.metrics.accepted_per_position:
             seq.metrics.accepted_per_position = [0] * self.engine_config.k
         sch.occupy(b, seq, drafts)
-
-    def _fail_admission(self, exc: Exception) -> None:
-        """:meth:`_admit` raised for the first waiting sequence (which it left first in line, its
-        slot untouched): abort that sequence's request and raise :class:`RequestFailedError`
-        naming it. Sequences admitted before it in this step run at the next."""
-        rid = self.requests.waiting[0].group.request_id
-        log.warning("request %r failed at admission (aborted): %s: %s", rid,
-                    type(exc).__name__, exc)
-        self.abort_request(rid)
-        raise RequestFailedError(f"request {rid!r} failed at admission: {type(exc).__name__}: "
-                                 f"{exc}", rid) from exc
 
     def _free_slot(self, b: int, release: bool, cache_blocks: bool = False) -> None:
         """Empty slot ``b``: ``release`` its KV blocks, or with prefix caching retire it (caching
