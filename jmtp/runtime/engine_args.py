@@ -53,6 +53,29 @@ def resolve_layer_loop(layer_loop: str, one_device: bool, platform: str | None =
     return "unrolled" if platform == "cpu" and one_device else "scan"
 
 
+def fit_layer_loop(num_layers: int, ec: EngineConfig, platform: str) -> str:
+    """``"unrolled"``, or ``"scan"`` (logged) when the unrolled engine's step buckets would not fit
+    in what is left of the process's memory-map budget (:func:`jmtp.runtime.host_maps.engine_maps`:
+    an unrolled step maps each layer's kernels apart, the scan's once; if the scan's do not fit
+    either, the budget refuses the compile that would cross the limit, with a ``MapLimitError``).
+    XLA:CPU only; where nothing can be counted, ``"unrolled"``."""
+    from jmtp.runtime.buckets import step_buckets
+    from jmtp.runtime.host_maps import engine_maps, free_maps
+    free = free_maps() if platform == "cpu" else None
+    if free is None:
+        return "unrolled"
+    n = len(step_buckets(ec))
+    unrolled, scan = engine_maps(n, num_layers, True), engine_maps(n, num_layers, False)
+    if unrolled <= free:
+        return "unrolled"
+    log.warning("layer_loop='auto': the %d step buckets of an unrolled %d-layer step need ~%d "
+                "memory mappings but only %d are left of vm.max_map_count; running the layers "
+                "as a scan (~%d; slower steps on CPU). Close engines you no longer use "
+                "(LLM.close) or raise the limit to keep the unrolled loop.", n, num_layers,
+                unrolled, free, scan)
+    return "scan"
+
+
 def default_dtype(platform: str | None = None):
     """fp32 on CPU (much faster than bf16 matmuls there), bf16 on TPU/GPU. ``platform``: the
     platform compiled for (default: the host's)."""
@@ -146,7 +169,9 @@ class EngineArgs:
         over the stacked layers, compiles fastest), ``"unrolled"`` (a Python loop over per-layer
         weights, :func:`jmtp.model.llama.unstack_layers`; one device only: the parameter
         shardings are stated for the stacked layers) or ``"auto"``
-        (default: :func:`resolve_layer_loop`, unrolled on XLA:CPU with one device, else scan).
+        (default: :func:`resolve_layer_loop`, unrolled on XLA:CPU with one device, else scan;
+        the scan instead, logged, when the unrolled step buckets would not fit in what is left of
+        the process's memory-map budget, :func:`fit_layer_loop`).
         On XLA:CPU the scan copies each layer's weights out of the stack before its matmuls
         (in a profile of a SmolLM2 decode step those copies took longer than the matmuls),
         which ``"unrolled"`` avoids, at the price of a compile about twice as long (figures in
@@ -263,10 +288,6 @@ class EngineArgs:
             model_config, params = replicate_kv_heads(model_config, params, factor)
         if mesh is not None:
             shd.check_tensor_parallel(model_config, tp)
-        if layer_loop == "unrolled":
-            params = unstack_layers(params)
-        if model_config.is_hybrid:   # per-layer dicts: the layers always run as an unrolled loop
-            layer_loop = "unrolled"
         dp = shd.mesh_sizes(mesh)[0] if mesh is not None else 1
         tokens = a.max_num_batched_tokens
         if tokens is None:   # (a multiple of data_parallel_size: split per shard)
@@ -279,6 +300,12 @@ class EngineArgs:
             platform=platform)
         if not a.num_blocks:      # default: every slot can hold a full-length sequence
             ec = dataclasses.replace(ec, num_blocks=a.max_num_seqs * ec.pages_per_seq)
+        if a.layer_loop == "auto" and layer_loop == "unrolled" and not model_config.is_hybrid:
+            layer_loop = fit_layer_loop(model_config.num_layers, ec, platform)
+        if layer_loop == "unrolled":
+            params = unstack_layers(params)
+        if model_config.is_hybrid:   # per-layer dicts: the layers always run as an unrolled loop
+            layer_loop = "unrolled"
         num_mtp_cache_layers = max(model_config.num_mtp_layers, 1) if spec.method == "mtp" else 0
         if spec.method == "mtp" and model_config.num_mtp_layers > 1 and spec.k > 1:
             # Known limitation (docs/architecture.md, the MTP's shadow state): MTP module j >= 1
@@ -382,5 +409,5 @@ def _make_mesh(cfg: ModelConfig, tp: int, dp: int, mesh, devices=None):
     return mesh if mesh.size > 1 else None
 
 
-__all__ = ["EngineArgs", "BuiltEngine", "LAYER_LOOPS", "resolve_layer_loop", "default_dtype",
-           "with_draft_vocab", "abstract_params", "attention_fallback"]
+__all__ = ["EngineArgs", "BuiltEngine", "LAYER_LOOPS", "resolve_layer_loop", "fit_layer_loop",
+           "default_dtype", "with_draft_vocab", "abstract_params", "attention_fallback"]

@@ -16,6 +16,7 @@ Not thread-safe: call it from one thread at a time (any thread).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Iterable
@@ -111,6 +112,7 @@ class LLMEngine(HandOffAPI):
                     sec, min(-(-rows // dp), sec.max_num_batched_tokens),
                     min(-(-n // dp), sec.max_num_seqs), has_prefill=False))
         self.num_steps = 0
+        self.closed = False
         self._pending_drafts = None   # i32[B, K] drafts of the pending windows (last StepOutput)
         self.last_step_seconds = 0.0
         self.policy_seconds = 0.0     # host time in the dynamic policy (plan + observe)
@@ -189,6 +191,29 @@ class LLMEngine(HandOffAPI):
         self.spec_policy.seed_costs(seconds)
         return seconds
 
+    def close(self) -> None:
+        """Drop every request and release the engine's device arrays and compiled executables
+        (:meth:`DeviceRunner.close <jmtp.runtime.runner.DeviceRunner.close>`, which frees the
+        memory mappings XLA:CPU holds for them), so a process can build engines one after
+        another. Idempotent; :meth:`add_request` and :meth:`step` raise ``RuntimeError`` after."""
+        if self.closed:
+            return
+        self.closed = True
+        for b, seq in enumerate(self.scheduler.slots):
+            if seq is not None:
+                self.scheduler.vacate(b)
+        for group in list(self.requests.groups.values()):
+            self.requests.forget(group)
+        self.handoff.exported.clear()
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+        gc.collect()    # reference cycles (jitted closures, tracebacks) would hold executables
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed (LLM.close / LLMEngine.close)")
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None) -> None:
@@ -206,6 +231,7 @@ class LLMEngine(HandOffAPI):
             blocks needed than exist, ``logprobs`` above ``max_logprobs``, string prompt / stop
             strings / bad words without a tokenizer.
         """
+        self._check_open()
         self.requests.add(request_id, prompt, sampling_params, f"request {request_id!r}")
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -242,6 +268,7 @@ class LLMEngine(HandOffAPI):
             (``compile="lazy"``) and compiling it would cross the process's memory-map limit.
             Raised before anything runs or is planned; abort requests to go on.
         """
+        self._check_open()
         t0 = time.perf_counter()
         sch, req, run, pcs = self.scheduler, self.requests, self.runner, self.prefix_caches
         free = list(run.free_counts)
