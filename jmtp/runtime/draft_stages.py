@@ -34,6 +34,7 @@ from jmtp.runtime.buckets import StepBucket
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.sharding import uniform_any
 from jmtp.runtime.sampling import SamplingArrays, draft_sample
+from jmtp.runtime.sampling.processors import logit_bias
 from jmtp.runtime.state import EngineState, effective_block_tables
 from jmtp.runtime.target_stages import (TargetOutput, gather_slots, pytree_dataclass,
                                         take_rows, window_rows_hint)
@@ -148,6 +149,9 @@ def _pick(ec: EngineConfig, model: LlamaForCausalLM, ctx: DraftContext, h_rows, 
     :class:`~jmtp.model.modules.DraftHead` (a static, structural choice), else the full one."""
     draft_head = model.draft_head
     logits = draft_head(h_rows) if draft_head is not None else model.logits(h_rows)
+    # the request's logit_bias: drafts follow the distribution the target verifies against
+    logits = logit_bias(logits, ctx.sampling, None if draft_head is None
+                        else draft_head.token_ids[...])
     tokens, probs = draft_sample(
         logits, ctx.sampling, ctx.step_idx + sub,
         draft_sampling=ec.spec.draft_sampling, draft_temperature=ec.spec.draft_temperature,

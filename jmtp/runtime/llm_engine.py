@@ -99,7 +99,8 @@ class LLMEngine(HandOffAPI):
         self.layer_loop, self.compile_mode = built.layer_loop, built.compile_mode
         self.compilation_cache_dir = built.compilation_cache_dir
         ec, sec, dp = run.engine_config, run.shard_config, run.num_shards
-        self.requests = RequestTable(run.model_config, ec, built.tokenizer, seed)
+        self.requests = RequestTable(run.model_config, ec, built.tokenizer, seed,
+                                     prompt_logprobs=getattr(run, "mesh", None) is None)
         self.scheduler = Scheduler(ec, sec, dp)
         self.prefix_caches = (ShardedPrefixCache(ec.block_size, sec.num_blocks, dp,
                                                  run.mtp_cache is not None)
@@ -350,6 +351,7 @@ class LLMEngine(HandOffAPI):
             if seq is None or out.paused[b]:
                 continue
             was_decode = not seq.prefilling
+            req.record_prompt_logprobs(seq, out, b, seq.prefilled, int(chunks[b]))
             seq.prefilled += int(chunks[b])
             n = int(out.num_tokens[b])
             if pcs is not None:
@@ -384,7 +386,9 @@ class LLMEngine(HandOffAPI):
         else:
             ids, row, remaining, resume_token = self.requests.admission_row(seq)
             d, pcs = sch.shard_of(b), self.prefix_caches
-            keys, shared = pcs.match(d, seq) if pcs is not None else ([], [])
+            # (prompt logprobs need every prompt row computed: no cached prefix, as vLLM)
+            keys, shared = (pcs.match(d, seq) if pcs is not None
+                            and seq.params.prompt_logprobs is None else ([], []))
             self.runner.insert(b, ids, len(seq.context_ids), remaining, row, resume_token, shared)
             seq.prefilled = 0
             if pcs is not None:

@@ -72,6 +72,11 @@ class _SamplingFields(_Base):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # OpenAI's logit_bias ({"token id": bias in [-100, 100]}) and vLLM's skip_special_tokens /
+    # prompt_logprobs, honoured by the engine (SamplingParams; docs/serving.md's field table)
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_SamplingFields):
