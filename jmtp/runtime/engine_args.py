@@ -177,6 +177,15 @@ class EngineArgs:
         which ``"unrolled"`` avoids, at the price of a compile about twice as long (figures in
         ``docs/performance.md``; the persistent compilation cache keeps it to the first start). Unrolled layers are copies of the stacked ones: a caller that passes ``params``
         and keeps them holds the layer weights twice. The chosen loop is :attr:`layer_loop`.
+      batch_invariant: compute every row of a step in an order independent of the other rows
+        (``ModelConfig.batch_invariant``, :mod:`jmtp.model.invariant`): the target's logits of a
+        token are bit-identical in a verify window and in a one-row decode step, alone or among
+        any batch mates, in any bucket and prefill chunk, so greedy speculative output equals
+        plain greedy output bit for bit (also in bf16 and with 8-bit KV caches) and a request's
+        tokens never depend on its batch mates (sampled ones too, with the fixed speculation
+        policy: the dynamic one picks draft counts by timing). Slower steps (figures in
+        ``docs/performance.md``); attention runs the ``"xla"`` implementation. Dense attention
+        models only (MLA, MoE and hybrid targets raise ``ValueError``).
 
     Raises (from :meth:`build`):
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
@@ -210,6 +219,7 @@ class EngineArgs:
     layer_loop: str = "auto"
     devices: object = None
     abstract: bool = False
+    batch_invariant: bool = False
 
     def build(self) -> "BuiltEngine":
         """Check the arguments, load the model if needed and build the runner."""
@@ -271,6 +281,8 @@ class EngineArgs:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
         if model_config.is_hybrid:
             _check_hybrid(a)
+        if a.batch_invariant:
+            model_config = _batch_invariant(a, model_config)
         mesh = _make_mesh(model_config, a.tensor_parallel_size, a.data_parallel_size, a.mesh,
                           devices)
         draft_vocab_size = 0
@@ -316,7 +328,7 @@ class EngineArgs:
                         "output stays lossless; acceptance and seeded sampled output may vary)",
                         model_config.num_mtp_layers)
         runner = DeviceRunner(model_config, params, ec, mesh=mesh, dtype=dtype,
-                              attention_backend=attention_fallback(
+                              attention_backend="xla" if a.batch_invariant else attention_fallback(
                                   a.attention_backend, platform, a.kv_cache_dtype, a.block_size),
                               num_mtp_cache_layers=num_mtp_cache_layers,
                               compile_mode=compile_mode, abstract=bool(a.abstract),
@@ -376,6 +388,24 @@ def abstract_params(cfg: ModelConfig, dtype, with_mtp: bool, kv_cache_dtype: str
         params["k_shift"] = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
                                                  jnp.float32)
     return params
+
+
+def _batch_invariant(a, cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with ``batch_invariant`` set, after refusing what the mode does not cover.
+
+    Raises:
+      ValueError: an MLA, MoE or hybrid target (their attention / experts / recurrent kernels
+        are not tiled), or an ``attention_backend`` other than ``"xla"`` (the Pallas kernels
+        choose their tiles by the batch)."""
+    what = ("MLA attention" if cfg.is_mla else "a MoE target" if cfg.moe is not None else
+            "a hybrid linear-attention target" if cfg.is_hybrid else None)
+    if what is not None:
+        raise ValueError(f"batch_invariant=True is not supported with {what} (dense attention "
+                         "models only)")
+    if a.attention_backend not in (None, "xla"):
+        raise ValueError(f"batch_invariant=True runs attention_backend='xla' (its query tiles and "
+                         f"key chunks are fixed); got attention_backend={a.attention_backend!r}")
+    return cfg.replace(batch_invariant=True)
 
 
 def _check_hybrid(a) -> None:
