@@ -308,7 +308,7 @@ def decoder_layer(
         k_scale=pool.k_scale, v_scale=pool.v_scale,
         # batch-invariant: every sequence's rows in fixed tiles (jmtp.model.invariant)
         rows_per_seq=invariant.ROW_TILE if cfg.batch_invariant else meta.rows_per_seq,
-        num_kv_heads=cfg.num_kv_heads)
+        num_kv_heads=cfg.num_kv_heads, batch_invariant=cfg.batch_invariant)
     if rot is not None:
         attn = mm(attn.astype(jnp.float32), rot.T).astype(attn.dtype)
     attn = attn.reshape(t, cfg.q_size)
