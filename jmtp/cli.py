@@ -29,6 +29,7 @@ def build_llm(args):
     max_num_seqs = DEFAULT_MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs
     return LLM(args.model, speculative_config=spec, max_num_seqs=max_num_seqs,
                max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+               max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
                attention_backend=args.attention_backend, block_allocator=args.block_allocator,
                kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
                max_logprobs=args.max_logprobs,
@@ -65,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: every slot can hold max-model-len tokens)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step, the largest step bucket (default: "
+                        "max(256, max-num-seqs x (K+1)))")
     p.add_argument("--max-logprobs", type=int, default=0,
                    help="largest logprobs / top_logprobs served (0: logprobs off)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that send no seed")

@@ -313,7 +313,9 @@ def fault_check(model_dir: str, port: int) -> tuple[list[str], list]:
     def post():
         """``(status, response)``; a connection the server closed counts as status 599."""
         try:
-            r = http.post(base + "/v1/completions", json=body)
+            # a fresh connection each time: after a failed request uvicorn closes its connection
+            with httpx.Client(timeout=120) as one:
+                r = one.post(base + "/v1/completions", json=body)
             seen.append(r.status_code)
             return r.status_code, r
         except (httpx.ReadError, httpx.RemoteProtocolError) as e:
@@ -369,6 +371,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=4)
     ap.add_argument("--num-blocks", type=int, default=12,
                     help="KV blocks of 16 positions: few, so requests are preempted")
+    ap.add_argument("--warmup", type=float, default=20.0, help="seconds of load before the "
+                    "baseline is taken")
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--rss-slack-mb", type=float, default=64.0)
     ap.add_argument("--fd-slack", type=int, default=4)
@@ -385,7 +389,8 @@ def main(argv=None) -> int:
            str(args.port), "--served-model-name", "soak", "--log-level", "warning",
            "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "256",
            "--num-blocks", str(args.num_blocks), "--num-speculative-tokens", "2",
-           "--batch-invariant", "--layer-loop", "scan", "--compile", "lazy"]
+           "--max-num-batched-tokens", "64", "--batch-invariant", "--layer-loop", "scan",
+           "--compile", "eager"]       # every bucket compiled before the baseline is taken
     if model is not None:
         cmd += ["--model", model]
     if args.model == "tiny":
@@ -412,10 +417,10 @@ def main(argv=None) -> int:
                 if time.monotonic() > deadline:
                     raise RuntimeError("server not healthy in 600 s")
                 time.sleep(0.5)
-            # warm-up: the kinds a few times over (compiles the buckets), then the baseline
-            rng = random.Random(args.seed + 99)
-            for _ in range(24):
-                send(http, base, *make_request(rng), timeout=args.request_timeout, rng=rng)
+            # warm-up: the same mix for a while (first runs of every code path), then the
+            # baseline
+            warm = load(base, args.warmup, args.concurrency, args.seed + 99, args.request_timeout)
+            failures += [f"warm-up: {e}" for e in warm["errors"][:20]]
             idle = wait_idle(http, base, 120)
             rss0, fd0 = proc_resources(proc.pid)
             report["baseline"] = dict(rss_mb=rss0 / 2**20, fds=fd0,
