@@ -185,7 +185,7 @@ class EngineArgs:
         tokens never depend on its batch mates (sampled ones too, with the fixed speculation
         policy: the dynamic one picks draft counts by timing). Slower steps (figures in
         ``docs/performance.md``); attention runs the ``"xla"`` implementation. Dense attention
-        models only (MLA, MoE and hybrid targets raise ``ValueError``).
+        models on one device only (MLA, MoE and hybrid targets and meshes raise ``ValueError``).
 
     Raises (from :meth:`build`):
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
@@ -282,7 +282,7 @@ class EngineArgs:
         if model_config.is_hybrid:
             _check_hybrid(a)
         if a.batch_invariant:
-            model_config = _batch_invariant(a, model_config)
+            model_config = _batch_invariant(a, model_config, one_device)
         mesh = _make_mesh(model_config, a.tensor_parallel_size, a.data_parallel_size, a.mesh,
                           devices)
         draft_vocab_size = 0
@@ -390,18 +390,19 @@ def abstract_params(cfg: ModelConfig, dtype, with_mtp: bool, kv_cache_dtype: str
     return params
 
 
-def _batch_invariant(a, cfg: ModelConfig) -> ModelConfig:
+def _batch_invariant(a, cfg: ModelConfig, one_device: bool) -> ModelConfig:
     """``cfg`` with ``batch_invariant`` set, after refusing what the mode does not cover.
 
     Raises:
       ValueError: an MLA, MoE or hybrid target (their attention / experts / recurrent kernels
-        are not tiled), or an ``attention_backend`` other than ``"xla"`` (the Pallas kernels
-        choose their tiles by the batch)."""
+        are not tiled), a device mesh (not verified there yet), or an ``attention_backend``
+        other than ``"xla"`` (the Pallas kernels choose their tiles by the batch)."""
     what = ("MLA attention" if cfg.is_mla else "a MoE target" if cfg.moe is not None else
-            "a hybrid linear-attention target" if cfg.is_hybrid else None)
+            "a hybrid linear-attention target" if cfg.is_hybrid else
+            "a device mesh" if not one_device else None)
     if what is not None:
         raise ValueError(f"batch_invariant=True is not supported with {what} (dense attention "
-                         "models only)")
+                         "models on one device only)")
     if a.attention_backend not in (None, "xla"):
         raise ValueError(f"batch_invariant=True runs attention_backend='xla' (its query tiles and "
                          f"key chunks are fixed); got attention_backend={a.attention_backend!r}")

@@ -259,8 +259,8 @@ class RequestTable:
         ec = self.engine_config
         return make_row(sp, prompt_ids, self.model_config.vocab_size, max_stop=ec.max_stop_ids,
                         max_bad_words=ec.max_bad_words, max_bad_word_len=ec.max_bad_word_len,
-                        max_logit_bias=ec.max_logit_bias, eos_ids=self.model_config.eos_token_ids, request_seed=seed,
-                        bad_words_ids=bad_words_ids)
+                        max_logit_bias=ec.max_logit_bias, eos_ids=self.model_config.eos_token_ids,
+                        request_seed=seed, bad_words_ids=bad_words_ids)
 
     def admission_row(self, seq: Sequence) -> tuple[np.ndarray, dict, int, int]:
         """What the device insert of ``seq`` needs: ``(ids i32[seq_buffer_len]`` (its context,
