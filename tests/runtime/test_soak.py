@@ -26,7 +26,7 @@ def test_soak_three_minutes(smollm2_dir, tmp_path):
     report = tmp_path / "soak.json"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "soak.py"), "--duration", "90",
+        [sys.executable, os.path.join(ROOT, "scripts", "soak.py"), "--duration", "75",
          "--concurrency", "4", "--port", str(free_port()), "--report", str(report)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     tail = (proc.stdout + proc.stderr)[-6000:]
