@@ -35,7 +35,7 @@ def runs():
     bf16 model: each prompt of interest alone and all 8 prompts together, plain and MTP K=3;
     a 32-row step budget prefills the long prompts in chunks when batched."""
     from tests.runtime.conftest import tiny_model
-    cfg, params = tiny_model(num_layers=3, std=0.5)
+    cfg, params = tiny_model(std=0.5)
     params = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.dtype == jnp.float32 else a,
                           params)
     out = {}

@@ -54,8 +54,7 @@ def test_engines_in_a_loop_release_their_mappings(tiny):
     with _llm(tiny, max_num_seqs=1) as warm:    # module-level jits compile once per process
         _run(warm, tiny)
     base = _maps()
-    configs = [dict(), dict(speculative_config=SpeculativeConfig("mtp", 2)),
-               dict(speculative_config=SpeculativeConfig("ngram", 2), max_num_seqs=1)]
+    configs = [dict(), dict(speculative_config=SpeculativeConfig("mtp", 2))]
     peak = base
     for kw in configs:
         llm = _llm(tiny, **kw)
