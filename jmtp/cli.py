@@ -38,7 +38,8 @@ def build_llm(args):
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                data_parallel_size=getattr(args, "data_parallel_size", 1),
                enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
-               layer_loop=getattr(args, "layer_loop", "auto"))
+               layer_loop=getattr(args, "layer_loop", "auto"),
+               batch_invariant=getattr(args, "batch_invariant", False))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -68,6 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "more when max-num-seqs x (K+1) needs it)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: every slot can hold max-model-len tokens)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step, the largest step bucket (default: "
+                        "max(256, max-num-seqs x (K+1)))")
     p.add_argument("--max-logprobs", type=int, default=0,
                    help="largest logprobs / top_logprobs served (0: logprobs off)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that send no seed")
@@ -91,6 +95,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the target and MTP KV of cached full blocks of earlier requests "
                         "(shared prompt prefixes, multi-turn chats); one device only")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every row's logits independent of its batch mates (fixed row tiles "
+                        "and attention chunks): greedy speculative output equals plain decoding "
+                        "bit for bit; slower steps (docs/architecture.md)")
     p.add_argument("--layer-loop", choices=["auto", "scan", "unrolled"], default="auto",
                    help="scan: the target's layers under one lax.scan (fastest start-up); "
                         "unrolled: one graph node per layer (~20%% faster steps on CPU, where "

@@ -118,6 +118,19 @@ class LLM:
         """KV-cache bytes, values and scales apart: :meth:`LLMEngine.kv_cache_bytes`."""
         return self.llm_engine.kv_cache_bytes()
 
+    def close(self) -> None:
+        """Release the engine: its KV caches, state and compiled executables (and with them the
+        memory mappings XLA:CPU holds; :meth:`LLMEngine.close`). Idempotent; the ``LLM`` cannot
+        generate after it. ``with jmtp.LLM(...) as llm:`` closes on leaving the block; an ``LLM``
+        that is garbage collected releases the same without ``close``."""
+        self.llm_engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -166,6 +179,7 @@ class LLM:
 
     def _check_idle(self, where: str) -> None:
         engine = self.llm_engine
+        engine._check_open()
         if engine.has_unfinished_requests():
             raise RuntimeError(f"{where}: the engine has {engine.get_num_unfinished_requests()}"
                                " unfinished requests added through llm_engine; finish or abort "

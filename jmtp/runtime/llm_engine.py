@@ -16,6 +16,7 @@ Not thread-safe: call it from one thread at a time (any thread).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Iterable
@@ -100,7 +101,8 @@ class LLMEngine(HandOffAPI):
         self.layer_loop, self.compile_mode = built.layer_loop, built.compile_mode
         self.compilation_cache_dir = built.compilation_cache_dir
         ec, sec, dp = run.engine_config, run.shard_config, run.num_shards
-        self.requests = RequestTable(run.model_config, ec, built.tokenizer, seed)
+        self.requests = RequestTable(run.model_config, ec, built.tokenizer, seed,
+                                     prompt_logprobs=getattr(run, "mesh", None) is None)
         self.scheduler = Scheduler(ec, sec, dp)
         self.prefix_caches = (ShardedPrefixCache(ec.block_size, sec.num_blocks, dp,
                                                  run.mtp_cache is not None)
@@ -113,6 +115,7 @@ class LLMEngine(HandOffAPI):
                     sec, min(-(-rows // dp), sec.max_num_batched_tokens),
                     min(-(-n // dp), sec.max_num_seqs), has_prefill=False))
         self.num_steps = 0
+        self.closed = False
         self._pending_drafts = None   # i32[B, K] drafts of the pending windows (last StepOutput)
         self.last_step_seconds = 0.0
         self.policy_seconds = 0.0     # host time in the dynamic policy (plan + observe)
@@ -191,6 +194,29 @@ class LLMEngine(HandOffAPI):
         self.spec_policy.seed_costs(seconds)
         return seconds
 
+    def close(self) -> None:
+        """Drop every request and release the engine's device arrays and compiled executables
+        (:meth:`DeviceRunner.close <jmtp.runtime.runner.DeviceRunner.close>`, which frees the
+        memory mappings XLA:CPU holds for them), so a process can build engines one after
+        another. Idempotent; :meth:`add_request` and :meth:`step` raise ``RuntimeError`` after."""
+        if self.closed:
+            return
+        self.closed = True
+        for b, seq in enumerate(self.scheduler.slots):
+            if seq is not None:
+                self.scheduler.vacate(b)
+        for group in list(self.requests.groups.values()):
+            self.requests.forget(group)
+        self.handoff.exported.clear()
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+        gc.collect()    # reference cycles (jitted closures, tracebacks) would hold executables
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed (LLM.close / LLMEngine.close)")
+
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams | None = None) -> None:
@@ -208,6 +234,7 @@ class LLMEngine(HandOffAPI):
             blocks needed than exist, ``logprobs`` above ``max_logprobs``, string prompt / stop
             strings / bad words without a tokenizer.
         """
+        self._check_open()
         self.requests.add(request_id, prompt, sampling_params, f"request {request_id!r}")
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -249,6 +276,7 @@ class LLMEngine(HandOffAPI):
             others (``AsyncLLMEngine`` does, failing that request alone), or step again to
             retry.
         """
+        self._check_open()
         t0 = time.perf_counter()
         sch, req, run, pcs = self.scheduler, self.requests, self.runner, self.prefix_caches
         free = list(run.free_counts)
@@ -337,6 +365,7 @@ class LLMEngine(HandOffAPI):
             if seq is None or out.paused[b]:
                 continue
             was_decode = not seq.prefilling
+            req.record_prompt_logprobs(seq, out, b, seq.prefilled, int(chunks[b]))
             seq.prefilled += int(chunks[b])
             n = int(out.num_tokens[b])
             if pcs is not None:
@@ -371,7 +400,9 @@ class LLMEngine(HandOffAPI):
         else:
             ids, row, remaining, resume_token = self.requests.admission_row(seq)
             d, pcs = sch.shard_of(b), self.prefix_caches
-            keys, shared = pcs.match(d, seq) if pcs is not None else ([], [])
+            # (prompt logprobs need every prompt row computed: no cached prefix, as vLLM)
+            keys, shared = (pcs.match(d, seq) if pcs is not None
+                            and seq.params.prompt_logprobs is None else ([], []))
             self.runner.insert(b, ids, len(seq.context_ids), remaining, row, resume_token, shared)
             seq.prefilled = 0
             if pcs is not None:

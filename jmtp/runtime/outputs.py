@@ -89,6 +89,10 @@ class RequestOutput:
       outputs: one :class:`CompletionOutput` per sample (``SamplingParams.n``), index order.
       finished: every sample has finished.
       metrics: speculation counters, summed over the samples.
+      prompt_logprobs: with ``SamplingParams.prompt_logprobs=n`` (vLLM's field): one entry per
+        prompt token, None for the first and ``{token id: logprob}`` (the top n and the token
+        itself, the model's raw logprobs) for the others, once the prompt is prefilled; None
+        otherwise.
 
     ``token_ids``, ``text``, ``finish_reason``, ``stop_reason`` and ``logprobs`` are read-only
     shortcuts of ``outputs[0]``.
@@ -100,6 +104,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: SpecDecodeMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

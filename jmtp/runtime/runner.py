@@ -34,6 +34,7 @@ from jmtp.runtime import multihost as mh
 from jmtp.runtime import sharding as shd
 from jmtp.runtime.buckets import StepBucket, decode_buckets, slot_buckets, step_buckets
 from jmtp.runtime.config import EngineConfig
+from jmtp.runtime.executables import engine_function
 from jmtp.runtime.handoff import gather_slot, import_slot, page_bucket, row_keys
 from jmtp.runtime.host_maps import MapBudget
 from jmtp.runtime.state import init_state, insert_request
@@ -69,12 +70,14 @@ class OneDevice:
             if dev is not None:
                 runner.params = jax.device_put(runner.params, dev)
         runner.state, runner.cache, runner.mtp_cache = trees
-        self.step = jax.jit(engine_step, static_argnums=_STEP_STATICS,
+        # function objects per engine configuration: its executables go when its engines do
+        key = (runner.graphdef, runner.shard_config, runner.drafter, runner.attention, dev)
+        self.step = jax.jit(engine_function(engine_step, key), static_argnums=_STEP_STATICS,
                             donate_argnums=_STEP_DONATED)
-        self.insert_fn = jax.jit(insert_request, donate_argnums=0)
+        self.insert_fn = jax.jit(engine_function(insert_request, key), donate_argnums=0)
         self.release_fn = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
         self.retire_fn = jax.jit(functools.partial(retire_slot, ec), donate_argnums=0)
-        self.push_free_fn = jax.jit(push_free_blocks, donate_argnums=0)
+        self.push_free_fn = jax.jit(engine_function(push_free_blocks, key), donate_argnums=0)
         self.import_fn = jax.jit(functools.partial(import_slot, ec), donate_argnums=(0, 1, 2))
 
     @staticmethod
@@ -356,7 +359,27 @@ class DeviceRunner:
             return jax.default_device(self.device)
         return shd.mesh_context(self.mesh)
 
+    def close(self) -> None:
+        """Release the engine's device arrays and compiled executables: the state and KV caches
+        are deleted, the parameters and every jitted function dropped (JAX's caches of them go
+        with them, :mod:`jmtp.runtime.executables`; the parameters live on if the caller holds
+        them). Idempotent; any later call that runs something raises ``RuntimeError``."""
+        if self.placement is None:
+            return
+        for tree in (self.state, self.cache, self.mtp_cache):
+            for x in jax.tree.leaves(tree):
+                if isinstance(x, jax.Array) and not x.is_deleted():
+                    x.delete()
+        self.placement = self.jitted_step = self._neutral = None
+        self.state = self.cache = self.mtp_cache = self.params = None
+
+    @property
+    def closed(self) -> bool:
+        return self.placement is None
+
     def _check_concrete(self):
+        if self.placement is None:
+            raise RuntimeError("this engine is closed")
         if self.abstract:
             raise RuntimeError("this engine was built abstractly (shapes only, for ahead-of-time "
                                "compiles, jmtp.aot); it cannot run")

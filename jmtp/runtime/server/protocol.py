@@ -18,7 +18,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from jmtp.core.errors import InvalidRequestError
-from jmtp.runtime.sampling.params import FLOAT32_MAX
+from jmtp.runtime.sampling.params import FLOAT32_MAX, LOGIT_BIAS_LIMIT, SEED_MAX, SEED_MIN
 
 
 #: Largest int an engine array holds (i32): the static upper bound of the integer fields whose
@@ -95,7 +95,7 @@ class _SamplingFields(_Base):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Probability | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: Union[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)],
                 Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
                           Field(max_length=MAX_STOP_STRINGS)], None] = None
@@ -116,6 +116,11 @@ class _SamplingFields(_Base):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # OpenAI's logit_bias ({"token id": bias in [-100, 100]}) and vLLM's skip_special_tokens /
+    # prompt_logprobs, honoured by the engine (SamplingParams; docs/serving.md's field table)
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = None
+    skip_special_tokens: bool = True
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
 
 
 TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
