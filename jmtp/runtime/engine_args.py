@@ -152,6 +152,12 @@ class EngineArgs:
         which ``"unrolled"`` avoids, at the price of a compile about twice as long (figures in
         ``docs/performance.md``; the persistent compilation cache keeps it to the first start). Unrolled layers are copies of the stacked ones: a caller that passes ``params``
         and keeps them holds the layer weights twice. The chosen loop is :attr:`layer_loop`.
+      async_scheduling: dispatch each engine step before the previous step's outputs are read
+        back, so the host's work on them (detokenising, stop strings, logprobs, outputs, the
+        dynamic policy, admissions) overlaps the next step on the device (vLLM's option name;
+        :mod:`jmtp.runtime.inflight`); outputs are the same either way. ``None`` (default): on
+        unless an n-gram proposer runs (:func:`~jmtp.runtime.inflight.default_async_scheduling`);
+        ``LLMEngine.async_scheduling`` can be changed between steps.
 
     Raises (from :meth:`build`):
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
@@ -185,6 +191,7 @@ class EngineArgs:
     layer_loop: str = "auto"
     devices: object = None
     abstract: bool = False
+    async_scheduling: bool | None = None
 
     def build(self) -> "BuiltEngine":
         """Check the arguments, load the model if needed and build the runner."""
@@ -297,7 +304,7 @@ class EngineArgs:
         if mesh is not None and not a.abstract:
             log.info("mesh %s: %s", dict(mesh.shape), runner.memory_per_device())
         return BuiltEngine(runner, tokenizer, draft_vocab_size, layer_loop, compile_mode,
-                           cache_dir)
+                           cache_dir, a.async_scheduling)
 
 
 @dataclasses.dataclass
@@ -310,6 +317,7 @@ class BuiltEngine:
     layer_loop: str
     compile_mode: str
     compilation_cache_dir: str | None
+    async_scheduling: bool | None = None
 
 
 def attention_fallback(attention_backend: str | None, platform: str,

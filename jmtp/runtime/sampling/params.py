@@ -61,6 +61,11 @@ class SamplingParams:
         inside the speculative step (:mod:`jmtp.runtime.structured`). Needs an engine with a
         tokenizer; ``min_tokens`` must then be 0. Once the constraint is complete only EOS is
         allowed (with ``ignore_eos`` the output continues with EOS tokens up to ``max_tokens``).
+      num_speculative_tokens: None (the engine's speculation) or an int >= 0: at most this many
+        drafts per step for this request (0: no speculation), whatever the method or the
+        dynamic policy chooses; the engine refuses a cap above its K
+        (``SpeculativeConfig.num_speculative_tokens``). A per-slot data input of the step: a
+        mix of caps never recompiles.
 
     Raises:
       InvalidRequestError: (a ``ValueError``) naming the field (``.field``) and its limit for any
@@ -86,6 +91,7 @@ class SamplingParams:
     stop: str | Sequence[str] | None = None
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         stop = self.stop
@@ -169,6 +175,10 @@ class SamplingParams:
                                "output ends)")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise _field_error("logprobs", self.logprobs, "None or an int >= 0")
+        if self.num_speculative_tokens is not None and (
+                not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 0):
+            raise _field_error("num_speculative_tokens", self.num_speculative_tokens,
+                               "None or an int >= 0")
 
     @property
     def greedy(self) -> bool:
