@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Asynchronous scheduling against the synchronous loop, in one process (jmtp issue 50).
 
-Every engine is built, compiled (``compile="eager"``, reported separately) and warmed once; then
-its timed runs alternate the loop (``LLMEngine.async_scheduling`` off, on, off, on ...) on the
+Every engine is built and warmed by one untimed run of each loop (``compile="lazy"``: that run
+compiles the buckets the loop uses; its time is reported separately); then its timed runs
+alternate the loop (``LLMEngine.async_scheduling`` off, on, off, on ...) on the
 same engine, ``--rounds`` times each. Per row: tokens/s of each loop and their ratio, whether
 every output is identical, and from the engine's step timeline (:mod:`jmtp.runtime.timeline`)
 the device idle time between consecutive steps as a share of the device's step time
@@ -20,7 +21,7 @@ Rows:
 The CPU is shared with other processes here: absolute figures are noisy, the interleaved ratios
 less so. ``--quick`` runs fewer tokens and prompts (a smoke run).
 
-    python scripts/bench_async.py --rounds 3 --json async.json
+    PYTHONPATH=. python scripts/bench_async.py --rounds 3 --json async.json
 """
 from __future__ import annotations
 
@@ -65,6 +66,12 @@ def measure(name: str, llm, prompts, sp, rounds: int, trace: str | None) -> dict
     """Alternate the two loops on one engine; tokens/s, identical outputs and timeline shares."""
     eng = llm.llm_engine
     acc = {m: dict(sec=0.0, tok=0, outs=None, stats=[]) for m in (False, True)}
+    t0 = time.perf_counter()
+    for mode in (False, True):     # untimed: compiles the buckets each loop runs (lazy)
+        eng.async_scheduling = mode
+        llm.generate(prompts, sp, use_tqdm=False)
+    print(f"# {name}: warm-up (compiles) {time.perf_counter() - t0:.1f} s, "
+          f"{len(eng.compiled_buckets)} buckets", flush=True)
     for r in range(rounds):
         for mode in (False, True):
             eng.async_scheduling = mode
@@ -108,9 +115,8 @@ def measure(name: str, llm, prompts, sp, rounds: int, trace: str | None) -> dict
 def build(label: str, **kw):
     from jmtp import LLM
     t0 = time.perf_counter()
-    llm = LLM(compile="eager", **kw)
-    print(f"# {label}: built and compiled in {time.perf_counter() - t0:.1f} s "
-          f"({len(llm.compile_seconds)} executables)", flush=True)
+    llm = LLM(compile="lazy", **kw)
+    print(f"# {label}: built in {time.perf_counter() - t0:.1f} s", flush=True)
     return llm
 
 
@@ -136,7 +142,6 @@ def main(argv=None) -> int:
             llm = build(f"smollm2-mtp3 b{b}", model_config=cfg, params=params, tokenizer=tok,
                         speculative_config=SpeculativeConfig("mtp", 3), max_num_seqs=b,
                         max_model_len=512)
-            llm.generate(prompts[:b], SamplingParams(max_tokens=4), use_tqdm=False)   # warm
             rows.append(measure(f"smollm2-mtp3 b{b}", llm, prompts, sp, args.rounds,
                                 args.trace))
             del llm
@@ -148,9 +153,9 @@ def main(argv=None) -> int:
         tparams = init_params(tiny, jax.random.key(0), std=0.3)
         prompts = general_prompts(tok, 64)
         llm = build("tiny-mtp3 b64", model_config=tiny, params=tparams, tokenizer=tok,
-                    speculative_config=SpeculativeConfig("mtp", 3), max_num_seqs=64,
+                    speculative_config=SpeculativeConfig("mtp", 3, draft_vocab_size=0),
+                    max_num_seqs=64,
                     max_model_len=512, layer_loop="scan")
-        llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)
         rows.append(measure("tiny-mtp3 b64 stop", llm, prompts, stop_sp, args.rounds,
                             args.trace))
         del llm
@@ -159,7 +164,15 @@ def main(argv=None) -> int:
         llm = build("smollm2-dyn-mtp3 b8", model_config=cfg, params=params, tokenizer=tok,
                     speculative_config=SpeculativeConfig("mtp", 3, speculation_policy="dynamic"),
                     max_num_seqs=8, max_model_len=512)
-        llm.generate(prompts[:8], SamplingParams(max_tokens=8), use_tqdm=False)
+        # every decode bucket ahead (the policy may plan any), then seed its cost table
+        from jmtp.runtime.buckets import decode_buckets, slot_buckets, StepBucket
+        ec = llm.engine_config
+        t0 = time.perf_counter()
+        llm.llm_engine.compile_buckets([StepBucket(t, a) for a in slot_buckets(ec)
+                                        for t in decode_buckets(ec, a)])
+        llm.llm_engine.calibrate_speculation()
+        print(f"# decode buckets compiled and timed in {time.perf_counter() - t0:.1f} s",
+              flush=True)
         rows.append(measure("smollm2-dyn-mtp3 b8 stop", llm, prompts, stop_sp, args.rounds,
                             args.trace))
     if args.json:

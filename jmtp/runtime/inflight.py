@@ -71,6 +71,7 @@ class StepRecord:
     handle: object = None
     out: object = None
     first: bool = False
+    watched: bool = False     # its device end is stamped (jmtp.runtime.timeline)
     policy: object = None
     plan_seconds: float = 0.0
     t_round: float = 0.0

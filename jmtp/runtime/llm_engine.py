@@ -62,7 +62,13 @@ class LLMEngine(HandOffAPI):
     ``scheduler`` (:class:`~jmtp.runtime.scheduler.Scheduler`), ``requests``
     (:class:`~jmtp.runtime.requests.RequestTable`), ``prefix_caches``
     (:class:`~jmtp.runtime.prefix_slots.ShardedPrefixCache` or None), ``handoff``,
-    ``spec_policy`` (:class:`DynamicSpeculation` or None).
+    ``spec_policy`` (:class:`DynamicSpeculation` or None), ``timeline``
+    (:class:`~jmtp.runtime.timeline.StepTimeline`, off until enabled), ``plan_sync``
+    (:class:`~jmtp.runtime.plan_sync.PlanSync` on a multi-process job, else None).
+
+    ``async_scheduling`` (settable between steps): dispatch each step before reading the previous
+    one's outputs (:mod:`jmtp.runtime.inflight`; the ``async_scheduling`` argument of
+    :class:`~jmtp.runtime.engine_args.EngineArgs`).
 
     Start-up times: ``compile_seconds`` ``{label: seconds}`` of the compiles done ahead
     (``compile="eager"``); ``first_call_seconds`` ``{bucket label: seconds}`` of each bucket's
@@ -335,6 +341,7 @@ class LLMEngine(HandOffAPI):
             rec.first = rec.handle.first
             if self.timeline.enabled or self.spec_policy is not None:
                 self.timeline.watch(rec.index, rec.handle.out.num_tokens)
+                rec.watched = True
         else:
             rec.out = (run.run_step(bucket, chunks, limits) if guide is None else
                        run.run_step(bucket, chunks, limits, guide))
@@ -361,8 +368,7 @@ class LLMEngine(HandOffAPI):
                           rec.first, rec.continued, rec.t_round, rec.t_dispatch0,
                           rec.t_dispatch1, t_fetch0, t_fetch1)
         if rec.out is None:
-            end = self.timeline.device_end(rec.index, t_fetch1) if (
-                self.timeline.enabled or pol is not None) else t_fetch1
+            end = self.timeline.device_end(rec.index, t_fetch1) if rec.watched else t_fetch1
             times.device_start, times.gap = self.timeline.device_interval(times, end)
             times.device_end = end
         seconds = times.device_end - times.device_start if rec.out is None else (
@@ -424,7 +430,10 @@ class LLMEngine(HandOffAPI):
         if self.spec_policy is None:
             return caps.copy(), 0.0
         t = time.perf_counter()
-        limits = self.spec_policy.draft_limits(proposing, caps)
+        if (caps[proposing] < self.engine_config.k).any():
+            limits = self.spec_policy.draft_limits(proposing, caps)
+        else:                 # no proposing request lowered its cap
+            limits = self.spec_policy.draft_limits(proposing)
         return limits, time.perf_counter() - t
 
     def _take_tokens(self, out, chunks: np.ndarray, valid: np.ndarray) -> list:

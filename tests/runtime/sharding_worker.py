@@ -326,13 +326,13 @@ def hybrid_case():
               block_size=4, max_num_batched_tokens=12, compile="lazy")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
     rec = engine_of(llm).runner.cache.linear.recurrent
-    async_default, llm.llm_engine.async_scheduling = llm.llm_engine.async_scheduling, False
-    sync = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
-    return {"tokens": [o.outputs[0].token_ids for o in outs],
-            "sync_tokens": [o.outputs[0].token_ids for o in sync],
-            "async_default": async_default,
-            "spec": [str(a) for a in rec.sharding.spec], "shape": list(rec.shape),
-            "local": list(rec.addressable_shards[0].data.shape)}
+    out = {"tokens": [o.outputs[0].token_ids for o in outs],
+           "spec": [str(a) for a in rec.sharding.spec], "shape": list(rec.shape),
+           "local": list(rec.addressable_shards[0].data.shape)}
+    out["async_default"], llm.llm_engine.async_scheduling = llm.llm_engine.async_scheduling, False
+    out["sync_tokens"] = [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)]
+    return out
 
 
 def main(cases: list[str]) -> None:

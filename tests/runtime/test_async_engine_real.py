@@ -2,7 +2,7 @@
 ``async_scheduling`` on and off for every method, and per-request caps without recompiling.
 (With the dynamic policy only greedy requests: see :func:`mix`.)
 
-One engine per method (plain, MTP, n-gram, hybrid MTP + n-gram, the dynamic policy), with prefix
+One engine per method (MTP, n-gram, hybrid MTP + n-gram, the dynamic policy), with prefix
 caching on and few KV blocks (requests are preempted and resumed), serves one mix twice, the
 synchronous loop first: greedy, seeded sampled (``n=2`` too), a stop string, a structured-output
 constraint (the engine reads the step in flight and runs those steps synchronously) and a
@@ -26,7 +26,8 @@ from structured_fixtures import VOCAB_SIZE, tiny_tokenizer
 
 pytestmark = pytest.mark.xdist_group("async_engine_real")
 
-SPECS = {"plain": None, "mtp3": SpeculativeConfig("mtp", 3),
+# (plain decoding: the fake-runner tests, and the (2, 2) mesh and 2-process workers, K=0)
+SPECS = {"mtp3": SpeculativeConfig("mtp", 3),
          "ngram3": SpeculativeConfig("ngram", 3),
          "hybrid3.1": SpeculativeConfig("mtp", 3, 1, mtp_strategy="with_ngram"),
          "dynamic-mtp3": SpeculativeConfig("mtp", 3, speculation_policy="dynamic")}
