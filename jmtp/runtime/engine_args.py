@@ -186,6 +186,12 @@ class EngineArgs:
         policy: the dynamic one picks draft counts by timing). Slower steps (figures in
         ``docs/performance.md``); attention runs the ``"xla"`` implementation. Dense attention
         models on one device only (MLA, MoE and hybrid targets and meshes raise ``ValueError``).
+      async_scheduling: dispatch each engine step before the previous step's outputs are read
+        back, so the host's work on them (detokenising, stop strings, logprobs, outputs, the
+        dynamic policy, admissions) overlaps the next step on the device (vLLM's option name;
+        :mod:`jmtp.runtime.inflight`); outputs are the same either way. ``None`` (default): on
+        unless an n-gram proposer runs (:func:`~jmtp.runtime.inflight.default_async_scheduling`);
+        ``LLMEngine.async_scheduling`` can be changed between steps.
 
     Raises (from :meth:`build`):
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
@@ -220,6 +226,7 @@ class EngineArgs:
     devices: object = None
     abstract: bool = False
     batch_invariant: bool = False
+    async_scheduling: bool | None = None
 
     def build(self) -> "BuiltEngine":
         """Check the arguments, load the model if needed and build the runner."""
@@ -336,7 +343,7 @@ class EngineArgs:
         if mesh is not None and not a.abstract:
             log.info("mesh %s: %s", dict(mesh.shape), runner.memory_per_device())
         return BuiltEngine(runner, tokenizer, draft_vocab_size, layer_loop, compile_mode,
-                           cache_dir)
+                           cache_dir, a.async_scheduling)
 
 
 @dataclasses.dataclass
@@ -349,6 +356,7 @@ class BuiltEngine:
     layer_loop: str
     compile_mode: str
     compilation_cache_dir: str | None
+    async_scheduling: bool | None = None
 
 
 def attention_fallback(attention_backend: str | None, platform: str,

@@ -14,6 +14,8 @@ class SpecDecodeMetrics:
       accepted_per_position: K counts; entry k = steps whose draft k+1 was accepted.
       num_decode_steps: verify steps (steps that committed tokens after the prefill).
       num_decode_tokens: tokens committed by those steps.
+      max_drafts_per_step: the most drafts verified in one of those steps (at most the
+        request's ``SamplingParams.num_speculative_tokens``).
     """
 
     num_draft_tokens: int = 0
@@ -21,6 +23,7 @@ class SpecDecodeMetrics:
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     num_decode_steps: int = 0
     num_decode_tokens: int = 0
+    max_drafts_per_step: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -42,6 +45,7 @@ class SpecDecodeMetrics:
             self.accepted_per_position[i] += c
         self.num_decode_steps += other.num_decode_steps
         self.num_decode_tokens += other.num_decode_tokens
+        self.max_drafts_per_step = max(self.max_drafts_per_step, other.max_drafts_per_step)
 
 
 @dataclasses.dataclass

@@ -225,6 +225,11 @@ class RequestTable:
             raise InvalidRequestError(
                 f"{where}: the request needs up to {need} KV blocks but num_blocks={ec.num_blocks}",
                 "max_tokens")
+        if sp.num_speculative_tokens is not None and sp.num_speculative_tokens > ec.k:
+            raise InvalidRequestError(
+                f"{where}: num_speculative_tokens={sp.num_speculative_tokens} exceeds the "
+                f"engine's num_speculative_tokens={ec.k} (a request may only lower it)",
+                "num_speculative_tokens")
         if sp.logprobs is not None and max(sp.logprobs, 1) > ec.max_logprobs:
             raise InvalidRequestError(f"{where}: logprobs={sp.logprobs} exceeds max_logprobs="
                                       f"{ec.max_logprobs} (set LLM(max_logprobs=...))", "logprobs")
@@ -403,6 +408,7 @@ class RequestTable:
                 m.num_decode_tokens += kept
                 m.num_draft_tokens += d
                 m.num_accepted_tokens += a
+                m.max_drafts_per_step = max(m.max_drafts_per_step, d)
                 for i in range(a):
                     m.accepted_per_position[i] += 1
         return kept

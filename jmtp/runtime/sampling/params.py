@@ -114,6 +114,11 @@ class SamplingParams:
         inside the speculative step (:mod:`jmtp.runtime.structured`). Needs an engine with a
         tokenizer; ``min_tokens`` must then be 0. Once the constraint is complete only EOS is
         allowed (with ``ignore_eos`` the output continues with EOS tokens up to ``max_tokens``).
+      num_speculative_tokens: None (the engine's speculation) or an int >= 0: at most this many
+        drafts per step for this request (0: no speculation), whatever the method or the
+        dynamic policy chooses; the engine refuses a cap above its K
+        (``SpeculativeConfig.num_speculative_tokens``). A per-slot data input of the step: a
+        mix of caps never recompiles.
 
     Raises:
       InvalidRequestError: (a ``ValueError``) naming the field (``.field``) and its limit for any
@@ -142,6 +147,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self):
         stop = self.stop
@@ -234,6 +240,10 @@ class SamplingParams:
                                "output ends)")
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
             raise _field_error("logprobs", self.logprobs, "None or an int >= 0")
+        if self.num_speculative_tokens is not None and (
+                not is_int(self.num_speculative_tokens) or self.num_speculative_tokens < 0):
+            raise _field_error("num_speculative_tokens", self.num_speculative_tokens,
+                               "None or an int >= 0")
 
     @property
     def seed_halves(self) -> tuple[int, int]:

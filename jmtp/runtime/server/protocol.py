@@ -118,9 +118,13 @@ class _SamplingFields(_Base):
     guided_grammar: str | None = None
     # OpenAI's logit_bias ({"token id": bias in [-100, 100]}) and vLLM's skip_special_tokens /
     # prompt_logprobs, honoured by the engine (SamplingParams; docs/serving.md's field table)
-    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT,
+                                                 le=LOGIT_BIAS_LIMIT)]] | None = None
     skip_special_tokens: bool = True
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # jmtp: at most this many speculative drafts per step for the request (0: none; None: the
+    # server's setting; above it: 400 naming the field)
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
 
 
 TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
@@ -247,12 +251,29 @@ def sse(obj) -> str:
 
 
 class Usage:
-    """Token counts of one response (OpenAI ``usage``)."""
+    """Token counts of one response (OpenAI ``usage``), and jmtp's speculation counters of its
+    requests (``usage["speculation"]``: ``num_draft_tokens``, ``num_accepted_tokens``,
+    ``num_decode_steps``, ``max_drafts_per_step``; :class:`~jmtp.runtime.outputs.
+    SpecDecodeMetrics`) once :meth:`add_metrics` saw any."""
 
     def __init__(self):
         self.prompt = 0
         self.completion = 0
+        self.speculation: dict | None = None
+
+    def add_metrics(self, m) -> None:
+        """Add one finished request's :class:`~jmtp.runtime.outputs.SpecDecodeMetrics`."""
+        s = self.speculation or dict(num_draft_tokens=0, num_accepted_tokens=0,
+                                     num_decode_steps=0, max_drafts_per_step=0)
+        s["num_draft_tokens"] += m.num_draft_tokens
+        s["num_accepted_tokens"] += m.num_accepted_tokens
+        s["num_decode_steps"] += m.num_decode_steps
+        s["max_drafts_per_step"] = max(s["max_drafts_per_step"], m.max_drafts_per_step)
+        self.speculation = s
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
-                "total_tokens": self.prompt + self.completion}
+        out = {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+               "total_tokens": self.prompt + self.completion}
+        if self.speculation is not None:
+            out["speculation"] = dict(self.speculation)
+        return out

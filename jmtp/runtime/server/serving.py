@@ -160,6 +160,8 @@ class OpenAIServing:
                 kw[f] = getattr(req, f)
         if req.top_k is not None:
             kw["top_k"] = req.top_k
+        if req.num_speculative_tokens is not None:
+            kw["num_speculative_tokens"] = req.num_speculative_tokens
         if req.stop_token_ids:
             kw["stop_token_ids"] = tuple(req.stop_token_ids)
         kw["logit_bias"] = self._logit_bias(req.logit_bias)
@@ -462,6 +464,8 @@ class OpenAIServing:
                 for c in out.outputs:
                     if c.finish_reason is not None or out.finished:
                         final[i * n + c.index] = c
+                if out.finished:
+                    usage.add_metrics(out.metrics)
         finally:
             for rid in ids:
                 await self.engine.abort(rid)     # no-op for finished requests
@@ -536,6 +540,8 @@ class OpenAIServing:
                         len(self._token_str(t)) for t in c.delta_token_ids)
                     if c.finish_reason is not None:
                         usage.completion += len(c.token_ids)
+                if out.finished:
+                    usage.add_metrics(out.metrics)
                 if choices:
                     yield sse(dict(head, object=head["object"] + (
                         ".chunk" if head["object"] == "chat.completion" else ""), choices=choices))
