@@ -71,9 +71,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "more when max-num-seqs x (K+1) needs it)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: every slot can hold max-model-len tokens)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step, the largest step bucket (default: "
-                        "max(256, max-num-seqs x (K+1)))")
     p.add_argument("--max-logprobs", type=int, default=0,
                    help="largest logprobs / top_logprobs served (0: logprobs off)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that send no seed")

@@ -80,9 +80,6 @@ class ServerMetrics:
                                          "the policy's guard held drafting off", registry=r)
         self.policy_seconds = prom.Counter("jmtp_spec_policy_host_seconds", "Host time in the "
                                            "dynamic policy (plan and bookkeeping), s", registry=r)
-        self.preemptions = prom.Counter("jmtp_num_preemptions", "Requests preempted (out of KV "
-                                        "blocks) and re-queued; vLLM's num_preemptions",
-                                        registry=r)
         self._prev: dict = {}
 
     def _inc_from(self, counter, stats: dict, key: str, prev_key: str | None = None) -> None:
@@ -114,7 +111,6 @@ class ServerMetrics:
         self._inc_from(self.policy_drafting, stats, "spec_policy_drafting_plans")
         self._inc_from(self.policy_holds, stats, "spec_policy_holds")
         self._inc_from(self.policy_seconds, stats, "spec_policy_host_seconds")
-        self._inc_from(self.preemptions, stats, "num_preemptions")
         for i, c in enumerate(stats.get("accepted_per_position") or []):
             stats_i = {"c": c}
             self._inc_from(self.accepted_per_position.labels(position=str(i + 1)), stats_i, "c",
