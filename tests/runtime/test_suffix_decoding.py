@@ -68,6 +68,25 @@ def test_a_repeated_request_drafts_the_earlier_output():
     assert stats["suffix_host_seconds"] > 0
 
 
+@pytest.mark.parametrize("spec", [SUFFIX, HYBRID], ids=["suffix", "mtp-with-suffix"])
+def test_async_scheduling_reads_every_step_before_drafting(spec):
+    """``async_scheduling=True`` (the default is off for suffix decoding): the host drafts need
+    each step's tokens, so the engine reads the step in flight first; a repeated request still
+    drafts from the earlier output (in a fraction of its steps) and outputs stay exact."""
+    runner = FakeRunner(spec=spec, max_num_seqs=2, max_model_len=64)
+    eng = LLMEngine.from_runner(runner, async_scheduling=None)
+    assert not eng.async_scheduling          # the default for suffix decoding
+    eng.async_scheduling = True
+    eng.add_request("r0", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    first, _ = drive(eng, runner)
+    eng.add_request("r1", PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+    finals, _ = drive(eng, runner)
+    want = reference(PROMPT, 30, stop_ids=())
+    assert first["r0"].outputs[0].token_ids == want == finals["r1"].outputs[0].token_ids
+    assert finals["r1"].metrics.num_decode_steps <= 2 + -(-(30 - 3) // 4)
+    assert eng.get_stats()["suffix_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("max_tokens,max_model_len", [(1, 64), (2, 64), (5, 64), (30, 16),
                                                       (30, 12)])
 def test_drafts_respect_max_tokens_and_max_model_len(max_tokens, max_model_len):
