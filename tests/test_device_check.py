@@ -130,7 +130,7 @@ def dry_run(tmp_path_factory, smollm2_dir):
         out = base / f"out{part}"
         p = subprocess.run(["bash", str(ROOT / "scripts" / "device_check.sh"), "--dry-run",
                             "--part", part, str(out)], env=env, capture_output=True, text=True,
-                           timeout=900)
+                           timeout=1800)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         outs.append((out, p.stdout))
     return base, outs
