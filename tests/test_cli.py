@@ -58,3 +58,22 @@ def test_serve_limits_default_to_openai_and_reject_nonsense():
     for bad in (dict(max_n=0), dict(max_request_bytes=0), dict(engine_stall_seconds=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             ServerOptions(**bad)
+
+
+def test_suffix_decoding_options_reach_the_speculative_config(monkeypatch):
+    """``--speculative-method suffix`` and ``--mtp-strategy with_suffix`` build the
+    SpeculativeConfig suffix decoding runs with (the LLM itself is not built here)."""
+    import jmtp.runtime.engine as engine_mod
+    from jmtp.cli import build_llm
+
+    built = {}
+    monkeypatch.setattr(engine_mod, "LLM", lambda *a, **kw: built.update(kw))
+    p = build_parser()
+    build_llm(p.parse_args(["serve", "--speculative-method", "suffix",
+                            "--num-speculative-tokens", "7"]))
+    spec = built["speculative_config"]
+    assert (spec.method, spec.k, spec.uses_suffix) == ("suffix", 7, True)
+    build_llm(p.parse_args(["serve", "--num-speculative-tokens", "5", "--num-model-steps", "1",
+                            "--mtp-strategy", "with_suffix"]))
+    spec = built["speculative_config"]
+    assert (spec.method, spec.k, spec.m, spec.uses_suffix) == ("mtp", 5, 1, True)
