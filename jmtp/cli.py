@@ -38,7 +38,10 @@ def build_llm(args):
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                data_parallel_size=getattr(args, "data_parallel_size", 1),
                enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
-               layer_loop=getattr(args, "layer_loop", "auto"))
+               layer_loop=getattr(args, "layer_loop", "auto"),
+               batch_invariant=getattr(args, "batch_invariant", False),
+               async_scheduling={"on": True, "off": False}.get(
+                   getattr(args, "async_scheduling", "auto")))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -91,6 +94,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the target and MTP KV of cached full blocks of earlier requests "
                         "(shared prompt prefixes, multi-turn chats); one device only")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every row's logits independent of its batch mates (fixed row tiles "
+                        "and attention chunks): greedy speculative output equals plain decoding "
+                        "bit for bit; slower steps (docs/architecture.md)")
     p.add_argument("--layer-loop", choices=["auto", "scan", "unrolled"], default="auto",
                    help="scan: the target's layers under one lax.scan (fastest start-up); "
                         "unrolled: one graph node per layer (~20%% faster steps on CPU, where "
@@ -104,6 +111,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "$JMTP_COMPILE, else lazy for generate (a one-shot run compiles only "
                         "what its prompts need) and chat (the rest compiles while the user "
                         "types) and eager for serve")
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="dispatch each step before reading the previous one's outputs, so host "
+                        "work overlaps the device (same outputs); auto: on unless an n-gram "
+                        "proposer runs")
     p.add_argument("--compilation-cache-dir", default="auto",
                    help="JAX persistent compilation cache folder (default 'auto': $JMTP_CACHE_DIR, "
                         "else ~/.cache/jmtp/xla; 'none': leave JAX's setting alone)")
@@ -257,6 +268,39 @@ def _chat(args) -> int:
     return run_repl(session)
 
 
+def _serve(args) -> int:
+    """``jmtp serve``; under ``jmtp launch`` (a multi-process mesh) process 0 serves HTTP and the
+    others replay its engine calls (:mod:`jmtp.runtime.mirror`)."""
+    import logging
+
+    from jmtp.runtime import distributed as dist
+    from jmtp.runtime.server import serve
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    dist.initialize_from_env()       # before anything touches a device
+    name = args.served_model_name or (
+        "SmolLM2-135M-Instruct" if args.model is None
+        else os.path.basename(os.path.normpath(args.model)))
+    from jmtp.runtime.server import ServerOptions
+    options = ServerOptions(max_n=args.max_n, max_request_bytes=args.max_request_bytes,
+                            ignore_unknown_fields=args.ignore_unknown_fields,
+                            engine_stall_seconds=args.engine_stall_seconds)
+    llm = build_llm(args)
+    import jax
+    if jax.process_count() == 1:
+        return serve(llm, model_name=name, host=args.host, port=args.port,
+                     log_level=args.log_level, options=options)
+    from jmtp.runtime.mirror import MirroredEngine, follow
+    if not dist.is_main_process():
+        return follow(llm.llm_engine)
+    engine = MirroredEngine(llm.llm_engine)
+    try:
+        return serve(llm, model_name=name, host=args.host, port=args.port,
+                     log_level=args.log_level, options=options, engine=engine)
+    finally:
+        engine.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``jmtp`` argument parser (subcommands generate, chat, serve, launch, compile)."""
     p = argparse.ArgumentParser(prog="jmtp", description="MTP speculative decoding in JAX")
@@ -327,25 +371,7 @@ def main(argv=None) -> int:
             from jmtp.launch import run_launch
             return run_launch(args)
         if args.cmd == "serve":
-            from jmtp.runtime import distributed as dist
-            if dist.env_requested():
-                raise ValueError("jmtp serve runs as one process; multi-process serving (each "
-                                 "request broadcast to every process) is not implemented — "
-                                 f"unset {', '.join(dist.ENV_VARS)}")
-            import logging
-
-            from jmtp.runtime.server import serve
-            logging.basicConfig(level=args.log_level.upper(),
-                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-            name = args.served_model_name or (
-                "SmolLM2-135M-Instruct" if args.model is None
-                else os.path.basename(os.path.normpath(args.model)))
-            from jmtp.runtime.server import ServerOptions
-            options = ServerOptions(max_n=args.max_n, max_request_bytes=args.max_request_bytes,
-                                    ignore_unknown_fields=args.ignore_unknown_fields,
-                                    engine_stall_seconds=args.engine_stall_seconds)
-            return serve(build_llm(args), model_name=name, host=args.host, port=args.port,
-                         log_level=args.log_level, options=options)
+            return _serve(args)
         if args.cmd == "chat":
             return _chat(args)
         if args.cmd == "compile":

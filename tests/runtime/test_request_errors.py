@@ -11,7 +11,7 @@ from tests.runtime.conftest import tiny_model
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
-    (dict(top_p=1.5), "top_p"), (dict(n=0), "n"), (dict(seed=-1), "seed"),
+    (dict(top_p=1.5), "top_p"), (dict(n=0), "n"), (dict(seed=2**63), "seed"),
     (dict(min_tokens=9, max_tokens=4), "min_tokens"), (dict(stop=[""]), "stop"),
     (dict(logprobs=-1), "logprobs"), (dict(temperature="hot"), "temperature"),
     # floats the device holds as f32 must stay finite there; an int past float64 is no number

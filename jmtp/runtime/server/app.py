@@ -163,13 +163,17 @@ def build_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_l
 
 
 def serve(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
-          log_level: str = "info", options: ServerOptions | None = None) -> int:
+          log_level: str = "info", options: ServerOptions | None = None,
+          engine=None) -> int:
     """Serve ``llm`` (a :class:`jmtp.LLM`, built by the caller: ``jmtp serve`` builds it from its
-    options) over the OpenAI-compatible API as ``model_name``, with uvicorn, until interrupted."""
+    options) over the OpenAI-compatible API as ``model_name``, with uvicorn, until interrupted.
+    ``engine``: what the engine thread calls instead of ``llm.llm_engine`` (on a multi-process
+    mesh, a :class:`~jmtp.runtime.mirror.MirroredEngine`)."""
     import uvicorn
 
     metrics = ServerMetrics()
-    engine = AsyncLLMEngine.from_llm(llm, on_step=metrics.on_step, start=False)
+    engine = AsyncLLMEngine(engine if engine is not None else llm.llm_engine,
+                            on_step=metrics.on_step, start=False)
     ec = llm.llm_engine.engine_config
     app = build_app(engine, llm.tokenizer, model_name=model_name, max_model_len=ec.max_model_len,
                     metrics=metrics, max_logprobs=ec.max_logprobs,

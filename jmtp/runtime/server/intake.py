@@ -86,12 +86,13 @@ def request_models(options: ServerOptions, *, max_model_len: int, vocab_size: in
     token_id = Annotated[int, Field(ge=0, lt=vocab_size)]
     ids = Annotated[list[token_id], Field(min_length=1)]
     room = Annotated[int, Field(ge=1, le=max(max_model_len - 1, 1))]
+    logprobs = Annotated[int, Field(ge=0, le=min(max(max_logprobs, 0), 20))]
     common = dict(
+        prompt_logprobs=(logprobs | None, None),
         n=(Annotated[int, Field(ge=1, le=options.max_n)], 1),
         max_tokens=(room | None, None),
         min_tokens=(Annotated[int, Field(ge=0, le=max(max_model_len - 1, 0))] | None, None),
         stop_token_ids=(Annotated[list[token_id], Field(max_length=max_stop_ids)] | None, None))
-    logprobs = Annotated[int, Field(ge=0, le=min(max(max_logprobs, 0), 20))]
     completion = create_model(
         "CompletionRequest", __base__=CompletionRequest, __module__=__name__,
         prompt=(Union[str, ids, Annotated[list[str], Field(min_length=1, max_length=options.max_n)],

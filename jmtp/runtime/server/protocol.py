@@ -18,7 +18,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from jmtp.core.errors import InvalidRequestError
-from jmtp.runtime.sampling.params import FLOAT32_MAX
+from jmtp.runtime.sampling.params import FLOAT32_MAX, LOGIT_BIAS_LIMIT, SEED_MAX, SEED_MIN
 
 
 #: Largest int an engine array holds (i32): the static upper bound of the integer fields whose
@@ -95,7 +95,7 @@ class _SamplingFields(_Base):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
     min_p: Probability | None = None
-    seed: Annotated[int, Field(ge=0, lt=2**32)] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: Union[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)],
                 Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
                           Field(max_length=MAX_STOP_STRINGS)], None] = None
@@ -116,6 +116,15 @@ class _SamplingFields(_Base):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # OpenAI's logit_bias ({"token id": bias in [-100, 100]}) and vLLM's skip_special_tokens /
+    # prompt_logprobs, honoured by the engine (SamplingParams; docs/serving.md's field table)
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT,
+                                                 le=LOGIT_BIAS_LIMIT)]] | None = None
+    skip_special_tokens: bool = True
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # jmtp: at most this many speculative drafts per step for the request (0: none; None: the
+    # server's setting; above it: 400 naming the field)
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
 
 
 TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
@@ -252,12 +261,29 @@ def sse(obj) -> str:
 
 
 class Usage:
-    """Token counts of one response (OpenAI ``usage``)."""
+    """Token counts of one response (OpenAI ``usage``), and jmtp's speculation counters of its
+    requests (``usage["speculation"]``: ``num_draft_tokens``, ``num_accepted_tokens``,
+    ``num_decode_steps``, ``max_drafts_per_step``; :class:`~jmtp.runtime.outputs.
+    SpecDecodeMetrics`) once :meth:`add_metrics` saw any."""
 
     def __init__(self):
         self.prompt = 0
         self.completion = 0
+        self.speculation: dict | None = None
+
+    def add_metrics(self, m) -> None:
+        """Add one finished request's :class:`~jmtp.runtime.outputs.SpecDecodeMetrics`."""
+        s = self.speculation or dict(num_draft_tokens=0, num_accepted_tokens=0,
+                                     num_decode_steps=0, max_drafts_per_step=0)
+        s["num_draft_tokens"] += m.num_draft_tokens
+        s["num_accepted_tokens"] += m.num_accepted_tokens
+        s["num_decode_steps"] += m.num_decode_steps
+        s["max_drafts_per_step"] = max(s["max_drafts_per_step"], m.max_drafts_per_step)
+        self.speculation = s
 
     def as_dict(self) -> dict:
-        return {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
-                "total_tokens": self.prompt + self.completion}
+        out = {"prompt_tokens": self.prompt, "completion_tokens": self.completion,
+               "total_tokens": self.prompt + self.completion}
+        if self.speculation is not None:
+            out["speculation"] = dict(self.speculation)
+        return out

@@ -168,8 +168,14 @@ class OpenAIServing:
                 kw[f] = getattr(req, f)
         if req.top_k is not None:
             kw["top_k"] = req.top_k
+        if req.num_speculative_tokens is not None:
+            kw["num_speculative_tokens"] = req.num_speculative_tokens
         if req.stop_token_ids:
             kw["stop_token_ids"] = tuple(req.stop_token_ids)
+        kw["logit_bias"] = self._logit_bias(req.logit_bias)
+        kw["skip_special_tokens"] = req.skip_special_tokens
+        if req.prompt_logprobs is not None:
+            kw["prompt_logprobs"] = req.prompt_logprobs
         if logprobs is not None:
             kw["logprobs"] = logprobs
         if constraint is not None:
@@ -191,6 +197,22 @@ class OpenAIServing:
         except InvalidRequestError as e:
             raise BadRequest(f"{constraint.param}: {client_message(e)}",
                              constraint.rename(e.field)) from e
+
+    @staticmethod
+    def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's ``logit_bias`` (JSON object keys are strings) with int token ids."""
+        if bias is None:
+            return None
+        out = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise BadRequest(f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+            if token in out:
+                raise BadRequest(f"logit_bias: token id {token} given twice", "logit_bias")
+            out[token] = value
+        return out
 
     @staticmethod
     def _param(err: Exception, prompt_field: str, constraint: Constraint | None) -> str | None:
@@ -424,12 +446,25 @@ class OpenAIServing:
         return await self._until_disconnect(raw, ids, self._collect(ids, streams, head, req, n,
                                                                     choice_fn))
 
+    def _prompt_logprobs(self, plp) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{"<id>":
+        {"logprob", "rank": null, "decoded_token"}}``."""
+        if plp is None:
+            return None
+        return [None if d is None else
+                {str(t): {"logprob": self._lp(v), "rank": None,
+                          "decoded_token": self._token_str(t)} for t, v in d.items()}
+                for d in plp]
+
     async def _collect(self, ids, streams, head, req, n, choice_fn) -> dict:
         usage = Usage()
         final: dict[int, Any] = {}
+        prompt_lp: dict[int, Any] = {}
         seen = set()
         try:
             async for i, out in _merge(streams):
+                if out.prompt_logprobs is not None:
+                    prompt_lp[i] = out.prompt_logprobs
                 if i not in seen:
                     seen.add(i)
                     usage.prompt += len(out.prompt_token_ids)
@@ -438,6 +473,8 @@ class OpenAIServing:
                     _check_not_aborted(c, ids[i])
                     if c.finish_reason is not None or out.finished:
                         final[i * n + c.index] = c
+                if out.finished:
+                    usage.add_metrics(out.metrics)
         finally:
             for rid in ids:
                 await self.engine.abort(rid)     # no-op for finished requests
@@ -446,7 +483,12 @@ class OpenAIServing:
             c = final[idx]
             usage.completion += len(c.token_ids)
             choices.append(choice_fn(idx, c, req))
-        return dict(head, choices=choices, usage=usage.as_dict())
+            if req.prompt_logprobs is not None and head["object"] == "text_completion":
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(prompt_lp.get(idx // n))
+        body = dict(head, choices=choices, usage=usage.as_dict())
+        if req.prompt_logprobs is not None and head["object"] != "text_completion":
+            body["prompt_logprobs"] = self._prompt_logprobs(prompt_lp.get(0))   # vLLM: top level
+        return body
 
     async def _until_disconnect(self, raw: Request, ids, coro) -> Response:
         """Run ``coro`` unless the client disconnects first (then abort its requests)."""
@@ -498,11 +540,18 @@ class OpenAIServing:
                         done.add(idx)
                     started.add(idx)
                     choice = chunk_fn(idx, c, req, first, offsets.get(idx, 0))
+                    if choice is not None and first and req.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs)
                     if choice is not None:      # None: nothing to send yet (a tool call)
                         choices.append(choice)
-                    offsets[idx] = offsets.get(idx, 0) + len(c.delta_text)
+                    # text_offset counts the tokens' own strings (what the non-streamed
+                    # response's offsets count), not the delta text a stop string holds back
+                    offsets[idx] = offsets.get(idx, 0) + sum(
+                        len(self._token_str(t)) for t in c.delta_token_ids)
                     if c.finish_reason is not None:
                         usage.completion += len(c.token_ids)
+                if out.finished:
+                    usage.add_metrics(out.metrics)
                 if choices:
                     yield sse(dict(head, object=head["object"] + (
                         ".chunk" if head["object"] == "chat.completion" else ""), choices=choices))
