@@ -459,11 +459,18 @@ class LLMEngine(CompileAPI, HandOffAPI):
             first = 0
             if seq.resuming and n:      # the re-emitted last token of a resumed request
                 first, seq.resuming = 1, False
-            kept = req.record(seq, out, b, first, n, was_decode)
+            broken = None
+            if seq.grammar is not None and n > first:
+                # only tokens the grammar accepts are emitted: one outside the constraint (a
+                # step fault) ends the sample there with "abort", whatever the step decided
+                ok = req.structured.commit(seq.grammar, out.tokens[b, first:n])
+                if first + ok < n:
+                    n, broken = first + ok, f"structured output: {seq.grammar.error}"
+                    log.error("request %r sample %d: %s", seq.group.request_id, seq.index,
+                              broken)
+            kept = req.record(seq, out, b, first, n, was_decode, broken)
             if self.suffix is not None and kept:
                 self.suffix.record(seq, out.tokens[b, first:first + kept])
-            if seq.grammar is not None and kept:
-                req.structured.commit(seq.grammar, out.tokens[b, first:first + kept])
             if seq.finish_reason is not None:   # the step released the slots it finished
                 self._free_slot(b, release=not out.finished[b], cache_blocks=True)
             if seq.group.export and (seq.finish_reason is not None

@@ -379,14 +379,19 @@ class RequestTable:
                 return i + 1, s
         return len(tokens), None
 
-    def record(self, seq: Sequence, out, b: int, first: int, n: int, was_decode: bool) -> int:
+    def record(self, seq: Sequence, out, b: int, first: int, n: int, was_decode: bool,
+               abort: str | None = None) -> int:
         """Take slot ``b``'s tokens ``out.tokens[b, first:n]`` of a step into ``seq``: append
         them (:meth:`append`), collect their logprobs, count the decode metrics, and finish
-        ``seq`` on a stop string or when the step finished the slot (``finish_reason``,
-        ``stop_reason``: the string, or the stop token id). Returns the tokens kept."""
+        ``seq`` on a stop string, else with ``"abort"`` and ``stop_reason=abort`` when
+        ``abort`` is given (``n`` then stops before a token the engine refuses to emit), else
+        when the step finished the slot (``finish_reason``, ``stop_reason``: the string, or the
+        stop token id). Returns the tokens kept."""
         kept, stop = self.append(seq, [int(x) for x in out.tokens[b, first:n]])
         if stop is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop
+        elif abort is not None:
+            seq.finish_reason, seq.stop_reason = "abort", abort
         elif out.finished[b]:
             seq.finish_reason = FINISH_REASONS[int(out.finish_reason[b])]
             last = seq.output_ids[-1] if seq.output_ids else None
@@ -467,7 +472,8 @@ class RequestTable:
     def completion(self, seq: Sequence) -> CompletionOutput:
         """``seq``'s :class:`CompletionOutput`: full text and ids, and the deltas since the last
         call (text that could still start a stop string is held back until it cannot)."""
-        if seq.detok is not None and not isinstance(seq.stop_reason, str):
+        if seq.detok is not None and not (seq.finish_reason == "stop"
+                                          and isinstance(seq.stop_reason, str)):
             # (a matched stop string already set the final, cut text in append)
             if seq.finish_reason is not None:
                 seq.detok.flush()          # characters that never completed, as decode gives them

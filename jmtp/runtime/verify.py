@@ -213,7 +213,7 @@ def _topp(pen, d, valid, nd, sampling, u, greedy_row, C, window, clamp):
     K = W - 1
     temp = jnp.where(greedy_row, 1.0, sampling.temperature)
     top_p = jnp.where(greedy_row, FD_GREEDY_TOP_P, sampling.top_p)
-    probs = safe_softmax(pen / temp[:, None, None])
+    probs = safe_softmax(smp.saturate(pen / temp[:, None, None], pen))
     ids, scores, length = topp_candidates(probs, top_p, C, clamp)              # [B,W,C],[B,W]
     c_idx = jnp.arange(C)[None, None, :]
     pos_c = scores > 0

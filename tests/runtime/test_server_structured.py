@@ -74,6 +74,7 @@ class ScriptedEngine:
 
     def __init__(self):
         self.calls, self.reply, self.finish, self.pieces, self.error = [], "", "stop", 1, None
+        self.stop_reason = None
 
     def compile_constraint(self, params):
         pass
@@ -104,7 +105,8 @@ class ScriptedEngine:
             delta, last = text[cuts[i]:cuts[i + 1]], i == k - 1
             outs = [CompletionOutput(j, text[:cuts[i + 1]], list(range(cuts[i + 1])),
                                      delta_text=delta, delta_token_ids=list(range(len(delta))),
-                                     finish_reason=self.finish if last else None)
+                                     finish_reason=self.finish if last else None,
+                                     stop_reason=self.stop_reason if last else None)
                     for j in range(sp.n)]
             yield RequestOutput(request_id, None, [1, 2, 3], outs, last, SpecDecodeMetrics())
 
@@ -129,6 +131,7 @@ def scripted(app_client):
     engine, http, oai = app_client
     engine.calls.clear()
     engine.reply, engine.finish, engine.pieces, engine.error = "", "stop", 1, None
+    engine.stop_reason = None
     return engine, http, oai
 
 
@@ -152,6 +155,31 @@ def error_of(http, path: str, body: dict) -> dict:
 
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.mark.parametrize("path,prompt", [(CHAT, {"messages": ASK}), (COMPLETIONS, {"prompt": "x"})])
+def test_an_aborted_sample_is_an_error_not_a_stop(scripted, path, prompt, caplog):
+    """A sample the engine ended with finish_reason="abort" (a structured output that reached a
+    dead end or that a step broke) fails its request: HTTP 500 ``generation_aborted`` with the
+    engine's reason, or an error event in a stream, and a server log line; never a "stop"."""
+    engine, http, _ = scripted
+    engine.reply, engine.finish, engine.pieces = '{"a": 1', "abort", 2
+    engine.stop_reason = "structured output: token 7 is outside the constraint (x)"
+    body = dict(prompt, response_format={"type": "json_object"})
+    with caplog.at_level("ERROR", logger="jmtp"):
+        r = post(http, path, body)
+    assert r.status_code == 500, r.text
+    err = r.json()["error"]
+    assert err["type"] == "internal_error" and err["code"] == "generation_aborted"
+    assert engine.stop_reason in err["message"]
+    assert any(engine.stop_reason in rec.getMessage() for rec in caplog.records)
+    r = post(http, path, dict(body, stream=True))
+    assert r.status_code == 200
+    events = [json.loads(line[6:]) for line in r.text.splitlines()
+              if line.startswith("data: {")]
+    assert all(c.get("finish_reason") in (None,) for e in events for c in e.get("choices", []))
+    assert events[-1]["error"]["code"] == "generation_aborted", events
+    assert r.text.rstrip().endswith("data: [DONE]")
 
 
 # ------------------------------------------------------------------ request → constraint

@@ -8,6 +8,7 @@ reference logits, for constrained sampling with and without speculation.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -446,3 +447,80 @@ def test_banned_tokens_that_empty_the_constraint_end_the_sample_cleanly():
         max_tokens=8, bad_token_ids=ban, structured_outputs=SOP(choice=["x", "yz"])),
         use_tqdm=False)[0].outputs[0]
     assert ok.text == "yz"
+
+
+# ------------------------------------------------------------------------------ a broken constraint
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), prefix=st.integers(0, 6), bad_at=st.integers(0, 4))
+def test_commit_accepts_exactly_the_prefix_the_grammar_allows(seed, prefix, bad_at):
+    """``SequenceGrammar.commit`` returns how many tokens, from the first, the grammar accepts;
+    at a refused token it stops (error set) with the state of the accepted prefix, and accepts
+    nothing after it. After a complete constraint only EOS is accepted."""
+    rng = np.random.default_rng(seed)
+    g = compiler().matcher(SOP(json=SCHEMA))
+    walk = _walk(rng, g, prefix + bad_at)
+    ok, rest = walk[:prefix], walk[prefix:]
+    ref = compiler().matcher(SOP(json=SCHEMA))
+    ref.commit(ok)
+    row = np.zeros(g.num_words, np.int32)
+    ref.fill_mask(row)
+    refused = [t for t in range(V) if not unpack_row(row, V)[t]]
+    bad = int(rng.choice(refused))
+    assert g.commit(ok + [bad] + rest) == len(ok)
+    assert g.error is not None and "outside the constraint" in g.error
+    assert _state(g) == _state(ref)
+    assert g.commit(rest) == 0
+    done = compiler().matcher(SOP(choice=["ab"]))
+    ids = tiny_tokenizer().encode("ab")
+    assert done.commit(ids + [1, 1, 2]) == len(ids) + 2 and "complete" in done.error
+
+
+@pytest.mark.parametrize("penalty", [1e-45, 3e38])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_extreme_penalties_keep_the_constraint(penalty, temperature):
+    """A repetition penalty the CPU flushes to 0 turned a masked (-inf) logit seen in the prompt
+    into NaN (``-inf * 0``), which argmax and sampling then picked: the step emitted a token
+    outside the constraint (found by the engine's check, "token 2 broke the constraint"). One
+    large enough to overflow must not leave a row with no finite logit either."""
+    out = engine("ngram3").generate(["zzqqxx yes no"], SamplingParams(
+        max_tokens=8, temperature=temperature, seed=3, repetition_penalty=penalty,
+        structured_outputs=SOP(choice=["yes", "no"])), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text in ("yes", "no"), (out.text, out.stop_reason)
+
+
+def test_a_token_outside_the_constraint_is_never_emitted(caplog):
+    """If a step ever returns a token the grammar refuses (injected here into an accepted
+    window), the engine emits only the tokens before it and ends that sample with
+    finish_reason="abort" and the reason, logged; before, the token was recorded and the sample
+    finished as a normal "stop" (the soak's "token X broke the constraint")."""
+    llm = engine(3)
+    eng = llm.llm_engine
+    tok = tiny_tokenizer()
+    bad = tok.encode("z")[0]
+    run_step = eng.runner.run_step
+
+    def faulty(*args, **kwargs):
+        out = run_step(*args, **kwargs)
+        for b, seq in enumerate(eng.scheduler.slots):
+            if (seq is not None and seq.group.prompt == "ab" and seq.output_ids
+                    and int(out.num_tokens[b]) >= 2):
+                tokens = np.array(out.tokens)
+                tokens[b, 1] = bad
+                return dataclasses.replace(out, tokens=tokens)
+        return out
+
+    eng.runner.run_step = faulty
+    try:
+        with caplog.at_level("ERROR", logger="jmtp"):
+            broken, mate = llm.generate(["ab", "cd"], [
+                SamplingParams(max_tokens=12, structured_outputs=SOP(choice=["abcabc"])),
+                SamplingParams(max_tokens=12, structured_outputs=SOP(choice=["nabab"]))],
+                use_tqdm=False)
+    finally:
+        del eng.runner.run_step
+    c = broken.outputs[0]
+    assert c.finish_reason == "abort" and "outside the constraint" in str(c.stop_reason)
+    assert bad not in c.token_ids and "abcabc".startswith(c.text) and c.text, c.text
+    assert any("outside the constraint" in r.getMessage() for r in caplog.records)
+    assert mate.outputs[0].text == "nabab" and mate.outputs[0].finish_reason == "stop"
+    assert not eng.has_unfinished_requests()

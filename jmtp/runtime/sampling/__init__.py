@@ -14,7 +14,7 @@ from jmtp.runtime.sampling.arrays import (SamplingArrays, clear_slot, make_row, 
 from jmtp.runtime.sampling.draft import draft_sample
 from jmtp.runtime.sampling.params import GREEDY_EPS, PENALTY_LIMIT, SamplingParams
 from jmtp.runtime.sampling.processors import (PAIRWISE_MAX_V, filter_logits, penalize,
-                                              safe_softmax, stop_mask, target_probs,
+                                              safe_softmax, saturate, stop_mask, target_probs,
                                               vocab_argmax, window_history)
 from jmtp.runtime.sampling.rng import (NUM_PURPOSES, PURPOSE_ACCEPT, PURPOSE_DRAFT,
                                        PURPOSE_SAMPLE, request_keys, sample_from_probs,
@@ -24,6 +24,6 @@ __all__ = [
     "GREEDY_EPS", "NUM_PURPOSES", "PAIRWISE_MAX_V", "PENALTY_LIMIT", "PURPOSE_ACCEPT",
     "PURPOSE_DRAFT", "PURPOSE_SAMPLE", "SamplingArrays", "SamplingParams", "clear_slot",
     "draft_sample", "filter_logits", "make_row", "pack_sampling", "penalize", "request_keys",
-    "safe_softmax", "sample_from_probs", "set_slot", "stop_mask", "target_probs",
+    "safe_softmax", "sample_from_probs", "saturate", "set_slot", "stop_mask", "target_probs",
     "uniform_draws", "uniform_from_keys", "update_history", "vocab_argmax", "window_history",
 ]

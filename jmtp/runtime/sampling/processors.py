@@ -10,7 +10,11 @@ order follows vLLM's V1 sampler (see :func:`penalize` and :func:`target_probs`):
 1. **repetition penalty** over prompt ∪ generated tokens (HF ``RepetitionPenaltyLogitsProcessor``:
    ``logit / α`` if ``logit > 0`` else ``logit * α``);
 2. **frequency / presence penalties** over generated tokens only (OpenAI / vLLM:
-   ``logit -= frequency * count + presence * (count > 0)``);
+   ``logit -= frequency * count + presence * (count > 0)``). Penalties *saturate*
+   (:func:`saturate`): a finite logit stays finite whatever ``α`` (``α`` may be as large as the
+   float32 maximum, or so small that the CPU flushes it to 0), and a ``-inf`` one (a token a
+   structured-output mask removed) stays ``-inf``: an overflow to ``-inf`` could leave a row with
+   no finite logit, and ``-inf * 0`` is NaN, which argmax picks;
 3. **min_tokens**: while ``num_generated + w < min_tokens`` the slot's stop ids (``stop_token_ids``
    ∪ the EOS ids unless ``ignore_eos``) get ``-inf`` (vLLM ``MinTokensLogitsProcessor``);
 4. **bad words**: single-token bad words (``bad_token_mask``) and multi-token ones (the last token
@@ -18,7 +22,7 @@ order follows vLLM's V1 sampler (see :func:`penalize` and :func:`target_probs`):
    the history *includes* the prompt) get ``-inf``.
    The result is the *penalized* logits: greedy rows take their argmax and, by default, logprobs are
    computed from them.
-5. **temperature** (``temperature < GREEDY_EPS`` = greedy: argmax of the penalized logits, no
+5. **temperature** (saturating likewise; ``temperature < GREEDY_EPS`` = greedy: argmax of the penalized logits, no
    randomness consumed), then **min-p** (keep ``p >= min_p * max p``), **top-k** (keep logits
    ``>=`` the k-th largest: ties at the boundary are kept), **top-p** (on the top-k-renormalised
    distribution, keep the smallest prefix of the descending, index-stable order whose mass reaches
@@ -39,6 +43,18 @@ import jax.numpy as jnp
 from jmtp.runtime.sampling.arrays import SamplingArrays
 from jmtp.runtime.sampling.params import GREEDY_EPS
 from jmtp.runtime.sharding import model_axis_size, uniform_any
+
+
+#: Largest finite float32: where penalties and temperature saturate.
+FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
+
+
+def saturate(values: jax.Array, logits: jax.Array) -> jax.Array:
+    """``values`` (computed from ``logits``, same shape) clipped to ``[-FLOAT32_MAX,
+    FLOAT32_MAX]`` where ``logits`` is finite, and ``logits`` itself elsewhere (``-inf``: a
+    masked token; NaN stays NaN). Keeps the logits processors from turning a finite logit into
+    ``±inf`` (overflow) or NaN (``-inf * 0``)."""
+    return jnp.where(jnp.isfinite(logits), jnp.clip(values, -FLOAT32_MAX, FLOAT32_MAX), logits)
 
 
 def stop_mask(sampling: SamplingArrays, eos_token_ids: jax.Array) -> jax.Array:
@@ -150,9 +166,10 @@ def penalize(logits: jax.Array, sampling: SamplingArrays, draft_tokens: jax.Arra
         in_history = seen | sampling.prompt_mask[:, None, :]
         rep_penalized = jnp.where(logits > 0, logits / rep_penalty, logits * rep_penalty)
         penalized = jnp.where(in_history, rep_penalized, logits)
-        return (penalized
-                - sampling.frequency_penalty[:, None, None] * counts.astype(jnp.float32)
-                - sampling.presence_penalty[:, None, None] * seen.astype(jnp.float32))
+        return saturate(penalized
+                        - sampling.frequency_penalty[:, None, None] * counts.astype(jnp.float32)
+                        - sampling.presence_penalty[:, None, None] * seen.astype(jnp.float32),
+                        logits)
 
     # Skipped at run time when no row has a penalty (the result would equal the logits exactly:
     # x / 1, x * 1 and x - 0 are exact), which saves the [B, W, V] history counts.
@@ -324,7 +341,7 @@ def target_probs(penalized: jax.Array, sampling: SamplingArrays) -> jax.Array:
     B, W, V = penalized.shape
     greedy = sampling.temperature < GREEDY_EPS
     temperature = jnp.where(greedy, 1.0, sampling.temperature)
-    z = penalized / temperature[:, None, None]
+    z = saturate(penalized / temperature[:, None, None], penalized)
     repeat_per_window_row = lambda a: jnp.repeat(a, W)  # noqa: E731  params for the [B*W] rows
     z_filtered = filter_logits(
         z.reshape(B * W, V), repeat_per_window_row(sampling.top_k),

@@ -214,6 +214,16 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.type, self.code = message, param, status, type_, code
 
 
+class GenerationAborted(BadRequest):
+    """The engine ended a sample early with ``finish_reason="abort"`` (a structured-output
+    constraint that reached a dead end or that a step broke): the request fails with HTTP 500
+    ``internal_error``, code ``generation_aborted`` and the engine's reason, never a "stop"."""
+
+    def __init__(self, reason):
+        super().__init__(f"the engine ended the output early: {reason}", None, status=500,
+                         type_="internal_error", code="generation_aborted")
+
+
 def error_body(message: str, type_: str, param: str | None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 

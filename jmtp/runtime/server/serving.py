@@ -21,7 +21,7 @@ from jmtp.runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from jmtp.runtime.sampling import SamplingParams
 from jmtp.runtime.server.intake import ServerOptions
 from jmtp.runtime.server.metrics import ServerMetrics
-from jmtp.runtime.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest,
+from jmtp.runtime.server.protocol import (BadRequest, GenerationAborted, ChatCompletionRequest, CompletionRequest,
                                           Usage, client_message, error_body, finish_reason,
                                           param_of, sse)
 from jmtp.runtime.server.structured import Constraint, constraint_sources, resolve
@@ -30,6 +30,14 @@ from jmtp.runtime.server.tools import ToolPlan, plan_tools
 log = logging.getLogger("jmtp.runtime.server")   # the server's one logger name
 #: Logprobs below this (``-inf``) are sent as this value (vLLM's convention; JSON has no inf).
 LOGPROB_FLOOR = -9999.0
+
+
+def _check_not_aborted(c, request_id: str) -> None:
+    """Raise :class:`GenerationAborted` (logged) when the engine ended sample ``c`` with
+    ``finish_reason="abort"``: its output is cut short, so it is an error, not a "stop"."""
+    if c.finish_reason == "abort":
+        log.error("request %s sample %d: ended early: %s", request_id, c.index, c.stop_reason)
+        raise GenerationAborted(c.stop_reason)
 
 
 async def _merge(streams: list):
@@ -462,6 +470,7 @@ class OpenAIServing:
                     usage.prompt += len(out.prompt_token_ids)
                     self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
                 for c in out.outputs:
+                    _check_not_aborted(c, ids[i])
                     if c.finish_reason is not None or out.finished:
                         final[i * n + c.index] = c
                 if out.finished:
@@ -521,6 +530,7 @@ class OpenAIServing:
                     self.metrics.prompt_tokens.inc(len(out.prompt_token_ids))
                 choices = []
                 for c in out.outputs:
+                    _check_not_aborted(c, ids[i])
                     idx = i * n + c.index
                     first = idx not in started
                     if idx in done or not (first or c.delta_text or c.delta_token_ids
@@ -552,6 +562,9 @@ class OpenAIServing:
             finished_ok = True
         except asyncio.CancelledError:   # client went away (Starlette cancels the response task)
             raise
+        except GenerationAborted as e:   # logged where raised; the error goes to this stream
+            self.metrics.request_errors.labels(status="500").inc()
+            yield sse(error_body(e.message, e.type, None, e.code))
         except Exception as e:  # noqa: BLE001 -- the error goes to this stream only
             log.exception("stream %s failed", head["id"])
             self.metrics.request_errors.labels(status="500").inc()

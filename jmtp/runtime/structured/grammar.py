@@ -137,20 +137,52 @@ class SequenceGrammar:
         self.error: str | None = None
         self.num_forced = 0     # drafts the grammar forced, over the sample's life
         self.banned: tuple[int, ...] = ()   # ids the request bans everywhere (set by the engine)
+        # the last fill_window's (rows i32[W, NW], window tokens, rows filled), for commit
+        self._window: tuple = (None, [], 0)
 
     def fill_mask(self, row: np.ndarray) -> None:
         """Write the bitmask of the next token (``i32[NW]``, C-contiguous) into ``row``."""
         self.fill_mask_of(self.matcher, row)
 
-    def commit(self, tokens) -> None:
-        """Advance over tokens the engine committed (EOS included). A token the grammar refuses
-        sets :attr:`error` (it cannot happen with masked sampling; a stop string or a resumed
-        request's re-emitted token is not passed here)."""
-        for t in tokens:
-            if self.error is not None or self.matcher.is_stopped():
-                return
-            if not self.matcher.consume_token(int(t)) or self.matcher.is_error():
-                self.error = f"token {int(t)} broke the constraint: {self.matcher.get_error()}"
+    def commit(self, tokens) -> int:
+        """Advance over tokens a step emitted (EOS included; a resumed request's re-emitted
+        token is not passed here) and return how many of them, from the first, the constraint
+        allows: all of them, unless one is outside it, which sets :attr:`error` (the engine then
+        emits only the allowed ones and ends the sample with ``finish_reason="abort"``).
+
+        A token is checked against the bitmask the step used for its position (the rows of the
+        last :meth:`fill_window`, while the emitted tokens follow its window; else the mask of
+        the matcher's state), not by ``consume_token`` alone: llguidance's matcher consumes
+        some tokens its mask excludes (a non-canonical split such as ``{`` where ``{"`` is one
+        token, or EOS before the constraint is complete). After a complete constraint only EOS
+        is allowed (rows emitted past an EOS with ``ignore_eos``). Masked sampling never emits
+        such a token: this is the engine's check of that invariant."""
+        masks, window, filled = self._window
+        self._window = (None, [], 0)
+        row = np.empty((self.num_words,), np.int32)
+        tokens = [int(t) for t in tokens]
+        for i, t in enumerate(tokens):
+            if self.error is not None:
+                return i
+            if self.matcher.is_stopped():
+                if t not in self.eos_token_ids:
+                    self.error = f"token {t} after the constraint was complete (only EOS is)"
+                    return i
+                continue
+            if i < filled and tokens[:i] == window[:i]:
+                mask = masks[i]                  # the row the step masked this position with
+            else:
+                self.fill_mask(row)
+                self._ban(row)
+                mask = row
+            if not (0 <= t < 32 * self.num_words and allowed(mask, t)):
+                self.error = f"token {t} is outside the constraint (not in its bitmask)"
+                return i
+            if not self.matcher.consume_token(t) or self.matcher.is_error():
+                reason = (self.matcher.get_error() or "refused").strip().splitlines()[0]
+                self.error = f"token {t} is outside the constraint ({reason})"
+                return i
+        return len(tokens)
 
     @property
     def done(self) -> bool:
@@ -180,8 +212,11 @@ class SequenceGrammar:
         W = masks.shape[0]
         override = np.full((W - 1,), NO_DRAFT, np.int32)
         masks[:] = -1
+        self._window = (None, [], 0)
         if self.error is not None:     # (the first reason stands; the engine ends the sample)
             return override
+        window: list[int] = []
+        self._window = (masks, window, W)   # rows not filled below stay all ones (never used)
         # The window is explored on a copy (2 µs): a draft that leads into a dead end puts an
         # llguidance matcher into a sticky error state that rolling back does not clear.
         m = self.matcher.deep_copy()
@@ -211,6 +246,7 @@ class SequenceGrammar:
                 # proposer stays for the verifier to reject (its row now forbids it)
                 _forbid(masks, w - 1, token)
                 masks[w] = -1
+                window.pop()     # (commit then checks a token there against the matcher)
                 override[w - 1] = (KEEP_DRAFT if exact_q and override[w - 1] == KEEP_DRAFT
                                    else NO_DRAFT)
                 break
@@ -242,6 +278,7 @@ class SequenceGrammar:
                 override[w] = (KEEP_DRAFT if exact_q and override[w] == KEEP_DRAFT
                                else NO_DRAFT)
                 break
+            window.append(token)
         return override
 
     @staticmethod

@@ -82,12 +82,13 @@ class StructuredOutputs:
         """A fresh grammar state for one sample."""
         return self.compiler.matcher(params)
 
-    def commit(self, grammar: SequenceGrammar, tokens) -> None:
-        """Advance one sample's grammar over the tokens a step committed (timed into
-        :attr:`host_seconds`)."""
+    def commit(self, grammar: SequenceGrammar, tokens) -> int:
+        """Advance one sample's grammar over the tokens a step emitted; returns how many the
+        grammar accepts (:meth:`SequenceGrammar.commit`; timed into :attr:`host_seconds`)."""
         t0 = time.perf_counter()
-        grammar.commit(tokens)
+        accepted = grammar.commit(tokens)
         self.host_seconds += time.perf_counter() - t0
+        return accepted
 
     def exact_q(self, seq) -> bool:
         """Whether ``seq``'s drafts are verified against a stored sampled distribution."""
