@@ -100,9 +100,10 @@ class LLMEngine(HandOffAPI):
         ec, sec, dp = run.engine_config, run.shard_config, run.num_shards
         self.requests = RequestTable(run.model_config, ec, built.tokenizer, seed)
         self.scheduler = Scheduler(ec, sec, dp)
-        self.prefix_caches = (ShardedPrefixCache(ec.block_size, sec.num_blocks, dp,
-                                                 run.mtp_cache is not None)
-                              if ec.enable_prefix_caching else None)
+        self.prefix_caches = (ShardedPrefixCache(
+            ec.block_size, sec.num_blocks, dp, run.mtp_cache is not None,
+            sec.num_state_checkpoints, run.state_entry_bytes(), ec.window)
+            if ec.enable_prefix_caching else None)
         self.handoff = HandOff(run, self.requests, built.draft_vocab_size)
         self.spec_policy = None
         if ec.spec.enabled and ec.spec.speculation_policy == "dynamic":
@@ -326,8 +327,9 @@ class LLMEngine(HandOffAPI):
             seq.prefilled += int(chunks[b])
             n = int(out.num_tokens[b])
             if pcs is not None:
-                pcs.stepped(seq, out.tokens[b, :n], int(chunks[b]), was_decode,
-                            bool(out.finished[b]))
+                pcs.stepped(self.runner, self.scheduler.shard_of(b), b, seq, out.tokens[b, :n],
+                            int(chunks[b]), was_decode, bool(out.finished[b]),
+                            int(out.num_drafts[b]))
             first = 0
             if seq.resuming and n:      # the re-emitted last token of a resumed request
                 first, seq.resuming = 1, False
@@ -357,11 +359,12 @@ class LLMEngine(HandOffAPI):
         else:
             ids, row, remaining, resume_token = self.requests.admission_row(seq)
             d, pcs = sch.shard_of(b), self.prefix_caches
-            keys, shared = pcs.match(d, seq) if pcs is not None else ([], [])
-            self.runner.insert(b, ids, len(seq.context_ids), remaining, row, resume_token, shared)
+            m = pcs.match(d, seq) if pcs is not None else None
+            self.runner.insert(b, ids, len(seq.context_ids), remaining, row, resume_token,
+                               m.block_ids if m is not None else [])
             seq.prefilled = 0
             if pcs is not None:
-                pcs.admitted(d, seq, keys)
+                pcs.admitted(self.runner, d, b, seq, m)
             seq.resuming = resume_token >= 0
         if self.spec_policy is not None:
             self.spec_policy.reset_slot(b)

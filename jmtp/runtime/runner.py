@@ -34,11 +34,12 @@ from jmtp.runtime import multihost as mh
 from jmtp.runtime import sharding as shd
 from jmtp.runtime.buckets import StepBucket, decode_buckets, slot_buckets, step_buckets
 from jmtp.runtime.config import EngineConfig
-from jmtp.runtime.handoff import gather_slot, import_slot, page_bucket, row_keys
+from jmtp.runtime.handoff import LINEAR_PREFIX, gather_slot, import_slot, page_bucket, row_keys
 from jmtp.runtime.host_maps import MapBudget
 from jmtp.runtime.state import init_state, insert_request
 from jmtp.runtime.structured.bitmask import neutral_inputs
-from jmtp.runtime.step import engine_step, push_free_blocks, release_slot, retire_slot
+from jmtp.runtime.step import (engine_step, push_free_blocks, release_slot, retire_slot,
+                               set_slot_state_of)
 
 _STEP_STATICS = (0, 1, 2, 3, 4)      # graphdef, EngineConfig, drafter, StepBucket, attention impl
 _STEP_DONATED = (6, 7, 8)            # state, cache, mtp_cache
@@ -58,7 +59,8 @@ class OneDevice:
         make = lambda: (
             init_state(ec, mc.vocab_size),
             init_model_cache(mc, ec.num_blocks, ec.block_size, dtype, num_slots=ec.max_num_seqs,
-                             window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width),
+                             window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width,
+                             num_saved_states=ec.num_state_checkpoints),
             init_kv_cache(mc, num_mtp_cache_layers, ec.num_blocks, ec.block_size, dtype,
                           ec.kv_cache_dtype, width) if num_mtp_cache_layers else None)
         if runner.abstract:     # shapes only, on the (possibly compile-only) device
@@ -76,6 +78,7 @@ class OneDevice:
         self.retire_fn = jax.jit(functools.partial(retire_slot, ec), donate_argnums=0)
         self.push_free_fn = jax.jit(push_free_blocks, donate_argnums=0)
         self.import_fn = jax.jit(functools.partial(import_slot, ec), donate_argnums=(0, 1, 2))
+        self.slot_state_fn = jax.jit(set_slot_state_of, donate_argnums=0)
 
     @staticmethod
     def host_lanes(x: np.ndarray):
@@ -134,7 +137,7 @@ class OnMesh:
         # the target's cache; a hybrid model's also holds the recurrent state pool
         tkv = shd.kv_cache_shardings(mesh, mc.kv_cache_heads, quant, stacked=True,
                                      linear_heads=mc.linear.num_value_heads if mc.is_hybrid
-                                     else None)
+                                     else None, linear_saved=ec.num_state_checkpoints > 0)
         self.arg_sharding = rep
         pshard = shd.param_shardings(runner.params, mesh)
         init_st = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
@@ -142,7 +145,8 @@ class OnMesh:
         width = cache_row_width(mc, shd.mesh_sizes(mesh)[1], ec.platform)
         init_target = jax.jit(lambda: dpar.stack_shards(init_model_cache(
             mc, sec.num_blocks, sec.block_size, dtype, num_slots=sec.max_num_seqs,
-            window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width), dp),
+            window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width,
+            num_saved_states=sec.num_state_checkpoints), dp),
             out_shardings=tkv)
         init_kv = lambda n: jax.jit(lambda: dpar.stack_shards(
             init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype, ec.kv_cache_dtype, width),
@@ -173,6 +177,8 @@ class OnMesh:
         self.import_fn = jax.jit(functools.partial(dpar.data_parallel_import, mesh, sec),
                                  donate_argnums=(0, 1, 2), out_shardings=(st, tkv, mkv, rep, rep))
         self.gather_fn = jax.jit(dpar.shard_gather, out_shardings=rep)
+        self.slot_state_fn = jax.jit(functools.partial(dpar.data_parallel_set_slot_state, mesh),
+                                     donate_argnums=0, out_shardings=tkv)
         self.owned_fn = jax.jit(lambda s, d, r: (s.num_owned[d, r], s.block_tables[d, r]),
                                 out_shardings=rep)
         if jax.process_count() > 1:
@@ -181,7 +187,8 @@ class OnMesh:
             self.step = mh.SyncFirstCall(self.step, key=lambda a: a[3], name="step")
             keys = {"import": lambda a: tuple(v.shape for v in a[6].values()),   # page bucket
                     "gather": lambda a: a[5].shape}
-            for name in ("insert", "release", "retire", "push_free", "import", "gather", "owned"):
+            for name in ("insert", "release", "retire", "push_free", "import", "gather", "owned",
+                         "slot_state"):
                 attr = f"{name}_fn"
                 setattr(self, attr, mh.SyncFirstCall(getattr(self, attr), key=keys.get(name),
                                                      name=name))
@@ -399,6 +406,9 @@ class DeviceRunner:
                                               jnp.zeros((sec.pages_per_seq,), bool))),
                     ("push_free", p.push_free_fn, (self.state, *shard,
                                                     jnp.full((sec.num_blocks,), -1, jnp.int32)))]
+            if sec.num_state_checkpoints:
+                ops.append(("slot_state", p.slot_state_fn, (self.cache, *slot, jnp.int32(-1),
+                                                            jnp.int32(-1))))
         times = {}
         with self.context():
             for label, fn, args in ops:
@@ -494,6 +504,16 @@ class DeviceRunner:
             self.state, kept, self.free_counts = self.placement.retire(self.state, b, keep)
         return kept
 
+    def set_slot_state(self, b: int, load_entry: int, capture_entry: int) -> None:
+        """A hybrid model's slot ``b`` continues from state checkpoint ``load_entry`` (shard-local,
+        -1: none) and captures its block-boundary states into ``capture_entry`` (-1: none)
+        (:func:`jmtp.model.state_checkpoints.set_slot_state`; prefix caching)."""
+        self._check_concrete()
+        with self.context():
+            self.cache = self.placement.slot_state_fn(
+                self.cache, *self.placement.slot_args(b), jnp.int32(load_entry),
+                jnp.int32(capture_entry))
+
     def push_free(self, shard: int, ids: list[int]) -> None:
         """Push shard-local block ids onto data shard ``shard``'s free stack
         (:func:`~jmtp.runtime.step.push_free_blocks`)."""
@@ -518,7 +538,8 @@ class DeviceRunner:
         with self.context():
             row, kv = self.placement.gather(self.state, self.cache, self.mtp_cache, b, ids)
         return ({k: np.asarray(v) for k, v in row.items()},
-                {k: np.asarray(v)[:, :len(owned)] for k, v in kv.items()})
+                {k: np.asarray(v) if k.startswith(LINEAR_PREFIX) else np.asarray(v)[:, :len(owned)]
+                 for k, v in kv.items()})
 
     def import_slot(self, b: int, row: dict, kv: dict, num_pages: int) -> bool:
         """Write an exported row and its KV pages into idle slot ``b``, its blocks allocated
@@ -526,6 +547,9 @@ class DeviceRunner:
         pb = page_bucket(num_pages, self.engine_config.pages_per_seq)
         padded = {}
         for k, a in kv.items():
+            if k.startswith(LINEAR_PREFIX):       # a hybrid model's slot state: no pages
+                padded[k] = jnp.asarray(a)
+                continue
             pad = np.zeros((a.shape[0], pb) + a.shape[2:], a.dtype)
             pad[:, :num_pages] = a
             padded[k] = jnp.asarray(pad)
@@ -550,7 +574,9 @@ class DeviceRunner:
         Keys: ``target_values``, ``target_scales``, ``mtp_values``, ``mtp_scales`` (0 without an
         MTP cache), ``values``, ``scales`` (sums), ``linear_state`` (a hybrid model's recurrent
         state pool, :class:`~jmtp.model.gated_deltanet.LinearState`: ``max_num_seqs · (K+1)``
-        checkpoints of every linear layer's convolution and delta-rule state; 0 otherwise) and
+        checkpoints of every linear layer's convolution and delta-rule state; 0 otherwise),
+        ``prefix_states`` (with prefix caching, its block-boundary state checkpoints:
+        ``EngineConfig.num_state_checkpoints`` entries of ``prefix_state_entry`` bytes) and
         ``total``. Values take
         ``2 · layers · num_blocks · block_size · Nkv · D · itemsize`` bytes (itemsize 1 for
         ``kv_cache_dtype`` ``"int8"`` / ``"fp8_e4m3"``); scales ``2 · layers · num_blocks ·
@@ -559,9 +585,20 @@ class DeviceRunner:
         tv, ts = self.cache.nbytes()
         mv, ms = self.mtp_cache.nbytes() if self.mtp_cache is not None else (0, 0)
         lin = self.cache.linear.nbytes() if self.cache.linear is not None else 0
+        saved = self.cache.linear.saved if self.cache.linear is not None else None
+        states = saved.conv.nbytes + saved.recurrent.nbytes if saved is not None else 0
         return dict(target_values=tv, target_scales=ts, mtp_values=mv, mtp_scales=ms,
-                    values=tv + mv, scales=ts + ms, linear_state=lin,
+                    values=tv + mv, scales=ts + ms, linear_state=lin - states,
+                    prefix_states=states, prefix_state_entry=self.state_entry_bytes(),
                     total=tv + mv + ts + ms + lin)
+
+    def state_entry_bytes(self) -> int:
+        """Bytes of one block-boundary state checkpoint of a hybrid model (every linear layer's
+        convolution and delta-rule state; :mod:`jmtp.model.state_checkpoints`), 0 otherwise."""
+        if not self.model_config.is_hybrid:
+            return 0
+        from jmtp.model.state_checkpoints import entry_bytes
+        return entry_bytes(self.model_config, self.cache.linear.conv.dtype)
 
 
 __all__ = ["DeviceRunner", "OneDevice", "OnMesh"]

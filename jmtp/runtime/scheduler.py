@@ -156,6 +156,8 @@ class Scheduler:
                 s = slots[b]
                 if s is not None and s.prefilling:
                     c = min(len(s.context_ids) - s.prefilled, budget)
+                    if s.prefilled < s.state_target < s.prefilled + c:
+                        c = s.state_target - s.prefilled   # a state to capture (prefix_states)
                     chunks[b], budget = c, budget - c
             rows[d] = dec_rows + int(chunks[r.start:r.stop].sum())
             active[d] = len(decoding) + int(np.count_nonzero(chunks[r.start:r.stop]))

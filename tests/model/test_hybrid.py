@@ -244,9 +244,9 @@ def test_mixed_rule_chunks_long_slots_and_scans_windows(chunk):
     cu = np.concatenate([[0], np.cumsum(lens + [0])])
     pos = np.concatenate([np.arange(n) + 4 for n in lens] + [np.zeros(3, int)])
     rows = gd.packed_rows(jnp.asarray(cu, jnp.int32), jnp.asarray(pos, jnp.int32), w)
-    q_lens = jnp.asarray(lens + [0], jnp.int32)
+    assert np.asarray(rows.q_lens).tolist() == lens + [0]
     o, pool = gd.gated_delta_rule_mixed(qq, kk, jnp.asarray(v), jnp.asarray(g), jnp.asarray(beta),
-                                        rows, q_lens, jnp.asarray(init),
+                                        rows, jnp.asarray(init),
                                         jnp.full((5, w, 4, 8, 6), jnp.nan), chunk_size=chunk)
     o, pool = np.asarray(o), np.asarray(pool)
     for s, n in enumerate(lens):
