@@ -428,27 +428,13 @@ def gated_delta_rule_packed_pallas(q, k, v, g, beta, row_seq, row_start, row_ckp
 # Chunked form (one sequence)
 # ------------------------------------------------------------------------------------------------
 
-def _chunk_kernel(
-    q_ref, k_ref,     # VMEM f32[C, Dk] this head's rows of chunk i
-    v_ref,            # VMEM f32[C, Dv]
-    b_ref,            # VMEM f32[C, 1] beta
-    gc_ref,           # VMEM f32[C, 1] cumulative decay within the chunk (column)
-    gr_ref,           # VMEM f32[1, C] the same as a row
-    s0_ref,           # VMEM f32[Dk, Dv] initial state of the head
-    o_ref,            # VMEM f32[C, Dv]
-    sf_ref,           # VMEM f32[Dk, Dv] final state of the head
-    s_ref,            # scratch VMEM f32[Dk, Dv] state between chunks
-    a_ref,            # scratch VMEM f32[C, C] A
-    t_ref,            # scratch VMEM f32[C, C] (I + A)^-1
-    *, chunk: int,
-):
-    i = pl.program_id(1)
-
-    @pl.when(i == 0)
-    def _():
-        s_ref[...] = s0_ref[...]
-
-    c = chunk
+def chunk_step_vmem(q_ref, k_ref, v_ref, b_ref, gc_ref, gr_ref, s, o_ref, a_ref, t_ref,
+                    c: int):
+    """One chunk of the WY/UT form inside a Mosaic kernel (module docstring): this head's rows
+    ``q_ref, k_ref [C, Dk]``, ``v_ref [C, Dv]``, ``b_ref`` beta ``[C, 1]``, the cumulative decay
+    as a column ``gc_ref [C, 1]`` and a row ``gr_ref [1, C]``, the state ``s f32[Dk, Dv]``
+    before the chunk; writes the chunk's output to ``o_ref [C, Dv]`` (scratch ``a_ref``,
+    ``t_ref [C, C]``) and returns the state after it."""
     qc, kc, vc, bc = q_ref[...], k_ref[...], v_ref[...], b_ref[...]
     gcol, grow = gc_ref[...], gr_ref[...]
     ri = lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -472,16 +458,38 @@ def _chunk_kernel(
     u = _dot(tinv, vc * bc)                                              # [C, Dv]
     w = _dot(tinv, kb * egc)                                             # [C, Dk]
     attn = jnp.where(causal, _dot_nt(qc, kc) * decay, 0.0)               # [C, C]
-    s = s_ref[...]
     v_new = u - _dot(w, s)
     o_ref[...] = _dot(qc * egc, s) + _dot(attn, v_new)
     g_last = grow[:, c - 1:c]                                            # [1, 1]
-    s = s * jnp.exp(g_last) + _dot_tn(kc * jnp.exp(g_last - gcol), v_new)
-    s_ref[...] = s
+    return s * jnp.exp(g_last) + _dot_tn(kc * jnp.exp(g_last - gcol), v_new)
+
+
+def _chunk_kernel(
+    q_ref, k_ref,     # VMEM f32[C, Dk] this head's rows of chunk i
+    v_ref,            # VMEM f32[C, Dv]
+    b_ref,            # VMEM f32[C, 1] beta
+    gc_ref,           # VMEM f32[C, 1] cumulative decay within the chunk (column)
+    gr_ref,           # VMEM f32[1, C] the same as a row
+    s0_ref,           # VMEM f32[Dk, Dv] initial state of the head
+    o_ref,            # VMEM f32[C, Dv]
+    sf_ref,           # VMEM f32[Dk, Dv] final state of the head
+    s_ref,            # scratch VMEM f32[Dk, Dv] state between chunks
+    a_ref,            # scratch VMEM f32[C, C] A
+    t_ref,            # scratch VMEM f32[C, C] (I + A)^-1
+    *, chunk: int,
+):
+    i = pl.program_id(1)
+
+    @pl.when(i == 0)
+    def _():
+        s_ref[...] = s0_ref[...]
+
+    s_ref[...] = chunk_step_vmem(q_ref, k_ref, v_ref, b_ref, gc_ref, gr_ref, s_ref[...], o_ref,
+                                 a_ref, t_ref, chunk)
 
     @pl.when(i == pl.num_programs(1) - 1)
     def _():
-        sf_ref[...] = s
+        sf_ref[...] = s_ref[...]
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "interpret"))

@@ -271,14 +271,16 @@ def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, ca
                       max_bad_word_len=ec.max_bad_word_len))
 
 
-def linear_state_layout(linear) -> dict:
+def linear_state_layout(linear, stacked: bool = False) -> dict:
     """The layout of a hybrid model's exported slot state (part of the fingerprint): the shape
     and dtype of ``linear_conv`` / ``linear_recurrent`` (:func:`jmtp.model.state_checkpoints.
-    slot_state`) and the checkpoints per slot. ``linear``: the engine's ``LinearState``."""
+    slot_state`) and the checkpoints per slot. ``linear``: the engine's ``LinearState``
+    (``stacked``: per data shard, a leading ``data`` axis, :mod:`jmtp.runtime.data_parallel`)."""
+    lead = 1 if stacked else 0
     conv, rec = linear.conv, linear.recurrent
-    return dict(conv=[[conv.shape[0]] + list(conv.shape[3:]), str(conv.dtype)],
-                recurrent=[[rec.shape[0]] + list(rec.shape[3:]), str(rec.dtype)],
-                checkpoints=int(rec.shape[2]))
+    cs, rs = tuple(conv.shape)[lead:], tuple(rec.shape)[lead:]
+    return dict(conv=[[cs[0]] + list(cs[3:]), str(conv.dtype)],
+                recurrent=[[rs[0]] + list(rs[3:]), str(rec.dtype)], checkpoints=int(rs[2]))
 
 
 def fingerprint_hash(compat: dict) -> str:

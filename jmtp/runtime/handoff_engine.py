@@ -55,7 +55,8 @@ class HandOff:
                                               str(r.cache.k.dtype), r.params, width,
                                               getattr(r, "tensor_parallel_size", 1) if padded
                                               else 1,
-                                              None if lin is None else linear_state_layout(lin))
+                                              None if lin is None else linear_state_layout(
+                                                  lin, stacked=r.mesh is not None))
         return self._compat
 
     def export(self, seq: Sequence) -> RequestState:

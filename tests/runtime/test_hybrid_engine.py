@@ -171,10 +171,11 @@ def _wire(states):
     return [RequestState.from_bytes(s.to_bytes()) for s in states]
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
+# K=1's path is K=3's with fewer drafts (and runs across meshes in test_sharding.py)
+@pytest.mark.parametrize("k", [2, 3])
 def test_handoff_carries_the_recurrent_state(hybrid, k):
     """A request prefilled on one engine and decoded on another (K = 2: an engine of 1 slot and
-    other KV blocks; K = 1, 3: the same engine, through bytes either way) gives transformers'
+    other KV blocks; K = 3: the same engine, through bytes either way) gives transformers'
     greedy tokens and the one-engine acceptance counts; the state carries every linear layer's
     convolution and delta-rule state at the slot's checkpoint."""
     cfg = hybrid[0]
