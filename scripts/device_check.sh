@@ -23,10 +23,12 @@
 #   hybrid_test / hybrid_bench  gated-DeltaNet targets: tests/model/test_hybrid.py and
 #             tests/runtime/test_hybrid_engine.py on the GPU (fp32 at "highest" precision), then
 #             scripts/bench_gdn.py at Qwen3-Next's per-device head shape (recurrent vs chunked)
+#   gdn_gpu / hybrid_prefix  (issue 51, function issue51_stages) the GPU gated-delta-rule kernels
+#             compiled with Triton vs the jnp references; hybrid prefix caching on the GPU
 # --dry-run: run every stage's command on this machine's CPU with tiny sizes, in the existing
 #   .venv (no install), to check the wiring. The CPU test suite never depends on this script.
 # Stage time limits (seconds) can be overridden: T_SETUP, T_KERNELS, T_LOSSLESS, T_BENCH, T_TRAIN,
-# T_EXPORT, T_EVALHEAD, T_STEST, T_SBENCH, T_HTEST, T_HBENCH. STAGES=a,b,... runs only those stages (e.g. STAGES=bench,bench_plot).
+# T_EXPORT, T_EVALHEAD, T_STEST, T_SBENCH, T_HTEST, T_HBENCH, T_GDNGPU, T_HPREFIX. STAGES=a,b,... runs only those stages (e.g. STAGES=bench,bench_plot).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -138,6 +140,23 @@ stage hybrid_test "${T_HTEST:-150}" env JAX_DEFAULT_MATMUL_PRECISION=highest \
   "$PY" -m pytest -q -p no:cacheprovider tests/model/test_hybrid.py tests/runtime/test_hybrid_engine.py \
   ${HSEL:+-k "$HSEL"} --junitxml="$LOG/hybrid_test.xml"
 stage hybrid_bench "${T_HBENCH:-90}" "$PY" scripts/bench_gdn.py "${HARGS[@]}"
+
+# ------------------------------------------------------------------------------ issue 51 stages
+# Hybrid models at parity (issue 51), kept in one function so they merge apart from other stages:
+#   gdn_gpu        the gated-delta-rule GPU kernels (Pallas Triton: packed recurrent rule, varlen
+#                  chunked prefill) compiled for real against the jnp references, NaN-poisoned pools
+#   hybrid_prefix  exact prefix caching with state checkpoints on hybrid targets on the GPU (the
+#                  engine runs the GPU kernels; fp32 at "highest" precision)
+issue51_stages() {
+  local gsel="" psel=""
+  if [ "$DRY" = 1 ]; then gsel="gpu and (packed or lens0)"; psel="hand_worked or lru"; fi
+  stage gdn_gpu "${T_GDNGPU:-120}" "$PY" -m pytest -q -p no:cacheprovider \
+    tests/pallas/test_gated_delta_rule_varlen.py -k "${gsel:-gpu}" --junitxml="$LOG/gdn_gpu.xml"
+  stage hybrid_prefix "${T_HPREFIX:-180}" env JAX_DEFAULT_MATMUL_PRECISION=highest \
+    "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_hybrid_prefix.py \
+    ${psel:+-k "$psel"} --junitxml="$LOG/hybrid_prefix.xml"
+}
+issue51_stages
 
 # ------------------------------------------------------------------------------ bench
 if [ "$DRY" = 1 ]; then

@@ -100,9 +100,10 @@ class LLMEngine(HandOffAPI):
         ec, sec, dp = run.engine_config, run.shard_config, run.num_shards
         self.requests = RequestTable(run.model_config, ec, built.tokenizer, seed)
         self.scheduler = Scheduler(ec, sec, dp)
+        states = sec.num_state_checkpoints    # a hybrid model's state entries per shard
         self.prefix_caches = (ShardedPrefixCache(
-            ec.block_size, sec.num_blocks, dp, run.mtp_cache is not None,
-            sec.num_state_checkpoints, run.state_entry_bytes(), ec.window)
+            ec.block_size, sec.num_blocks, dp, run.mtp_cache is not None, states,
+            run.state_entry_bytes() if states else 0, ec.window)
             if ec.enable_prefix_caching else None)
         self.handoff = HandOff(run, self.requests, built.draft_vocab_size)
         self.spec_policy = None

@@ -1,6 +1,7 @@
 """The varlen chunked gated-delta-rule kernels (TPU: :mod:`jmtp.pallas.gated_delta_rule_varlen`;
 GPU: :mod:`jmtp.pallas.gated_delta_rule_gpu`) against the jnp reference
-:func:`jmtp.model.gated_deltanet.chunk_gated_delta_rule_varlen`, in interpret mode on CPU, with
+:func:`jmtp.model.gated_deltanet.chunk_gated_delta_rule_varlen`, in interpret mode on CPU (the GPU
+kernels compiled with Triton when the backend is a GPU: ``scripts/device_check.sh``), with
 the states of slots that have no chunk NaN (never read) and the engine's mixed rule over a pool
 poisoned with NaN; the GPU packed recurrent kernel against ``gated_delta_rule_packed``; the TPU
 kernel compiled for a TPU topology ahead of time."""
@@ -83,7 +84,8 @@ def check_varlen(kernel, lens, c, **kw):
 
 
 TPU_VARLEN = functools.partial(gdv.chunk_gated_delta_rule_varlen_pallas, interpret=True)
-GPU_VARLEN = functools.partial(gdg.chunk_gated_delta_rule_varlen_gpu, interpret=True)
+# (interpret=None: compiled with Triton on a GPU, interpreted elsewhere)
+GPU_VARLEN = functools.partial(gdg.chunk_gated_delta_rule_varlen_gpu, interpret=None)
 
 
 @pytest.mark.parametrize("kernel", [TPU_VARLEN, GPU_VARLEN], ids=["tpu", "gpu"])
@@ -101,7 +103,7 @@ def test_varlen_tpu_merged_layout():
 
 @pytest.mark.parametrize("chunk_rule,rule", [
     (TPU_VARLEN, None),
-    (GPU_VARLEN, functools.partial(gdg.gated_delta_rule_packed_gpu, interpret=True)),
+    (GPU_VARLEN, functools.partial(gdg.gated_delta_rule_packed_gpu, interpret=None)),
 ], ids=["tpu", "gpu"])
 def test_mixed_rule_with_kernels_over_a_nan_pool(chunk_rule, rule):
     """The engine's mixed rule with the kernels (slots of 9, 2, 3 and 6 rows, W = 3, a flat pool
@@ -141,7 +143,7 @@ def test_gpu_packed_equals_reference(bv):
     init = jnp.asarray(rng.normal(size=(b, h, dk, dv)), jnp.float32)
     args = (q, k, v, g, beta, seq, start, ck, init, nan_pool(2 * b, w, h, dk, dv))
     o_ref, p_ref = gd.gated_delta_rule_packed(*args, pool_base=b)
-    o, p = gdg.gated_delta_rule_packed_gpu(*args, pool_base=b, interpret=True, block_v=bv)
+    o, p = gdg.gated_delta_rule_packed_gpu(*args, pool_base=b, interpret=None, block_v=bv)
     np.testing.assert_allclose(np.asarray(o)[:16], np.asarray(o_ref)[:16], atol=ATOL, rtol=0)
     p, p_ref = np.asarray(p), np.asarray(p_ref)
     np.testing.assert_array_equal(np.isnan(p), np.isnan(p_ref))

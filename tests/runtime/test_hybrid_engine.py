@@ -220,3 +220,26 @@ def test_handoff_refuses_a_mismatched_state_layout(hybrid):
     with pytest.raises(ValueError, match=r"kv\['linear_conv'\]"):
         a.llm_engine.import_request(bad, "x3")
     assert not a.llm_engine.has_unfinished_requests()
+
+
+def test_state_pool_is_not_copied(hybrid):
+    """The linear layers update the recurrent and convolution state pools in place (one flat
+    view of every linear layer's pool, like the KV cache's): the compiled step of the largest
+    bucket (prefill chunks by the chunked form, windows by the packed rule) has no instruction
+    that makes a buffer of one layer's pool ``[B, W, ...]`` (a slice written back: what the
+    layers did before) and no ``copy`` of a whole pool or of its flat view."""
+    import re
+
+    from jmtp.runtime.buckets import step_buckets
+    run = llm(hybrid, SpeculativeConfig("mtp", 2, 2)).llm_engine.runner
+    lin = run.cache.linear
+    bucket = step_buckets(run.shard_config)[-1]
+    text = run.jitted_step.lower(*run.step_args(bucket)).compile().as_text()
+    ops = [(tuple(int(d) for d in m.group(1).split(",") if d), m.group(2))
+           for m in re.finditer(r"= \w+\[([\d,]*)\]\S* ([\w-]+)\(", text)]
+    layer = {tuple(a.shape[1:]) for a in (lin.recurrent, lin.conv)}
+    whole = {s for a in (lin.recurrent, lin.conv)
+             for s in (tuple(a.shape), (a.shape[0] * a.shape[1],) + tuple(a.shape[2:]))}
+    assert ops and any(op == "fusion" for _, op in ops)
+    assert [o for o in ops if o[0] in layer and o[1] not in ("parameter", "bitcast")] == []
+    assert [o for o in ops if o[0] in whole and o[1] == "copy"] == []
