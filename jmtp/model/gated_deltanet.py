@@ -362,7 +362,8 @@ def gated_delta_rule_mixed(q, k, v, g, beta, rows: "PackedRows", init, pool, rul
         return o, pool
 
     # -- chunked part: slot s's rows from chunk cs[s], row `local` at chunk cs + local // C
-    c = max(1, min(chunk_size, -(-t // 8) * 8))   # (a multiple of 8 rows: a Mosaic tile)
+    # a power of two >= 8 rows (a Mosaic sublane tile; a Triton block shape)
+    c = max(1, min(chunk_size, 1 << max(3, (t - 1).bit_length())))
     n_chunks = -(-t // c) + min(b_slots, t // (w + 1))
     per = jnp.where(long_seq, -(-q_lens // c), 0)
     cs = jnp.cumsum(per) - per                                          # first chunk per slot

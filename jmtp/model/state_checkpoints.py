@@ -71,14 +71,6 @@ def init_state_checkpoints(cfg: ModelConfig, num_slots: int, num_entries: int,
         entry=jnp.full((num_slots,), -1, jnp.int32))
 
 
-def entry_bytes(cfg: ModelConfig, dtype=jnp.float32) -> int:
-    """Bytes of one entry: every linear layer's convolution and delta-rule state."""
-    lc, n = cfg.linear, len(cfg.linear_layers)
-    conv = (lc.conv_kernel_dim - 1) * lc.conv_dim * jnp.dtype(dtype).itemsize
-    rec = lc.num_value_heads * lc.key_head_dim * lc.value_head_dim * 4
-    return n * (conv + rec)
-
-
 def boundary_captured(p0, q, valid_rows, prefilling, finished, block_size: int, window: int):
     """Where each slot's block-boundary state can be captured after a step (works on numpy and
     jax arrays, so the host runs the same rule as the device).
@@ -181,5 +173,5 @@ def put_slot_state(lin, slot, state: dict, ok):
                         current=lin.current.at[slot].set(jnp.where(ok, c, lin.current[slot])))
 
 
-__all__ = ["StateCheckpoints", "init_state_checkpoints", "entry_bytes", "boundary_captured",
+__all__ = ["StateCheckpoints", "init_state_checkpoints", "boundary_captured",
            "capture_boundary_states", "set_slot_state", "slot_state", "put_slot_state"]

@@ -18,6 +18,10 @@ MTP KV pages are the whole proposer state. The random stream continues because e
 by (seed, output position, purpose) (:mod:`jmtp.runtime.sampling.rng`) and the row carries the
 seed, ``rng_offset`` and ``step_idx``. Hence any K and M: the window holds the K drafts of the
 last MTP proposal, whatever K is (FastDeploy's "splitwise" hands MTP state over for K = 1 only).
+A hybrid (gated-DeltaNet) target's linear layers have no KV pages: the request carries its slot's
+recurrent and convolution state at the slot's current checkpoint instead
+(:func:`jmtp.model.state_checkpoints.slot_state`, ``kv["linear_*"]``), written back into the same
+checkpoint on import; the fingerprint covers its layout (:func:`linear_state_layout`).
 
 The layout is versioned (:data:`HANDOFF_VERSION`) and :meth:`RequestState.to_bytes` /
 :meth:`RequestState.from_bytes` serialise it to a numpy ``.npz`` archive (a JSON header plus raw

@@ -103,7 +103,7 @@ class LLMEngine(HandOffAPI):
         states = sec.num_state_checkpoints    # a hybrid model's state entries per shard
         self.prefix_caches = (ShardedPrefixCache(
             ec.block_size, sec.num_blocks, dp, run.mtp_cache is not None, states,
-            run.state_entry_bytes() if states else 0, ec.window)
+            run.kv_cache_bytes()["prefix_state_entry"] if states else 0, ec.window)
             if ec.enable_prefix_caching else None)
         self.handoff = HandOff(run, self.requests, built.draft_vocab_size)
         self.spec_policy = None

@@ -587,18 +587,11 @@ class DeviceRunner:
         lin = self.cache.linear.nbytes() if self.cache.linear is not None else 0
         saved = self.cache.linear.saved if self.cache.linear is not None else None
         states = saved.conv.nbytes + saved.recurrent.nbytes if saved is not None else 0
+        n = self.engine_config.num_state_checkpoints
         return dict(target_values=tv, target_scales=ts, mtp_values=mv, mtp_scales=ms,
                     values=tv + mv, scales=ts + ms, linear_state=lin - states,
-                    prefix_states=states, prefix_state_entry=self.state_entry_bytes(),
+                    prefix_states=states, prefix_state_entry=states // n if n else 0,
                     total=tv + mv + ts + ms + lin)
-
-    def state_entry_bytes(self) -> int:
-        """Bytes of one block-boundary state checkpoint of a hybrid model (every linear layer's
-        convolution and delta-rule state; :mod:`jmtp.model.state_checkpoints`), 0 otherwise."""
-        if not self.model_config.is_hybrid:
-            return 0
-        from jmtp.model.state_checkpoints import entry_bytes
-        return entry_bytes(self.model_config, self.cache.linear.conv.dtype)
 
 
 __all__ = ["DeviceRunner", "OneDevice", "OnMesh"]

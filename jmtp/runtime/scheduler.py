@@ -142,7 +142,9 @@ class Scheduler:
              ) -> tuple[np.ndarray, StepBucket]:
         """Prefill chunks ``i32[B]`` and the step's bucket. Per shard the budget
         ``max_num_batched_tokens / D`` goes to decode windows first, then to prefill chunks in
-        slot order; the busiest shard's rows and active slots pick the bucket. With
+        slot order (a hybrid model's chunk ends on the block boundary whose state the slot must
+        capture, ``Sequence.state_target``: :mod:`jmtp.runtime.prefix_states`); the busiest
+        shard's rows and active slots pick the bucket. With
         ``compiled`` (lazy compiles), an already compiled bucket is reused when it fits
         (:func:`reuse_bucket`)."""
         sec, slots = self.shard_config, self.slots

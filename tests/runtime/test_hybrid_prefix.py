@@ -32,7 +32,8 @@ BS = 4
 MAX_TOKENS = 8
 ARGS = dict(max_num_seqs=2, max_model_len=64, block_size=BS, max_num_batched_tokens=8,
             dtype="float32", compile="lazy", compilation_cache_dir=None,
-            enable_prefix_caching=True)
+            enable_prefix_caching=True, max_cached_states=4)
+MAX_CACHED = 4
 _rng = np.random.default_rng(7)
 _r = lambda n: [int(x) for x in _rng.integers(2, hx.V, n)]  # noqa: E731
 SYSTEM = _r(18)                     # not a block multiple
@@ -116,8 +117,13 @@ def check_stats(eng):
     # max_cached_states), and the device bytes count them
     assert 0 < s["prefix_state_cache_bytes"] <= s["prefix_state_cache_capacity_bytes"]
     assert s["prefix_state_cache_capacity_bytes"] == kvb["prefix_states"]
-    ec = eng.engine_config
-    assert kvb["prefix_states"] == ec.num_state_checkpoints * kvb["prefix_state_entry"] > 0
+    ec, cfg = eng.engine_config, eng.model_config
+    lc = cfg.linear         # one entry: every linear layer's conv and delta-rule state, fp32
+    entry = len(cfg.linear_layers) * 4 * ((lc.conv_kernel_dim - 1) * lc.conv_dim
+                                          + lc.num_value_heads * lc.key_head_dim
+                                          * lc.value_head_dim)
+    assert kvb["prefix_state_entry"] == entry
+    assert kvb["prefix_states"] == (ec.max_num_seqs + MAX_CACHED) * entry
     assert s["num_cached_states"] <= ec.num_state_checkpoints - ec.max_num_seqs + (
         ec.max_num_seqs - s["num_running"])
     assert s["num_free_blocks"] + s["num_cached_blocks"] == ec.num_blocks
