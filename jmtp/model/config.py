@@ -262,6 +262,10 @@ class ModelConfig:
       attn_output_gate: the attention output is gated per channel by ``sigmoid(x @ wg)`` before
         ``wo`` (Qwen3-Next / Qwen3.5 gated attention: HF ``q_proj`` doubled, each head's query
         followed by its gate); ``wg f[H, Nq·D]``.
+      batch_invariant: an engine's numerics choice, not the checkpoint's (set by
+        ``LLM(batch_invariant=True)``): every matmul runs over fixed tiles of rows and attention
+        over fixed query tiles and key chunks (:mod:`jmtp.model.invariant`), so each row's
+        result does not depend on the other rows of the batch. Dense attention models only.
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -296,6 +300,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

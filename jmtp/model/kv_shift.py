@@ -33,6 +33,8 @@ layers store no keys.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,8 +77,10 @@ def calibrate_k_shift(cfg: ModelConfig, params: dict, num_seqs: int = CALIBRATIO
     # (a hybrid model's linear layers run on a state pool of one slot per sequence)
     cache = init_model_cache(cfg, num_seqs * pages, block_size, jnp.float32, num_slots=num_seqs)
     core = {k: v for k, v in params.items() if k != "k_shift"}
-    _, cache = jax.jit(forward, static_argnums=0)(cfg, core, jnp.asarray(ids, jnp.int32), pos,
-                                                  meta, cache)
+    # a function object of this call's own: its executable is dropped when the call returns
+    # (jitting the module-level forward would keep it, and its memory mappings, for good)
+    _, cache = jax.jit(functools.partial(forward), static_argnums=0)(
+        cfg, core, jnp.asarray(ids, jnp.int32), pos, meta, cache)
     # Block b of sequence s is s * pages + b: each sequence's slots are contiguous.
     k = cache.k.reshape(cfg.num_kv_layers, num_seqs, pages * block_size, cfg.num_kv_heads, -1)
     return jnp.mean(k[:, :, :seq_len].astype(jnp.float32), axis=(1, 2))

@@ -28,6 +28,7 @@ one-layer-per-MTP-module cache addressed by the same block ids.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -38,6 +39,7 @@ from jmtp.model import mla
 from jmtp.model.config import ModelConfig
 from jmtp.model import moe
 from jmtp.model import gated_deltanet as gdn
+from jmtp.model import invariant
 from jmtp.model.gated_deltanet import LinearState
 from jmtp.model.metadata import AttentionMetadata
 from jmtp.pallas import kv_quant
@@ -226,7 +228,8 @@ def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array,
     t = x.shape[0]
     if h is None:
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+    mm = functools.partial(invariant.matmul, cfg.batch_invariant)
+    q, k, v = mm(h, p["wq"]), mm(h, p["wk"]), mm(h, p["wv"])
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = q.reshape(t, cfg.num_heads, cfg.head_dim)
@@ -282,6 +285,7 @@ def decoder_layer(
         return _mlp_block(cfg, p, x), pool._replace(k=k)
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q, k, v = project_qkv(cfg, p, x, positions, h)
+    mm = functools.partial(invariant.matmul, cfg.batch_invariant)
     # An int8 cache stores K and V rotated (kv_quant.hadamard_rotation); the query is rotated
     # alike and the attention output rotated back, which leaves attention unchanged.
     # The rotation is applied in f32 (1/sqrt(n) is not exact in bf16 for every head dim).
@@ -289,7 +293,7 @@ def decoder_layer(
     if rot is not None:
         if k_shift is not None:
             k = (k.astype(jnp.float32) - k_shift.astype(jnp.float32)).astype(k.dtype)
-        q, k, v = ((a.astype(jnp.float32) @ rot).astype(a.dtype) for a in (q, k, v))
+        q, k, v = (mm(a.astype(jnp.float32), rot).astype(a.dtype) for a in (q, k, v))
     slots = meta.slot_mapping
     if t == 1:
         # One row: XLA turns the scatter into a bounds-checked dynamic-update-slice that reads the
@@ -304,14 +308,16 @@ def decoder_layer(
     attn = ragged_paged_attention(
         q, pool.k, pool.v, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
         sm_scale=1.0 / math.sqrt(cfg.head_dim), implementation=attention_impl,
-        k_scale=pool.k_scale, v_scale=pool.v_scale, rows_per_seq=meta.rows_per_seq,
-        num_kv_heads=cfg.num_kv_heads)
+        k_scale=pool.k_scale, v_scale=pool.v_scale,
+        # batch-invariant: every sequence's rows in fixed tiles (jmtp.model.invariant)
+        rows_per_seq=invariant.ROW_TILE if cfg.batch_invariant else meta.rows_per_seq,
+        num_kv_heads=cfg.num_kv_heads, batch_invariant=cfg.batch_invariant)
     if rot is not None:
-        attn = (attn.astype(jnp.float32) @ rot.T).astype(attn.dtype)
+        attn = mm(attn.astype(jnp.float32), rot.T).astype(attn.dtype)
     attn = attn.reshape(t, cfg.q_size)
     if "wg" in p:    # gated attention (Qwen3-Next / Qwen3.5): sigmoid(h @ wg) per channel
-        attn = attn * jax.nn.sigmoid(h @ p["wg"]).astype(attn.dtype)
-    x = x + attn @ p["wo"]
+        attn = attn * jax.nn.sigmoid(mm(h, p["wg"])).astype(attn.dtype)
+    x = x + mm(attn, p["wo"])
     return _mlp_block(cfg, p, x), pool
 
 
@@ -457,8 +463,11 @@ def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
-def compute_logits(params: dict, h: jax.Array) -> jax.Array:
-    """LM head: ``f32[T, V]`` logits of post-norm hidden states ``h: f[T, H]``."""
+def compute_logits(params: dict, h: jax.Array, batch_invariant: bool = False) -> jax.Array:
+    """LM head: ``f32[T, V]`` logits of post-norm hidden states ``h: f[T, H]`` (in row tiles
+    with ``batch_invariant``, :mod:`jmtp.model.invariant`)."""
+    if batch_invariant:
+        return invariant.row_tiled(lambda t: compute_logits(params, t), h)
     if "lm_head" in params:
         return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32).astype(jnp.float32)
     # Contract with the [V, H] table directly: ``h @ embed.T`` makes XLA:CPU materialise the
@@ -499,7 +508,8 @@ def mtp_forward(
         emb = jnp.where((positions == 0)[:, None], jnp.zeros_like(emb), emb)
     e = rms_norm(emb, pick(m["enorm"]), cfg.rms_norm_eps)
     hn = rms_norm(hidden.astype(e.dtype), pick(m["hnorm"]), cfg.rms_norm_eps)
-    x = jnp.concatenate([e, hn], axis=-1) @ pick(m["eh_proj"])
+    x = invariant.matmul(cfg.batch_invariant, jnp.concatenate([e, hn], axis=-1),
+                         pick(m["eh_proj"]))
     layer = jax.tree_util.tree_map(pick, m["layer"])
     x, pool = decoder_layer(cfg, layer, x, positions, _layer_view(meta, cache, layer_idx),
                             _flat_cache(cache), attention_impl)

@@ -120,10 +120,13 @@ def data_parallel_step(mesh: Mesh, graphdef, ec: EngineConfig, drafter, bucket, 
       ``[D, B/D, ...]`` and ``free_count`` is ``i32[D]``.
     """
     def body(model_state, state, cache, mtp_cache, chunk, limit, bitmask, override):
-        out = engine_step(graphdef, ec, drafter, bucket, attention_impl, model_state,
-                          _squeeze(state), _squeeze(cache), _squeeze(mtp_cache), chunk[0],
-                          limit[0], bitmask[0], override[0])
-        return _expand(out)
+        *new, out = engine_step(graphdef, ec, drafter, bucket, attention_impl, model_state,
+                                _squeeze(state), _squeeze(cache), _squeeze(mtp_cache), chunk[0],
+                                limit[0], bitmask[0], override[0])
+        # prompt logprobs are per packed row of a shard: not served on a mesh (refused at intake)
+        out = dataclasses.replace(out, prompt_logprobs=None, prompt_top_ids=None,
+                                  prompt_top_logprobs=None, prompt_row_start=None)
+        return _expand((*new, out))
 
     d = P(DATA)
     return _on_shard(mesh, body, (P(), d, d, d, d, d, d, d), d)(

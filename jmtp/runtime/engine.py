@@ -81,7 +81,7 @@ class LLM:
         ``attention_backend``, ``moe_backend``, ``block_allocator``, ``kv_cache_dtype``, ``max_logprobs``, ``seed``,
         ``model_config``/``params``/``tokenizer``, ``mtp_head``, ``compile``,
         ``compilation_cache_dir``, ``tensor_parallel_size``, ``data_parallel_size``, ``mesh``,
-        ``enable_prefix_caching``),
+        ``enable_prefix_caching``, ``async_scheduling``),
         documented there.
 
     Raises:
@@ -117,6 +117,19 @@ class LLM:
     def kv_cache_bytes(self) -> dict[str, int]:
         """KV-cache bytes, values and scales apart: :meth:`LLMEngine.kv_cache_bytes`."""
         return self.llm_engine.kv_cache_bytes()
+
+    def close(self) -> None:
+        """Release the engine: its KV caches, state and compiled executables (and with them the
+        memory mappings XLA:CPU holds; :meth:`LLMEngine.close`). Idempotent; the ``LLM`` cannot
+        generate after it. ``with jmtp.LLM(...) as llm:`` closes on leaving the block; an ``LLM``
+        that is garbage collected releases the same without ``close``."""
+        self.llm_engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -166,6 +179,7 @@ class LLM:
 
     def _check_idle(self, where: str) -> None:
         engine = self.llm_engine
+        engine._check_open()
         if engine.has_unfinished_requests():
             raise RuntimeError(f"{where}: the engine has {engine.get_num_unfinished_requests()}"
                                " unfinished requests added through llm_engine; finish or abort "

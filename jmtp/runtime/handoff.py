@@ -48,8 +48,10 @@ from jmtp.runtime.sampling import SamplingParams
 from jmtp.runtime.state import EngineState
 
 #: Layout version of :class:`RequestState` (bumped whenever a field or its meaning changes).
-HANDOFF_VERSION = 3    # 3: KV pages in the merged row layout (jmtp.pallas.kv_layout); 2: the
-                       # window's draft budget (EngineState.actual_draft_token_num)
+HANDOFF_VERSION = 4    # 4: the sampling row's seed_hi and logit_bias (64-bit seeds, OpenAI's
+                       # logit_bias); 3: KV pages in the merged row layout
+                       # (jmtp.pallas.kv_layout); 2: the window's draft budget
+                       # (EngineState.actual_draft_token_num)
 
 #: Prefix of the ``RequestState.kv`` entries that hold a hybrid model's slot state (not pages).
 LINEAR_PREFIX = "linear_"
@@ -256,6 +258,7 @@ def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, ca
     spec = ec.spec
     model = json.loads(json.dumps(dataclasses.asdict(model_config), default=str))
     model.pop("mla_path", None)
+    model.pop("batch_invariant", None)     # the same function, computed in a fixed order
     if isinstance(model.get("moe"), dict):
         model["moe"].pop("implementation", None)
     kv = dict(block_size=ec.block_size, cache_dtype=cache_dtype,
@@ -272,7 +275,7 @@ def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, ca
                   ngram_sizes=list(spec.ngram_sizes), draft_vocab_size=int(draft_vocab_size)),
         kv=kv,
         sampling=dict(max_stop_ids=ec.max_stop_ids, max_bad_words=ec.max_bad_words,
-                      max_bad_word_len=ec.max_bad_word_len))
+                      max_bad_word_len=ec.max_bad_word_len, max_logit_bias=ec.max_logit_bias))
 
 
 def linear_state_layout(linear, stacked: bool = False) -> dict:

@@ -62,10 +62,11 @@ class ShardedPrefixCache:
                        else longest_with_state(self.states[d], keys))
         return best * self.block_size
 
-    def match(self, shard: int, seq: Sequence) -> PrefixMatch:
+    def match(self, shard: int, seq: Sequence, use_cache: bool = True) -> PrefixMatch:
         """The longest cached prefix of ``seq``'s context (keys and shard-local block ids); for a
-        hybrid model cut back to the longest one with a state (:class:`PrefixMatch`)."""
-        keys, ids = self.caches[shard].match(seq.context_ids)
+        hybrid model cut back to the longest one with a state (:class:`PrefixMatch`). Without
+        ``use_cache`` none (the request computes every row)."""
+        keys, ids = self.caches[shard].match(seq.context_ids) if use_cache else ([], [])
         if self.states is None:
             return PrefixMatch(keys, ids, kv_blocks=len(keys))
         st = self.states[shard]
@@ -147,13 +148,18 @@ class ShardedPrefixCache:
         pc.release(seq.prefix_keys)
         seq.prefix_keys = []
 
-    def ensure_free(self, runner, shard: int, need: int) -> None:
+    def ensure_free(self, runner, shard: int, need: int, free: int | None = None) -> int:
         """Evict unreferenced cached blocks of ``shard`` (LRU) until ``need`` blocks are free on
-        the device or nothing is left to evict; evicted blocks go back to its free stack."""
+        the device or nothing is left to evict; evicted blocks go back to its free stack.
+        ``free``: the shard's free blocks as the caller counts them (default: the runner's
+        exact count; with a step in flight, a lower bound). Returns the blocks pushed back."""
         pc = self.caches[shard]
-        short = need - runner.free_counts[shard]
+        short = need - (runner.free_counts[shard] if free is None else free)
         if short > 0 and pc.num_evictable:
-            runner.push_free(shard, pc.evict(short))
+            ids = pc.evict(short)
+            runner.push_free(shard, ids)
+            return len(ids)
+        return 0
 
     def stats(self) -> dict:
         """``get_stats`` keys over every shard (see :meth:`LLMEngine.get_stats`)."""
