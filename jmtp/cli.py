@@ -237,7 +237,9 @@ def _generate(args) -> int:
     say(f"=== KV cache ({llm.engine_config.kv_cache_dtype or 'model dtype'}): values "
         f"{kv['values'] / 2**20:.1f} MiB, scales {kv['scales'] / 2**20:.1f} MiB"
         + (f", recurrent state pool {kv['linear_state'] / 2**20:.1f} MiB"
-           if kv.get("linear_state") else ""))
+           if kv.get("linear_state") else "")
+        + (f", prefix-cache states {kv['prefix_states'] / 2**20:.1f} MiB"
+           if kv.get("prefix_states") else ""))
     return 0
 
 
@@ -250,13 +252,9 @@ def _chat(args) -> int:
         raise ValueError("jmtp chat runs as one process; unset "
                          f"{', '.join(dist.ENV_VARS)}")
     _start_up_defaults(args)
-    from jmtp.model.loader import load_config
-    # prefix caching keeps the engine warm between turns; hybrid linear-attention models cannot
-    # use it (no recurrent state at block boundaries), so each of their turns prefills in full
-    args.enable_prefix_caching = not load_config(args.model).is_hybrid
-    if not args.enable_prefix_caching:
-        print("=== prefix caching off: a hybrid linear-attention model re-prefills each turn",
-              flush=True)
+    # prefix caching keeps the engine warm between turns (hybrid linear-attention models too:
+    # their state at the last block boundary of a turn is kept, jmtp.runtime.prefix_states)
+    args.enable_prefix_caching = True
     if args.max_num_seqs is None:
         args.max_num_seqs = 1
     llm, import_s, load_s, compile_s, _ = _build_timed(args)

@@ -32,7 +32,9 @@
 #   path; the wheel install runs against $DRY_WHEELS, default .whl). tests/test_device_check.py
 #   runs it.
 # Stage time limits (s): T_SETUP T_KTEST T_KERNELS T_ROWS T_WEIGHTS T_SPEEDUP T_TRAIN T_EVALHEAD;
-# STAGES=a,b,... runs only those stages.
+# STAGES=a,b,... runs only those stages. HYBRID=1: part 1 also runs issue 51's hybrid stages (gdn_gpu: the
+#   gated-delta-rule Triton kernels against the jnp references; hybrid_prefix: hybrid prefix
+#   caching with state checkpoints on the GPU; limits T_GDNGPU T_HPREFIX).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -222,6 +224,18 @@ if [ "$PART" != 2 ]; then
       --json "$RES/kernels.json"
     stage rows "${T_ROWS:-150}" "$PY" scripts/device_bench.py rows --seconds 120 \
       --json "$RES/rows.json"
+  fi
+  # Hybrid models (issue 51): the gated-delta-rule GPU kernels compiled for real against the
+  # jnp references, then exact hybrid prefix caching on the GPU (fp32 at "highest" precision).
+  # Opt-in (HYBRID=1): they do not fit the two calls' time plan (scripts/device_package.json).
+  GSEL=gpu PSEL=""
+  if [ "$DRY" = 1 ]; then GSEL="gpu and (packed or lens0)"; PSEL="hand_worked or lru"; fi
+  if [ "${HYBRID:-0}" = 1 ]; then
+  stage gdn_gpu "${T_GDNGPU:-120}" "$PY" -m pytest -q -p no:cacheprovider \
+    tests/pallas/test_gated_delta_rule_varlen.py -k "$GSEL" --junitxml="$LOG/gdn_gpu.xml"
+  stage hybrid_prefix "${T_HPREFIX:-180}" env JAX_DEFAULT_MATMUL_PRECISION=highest \
+    "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_hybrid_prefix.py \
+    ${PSEL:+-k "$PSEL"} --junitxml="$LOG/hybrid_prefix.xml"
   fi
 fi
 

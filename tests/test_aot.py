@@ -205,3 +205,30 @@ def test_handoff_fingerprint_covers_the_row_layout():
     fp = lambda w, g: fingerprint_hash(engine_fingerprint(CFG, ec, 0, "bfloat16", {}, w, g))
     assert fp(256, 1) != fp(256, 2) != fp(384, 2)
     assert fp(256, 1) == fp(256, 1)
+
+
+# A Qwen3-Next-shaped hybrid target in small: gated DeltaNet layers with 128-dim heads
+# (Hk = 2 key heads, Hv = 4 value heads) around one gated full-attention layer, an MTP layer.
+HYBRID = CFG.replace(
+    num_layers=3, layer_types=("linear_attention", "full_attention", "linear_attention"),
+    linear=__import__("jmtp.model.config", fromlist=["LinearAttentionConfig"])
+    .LinearAttentionConfig(2, 4, 128, 128, 4),
+    attn_output_gate=True, qk_norm=True, partial_rotary_factor=0.25, mtp_layout="qwen3_next")
+
+
+def test_hybrid_engine_compiles_with_the_gated_delta_rule_kernels():
+    """The TPU engine of a hybrid target compiles for v5e:1x1 with its gated-delta-rule kernels in
+    the step (Mosaic calls counted): in every linear layer the packed recurrent rule and the
+    multi-slot chunked prefill kernel (varlen over chunk-aligned slots, skipped at run time in a
+    step without a long chunk); with prefix caching the allocator runs once (the host releases
+    slots) and the state-checkpoint slot operation compiles too."""
+    r = aot.compile_engine(args(model_config=HYBRID, enable_prefix_caching=True),
+                           topology="v5e:1x1", buckets="largest")
+    n_lin, n_kv = len(HYBRID.linear_layers), len(HYBRID.kv_layers)
+    want = {"jmtp_ragged_paged_attention_tpu": n_kv + K, "jmtp_allocate_blocks_tpu": 1,
+            "jmtp_gated_delta_rule_packed_tpu": n_lin,
+            "jmtp_chunk_gated_delta_rule_varlen_tpu": n_lin}
+    assert len(r.step_reports) == 2
+    assert all(e.mosaic_kernels == want for e in r.step_reports), [
+        e.mosaic_kernels for e in r.step_reports]
+    assert "slot_state" in {e.label for e in r.executables}

@@ -52,29 +52,39 @@ class LinearState(NamedTuple):
         ``[q; k; v]``.
       recurrent: ``f32[Ll, B, W, Hv, Dk, Dv]``: the delta-rule state of every value head.
       current: ``i32[B]``: the checkpoint each slot continues from.
+      saved: with prefix caching, the block-boundary state checkpoints
+        (:class:`jmtp.model.state_checkpoints.StateCheckpoints`); else None.
     """
 
     conv: jax.Array
     recurrent: jax.Array
     current: jax.Array
+    saved: "StateCheckpoints | None" = None   # noqa: F821 (jmtp.model.state_checkpoints)
 
     def nbytes(self) -> int:
-        return sum(int(a.size) * a.dtype.itemsize for a in self)
+        """Bytes of the pool (the state checkpoints of prefix caching included)."""
+        return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
 
 
 def init_linear_state(cfg: ModelConfig, num_slots: int, window: int,
-                      dtype=jnp.float32) -> LinearState | None:
+                      dtype=jnp.float32, num_saved: int = 0) -> LinearState | None:
     """Zero state pool for ``num_slots`` slots with ``window`` (= K+1) checkpoints each; None for a
     model without linear-attention layers. ``dtype``: the convolution state's (the model's); the
-    recurrent state is always fp32 (transformers keeps it in fp32 too)."""
+    recurrent state is always fp32 (transformers keeps it in fp32 too). ``num_saved > 0``: also
+    that many block-boundary state checkpoints for prefix caching
+    (:func:`jmtp.model.state_checkpoints.init_state_checkpoints`)."""
     if not cfg.is_hybrid:
         return None
     lc, n = cfg.linear, len(cfg.linear_layers)
+    saved = None
+    if num_saved:
+        from jmtp.model.state_checkpoints import init_state_checkpoints
+        saved = init_state_checkpoints(cfg, num_slots, num_saved, dtype)
     return LinearState(
         conv=jnp.zeros((n, num_slots, window, lc.conv_kernel_dim - 1, lc.conv_dim), dtype),
         recurrent=jnp.zeros((n, num_slots, window, lc.num_value_heads, lc.key_head_dim,
                              lc.value_head_dim), jnp.float32),
-        current=jnp.zeros((num_slots,), jnp.int32))
+        current=jnp.zeros((num_slots,), jnp.int32), saved=saved)
 
 
 def next_checkpoint(current: jax.Array, query_lens: jax.Array, num_committed: jax.Array,
@@ -230,7 +240,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, chunk_size: int
     return o.reshape(n * c, h, dv)[:t], s
 
 
-def gated_delta_rule_packed(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool):
+def gated_delta_rule_packed(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool,
+                            pool_base=0):
     """The rule over a packed ragged batch, writing one state checkpoint per marked row (the
     engine's form; :mod:`jmtp.pallas.gated_delta_rule` holds the Pallas kernels of the same
     contract).
@@ -244,7 +255,10 @@ def gated_delta_rule_packed(q, k, v, g, beta, row_seq, row_start, row_ckpt, init
       row_ckpt: ``i32[T]``: checkpoint the state after this row is written to, -1 = none
         (padding rows: -1 and any ``row_seq``).
       init: ``f32[B, Hv, Dk, Dv]`` each slot's state before this step.
-      pool: ``f32[B, W, Hv, Dk, Dv]`` the checkpoints, updated.
+      pool: ``f32[N, W, Hv, Dk, Dv]`` the checkpoints, updated: slot ``s`` writes entry
+        ``pool_base + s`` (``N >= pool_base + B``; the engine passes every linear layer's pool
+        as one flat view, layer ``j`` at ``pool_base = j·B``, so no layer is sliced out).
+      pool_base: ``int`` or ``i32[]``.
 
     Returns:
       ``(o f32[T, Hv, Dv], pool)``.
@@ -257,11 +271,10 @@ def gated_delta_rule_packed(q, k, v, g, beta, row_seq, row_start, row_ckpt, init
         s = jnp.where(start, init[seq], s)
         s = delta_rule_step(s, qt, kt, vt, gt, bt)
         o = jnp.einsum("hkv,hk->hv", s, qt)
-        c = jnp.clip(ck, 0, w - 1)
-        old = jax.lax.dynamic_index_in_dim(
-            jax.lax.dynamic_index_in_dim(pool, seq, 0, False), c, 0, False)
-        pool = jax.lax.dynamic_update_slice(
-            pool, jnp.where(ck >= 0, s, old)[None, None], (seq, c, 0, 0, 0))
+        # an unmarked row writes nowhere (an out-of-range entry, dropped): no read of the old
+        # checkpoint, so the pool is updated in place
+        e = jnp.where(ck >= 0, pool_base + seq, pool.shape[0])
+        pool = pool.at[e, jnp.clip(ck, 0, w - 1)].set(s, mode="drop")
         return (s, pool), o
 
     s0 = jnp.zeros(init.shape[1:], jnp.float32)
@@ -269,19 +282,60 @@ def gated_delta_rule_packed(q, k, v, g, beta, row_seq, row_start, row_ckpt, init
     return o, pool
 
 
-def gated_delta_rule_mixed(q, k, v, g, beta, rows: "PackedRows", q_lens, init, pool, rule=None,
-                           chunk_size: int = 64):
+def chunk_gated_delta_rule_varlen(q, k, v, g, beta, chunk_seq, chunk_first, chunk_last, init):
+    """The chunked WY/UT form over several slots laid out chunk-aligned (the engine's prefill
+    form; :mod:`jmtp.pallas.gated_delta_rule` and :mod:`jmtp.pallas.gated_delta_rule_gpu` hold
+    kernels of the same contract).
+
+    Args:
+      q, k: ``f32[n·C, Hv, Dk]`` prepared; v: ``f32[n·C, Hv, Dv]``; g, beta: ``f32[n·C, Hv]``:
+        ``n`` chunks of ``C`` rows, each slot's rows starting at a chunk boundary; rows that
+        belong to no slot are zero (``g = beta = 0``, ``k = 0``: they leave the state unchanged).
+      chunk_seq: ``i32[n]`` slot of each chunk (chunks of a slot contiguous, slots in increasing
+        order; chunks of no slot after them).
+      chunk_first: ``bool[n]`` the chunk is its slot's first: the state is loaded from
+        ``init[seq]``.
+      chunk_last: ``bool[n]`` the chunk is its slot's last: the state after it is the slot's
+        final state.
+      init: ``f32[B, Hv, Dk, Dv]`` each slot's state before the step.
+
+    Returns:
+      ``(o f32[n·C, Hv, Dv], final f32[B, Hv, Dk, Dv])``: ``final[s]`` the state after slot
+      ``s``'s last chunk (unspecified for a slot without chunks); rows of chunks that are no
+      slot's are unspecified.
+    """
+    n = chunk_seq.shape[0]
+    xs = [a.astype(jnp.float32).reshape((n, -1) + a.shape[1:]) for a in (q, k, v, g, beta)]
+
+    def step(carry, x):
+        st, final = carry
+        sq, fi, la, *rowsx = x
+        st = jnp.where(fi, init[sq].astype(jnp.float32), st)
+        st, oc = _chunk_step(st, *rowsx)
+        final = jax.lax.dynamic_update_slice(
+            final, jnp.where(la, st, final[sq])[None], (sq, 0, 0, 0))
+        return (st, final), oc
+
+    zero = jnp.zeros(init.shape[1:], jnp.float32)
+    (_, final), oc = jax.lax.scan(step, (zero, jnp.zeros(init.shape, jnp.float32)),
+                                  (chunk_seq, chunk_first, chunk_last, *xs))
+    return oc.reshape((-1,) + oc.shape[2:]), final
+
+
+def gated_delta_rule_mixed(q, k, v, g, beta, rows: "PackedRows", init, pool, rule=None,
+                           chunk_size: int = 64, pool_base=0, chunk_rule=None):
     """The engine's rule over a packed step: the rows of verify windows and short chunks (slots
     with ``q <= W`` rows) by the recurrent packed rule with one checkpoint per row
     (:func:`gated_delta_rule_packed`, or ``rule``), compacted to at most ``B·W`` rows; the rows of
-    longer prefill chunks (``q > W``) by the chunked WY/UT form (:func:`_chunk_step`), each slot's
-    rows laid out from a chunk boundary, its final state written to checkpoint ``W - 1`` (what
+    longer prefill chunks (``q > W``) by the chunked WY/UT form over chunk-aligned slots
+    (:func:`chunk_gated_delta_rule_varlen`, or ``chunk_rule``), each slot's rows laid out from a
+    chunk boundary, its final state written to checkpoint ``W - 1`` (what
     :func:`next_checkpoint` continues a prefill from). The chunked part runs only in a step that
     has such a slot (``lax.cond``).
 
     Args:
-      q, k, v, g, beta, init, pool: as :func:`gated_delta_rule_packed`.
-      rows: :func:`packed_rows` of the step. q_lens: ``i32[B]`` rows per slot.
+      q, k, v, g, beta, init, pool, pool_base: as :func:`gated_delta_rule_packed`.
+      rows: :func:`packed_rows` of the step (its ``q_lens``: rows per slot).
       chunk_size: C, rows per chunk of the chunked form.
 
     Returns:
@@ -289,7 +343,8 @@ def gated_delta_rule_mixed(q, k, v, g, beta, rows: "PackedRows", q_lens, init, p
     """
     from jmtp.core.mesh import uniform_any
     t = q.shape[0]
-    b_slots, w = pool.shape[0], pool.shape[1]
+    b_slots, w = init.shape[0], pool.shape[1]
+    q_lens = rows.q_lens
     long_seq = q_lens > w
     row_long = long_seq[rows.seq] & rows.valid
     # -- recurrent part: the other rows, in order, compacted to R <= B·W rows
@@ -300,46 +355,42 @@ def gated_delta_rule_mixed(q, k, v, g, beta, rows: "PackedRows", q_lens, init, p
     take = lambda a: a[src]  # noqa: E731
     o_r, pool = (rule or gated_delta_rule_packed)(
         take(q), take(k), take(v), take(g), take(beta), rows.seq[src],
-        real & (rows.local[src] == 0), jnp.where(real, rows.ckpt[src], -1), init, pool)
+        real & (rows.local[src] == 0), jnp.where(real, rows.ckpt[src], -1), init, pool,
+        pool_base=pool_base)
     o = jnp.zeros(v.shape, jnp.float32).at[idx].set(o_r, mode="drop")
+    if t <= w:          # (a bucket of at most W rows holds no long chunk)
+        return o, pool
 
     # -- chunked part: slot s's rows from chunk cs[s], row `local` at chunk cs + local // C
-    c = max(1, min(chunk_size, t))
+    # a power of two >= 8 rows (a Mosaic sublane tile; a Triton block shape)
+    c = max(1, min(chunk_size, 1 << max(3, (t - 1).bit_length())))
     n_chunks = -(-t // c) + min(b_slots, t // (w + 1))
     per = jnp.where(long_seq, -(-q_lens // c), 0)
     cs = jnp.cumsum(per) - per                                          # first chunk per slot
     aligned = jnp.where(row_long, (cs[rows.seq] + rows.local // c) * c + rows.local % c,
                         n_chunks * c)
 
-    def chunked(operands):
-        o, pool = operands
+    def chunked(ops):
         lay = lambda a: jnp.zeros((n_chunks * c,) + a.shape[1:], jnp.float32).at[aligned].set(  # noqa: E731
-            a.astype(jnp.float32), mode="drop").reshape((n_chunks, c) + a.shape[1:])
-        xs = [lay(a) for a in (q, k, v, g, beta)]
+            a.astype(jnp.float32), mode="drop")
         ci = jnp.arange(n_chunks, dtype=jnp.int32)
         end = cs + per
         seq = jnp.clip(jnp.searchsorted(end, ci, side="right"), 0, b_slots - 1).astype(jnp.int32)
         valid = ci < end[seq]
-        first = valid & (ci == cs[seq])
-        last = valid & (ci == end[seq] - 1)
+        oc, final = (chunk_rule or chunk_gated_delta_rule_varlen)(
+            *(lay(a) for a in ops[:5]), seq, valid & (ci == cs[seq]),
+            valid & (ci == end[seq] - 1), ops[5])
+        return oc[jnp.minimum(aligned, n_chunks * c - 1)], final
 
-        def step(carry, x):
-            st, pool = carry
-            sq, fi, la, *rowsx = x
-            st = jnp.where(fi, init[sq], st)
-            st, oc = _chunk_step(st, *rowsx)
-            old = pool[sq, w - 1]
-            pool = jax.lax.dynamic_update_slice(
-                pool, jnp.where(la, st, old)[None, None], (sq, w - 1, 0, 0, 0))
-            return (st, pool), oc
-
-        (_, pool), oc = jax.lax.scan(step, (jnp.zeros(init.shape[1:], jnp.float32), pool),
-                                     (seq, first, last, *xs))
-        oc = oc.reshape((n_chunks * c,) + oc.shape[2:])
-        o = jnp.where(row_long[:, None, None], oc[jnp.minimum(aligned, n_chunks * c - 1)], o)
-        return o, pool
-
-    return jax.lax.cond(uniform_any(long_seq), chunked, lambda ops: ops, (o, pool))
+    # The cond carries only this layer's rows and B states (not the pool: a conditional's
+    # result is a new buffer, so the pool would be copied whole); the final states of the long
+    # slots are then scattered into checkpoint W - 1 in place.
+    skip = lambda ops: (jnp.zeros(v.shape, jnp.float32), ops[5])  # noqa: E731
+    oc, final = jax.lax.cond(uniform_any(long_seq), chunked, skip, (q, k, v, g, beta, init))
+    o = jnp.where(row_long[:, None, None], oc, o)
+    dst = jnp.where(long_seq, pool_base + jnp.arange(b_slots), pool.shape[0])
+    pool = pool.at[dst, w - 1].set(final, mode="drop")
+    return o, pool
 
 
 # ------------------------------------------------------------------------------------------------
@@ -347,12 +398,15 @@ def gated_delta_rule_mixed(q, k, v, g, beta, rows: "PackedRows", q_lens, init, p
 # ------------------------------------------------------------------------------------------------
 
 class PackedRows(NamedTuple):
-    """Row addressing of a packed step for the linear layers (:func:`packed_rows`).
+    """Row addressing of a packed step for the linear layers (:func:`packed_rows`), computed once
+    per step and shared by every linear layer.
 
     Attributes:
       seq: ``i32[T]`` slot of each row; local: ``i32[T]`` its index within the slot's rows;
       valid: ``bool[T]`` not padding; fresh: ``bool[T]`` the slot starts from the zero state
-      (its first row is at position 0); ckpt: ``i32[T]`` checkpoint written after the row, -1 none.
+      (its first row is at position 0); ckpt: ``i32[T]`` checkpoint written after the row, -1 none;
+      q_lens: ``i32[B]`` rows per slot; fresh_seq: ``bool[B]`` the slot has rows and starts from
+      the zero state.
     """
 
     seq: jax.Array
@@ -360,6 +414,8 @@ class PackedRows(NamedTuple):
     valid: jax.Array
     fresh: jax.Array
     ckpt: jax.Array
+    q_lens: jax.Array
+    fresh_seq: jax.Array
 
 
 def packed_rows(cu_q_lens: jax.Array, positions: jax.Array, window: int) -> PackedRows:
@@ -369,11 +425,14 @@ def packed_rows(cu_q_lens: jax.Array, positions: jax.Array, window: int) -> Pack
     t = positions.shape[0]
     seq, local = packed_row_seq(cu_q_lens, t)
     valid = jnp.arange(t, dtype=jnp.int32) < cu_q_lens[-1]
-    q = (cu_q_lens[1:] - cu_q_lens[:-1])[seq]
+    q_lens = (cu_q_lens[1:] - cu_q_lens[:-1]).astype(jnp.int32)
+    q = q_lens[seq]
     ck = window - q + local
     ckpt = jnp.where(valid & (ck >= 0), ck, -1).astype(jnp.int32)
     fresh = (positions - local) == 0
-    return PackedRows(seq, local, valid, fresh, ckpt)
+    first = positions[jnp.clip(cu_q_lens[:-1], 0, max(t - 1, 0))]
+    fresh_seq = (q_lens > 0) & (first == 0)
+    return PackedRows(seq, local, valid, fresh, ckpt, q_lens, fresh_seq)
 
 
 def _project(lc: LinearAttentionConfig, p: dict, h: jax.Array):
@@ -404,31 +463,35 @@ def _split_qkv(lc: LinearAttentionConfig, x: jax.Array):
 
 def linear_attention_packed(cfg: ModelConfig, p: dict, h: jax.Array, rows: PackedRows,
                             conv_pool: jax.Array, rec_pool: jax.Array, current: jax.Array,
-                            rule=None, chunk_size: int = 64):
+                            rule=None, chunk_size: int = 64, layer=0, chunk_rule=None):
     """A gated-DeltaNet token mixer over a packed batch, reading each slot's state at its
     ``current`` checkpoint and writing the checkpoints of :func:`packed_rows`.
 
     Args:
       h: ``f[T, H]`` the normed rows (after ``attn_norm``).
-      conv_pool: ``f[B, W, Kc-1, conv_dim]``; rec_pool: ``f32[B, W, Hv, Dk, Dv]`` (this layer's).
+      conv_pool: ``f[N, W, Kc-1, conv_dim]``; rec_pool: ``f32[N, W, Hv, Dk, Dv]``: this layer's
+        pool (``N = B``, ``layer = 0``) or every linear layer's pool as one flat view (``N =
+        Ll·B``, a reshape of ``LinearState``'s arrays), this layer's slot ``b`` at entry
+        ``layer·B + b``: the pools are updated in place, no layer is sliced out and written back.
       current: ``i32[B]``.
       rule: the packed recurrent rule of window rows (default :func:`gated_delta_rule_packed`; a
-        Pallas kernel of the same contract may be passed); longer prefill chunks take the
-        chunked form (:func:`gated_delta_rule_mixed`, ``chunk_size`` rows per chunk).
+        kernel of the same contract may be passed); longer prefill chunks take the chunked form
+        (:func:`chunk_gated_delta_rule_varlen` or ``chunk_rule``, ``chunk_size`` rows per chunk).
+      layer: ``int``, the layer's index among the linear layers.
 
     Returns:
       ``(out f[T, H], conv_pool, rec_pool)``.
     """
     lc = cfg.linear
     kc = lc.conv_kernel_dim
-    b_slots, w = rec_pool.shape[0], rec_pool.shape[1]
+    b_slots, w = current.shape[0], rec_pool.shape[1]
+    base = layer * b_slots
     t = h.shape[0]
     qkv, z, a, b = _project(lc, p, h)
     seq, local = rows.seq, rows.local
-    bidx = jnp.arange(b_slots)
+    bidx = base + jnp.arange(b_slots)
     conv_in = conv_pool[bidx, current]                                  # f[B, Kc-1, C]
-    fresh_seq = jnp.zeros((b_slots,), bool).at[seq].max(rows.fresh & rows.valid & (local == 0))
-    conv_in = jnp.where(fresh_seq[:, None, None], 0, conv_in)
+    conv_in = jnp.where(rows.fresh_seq[:, None, None], 0, conv_in)
     # The convolution window of row t: inputs t-Kc+1 .. t (the slot's own earlier rows of this
     # step, else its convolution state).
     tr = jnp.arange(t, dtype=jnp.int32)
@@ -445,17 +508,17 @@ def linear_attention_packed(cfg: ModelConfig, p: dict, h: jax.Array, rows: Packe
     # conv checkpoints: the last Kc-1 inputs up to row t, oldest first
     new_conv = jnp.stack([taps[kc - 2 - j] for j in range(kc - 1)], 1)   # f[T, Kc-1, C]
     ck = rows.ckpt
-    conv_pool = conv_pool.at[jnp.where(ck >= 0, seq, b_slots), jnp.clip(ck, 0, w - 1)].set(
-        new_conv.astype(conv_pool.dtype), mode="drop")
+    conv_pool = conv_pool.at[jnp.where(ck >= 0, base + seq, conv_pool.shape[0]),
+                             jnp.clip(ck, 0, w - 1)].set(new_conv.astype(conv_pool.dtype),
+                                                         mode="drop")
 
     q, k, v = _split_qkv(lc, x)
     q, k = prepare_qk(q, k, lc.num_value_heads)
     g, beta = decay_and_beta(p, a, b)
     init = rec_pool[bidx, current]
-    init = jnp.where(fresh_seq[:, None, None, None], 0.0, init)
-    q_lens = jnp.zeros((b_slots,), jnp.int32).at[seq].add(rows.valid.astype(jnp.int32))
-    o, rec_pool = gated_delta_rule_mixed(q, k, v.astype(jnp.float32), g, beta, rows, q_lens,
-                                         init, rec_pool, rule, chunk_size)
+    init = jnp.where(rows.fresh_seq[:, None, None, None], 0.0, init)
+    o, rec_pool = gated_delta_rule_mixed(q, k, v.astype(jnp.float32), g, beta, rows, init,
+                                         rec_pool, rule, chunk_size, base, chunk_rule)
     return _output(cfg, p, o, z, h.dtype), conv_pool, rec_pool
 
 

@@ -26,7 +26,10 @@ Engines that hand requests to each other (:mod:`jmtp.runtime.handoff`) must stor
 same shift; the parameter digest of their fingerprint covers ``params["k_shift"]``.
 
 The shift is stored as ``params["k_shift"] f32[L, Nkv, D]`` (target layers; the MTP cache is
-stored unshifted) and used only by int8 caches (:func:`jmtp.model.llama.decoder_layer`).
+stored unshifted) and used only by int8 caches (:func:`jmtp.model.llama.decoder_layer`). For a
+hybrid model (gated DeltaNet + full attention, ``ModelConfig.is_hybrid``) ``L`` counts the layers
+that have a KV cache (``ModelConfig.kv_layers``, row ``j`` for cache layer ``j``): the linear
+layers store no keys.
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ CALIBRATION_SEQS, CALIBRATION_LEN, CALIBRATION_SEED = 4, 128, 0
 def calibrate_k_shift(cfg: ModelConfig, params: dict, num_seqs: int = CALIBRATION_SEQS,
                       seq_len: int = CALIBRATION_LEN, seed: int = CALIBRATION_SEED,
                       block_size: int = 16) -> jax.Array:
-    """Mean post-RoPE key of every layer and KV head: ``f32[L, Nkv, D]``.
+    """Mean post-RoPE key of every layer with a KV cache and KV head: ``f32[L, Nkv, D]`` (``L``:
+    ``cfg.num_kv_layers``, every layer of a model without linear-attention layers).
 
     ``num_seqs`` sequences of ``seq_len`` token ids drawn uniformly from the vocabulary
     (``np.random.default_rng(seed)``) run as one prefill of the target (positions
@@ -56,7 +60,7 @@ def calibrate_k_shift(cfg: ModelConfig, params: dict, num_seqs: int = CALIBRATIO
       ValueError: ``cfg`` uses MLA attention (no per-head keys), or ``num_seqs`` / ``seq_len`` /
         ``block_size`` < 1.
     """
-    from jmtp.model.llama import forward, init_kv_cache
+    from jmtp.model.llama import forward, init_model_cache
     from jmtp.model.metadata import ragged_batch
 
     if cfg.is_mla:
@@ -70,27 +74,29 @@ def calibrate_k_shift(cfg: ModelConfig, params: dict, num_seqs: int = CALIBRATIO
     n = num_seqs * seq_len
     pos, meta = ragged_batch(jnp.full((num_seqs,), seq_len, jnp.int32),
                              jnp.zeros((num_seqs,), jnp.int32), tables, block_size, n)
-    cache = init_kv_cache(cfg, cfg.num_layers, num_seqs * pages, block_size, jnp.float32)
+    # (a hybrid model's linear layers run on a state pool of one slot per sequence)
+    cache = init_model_cache(cfg, num_seqs * pages, block_size, jnp.float32, num_slots=num_seqs)
     core = {k: v for k, v in params.items() if k != "k_shift"}
     # a function object of this call's own: its executable is dropped when the call returns
     # (jitting the module-level forward would keep it, and its memory mappings, for good)
     _, cache = jax.jit(functools.partial(forward), static_argnums=0)(
         cfg, core, jnp.asarray(ids, jnp.int32), pos, meta, cache)
     # Block b of sequence s is s * pages + b: each sequence's slots are contiguous.
-    k = cache.k.reshape(cfg.num_layers, num_seqs, pages * block_size, cfg.num_kv_heads, -1)
+    k = cache.k.reshape(cfg.num_kv_layers, num_seqs, pages * block_size, cfg.num_kv_heads, -1)
     return jnp.mean(k[:, :, :seq_len].astype(jnp.float32), axis=(1, 2))
 
 
 def with_k_shift(cfg: ModelConfig, params: dict, kv_cache_dtype: str | None) -> dict:
     """``params`` with ``"k_shift"`` (:func:`calibrate_k_shift`) added when ``kv_cache_dtype`` is
     ``"int8"`` and ``params`` has none (MLA models excepted: they have no int8 cache); otherwise
-    ``params`` unchanged. A given ``params["k_shift"]`` must be ``f32[L, Nkv, D]``.
+    ``params`` unchanged. A given ``params["k_shift"]`` must be ``f32[L, Nkv, D]`` (``L =
+    cfg.num_kv_layers``).
 
     Raises:
       ValueError: a given ``params["k_shift"]`` of another shape.
     """
     if "k_shift" in params:
-        want = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        want = (cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim)
         if tuple(params["k_shift"].shape) != want:
             raise ValueError(f"params['k_shift'] must be f32{list(want)} (layers, kv heads, "
                              f"head dim), got {list(params['k_shift'].shape)}")

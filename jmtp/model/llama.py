@@ -134,13 +134,16 @@ def init_kv_cache(cfg: ModelConfig, num_layers: int, num_blocks: int, block_size
 
 
 def init_model_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
-                     num_slots: int = 1, window: int = 1, **kw) -> KVCache:
+                     num_slots: int = 1, window: int = 1, num_saved_states: int = 0,
+                     **kw) -> KVCache:
     """The target's cache: :func:`init_kv_cache` over its full-attention layers
     (``cfg.num_kv_layers``) and, for a hybrid model, the recurrent state pool of ``num_slots``
-    slots with ``window`` checkpoints each (:func:`jmtp.model.gated_deltanet.init_linear_state`).
+    slots with ``window`` checkpoints each and ``num_saved_states`` block-boundary checkpoints
+    for prefix caching (:func:`jmtp.model.gated_deltanet.init_linear_state`).
     ``kw``: :func:`init_kv_cache`'s ``kv_cache_dtype`` / ``row_width``."""
     cache = init_kv_cache(cfg, cfg.num_kv_layers, num_blocks, block_size, dtype, **kw)
-    return cache._replace(linear=gdn.init_linear_state(cfg, num_slots, window, dtype))
+    return cache._replace(linear=gdn.init_linear_state(cfg, num_slots, window, dtype,
+                                                       num_saved_states))
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -320,13 +323,13 @@ def decoder_layer(
 
 def linear_decoder_layer(cfg: ModelConfig, p: dict, x: jax.Array, rows: "gdn.PackedRows",
                          conv_pool: jax.Array, rec_pool: jax.Array, current: jax.Array,
-                         rule=None):
+                         rule=None, layer: int = 0, chunk_rule=None):
     """Pre-norm hybrid block whose token mixer is gated DeltaNet
-    (:func:`jmtp.model.gated_deltanet.linear_attention_packed` over this layer's slice of the
-    state pool), then the FFN. Returns ``(x, conv_pool, rec_pool)``."""
+    (:func:`jmtp.model.gated_deltanet.linear_attention_packed` over linear layer ``layer`` of the
+    flat state pools ``f[Ll·B, W, ...]``), then the FFN. Returns ``(x, conv_pool, rec_pool)``."""
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    mix, conv_pool, rec_pool = gdn.linear_attention_packed(cfg, p, h, rows, conv_pool, rec_pool,
-                                                           current, rule)
+    mix, conv_pool, rec_pool = gdn.linear_attention_packed(
+        cfg, p, h, rows, conv_pool, rec_pool, current, rule, layer=layer, chunk_rule=chunk_rule)
     return _mlp_block(cfg, p, x + mix), conv_pool, rec_pool
 
 
@@ -411,16 +414,21 @@ def _run_hybrid_layers(cfg, layers, x, positions, meta, cache: KVCache, pool, at
     rows = gdn.packed_rows(meta.cu_q_lens, positions, lin.recurrent.shape[2])
     kv_index = {i: j for j, i in enumerate(cfg.kv_layers)}
     lin_index = {i: j for j, i in enumerate(cfg.linear_layers)}
-    conv, rec = lin.conv, lin.recurrent
+    # Every linear layer's pool as one flat view [Ll·B, W, ...] (a reshape, free), as the KV
+    # cache's flat view (_layer_view): layer j's slot b is entry j·B + b, so each layer updates
+    # the pool in place instead of slicing out its layer and writing it back (two copies of the
+    # layer's B·W checkpoints per layer and step).
+    flat = lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:])  # noqa: E731
+    conv, rec = flat(lin.conv), flat(lin.recurrent)
     for i, p in enumerate(layers):
         if i in kv_index:
             x, pool = attention_layer(x, pool, kv_index[i], p)
         else:
-            j = lin_index[i]
-            x, cj, rj = linear_decoder_layer(cfg, p, x, rows, conv[j], rec[j], lin.current,
-                                             meta.linear_rule)
-            conv, rec = conv.at[j].set(cj), rec.at[j].set(rj)
-    return x, _unflat_cache(pool, cache._replace(linear=lin._replace(conv=conv, recurrent=rec)))
+            x, conv, rec = linear_decoder_layer(cfg, p, x, rows, conv, rec, lin.current,
+                                                meta.linear_rule, lin_index[i],
+                                                meta.linear_chunk_rule)
+    lin = lin._replace(conv=conv.reshape(lin.conv.shape), recurrent=rec.reshape(lin.recurrent.shape))
+    return x, _unflat_cache(pool, cache._replace(linear=lin))
 
 
 def forward(

@@ -147,7 +147,9 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
 def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of a checkpoint without reading its weights: a GGUF file (its
     metadata), an HF checkpoint directory or an HF ``config.json`` file (``None`` = the default
-    SmolLM2). For ahead-of-time compiles (:mod:`jmtp.aot`).
+    SmolLM2). For ahead-of-time compiles (:mod:`jmtp.aot`). The EOS ids come from
+    ``config.json`` and a ``generation_config.json`` beside it, as :func:`load_checkpoint` reads
+    them.
 
     Raises:
       ValueError: as :func:`resolve_checkpoint`, or an unreadable / unknown config.
@@ -165,14 +167,19 @@ def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
             return gguf_config(open_gguf(p), str(p))[0]
         cfg_path = p / "config.json"
     from jmtp.model.hf_config import HYBRID_ARCHITECTURES, hf_config
-    try:
-        hf = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
+    def read(path: Path) -> dict:
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON ({e})") from None
+
+    hf = read(cfg_path)
+    gen_path = cfg_path.parent / "generation_config.json"
+    gen = read(gen_path) if gen_path.is_file() else None
     if (hf.get("architectures") or [None])[0] in HYBRID_ARCHITECTURES:
         from jmtp.model.hf_qwen3_next import hybrid_config
-        return hybrid_config(hf, str(cfg_path))
-    return hf_config(hf, str(cfg_path))
+        return hybrid_config(hf, str(cfg_path), gen)
+    return hf_config(hf, str(cfg_path), gen)
 
 
 def load_model(path: str | os.PathLike | None = None, dtype=None,

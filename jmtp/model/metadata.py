@@ -25,6 +25,9 @@ class AttentionMetadata:
       linear_rule: static: the packed gated-delta-rule implementation of a hybrid model's
                              linear layers (:func:`jmtp.model.gated_deltanet.gated_delta_rule_packed`
                              or a Pallas kernel of the same contract); None = the jnp one.
+      linear_chunk_rule: static: the chunked form of prefill chunks longer than the window
+                             (:func:`jmtp.model.gated_deltanet.chunk_gated_delta_rule_varlen` or
+                             a kernel of the same contract); None = the jnp one.
     """
 
     slot_mapping: jax.Array
@@ -33,6 +36,7 @@ class AttentionMetadata:
     block_tables: jax.Array
     rows_per_seq: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     linear_rule: object = dataclasses.field(default=None, metadata=dict(static=True))
+    linear_chunk_rule: object = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def packed_row_seq(cu_q_lens: jax.Array, num_tokens: int) -> tuple[jax.Array, jax.Array]:

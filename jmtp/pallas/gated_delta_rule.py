@@ -152,7 +152,7 @@ def check_packed_inputs(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, po
 
     Expected: ``q, k f[T, H, Dk]``, ``v f[T, H, Dv]``, ``g, beta f[T, H]``, ``row_seq i32[T]``,
     ``row_start bool[T]`` (or integer), ``row_ckpt i32[T]``, ``init f[B, H, Dk, Dv]``,
-    ``pool f32[B, W, H, Dk, Dv]`` with ``W >= 1``.
+    ``pool f32[N, W, H, Dk, Dv]`` with ``N >= B`` and ``W >= 1``.
 
     Raises:
       ValueError: naming the first inconsistent argument and the shape / dtype it should have.
@@ -163,11 +163,14 @@ def check_packed_inputs(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, po
     _expect("row_ckpt", row_ckpt, (t,), "int", " [T]")
     ps = _shape(pool)
     if len(ps) != 5:
-        raise ValueError(f"pool must have shape [B, W, H={h}, Dk={dk}, Dv={dv}], got {ps}")
-    _expect("pool", pool, (ps[0], ps[1], h, dk, dv), "f32", " [B, W, H, Dk, Dv]")
+        raise ValueError(f"pool must have shape [N, W, H={h}, Dk={dk}, Dv={dv}], got {ps}")
+    _expect("pool", pool, (ps[0], ps[1], h, dk, dv), "f32", " [N, W, H, Dk, Dv]")
     if ps[0] < 1 or ps[1] < 1:
-        raise ValueError(f"pool needs B >= 1 slots and W >= 1 checkpoints, got {ps}")
-    _expect("init", init, (ps[0], h, dk, dv), "float", " [B, H, Dk, Dv] (B from pool)")
+        raise ValueError(f"pool needs N >= 1 entries and W >= 1 checkpoints, got {ps}")
+    ins = _shape(init)
+    b_slots = ins[0] if len(ins) == 4 and 1 <= ins[0] <= ps[0] else min(ps[0], max(ins[:1] or (1,)))
+    _expect("init", init, (b_slots, h, dk, dv), "float",
+            f" [B, H, Dk, Dv] with 1 <= B <= N={ps[0]} (pool entries)")
 
 
 def check_chunk_inputs(q, k, v, g, beta, initial_state, chunk_size) -> None:
@@ -251,15 +254,16 @@ def _packed_kernel(
     seq_ref,          # i32[T_pad] slot of each row, clamped to [0, B)
     start_ref,        # i32[T_pad] 1: reload the state from init before the row
     ckpt_ref,         # i32[T_pad] checkpoint written after the row (clamped to < W), -1 none
+    base_ref,         # i32[1] pool entry of slot 0 (the layer's offset in a flat pool)
     # inputs
     q_ref, k_ref,     # VMEM f32[R, Dk]
     v_ref,            # VMEM f32[R, Dv]
     a_ref, b_ref,     # SMEM f32[1, R] exp(g) and beta of this head's rows
     init_hbm,         # ANY f32[B, H, Dk, Dv]
-    pool_in,          # ANY f32[B, W, H, Dk, Dv] (aliased to pool_hbm; never read)
+    pool_in,          # ANY f32[N, W, H, Dk, Dv] (aliased to pool_hbm; never read)
     # outputs
     o_ref,            # VMEM f32[R, Dv]
-    pool_hbm,         # ANY f32[B, W, H, Dk, Dv]
+    pool_hbm,         # ANY f32[N, W, H, Dk, Dv]
     # scratch
     s_ref,            # VMEM f32[Dk, Dv] the head's state, carried over the row blocks
     stage_ref,        # VMEM f32[2, Dk, Dv] checkpoint staging tiles
@@ -303,7 +307,7 @@ def _packed_kernel(
                 wait_slot(slot)          # the DMA that last used this staging tile
 
             stage_ref[slot] = s
-            pltpu.make_async_copy(stage_ref.at[slot], pool_hbm.at[seq, ck, h],
+            pltpu.make_async_copy(stage_ref.at[slot], pool_hbm.at[base_ref[0] + seq, ck, h],
                                   sems.at[slot]).start()
 
         return started + write.astype(jnp.int32)
@@ -321,10 +325,11 @@ def _packed_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("rows", "interpret"))
-def _packed(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool, *, rows, interpret):
+def _packed(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool, pool_base, *, rows,
+            interpret):
     t, h, dk = q.shape
     dv = v.shape[2]
-    b_slots, w = pool.shape[:2]
+    b_slots, w = init.shape[0], pool.shape[1]
     t_pad = _round_up(t, rows)
     pad = t_pad - t
     f32 = jnp.float32
@@ -336,6 +341,7 @@ def _packed(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool, *, rows,
     start = padt(row_start.astype(jnp.int32) != 0).astype(jnp.int32)
     ck = row_ckpt.astype(jnp.int32)
     ck = padt(jnp.where(ck >= 0, jnp.minimum(ck, w - 1), -1), -1)
+    base = jnp.clip(jnp.asarray(pool_base, jnp.int32), 0, pool.shape[0] - b_slots).reshape(1)
     qw, q_spec = _head_tiles(padt(q.astype(f32)), rows)
     kw, k_spec = _head_tiles(padt(k.astype(f32)), rows)
     vw, v_spec = _head_tiles(padt(v.astype(f32)), rows)
@@ -351,24 +357,25 @@ def _packed(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool, *, rows,
     o, pool = pl.pallas_call(
         functools.partial(_packed_kernel, rows=rows),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=4,
             grid=(h, nb),
             in_specs=[q_spec, k_spec, v_spec, smem_rows, smem_rows, any_spec, any_spec],
             out_specs=[o_spec, any_spec],
             scratch_shapes=[pltpu.VMEM((dk, dv), f32), pltpu.VMEM((2, dk, dv), f32),
                             pltpu.SemaphoreType.DMA((2,))]),
         out_shape=[jax.ShapeDtypeStruct(o_shape, f32), jax.ShapeDtypeStruct(pool.shape, f32)],
-        # operands: 3 scalar-prefetch, q, k, v, exp(g), beta, init, pool (index 9) -> output 1
-        input_output_aliases={9: 1},
+        # operands: 4 scalar-prefetch, q, k, v, exp(g), beta, init, pool (index 10) -> output 1
+        input_output_aliases={10: 1},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="jmtp_gated_delta_rule_packed_tpu",
-    )(seq, start, ck, qw, kw, vw, decay, bt, init.astype(f32), pool)
+    )(seq, start, ck, base, qw, kw, vw, decay, bt, init.astype(f32), pool)
     return _from_head_tiles(o, t, h, dv), pool
 
 
 def gated_delta_rule_packed_pallas(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool,
-                                   *, interpret: Any = None, rows_per_block: int | None = None):
+                                   pool_base=0, *, interpret: Any = None,
+                                   rows_per_block: int | None = None):
     """Pallas-TPU gated delta rule over a packed ragged batch; the contract of
     :func:`jmtp.model.gated_deltanet.gated_delta_rule_packed` (pass it as ``rule=`` of
     ``linear_attention_packed``).
@@ -385,15 +392,18 @@ def gated_delta_rule_packed_pallas(q, k, v, g, beta, row_seq, row_start, row_ckp
         ``(slot, checkpoint)`` pairs (the engine's always do): two checkpoint DMAs in flight
         to one tile would land in either order.
       init: ``f[B, H, Dk, Dv]`` each slot's state before this step.
-      pool: ``f32[B, W, H, Dk, Dv]`` the checkpoints; aliased to the returned pool (donate it
-        under ``jit`` to update it in place), tiles of unmarked checkpoints keep their bytes.
+      pool: ``f32[N, W, H, Dk, Dv]`` the checkpoints, slot ``s`` at entry ``pool_base + s``
+        (``N >= B``; the engine's flat view of every linear layer's pool); aliased to the
+        returned pool (donate it under ``jit`` to update it in place), tiles of unmarked
+        checkpoints keep their bytes.
+      pool_base: ``int`` or ``i32[]`` in ``[0, N - B]`` (clamped into it).
       interpret: None (interpret unless the host is a TPU), a bool, or a
         ``pltpu.InterpretParams``.
       rows_per_block: ``R``, rows per grid step (a multiple of 8; default
         ``min(DEFAULT_ROWS_PER_BLOCK, T rounded up to 8)``).
 
     Returns:
-      ``(o f32[T, H, Dv], pool f32[B, W, H, Dk, Dv])``.
+      ``(o f32[T, H, Dv], pool f32[N, W, H, Dk, Dv])``.
 
     Raises:
       ValueError: inconsistent shapes or dtypes (:func:`check_packed_inputs`), a bad
@@ -410,7 +420,7 @@ def gated_delta_rule_packed_pallas(q, k, v, g, beta, row_seq, row_start, row_ckp
     interpret = _interpret(interpret)
     if t == 0:
         return jnp.zeros((0, h, v.shape[2]), jnp.float32), pool
-    return _packed(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool,
+    return _packed(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool, pool_base,
                    rows=rows_per_block, interpret=interpret)
 
 
@@ -418,27 +428,13 @@ def gated_delta_rule_packed_pallas(q, k, v, g, beta, row_seq, row_start, row_ckp
 # Chunked form (one sequence)
 # ------------------------------------------------------------------------------------------------
 
-def _chunk_kernel(
-    q_ref, k_ref,     # VMEM f32[C, Dk] this head's rows of chunk i
-    v_ref,            # VMEM f32[C, Dv]
-    b_ref,            # VMEM f32[C, 1] beta
-    gc_ref,           # VMEM f32[C, 1] cumulative decay within the chunk (column)
-    gr_ref,           # VMEM f32[1, C] the same as a row
-    s0_ref,           # VMEM f32[Dk, Dv] initial state of the head
-    o_ref,            # VMEM f32[C, Dv]
-    sf_ref,           # VMEM f32[Dk, Dv] final state of the head
-    s_ref,            # scratch VMEM f32[Dk, Dv] state between chunks
-    a_ref,            # scratch VMEM f32[C, C] A
-    t_ref,            # scratch VMEM f32[C, C] (I + A)^-1
-    *, chunk: int,
-):
-    i = pl.program_id(1)
-
-    @pl.when(i == 0)
-    def _():
-        s_ref[...] = s0_ref[...]
-
-    c = chunk
+def chunk_step_vmem(q_ref, k_ref, v_ref, b_ref, gc_ref, gr_ref, s, o_ref, a_ref, t_ref,
+                    c: int):
+    """One chunk of the WY/UT form inside a Mosaic kernel (module docstring): this head's rows
+    ``q_ref, k_ref [C, Dk]``, ``v_ref [C, Dv]``, ``b_ref`` beta ``[C, 1]``, the cumulative decay
+    as a column ``gc_ref [C, 1]`` and a row ``gr_ref [1, C]``, the state ``s f32[Dk, Dv]``
+    before the chunk; writes the chunk's output to ``o_ref [C, Dv]`` (scratch ``a_ref``,
+    ``t_ref [C, C]``) and returns the state after it."""
     qc, kc, vc, bc = q_ref[...], k_ref[...], v_ref[...], b_ref[...]
     gcol, grow = gc_ref[...], gr_ref[...]
     ri = lax.broadcasted_iota(jnp.int32, (c, c), 0)
@@ -462,16 +458,38 @@ def _chunk_kernel(
     u = _dot(tinv, vc * bc)                                              # [C, Dv]
     w = _dot(tinv, kb * egc)                                             # [C, Dk]
     attn = jnp.where(causal, _dot_nt(qc, kc) * decay, 0.0)               # [C, C]
-    s = s_ref[...]
     v_new = u - _dot(w, s)
     o_ref[...] = _dot(qc * egc, s) + _dot(attn, v_new)
     g_last = grow[:, c - 1:c]                                            # [1, 1]
-    s = s * jnp.exp(g_last) + _dot_tn(kc * jnp.exp(g_last - gcol), v_new)
-    s_ref[...] = s
+    return s * jnp.exp(g_last) + _dot_tn(kc * jnp.exp(g_last - gcol), v_new)
+
+
+def _chunk_kernel(
+    q_ref, k_ref,     # VMEM f32[C, Dk] this head's rows of chunk i
+    v_ref,            # VMEM f32[C, Dv]
+    b_ref,            # VMEM f32[C, 1] beta
+    gc_ref,           # VMEM f32[C, 1] cumulative decay within the chunk (column)
+    gr_ref,           # VMEM f32[1, C] the same as a row
+    s0_ref,           # VMEM f32[Dk, Dv] initial state of the head
+    o_ref,            # VMEM f32[C, Dv]
+    sf_ref,           # VMEM f32[Dk, Dv] final state of the head
+    s_ref,            # scratch VMEM f32[Dk, Dv] state between chunks
+    a_ref,            # scratch VMEM f32[C, C] A
+    t_ref,            # scratch VMEM f32[C, C] (I + A)^-1
+    *, chunk: int,
+):
+    i = pl.program_id(1)
+
+    @pl.when(i == 0)
+    def _():
+        s_ref[...] = s0_ref[...]
+
+    s_ref[...] = chunk_step_vmem(q_ref, k_ref, v_ref, b_ref, gc_ref, gr_ref, s_ref[...], o_ref,
+                                 a_ref, t_ref, chunk)
 
     @pl.when(i == pl.num_programs(1) - 1)
     def _():
-        sf_ref[...] = s
+        sf_ref[...] = s_ref[...]
 
 
 @functools.partial(jax.jit, static_argnames=("chunk", "interpret"))

@@ -229,6 +229,10 @@ class EngineConfig:
         shared prefix blocks (``num_shared``, ``shared_tables``), the step reads through them and
         no longer returns a finished slot's blocks itself: the host retires the slot, keeping
         the full blocks it caches (:mod:`jmtp.runtime.prefix_cache`).
+      num_state_checkpoints: a hybrid model's block-boundary state checkpoints for prefix
+        caching (entries of ``LinearState.saved``, :mod:`jmtp.model.state_checkpoints`), total
+        over data shards: one per slot (the entry it captures into) plus the cached ones; 0
+        without prefix caching or for a model without linear-attention layers.
       platform: the platform the step is compiled for (:data:`jmtp.core.platform.PLATFORMS`);
         ``None`` (default): the host's default backend, resolved at construction. It decides the
         ``"auto"`` allocator and whether Pallas kernels run in interpret mode
@@ -255,6 +259,7 @@ class EngineConfig:
     block_allocator: str = "auto"
     kv_cache_dtype: str | None = None
     enable_prefix_caching: bool = False
+    num_state_checkpoints: int = 0
     platform: str | None = None
 
     def __post_init__(self):

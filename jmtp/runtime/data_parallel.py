@@ -43,12 +43,14 @@ from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.sharding import DATA
 from jmtp.runtime.state import insert_request
 from jmtp.runtime.handoff import gather_slot, import_slot
-from jmtp.runtime.step import engine_step, push_free_blocks, release_slot, retire_slot
+from jmtp.runtime.step import (engine_step, push_free_blocks, release_slot, retire_slot,
+                               set_slot_state_of)
 
 
 def shard_config(ec: EngineConfig, data_parallel_size: int) -> EngineConfig:
     """The :class:`EngineConfig` of one data shard: ``max_num_seqs``, ``num_blocks`` and the
-    per-step token budget ``max_num_batched_tokens`` divided by D; everything else (K, block
+    per-step token budget ``max_num_batched_tokens`` (and a hybrid model's prefix-caching state
+    checkpoints ``num_state_checkpoints``) divided by D; everything else (K, block
     size, max_model_len, allocator) unchanged. (The engine's sizes are totals over the shards, as
     the ``slots`` axis is one axis sharded over ``data``.)
 
@@ -62,14 +64,15 @@ def shard_config(ec: EngineConfig, data_parallel_size: int) -> EngineConfig:
         raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
     if d == 1:
         return ec
-    for name in ("max_num_seqs", "num_blocks", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "num_blocks", "max_num_batched_tokens", "num_state_checkpoints"):
         v = getattr(ec, name)
         if v % d:
             raise ValueError(f"data_parallel_size={d} must divide {name}={v} (each data shard "
                              f"owns {name}/data_parallel_size of them)")
     local = dataclasses.replace(ec, max_num_seqs=ec.max_num_seqs // d,
                                 num_blocks=ec.num_blocks // d,
-                                max_num_batched_tokens=ec.max_num_batched_tokens // d)
+                                max_num_batched_tokens=ec.max_num_batched_tokens // d,
+                                num_state_checkpoints=ec.num_state_checkpoints // d)
     if local.num_blocks < local.pages_per_seq:
         raise ValueError(
             f"num_blocks={ec.num_blocks} over data_parallel_size={d} leaves {local.num_blocks} "
@@ -117,13 +120,13 @@ def data_parallel_step(mesh: Mesh, graphdef, ec: EngineConfig, drafter, bucket, 
       ``[D, B/D, ...]`` and ``free_count`` is ``i32[D]``.
     """
     def body(model_state, state, cache, mtp_cache, chunk, limit, bitmask, override):
-        out = engine_step(graphdef, ec, drafter, bucket, attention_impl, model_state,
-                          _squeeze(state), _squeeze(cache), _squeeze(mtp_cache), chunk[0],
-                          limit[0], bitmask[0], override[0])
+        *new, out = engine_step(graphdef, ec, drafter, bucket, attention_impl, model_state,
+                                _squeeze(state), _squeeze(cache), _squeeze(mtp_cache), chunk[0],
+                                limit[0], bitmask[0], override[0])
         # prompt logprobs are per packed row of a shard: not served on a mesh (refused at intake)
         out = dataclasses.replace(out, prompt_logprobs=None, prompt_top_ids=None,
                                   prompt_top_logprobs=None, prompt_row_start=None)
-        return _expand(out)
+        return _expand((*new, out))
 
     d = P(DATA)
     return _on_shard(mesh, body, (P(), d, d, d, d, d, d, d), d)(
@@ -220,6 +223,24 @@ def data_parallel_import(mesh: Mesh, ec: EngineConfig, state, cache, mtp_cache, 
         state, cache, mtp_cache, shard, slot, row, kv, num_pages)
 
 
+def data_parallel_set_slot_state(mesh: Mesh, cache, shard, slot, load_entry, capture_entry):
+    """:func:`~jmtp.runtime.slots.set_slot_state_of` on row ``slot`` of data shard ``shard``
+    (entries shard-local); the other shards' caches unchanged."""
+    def body(cache, shard, slot, load_entry, capture_entry):
+        local = _squeeze(cache)
+        # no cond over the cache (a conditional's result is a new buffer): the other shards
+        # load nothing and keep their capture entry
+        mine = jax.lax.axis_index(DATA) == shard
+        keep = local.linear.saved.entry[slot]
+        new = set_slot_state_of(local, slot, jnp.where(mine, load_entry, -1),
+                                jnp.where(mine, capture_entry, keep))
+        return _expand(new)
+
+    r = P()
+    return _on_shard(mesh, body, (P(DATA), r, r, r, r), P(DATA))(cache, shard, slot, load_entry,
+                                                                 capture_entry)
+
+
 def shard_gather(state, cache, mtp_cache, shard, slot, page_ids):
     """:func:`~jmtp.runtime.handoff.gather_slot` of row ``slot`` of data shard ``shard`` of the
     stacked state and caches (jit it with replicated output shardings: the host reads it)."""
@@ -229,4 +250,4 @@ def shard_gather(state, cache, mtp_cache, shard, slot, page_ids):
 
 __all__ = ["shard_config", "stack_shards", "data_parallel_step", "data_parallel_insert",
            "data_parallel_release", "data_parallel_retire", "data_parallel_push_free",
-           "data_parallel_import", "shard_gather"]
+           "data_parallel_import", "data_parallel_set_slot_state", "shard_gather"]

@@ -157,7 +157,13 @@ class EngineArgs:
         from the two sizes (:func:`jmtp.runtime.sharding.make_mesh`).
       enable_prefix_caching: reuse the target and MTP KV of full blocks of earlier requests'
         prompts and outputs (vLLM's option name; :mod:`jmtp.runtime.prefix_cache`); on a mesh
-        each data shard caches its own blocks (:mod:`jmtp.runtime.prefix_slots`).
+        each data shard caches its own blocks (:mod:`jmtp.runtime.prefix_slots`). A hybrid
+        (gated-DeltaNet) model also keeps the linear layers' state at block boundaries
+        (:mod:`jmtp.runtime.prefix_states`).
+      max_cached_states: with prefix caching on a hybrid model: block-boundary state checkpoints
+        kept beside the cached KV blocks (total over data shards, which it must divide; each
+        takes ``LLMEngine.kv_cache_bytes()["prefix_state_entry"]`` bytes on the device, on top of
+        one per slot). ``None``: ``max_num_seqs``. Ignored otherwise.
       devices: the devices the engine runs on (default ``jax.devices()``): the mesh is built
         from them, one device runs ``devices[0]``; their platform is the engine's
         (``EngineConfig.platform``: attention, allocator and MoE choices, kernel interpret mode,
@@ -222,6 +228,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     mesh: object = None
     enable_prefix_caching: bool = False
+    max_cached_states: int | None = None
     layer_loop: str = "auto"
     devices: object = None
     abstract: bool = False
@@ -286,8 +293,7 @@ class EngineArgs:
                                            platform)))
         if spec.method == "mtp" and "mtp" not in params:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
-        if model_config.is_hybrid:
-            _check_hybrid(a)
+        num_states = _state_checkpoints(a, model_config)
         if a.batch_invariant:
             model_config = _batch_invariant(a, model_config, one_device)
         mesh = _make_mesh(model_config, a.tensor_parallel_size, a.data_parallel_size, a.mesh,
@@ -316,7 +322,7 @@ class EngineArgs:
             num_blocks=a.num_blocks or 1, max_num_batched_tokens=tokens, max_stop_ids=8,
             max_logprobs=a.max_logprobs, spec=spec, block_allocator=a.block_allocator,
             kv_cache_dtype=a.kv_cache_dtype, enable_prefix_caching=bool(a.enable_prefix_caching),
-            platform=platform)
+            num_state_checkpoints=num_states, platform=platform)
         if not a.num_blocks:      # default: every slot can hold a full-length sequence
             ec = dataclasses.replace(ec, num_blocks=a.max_num_seqs * ec.pages_per_seq)
         if a.layer_loop == "auto" and layer_loop == "unrolled" and not model_config.is_hybrid:
@@ -393,8 +399,8 @@ def abstract_params(cfg: ModelConfig, dtype, with_mtp: bool, kv_cache_dtype: str
         return jax.ShapeDtypeStruct(tuple(tree), jnp.float32 if name == "router_bias" else dtype)
     params = sds(param_shapes(c))
     if kv_cache_dtype == "int8" and not cfg.is_mla:
-        params["k_shift"] = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
-                                                 jnp.float32)
+        params["k_shift"] = jax.ShapeDtypeStruct(
+            (cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
     return params
 
 
@@ -417,19 +423,22 @@ def _batch_invariant(a, cfg: ModelConfig, one_device: bool) -> ModelConfig:
     return cfg.replace(batch_invariant=True)
 
 
-def _check_hybrid(a) -> None:
-    """Refuse what a hybrid (gated-DeltaNet) model does not support yet, naming the reason.
+def _state_checkpoints(a, cfg: ModelConfig) -> int:
+    """``EngineConfig.num_state_checkpoints``: with prefix caching on a hybrid model one per slot
+    plus ``max_cached_states`` (default ``max_num_seqs``); else 0.
 
     Raises:
-      ValueError: prefix caching (a cached prefix has KV blocks but no recurrent state at its
-        block boundary), an int8 KV cache (its key shift is calibrated per target layer)."""
-    if a.enable_prefix_caching:
-        raise ValueError("enable_prefix_caching is not supported with a hybrid linear-attention "
-                         "model: a cached prefix holds KV blocks but no recurrent state "
-                         "checkpoint at its block boundary")
-    if a.kv_cache_dtype == "int8":
-        raise ValueError("kv_cache_dtype='int8' is not supported with a hybrid linear-attention "
-                         "model (use None or 'fp8_e4m3')")
+      ValueError: ``max_cached_states`` negative or not divisible by ``data_parallel_size``."""
+    if not (a.enable_prefix_caching and cfg.is_hybrid):
+        return 0
+    n = a.max_num_seqs if a.max_cached_states is None else a.max_cached_states
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"max_cached_states must be an int >= 0, got {a.max_cached_states!r}")
+    dp = a.mesh.shape.get("data", 1) if a.mesh is not None else a.data_parallel_size
+    if n % dp:
+        raise ValueError(f"max_cached_states={n} must be a multiple of data_parallel_size={dp} "
+                         "(each data shard keeps its own)")
+    return a.max_num_seqs + n
 
 
 def _make_mesh(cfg: ModelConfig, tp: int, dp: int, mesh, devices=None):

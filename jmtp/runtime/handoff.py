@@ -18,6 +18,10 @@ MTP KV pages are the whole proposer state. The random stream continues because e
 by (seed, output position, purpose) (:mod:`jmtp.runtime.sampling.rng`) and the row carries the
 seed, ``rng_offset`` and ``step_idx``. Hence any K and M: the window holds the K drafts of the
 last MTP proposal, whatever K is (FastDeploy's "splitwise" hands MTP state over for K = 1 only).
+A hybrid (gated-DeltaNet) target's linear layers have no KV pages: the request carries its slot's
+recurrent and convolution state at the slot's current checkpoint instead
+(:func:`jmtp.model.state_checkpoints.slot_state`, ``kv["linear_*"]``), written back into the same
+checkpoint on import; the fingerprint covers its layout (:func:`linear_state_layout`).
 
 The layout is versioned (:data:`HANDOFF_VERSION`) and :meth:`RequestState.to_bytes` /
 :meth:`RequestState.from_bytes` serialise it to a numpy ``.npz`` archive (a JSON header plus raw
@@ -48,6 +52,9 @@ HANDOFF_VERSION = 4    # 4: the sampling row's seed_hi and logit_bias (64-bit se
                        # logit_bias); 3: KV pages in the merged row layout
                        # (jmtp.pallas.kv_layout); 2: the window's draft budget
                        # (EngineState.actual_draft_token_num)
+
+#: Prefix of the ``RequestState.kv`` entries that hold a hybrid model's slot state (not pages).
+LINEAR_PREFIX = "linear_"
 
 #: Per-slot fields of :class:`EngineState` carried in ``RequestState.row`` (``blocks`` is carried
 #: as KV pages; ``draft_probs`` only when the engine samples drafts).
@@ -82,7 +89,10 @@ class RequestState:
       kv: the KV pages the request owns, in sequence order: ``target_k`` / ``target_v``
         ``[L, n, block_size, Nkv·D]``, ``mtp_k`` / ``mtp_v`` ``[M_layers, n, ...]`` (no MTP
         cache: absent), and ``*_k_scale`` / ``*_v_scale`` ``f32[L, n, Nkv, block_size]`` for a
-        quantised cache.
+        quantised cache. A hybrid (gated-DeltaNet) model's slot state too
+        (:func:`jmtp.model.state_checkpoints.slot_state`): ``linear_conv f[Ll, Kc-1, conv_dim]``,
+        ``linear_recurrent f32[Ll, Hv, Dk, Dv]`` (every linear layer's state after the last
+        committed row) and ``linear_current i32[]`` (the checkpoint it sits in).
     """
 
     version: int
@@ -113,11 +123,13 @@ class RequestState:
         return int(self.kv["target_k"].shape[1]) if "target_k" in self.kv else 0
 
     def nbytes(self) -> dict[str, int]:
-        """Array bytes: ``{"row": ..., "target_kv": ..., "mtp_kv": ..., "total": ...}``."""
+        """Array bytes: ``{"row": ..., "target_kv": ..., "mtp_kv": ..., "linear_state": ...,
+        "total": ...}``."""
         row = sum(a.nbytes for a in self.row.values())
-        tgt = sum(a.nbytes for k, a in self.kv.items() if k.startswith("target_"))
-        mtp = sum(a.nbytes for k, a in self.kv.items() if k.startswith("mtp_"))
-        return dict(row=row, target_kv=tgt, mtp_kv=mtp, total=row + tgt + mtp)
+        part = lambda p: sum(a.nbytes for k, a in self.kv.items() if k.startswith(p))  # noqa: E731
+        tgt, mtp, lin = part("target_"), part("mtp_"), part(LINEAR_PREFIX)
+        return dict(row=row, target_kv=tgt, mtp_kv=mtp, linear_state=lin,
+                    total=row + tgt + mtp + lin)
 
     # ------------------------------------------------------------------ bytes
     def to_bytes(self) -> bytes:
@@ -229,13 +241,15 @@ def params_digest(params) -> str:
 
 
 def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, cache_dtype: str,
-                       params, row_width: int | None = None, row_groups: int = 1) -> dict:
+                       params, row_width: int | None = None, row_groups: int = 1,
+                       linear_state: dict | None = None) -> dict:
     """What two engines must share for a request to move between them: the model config, a
     :func:`params_digest` of the weights, the speculative settings the state depends on (method,
     K, M, draft sampling, verify strategy, n-gram sizes, FR-Spec vocabulary), the KV layout
     (block size, cache dtype, the cache row width ``row_width`` and, when rows carry padding lanes,
     the ``row_groups`` they are padded per, :mod:`jmtp.pallas.kv_layout`: exported pages are
-    raw rows, so a TPU engine's padded rows and a CPU engine's unpadded ones do not mix) and the
+    raw rows, so a TPU engine's padded rows and a CPU engine's unpadded ones do not mix; a
+    hybrid model's state layout ``linear_state``, :func:`linear_state_layout`) and the
     sampling-row capacities. Not included (may differ):
     ``max_num_seqs``, ``num_blocks``, ``max_num_batched_tokens``, the attention backend, the
     block allocator, the speculation policy, ``max_model_len`` (checked per request), and the
@@ -247,6 +261,10 @@ def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, ca
     model.pop("batch_invariant", None)     # the same function, computed in a fixed order
     if isinstance(model.get("moe"), dict):
         model["moe"].pop("implementation", None)
+    kv = dict(block_size=ec.block_size, cache_dtype=cache_dtype,
+              kv_cache_dtype=ec.kv_cache_dtype, row_width=row_width, row_groups=row_groups)
+    if linear_state is not None:     # (absent for dense models: their fingerprints unchanged)
+        kv["linear_state"] = linear_state
     return dict(
         model=model,
         params=params_digest(params),
@@ -255,11 +273,21 @@ def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, ca
                   draft_top_k=spec.draft_top_k, verify_strategy=spec.verify_strategy,
                   max_candidate_len=spec.max_candidate_len, verify_window=spec.verify_window,
                   ngram_sizes=list(spec.ngram_sizes), draft_vocab_size=int(draft_vocab_size)),
-        kv=dict(block_size=ec.block_size, cache_dtype=cache_dtype,
-                kv_cache_dtype=ec.kv_cache_dtype, row_width=row_width,
-                row_groups=row_groups),
+        kv=kv,
         sampling=dict(max_stop_ids=ec.max_stop_ids, max_bad_words=ec.max_bad_words,
                       max_bad_word_len=ec.max_bad_word_len, max_logit_bias=ec.max_logit_bias))
+
+
+def linear_state_layout(linear, stacked: bool = False) -> dict:
+    """The layout of a hybrid model's exported slot state (part of the fingerprint): the shape
+    and dtype of ``linear_conv`` / ``linear_recurrent`` (:func:`jmtp.model.state_checkpoints.
+    slot_state`) and the checkpoints per slot. ``linear``: the engine's ``LinearState``
+    (``stacked``: per data shard, a leading ``data`` axis, :mod:`jmtp.runtime.data_parallel`)."""
+    lead = 1 if stacked else 0
+    conv, rec = linear.conv, linear.recurrent
+    cs, rs = tuple(conv.shape)[lead:], tuple(rec.shape)[lead:]
+    return dict(conv=[[cs[0]] + list(cs[3:]), str(conv.dtype)],
+                recurrent=[[rs[0]] + list(rs[3:]), str(rec.dtype)], checkpoints=int(rs[2]))
 
 
 def fingerprint_hash(compat: dict) -> str:
@@ -330,7 +358,11 @@ def gather_slot(state: EngineState, cache: KVCache, mtp_cache: KVCache | None, s
     """
     row = {key: value[slot] for key, value in _row_arrays(state).items()}
     arrays = {**_cache_arrays(cache, "target"), **_cache_arrays(mtp_cache, "mtp")}
-    return row, {k: jnp.take(a, page_ids, axis=1) for k, a in arrays.items()}
+    kv = {k: jnp.take(a, page_ids, axis=1) for k, a in arrays.items()}
+    if cache.linear is not None:     # a hybrid model's slot state (not pages)
+        from jmtp.model.state_checkpoints import slot_state
+        kv.update(slot_state(cache.linear, slot))
+    return row, kv
 
 
 def import_slot(ec: EngineConfig, state: EngineState, cache: KVCache,
@@ -340,8 +372,9 @@ def import_slot(ec: EngineConfig, state: EngineState, cache: KVCache,
     ``num_pages`` (i32[]) blocks for it from the free stack (the allocator ``ec.block_allocator``,
     all or nothing), scatter the first ``num_pages`` of the pages ``kv[name] [L, Pb, ...]`` into
     them in sequence order (both caches), and write ``row`` (every per-slot field; ``input_ids``
-    padded to ``ec.seq_buffer_len``) into the slot. Jit with ``ec`` static; the page bucket
-    ``Pb`` is static through the shapes.
+    padded to ``ec.seq_buffer_len``) into the slot; a hybrid model's slot state (``kv``'s
+    ``linear_*`` entries) goes into its checkpoint ``linear_current``. Jit with ``ec`` static; the
+    page bucket ``Pb`` is static through the shapes.
 
     Returns:
       ``(state, cache, mtp_cache, ok bool[])``; ``ok`` is False when the allocator could not give
@@ -378,7 +411,12 @@ def import_slot(ec: EngineConfig, state: EngineState, cache: KVCache,
         elif value is not None:
             fields[name] = _set_row(value, slot, row[name], ok)
     state = dataclasses.replace(state, blocks=blocks, **fields)
-    return state, scatter(cache, "target"), scatter(mtp_cache, "mtp"), ok
+    target = scatter(cache, "target")
+    if cache.linear is not None:
+        from jmtp.model.state_checkpoints import put_slot_state
+        target = target._replace(linear=put_slot_state(
+            cache.linear, slot, {k: v for k, v in kv.items() if k.startswith(LINEAR_PREFIX)}, ok))
+    return state, target, scatter(mtp_cache, "mtp"), ok
 
 
 def _set_row(value: jax.Array, slot, new, ok) -> jax.Array:

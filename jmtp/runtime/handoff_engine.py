@@ -15,7 +15,7 @@ import numpy as np
 
 from jmtp.core.errors import InvalidRequestError
 from jmtp.runtime.handoff import (HANDOFF_VERSION, RequestState, compat_diff, engine_fingerprint,
-                                  fingerprint_hash)
+                                  fingerprint_hash, linear_state_layout)
 from jmtp.runtime.requests import RequestTable, Sequence
 from jmtp.runtime.sampling import SamplingParams
 
@@ -42,9 +42,6 @@ class HandOff:
         if ec.enable_prefix_caching:
             raise ValueError(f"{where}: the hand-off does not support enable_prefix_caching=True "
                              "yet (a slot's shared prefix blocks are not exported)")
-        if self.runner.model_config.is_hybrid:
-            raise ValueError(f"{where}: the hand-off does not carry a hybrid model's recurrent "
-                             "state (linear-attention layers) yet; serve it on one engine")
 
     def compat(self) -> dict:
         """This engine's :func:`~jmtp.runtime.handoff.engine_fingerprint` (computed once)."""
@@ -53,10 +50,13 @@ class HandOff:
             width = int(r.cache.k.shape[-1])
             mc = r.model_config
             padded = not mc.is_mla and width != mc.num_kv_heads * mc.head_dim
+            lin = getattr(r.cache, "linear", None)
             self._compat = engine_fingerprint(mc, r.engine_config, self.draft_vocab_size,
                                               str(r.cache.k.dtype), r.params, width,
                                               getattr(r, "tensor_parallel_size", 1) if padded
-                                              else 1)
+                                              else 1,
+                                              None if lin is None else linear_state_layout(
+                                                  lin, stacked=r.mesh is not None))
         return self._compat
 
     def export(self, seq: Sequence) -> RequestState:
@@ -119,6 +119,16 @@ class HandOff:
         if state.num_pages > ec.pages_per_seq:
             raise ValueError(f"{where}: {state.num_pages} KV pages exceed pages_per_seq="
                              f"{ec.pages_per_seq}")
+        layout = compat["kv"].get("linear_state")
+        if layout is not None:        # a hybrid model's slot state, as the fingerprint says
+            want = {"linear_conv": layout["conv"], "linear_recurrent": layout["recurrent"],
+                    "linear_current": [[], "int32"]}
+            for name, (shape, dtype) in want.items():
+                a = state.kv.get(name)
+                if a is None or list(a.shape) != list(shape) or str(a.dtype) != dtype:
+                    got = None if a is None else f"{list(a.shape)} {a.dtype}"
+                    raise ValueError(f"{where}: RequestState.kv[{name!r}] must be {shape} "
+                                     f"{dtype} (the recurrent state of a hybrid model), got {got}")
         if state.row["input_ids"].shape[0] > ec.seq_buffer_len:
             raise ValueError(f"{where}: {state.row['input_ids'].shape[0]} tokens exceed the "
                              f"token buffer ({ec.seq_buffer_len})")

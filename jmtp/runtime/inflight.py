@@ -118,8 +118,12 @@ def free_lower_bound(last_free: list[int], inflight: list[StepRecord], pushed: l
 
 def needs_sync(slots: list) -> bool:
     """A running sample needs the previous step's tokens on the host before the next step is
-    planned: a structured-output constraint (its bitmask follows them) or a hand-off export."""
-    return any(s is not None and (s.grammar is not None or s.group.export) for s in slots)
+    planned: a structured-output constraint (its bitmask follows them), a hand-off export, or a
+    hybrid model's branch-point state to cache (``Sequence.state_target``: the host switches the
+    slot's capture entry before a later step can capture over it;
+    :mod:`jmtp.runtime.prefix_states`)."""
+    return any(s is not None and (s.grammar is not None or s.group.export or s.state_target)
+               for s in slots)
 
 
 def default_async_scheduling(ec: EngineConfig) -> bool:

@@ -119,9 +119,11 @@ class LLMEngine(CompileAPI, HandOffAPI):
         self.requests = RequestTable(run.model_config, ec, built.tokenizer, seed,
                                      prompt_logprobs=getattr(run, "mesh", None) is None)
         self.scheduler = Scheduler(ec, sec, dp)
-        self.prefix_caches = (ShardedPrefixCache(ec.block_size, sec.num_blocks, dp,
-                                                 run.mtp_cache is not None)
-                              if ec.enable_prefix_caching else None)
+        states = sec.num_state_checkpoints    # a hybrid model's state entries per shard
+        self.prefix_caches = (ShardedPrefixCache(
+            ec.block_size, sec.num_blocks, dp, run.mtp_cache is not None, states,
+            run.kv_cache_bytes()["prefix_state_entry"] if states else 0, ec.window)
+            if ec.enable_prefix_caching else None)
         self.handoff = HandOff(run, self.requests, built.draft_vocab_size)
         self.spec_policy = None
         if ec.spec.enabled and ec.spec.speculation_policy == "dynamic":
@@ -454,8 +456,9 @@ class LLMEngine(CompileAPI, HandOffAPI):
             seq.prefilled += int(chunks[b])
             n = int(out.num_tokens[b])
             if pcs is not None:
-                pcs.stepped(seq, out.tokens[b, :n], int(chunks[b]), was_decode,
-                            bool(out.finished[b]))
+                pcs.stepped(self.runner, self.scheduler.shard_of(b), b, seq, out.tokens[b, :n],
+                            int(chunks[b]), was_decode, bool(out.finished[b]),
+                            int(out.num_drafts[b]))
             first = 0
             if seq.resuming and n:      # the re-emitted last token of a resumed request
                 first, seq.resuming = 1, False
@@ -495,12 +498,12 @@ class LLMEngine(CompileAPI, HandOffAPI):
             ids, row, remaining, resume_token = self.requests.admission_row(seq)
             d, pcs = sch.shard_of(b), self.prefix_caches
             # (prompt logprobs need every prompt row computed: no cached prefix, as vLLM)
-            keys, shared = (pcs.match(d, seq) if pcs is not None
-                            and seq.params.prompt_logprobs is None else ([], []))
-            self.runner.insert(b, ids, len(seq.context_ids), remaining, row, resume_token, shared)
+            m = pcs.match(d, seq, seq.params.prompt_logprobs is None) if pcs is not None else None
+            self.runner.insert(b, ids, len(seq.context_ids), remaining, row, resume_token,
+                               m.block_ids if m is not None else [])
             seq.prefilled = 0
             if pcs is not None:
-                pcs.admitted(d, seq, keys)
+                pcs.admitted(self.runner, d, b, seq, m)
             seq.resuming = resume_token >= 0
         if self.spec_policy is not None:
             self.spec_policy.reset_slot(b)

@@ -22,7 +22,8 @@ from jmtp.runtime import sharding as shd
 from jmtp.runtime.executables import engine_function
 from jmtp.runtime.handoff import gather_slot, import_slot
 from jmtp.runtime.state import init_state, insert_request
-from jmtp.runtime.step import engine_step, push_free_blocks, release_slot, retire_slot
+from jmtp.runtime.step import (engine_step, push_free_blocks, release_slot, retire_slot,
+                               set_slot_state_of)
 
 STEP_STATICS = (0, 1, 2, 3, 4)      # graphdef, EngineConfig, drafter, StepBucket, attention impl
 STEP_DONATED = (6, 7, 8)            # state, cache, mtp_cache
@@ -42,7 +43,8 @@ class OneDevice:
         make = lambda: (
             init_state(ec, mc.vocab_size),
             init_model_cache(mc, ec.num_blocks, ec.block_size, dtype, num_slots=ec.max_num_seqs,
-                             window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width),
+                             window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width,
+                             num_saved_states=ec.num_state_checkpoints),
             init_kv_cache(mc, num_mtp_cache_layers, ec.num_blocks, ec.block_size, dtype,
                           ec.kv_cache_dtype, width) if num_mtp_cache_layers else None)
         if runner.abstract:     # shapes only, on the (possibly compile-only) device
@@ -64,6 +66,7 @@ class OneDevice:
                                  donate_argnums=0)
         self.push_free_fn = jax.jit(_with_free(push_free_blocks), donate_argnums=0)
         self.import_fn = jax.jit(functools.partial(import_slot, ec), donate_argnums=(0, 1, 2))
+        self.slot_state_fn = jax.jit(set_slot_state_of, donate_argnums=0)
 
     @staticmethod
     def host_lanes(x: np.ndarray):
@@ -126,7 +129,7 @@ class OnMesh:
         # the target's cache; a hybrid model's also holds the recurrent state pool
         tkv = shd.kv_cache_shardings(mesh, mc.kv_cache_heads, quant, stacked=True,
                                      linear_heads=mc.linear.num_value_heads if mc.is_hybrid
-                                     else None)
+                                     else None, linear_saved=ec.num_state_checkpoints > 0)
         self.arg_sharding = rep
         pshard = shd.param_shardings(runner.params, mesh)
         init_st = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
@@ -134,7 +137,8 @@ class OnMesh:
         width = cache_row_width(mc, shd.mesh_sizes(mesh)[1], ec.platform)
         init_target = jax.jit(lambda: dpar.stack_shards(init_model_cache(
             mc, sec.num_blocks, sec.block_size, dtype, num_slots=sec.max_num_seqs,
-            window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width), dp),
+            window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width,
+            num_saved_states=sec.num_state_checkpoints), dp),
             out_shardings=tkv)
         init_kv = lambda n: jax.jit(lambda: dpar.stack_shards(
             init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype, ec.kv_cache_dtype, width),
@@ -165,6 +169,8 @@ class OnMesh:
         self.import_fn = jax.jit(functools.partial(dpar.data_parallel_import, mesh, sec),
                                  donate_argnums=(0, 1, 2), out_shardings=(st, tkv, mkv, rep, rep))
         self.gather_fn = jax.jit(dpar.shard_gather, out_shardings=rep)
+        self.slot_state_fn = jax.jit(functools.partial(dpar.data_parallel_set_slot_state, mesh),
+                                     donate_argnums=0, out_shardings=tkv)
         self.owned_fn = jax.jit(lambda s, d, r: (s.num_owned[d, r], s.block_tables[d, r]),
                                 out_shardings=rep)
         if jax.process_count() > 1:
@@ -173,7 +179,8 @@ class OnMesh:
             self.step = mh.SyncFirstCall(self.step, key=lambda a: a[3], name="step")
             keys = {"import": lambda a: tuple(v.shape for v in a[6].values()),   # page bucket
                     "gather": lambda a: a[5].shape}
-            for name in ("insert", "release", "retire", "push_free", "import", "gather", "owned"):
+            for name in ("insert", "release", "retire", "push_free", "import", "gather", "owned",
+                         "slot_state"):
                 attr = f"{name}_fn"
                 setattr(self, attr, mh.SyncFirstCall(getattr(self, attr), key=keys.get(name),
                                                      name=name))

@@ -64,6 +64,11 @@ class Sequence:
     device_ids: list[int] = dataclasses.field(default_factory=list)
     dev_decoded: int = 0
     mtp_valid: int = 0
+    # hybrid models (jmtp.runtime.prefix_states): the state entry the slot captures into, the
+    # block boundary it holds, and a boundary to capture before anything past it (0: none)
+    state_entry: int = -1
+    state_pos: int = 0
+    state_target: int = 0
     handoff: object | None = None  # an imported RequestState to admit (jmtp.runtime.handoff)
     # structured outputs: the sample's grammar state over its output (None: unconstrained)
     grammar: SequenceGrammar | None = None

@@ -31,7 +31,7 @@ from jmtp.runtime import data_parallel as dpar
 from jmtp.runtime import sharding as shd
 from jmtp.runtime.buckets import StepBucket, decode_buckets, slot_buckets, step_buckets
 from jmtp.runtime.config import EngineConfig
-from jmtp.runtime.handoff import page_bucket, row_keys
+from jmtp.runtime.handoff import LINEAR_PREFIX, page_bucket, row_keys
 from jmtp.runtime.host_maps import MapBudget
 from jmtp.runtime.placement import OneDevice, OnMesh, abstract_on
 from jmtp.runtime.structured.bitmask import neutral_inputs
@@ -255,6 +255,9 @@ class DeviceRunner:
                                               jnp.zeros((sec.pages_per_seq,), bool))),
                     ("push_free", p.push_free_fn, (self.state, *shard,
                                                     jnp.full((sec.num_blocks,), -1, jnp.int32)))]
+            if sec.num_state_checkpoints:
+                ops.append(("slot_state", p.slot_state_fn, (self.cache, *slot, jnp.int32(-1),
+                                                            jnp.int32(-1))))
         times = {}
         with self.context():
             for label, fn, args in ops:
@@ -374,6 +377,16 @@ class DeviceRunner:
         self._changed_free(free)
         return kept
 
+    def set_slot_state(self, b: int, load_entry: int, capture_entry: int) -> None:
+        """A hybrid model's slot ``b`` continues from state checkpoint ``load_entry`` (shard-local,
+        -1: none) and captures its block-boundary states into ``capture_entry`` (-1: none)
+        (:func:`jmtp.model.state_checkpoints.set_slot_state`; prefix caching)."""
+        self._check_concrete()
+        with self.context():
+            self.cache = self.placement.slot_state_fn(
+                self.cache, *self.placement.slot_args(b), jnp.int32(load_entry),
+                jnp.int32(capture_entry))
+
     def push_free(self, shard: int, ids: list[int]) -> None:
         """Push shard-local block ids onto data shard ``shard``'s free stack
         (:func:`~jmtp.runtime.step.push_free_blocks`)."""
@@ -397,7 +410,8 @@ class DeviceRunner:
         with self.context():
             row, kv = self.placement.gather(self.state, self.cache, self.mtp_cache, b, ids)
         return ({k: np.asarray(v) for k, v in row.items()},
-                {k: np.asarray(v)[:, :len(owned)] for k, v in kv.items()})
+                {k: np.asarray(v) if k.startswith(LINEAR_PREFIX) else np.asarray(v)[:, :len(owned)]
+                 for k, v in kv.items()})
 
     def import_slot(self, b: int, row: dict, kv: dict, num_pages: int) -> bool:
         """Write an exported row and its KV pages into idle slot ``b``, its blocks allocated
@@ -405,6 +419,9 @@ class DeviceRunner:
         pb = page_bucket(num_pages, self.engine_config.pages_per_seq)
         padded = {}
         for k, a in kv.items():
+            if k.startswith(LINEAR_PREFIX):       # a hybrid model's slot state: no pages
+                padded[k] = jnp.asarray(a)
+                continue
             pad = np.zeros((a.shape[0], pb) + a.shape[2:], a.dtype)
             pad[:, :num_pages] = a
             padded[k] = jnp.asarray(pad)
@@ -431,7 +448,9 @@ class DeviceRunner:
         Keys: ``target_values``, ``target_scales``, ``mtp_values``, ``mtp_scales`` (0 without an
         MTP cache), ``values``, ``scales`` (sums), ``linear_state`` (a hybrid model's recurrent
         state pool, :class:`~jmtp.model.gated_deltanet.LinearState`: ``max_num_seqs · (K+1)``
-        checkpoints of every linear layer's convolution and delta-rule state; 0 otherwise) and
+        checkpoints of every linear layer's convolution and delta-rule state; 0 otherwise),
+        ``prefix_states`` (with prefix caching, its block-boundary state checkpoints:
+        ``EngineConfig.num_state_checkpoints`` entries of ``prefix_state_entry`` bytes) and
         ``total``. Values take
         ``2 · layers · num_blocks · block_size · Nkv · D · itemsize`` bytes (itemsize 1 for
         ``kv_cache_dtype`` ``"int8"`` / ``"fp8_e4m3"``); scales ``2 · layers · num_blocks ·
@@ -440,8 +459,12 @@ class DeviceRunner:
         tv, ts = self.cache.nbytes()
         mv, ms = self.mtp_cache.nbytes() if self.mtp_cache is not None else (0, 0)
         lin = self.cache.linear.nbytes() if self.cache.linear is not None else 0
+        saved = self.cache.linear.saved if self.cache.linear is not None else None
+        states = saved.conv.nbytes + saved.recurrent.nbytes if saved is not None else 0
+        n = self.engine_config.num_state_checkpoints
         return dict(target_values=tv, target_scales=ts, mtp_values=mv, mtp_scales=ms,
-                    values=tv + mv, scales=ts + ms, linear_state=lin,
+                    values=tv + mv, scales=ts + ms, linear_state=lin - states,
+                    prefix_states=states, prefix_state_entry=states // n if n else 0,
                     total=tv + mv + ts + ms + lin)
 
 

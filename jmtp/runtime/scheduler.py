@@ -157,7 +157,9 @@ class Scheduler:
              ) -> tuple[np.ndarray, StepBucket]:
         """Prefill chunks ``i32[B]`` and the step's bucket. Per shard the budget
         ``max_num_batched_tokens / D`` goes to decode windows first, then to prefill chunks in
-        slot order; the busiest shard's rows and active slots pick the bucket. With
+        slot order (a hybrid model's chunk ends on the block boundary whose state the slot must
+        capture, ``Sequence.state_target``: :mod:`jmtp.runtime.prefix_states`); the busiest
+        shard's rows and active slots pick the bucket. With
         ``compiled`` (lazy compiles), an already compiled bucket is reused when it fits
         (:func:`reuse_bucket`)."""
         sec, slots = self.shard_config, self.slots
@@ -168,8 +170,11 @@ class Scheduler:
             dec_rows = sum(1 + int(self.next_drafts[b]) for b in decoding)
             budget = sec.max_num_batched_tokens - dec_rows
             for b in r:
-                if slots[b] is not None and self.prefill_left(b):
-                    c = min(self.prefill_left(b), budget)
+                left = self.prefill_left(b) if slots[b] is not None else 0
+                if left:
+                    c, start = min(left, budget), len(slots[b].context_ids) - left
+                    if start < slots[b].state_target < start + c:
+                        c = slots[b].state_target - start   # a state to capture (prefix_states)
                     chunks[b], budget = c, budget - c
             rows[d] = dec_rows + int(chunks[r.start:r.stop].sum())
             active[d] = len(decoding) + int(np.count_nonzero(chunks[r.start:r.stop]))

@@ -213,26 +213,32 @@ def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, stacked: bool = False,
 
 
 def kv_cache_shardings(mesh: Mesh, num_kv_heads: int, quantized: bool, stacked: bool = False,
-                       linear_heads: int | None = None):
+                       linear_heads: int | None = None, linear_saved: bool = False):
     """The shardings of a whole :class:`jmtp.model.llama.KVCache` (a pytree prefix of it): values
     and, for a ``quantized`` cache, scales, each with its kv heads over ``model``
     (:func:`kv_cache_sharding`); with ``linear_heads`` (a hybrid model's value heads Hv) also its
-    recurrent state pool (:func:`linear_state_shardings`)."""
+    recurrent state pool (:func:`linear_state_shardings`, with its prefix-caching state
+    checkpoints when ``linear_saved``)."""
     from jmtp.model.llama import KVCache
     values = kv_cache_sharding(mesh, num_kv_heads, stacked)
-    lin = None if linear_heads is None else linear_state_shardings(mesh, linear_heads, stacked)
+    lin = (None if linear_heads is None
+           else linear_state_shardings(mesh, linear_heads, stacked, linear_saved))
     if not quantized:
         return KVCache(values, values, linear=lin)
     sc = kv_cache_sharding(mesh, num_kv_heads, stacked, scales=True)
     return KVCache(values, values, sc, sc, lin)
 
 
-def linear_state_shardings(mesh: Mesh, num_value_heads: int, stacked: bool = False):
+def linear_state_shardings(mesh: Mesh, num_value_heads: int, stacked: bool = False,
+                           saved: bool = False):
     """Shardings of a :class:`jmtp.model.gated_deltanet.LinearState`: the delta-rule state
     ``f32[Ll, B, W, Hv, Dk, Dv]`` with its value heads over ``model`` (as the linear layers'
     value-head projections), the small convolution state and ``current`` replicated over
-    ``model``; with ``stacked`` a leading ``data_shard`` axis over ``data``."""
+    ``model``; with ``saved`` its state checkpoints alike (:class:`jmtp.model.state_checkpoints.
+    StateCheckpoints`: ``f32[Ll, S, Hv, Dk, Dv]`` heads over ``model``); with ``stacked`` a
+    leading ``data_shard`` axis over ``data``."""
     from jmtp.model.gated_deltanet import LinearState
+    from jmtp.model.state_checkpoints import StateCheckpoints
     lead = (DATA_SHARD,) if stacked else ()
     dn = (int(mesh.shape[DATA]),) if stacked else ()
 
@@ -240,8 +246,14 @@ def linear_state_shardings(mesh: Mesh, num_value_heads: int, stacked: bool = Fal
         return NamedSharding(mesh, logical_spec(lead + names, dn + shape, mesh, "linear_state"))
 
     rec = spec((None, None, None, ax.Q_HEADS, None, None), (1, 1, 1, num_value_heads, 1, 1))
+    ckpts = None
+    if saved:
+        ckpts = StateCheckpoints(
+            conv=spec((None,) * 4, (1,) * 4),
+            recurrent=spec((None, None, ax.Q_HEADS, None, None), (1, 1, num_value_heads, 1, 1)),
+            entry=spec((None,), (1,)))
     return LinearState(conv=spec((None,) * 5, (1,) * 5), recurrent=rec,
-                       current=spec((None,), (1,)))
+                       current=spec((None,), (1,)), saved=ckpts)
 
 
 def state_sharding(mesh: Mesh) -> NamedSharding:

@@ -89,3 +89,11 @@ def push_free_blocks(state: EngineState, ids: jax.Array) -> EngineState:
     blocks = dataclasses.replace(state.blocks, free_stack=fs,
                                  free_count=(fc + jnp.sum(valid)).astype(jnp.int32))
     return dataclasses.replace(state, blocks=blocks)
+
+
+def set_slot_state_of(cache, slot: jax.Array, load_entry: jax.Array, capture_entry: jax.Array):
+    """:func:`jmtp.model.state_checkpoints.set_slot_state` on the target cache's state pool (a
+    hybrid model with prefix caching): the slot continues from state checkpoint ``load_entry``
+    (i32[], -1: none) and captures into ``capture_entry`` (i32[], -1: none)."""
+    from jmtp.model.state_checkpoints import set_slot_state
+    return cache._replace(linear=set_slot_state(cache.linear, slot, load_entry, capture_entry))

@@ -62,8 +62,9 @@ target's minus ``accept_num`` (the "shadow state": FastDeploy's own recovery for
 ``seq_lens_this_time``, right only when every draft was accepted). Speculative positions written
 by substeps ≥ 1 lie past the next step's kv length and are overwritten before they are ever read.
 
-:func:`release_slot`, :func:`retire_slot` and :func:`push_free_blocks` are re-exported from
-:mod:`jmtp.runtime.slots` (the engine calls them next to :func:`engine_step`).
+:func:`release_slot`, :func:`retire_slot`, :func:`push_free_blocks` and :func:`set_slot_state_of`
+are re-exported from :mod:`jmtp.runtime.slots` (the engine calls them next to
+:func:`engine_step`).
 """
 from __future__ import annotations
 
@@ -81,14 +82,17 @@ from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.draft_stages import draft_model_postprocess
 from jmtp.runtime.prompt_logprobs import prompt_logprobs
 from jmtp.runtime.proposers import propose
-from jmtp.runtime.slots import push_free_blocks, release_finished, release_slot, retire_slot
+from jmtp.model.state_checkpoints import capture_boundary_states
+from jmtp.runtime.slots import (push_free_blocks, release_finished, release_slot, retire_slot,
+                                set_slot_state_of)
 from jmtp.runtime.state import EngineState, effective_block_tables
 from jmtp.runtime.sharding import uniform_any
 from jmtp.runtime.structured.bitmask import KEEP_DRAFT, override_drafts
 from jmtp.runtime.target_stages import (allocate_blocks, schedule, speculate_update,
                                         speculate_verify, target_forward)
 
-__all__ = ["StepOutput", "engine_step", "push_free_blocks", "release_slot", "retire_slot"]
+__all__ = ["StepOutput", "engine_step", "push_free_blocks", "release_slot", "retire_slot",
+           "set_slot_state_of"]
 
 
 @jax.tree_util.register_dataclass
@@ -228,9 +232,15 @@ def engine_step(
     if cache.linear is not None:
         # a hybrid model's slots continue from the checkpoint of their last committed row
         # (jmtp.model.gated_deltanet: one recurrent-state checkpoint per window position)
-        cache = cache._replace(linear=cache.linear._replace(current=next_checkpoint(
+        lin = cache.linear._replace(current=next_checkpoint(
             cache.linear.current, sched.seq_lens_this_time, done.num_tokens, sched.prefilling,
-            ec.window)))
+            ec.window))
+        if lin.saved is not None:   # prefix caching: block-boundary states (state_checkpoints)
+            lin = capture_boundary_states(
+                lin, prev.seq_lens_decoder, sched.seq_lens_this_time,
+                jnp.where(sched.prefilling, sched.seq_lens_this_time, done.num_tokens),
+                sched.prefilling, done.finished, ec.block_size)
+        cache = cache._replace(linear=lin)
     budget = done.draft_budget
     if draft_limit is not None:
         budget = jnp.minimum(budget, jnp.maximum(draft_limit, 0))

@@ -11,7 +11,6 @@ compacted-slot helpers the drafting stages share (:func:`take_rows`, :func:`gath
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +21,7 @@ from jmtp.model.metadata import packed_row_seq, ragged_batch
 from jmtp.model.modules import LlamaForCausalLM
 from jmtp.runtime.buckets import StepBucket, active_slots
 from jmtp.runtime.config import EngineConfig
+from jmtp.runtime.linear_rules import linear_rules_for
 from jmtp.runtime.sharding import uniform_any
 from jmtp.runtime.sampling import update_history
 from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState
@@ -235,37 +235,6 @@ def window_rows_hint(ec: EngineConfig, bucket: StepBucket) -> int | None:
     return ec.window if A < T <= A * ec.window else None
 
 
-@functools.lru_cache(maxsize=None)
-def linear_rule_for(platform: str):
-    """The packed gated-delta-rule implementation of a hybrid model's linear layers on
-    ``platform``: the Pallas TPU kernel (:func:`jmtp.pallas.gated_delta_rule.
-    gated_delta_rule_packed_pallas`) on TPU, the jnp scan elsewhere (None)."""
-    if platform != "tpu":
-        return None
-    from jmtp.core.platform import kernel_interpret
-    from jmtp.pallas.gated_delta_rule import gated_delta_rule_packed_pallas
-    kernel = functools.partial(gated_delta_rule_packed_pallas,
-                               interpret=kernel_interpret("tpu", platform))
-
-    def rule(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool):
-        # Mosaic kernels are not partitioned automatically: on a mesh the kernel runs under
-        # shard_map, each device on its own value heads (heads are independent) when the model
-        # axis divides them, else on all of them.
-        from jax.sharding import PartitionSpec as P
-        from jmtp.core import mesh as jm
-        axes = jm.auto_axes()
-        if not axes:
-            return kernel(q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool)
-        tp = jm.model_axis_size()
-        h = jm.LOGICAL_TO_MESH[jm.Q_HEADS] if (jm.MODEL in axes and q.shape[1] % tp == 0) else None
-        specs = (P(None, h, None),) * 3 + (P(None, h),) * 2 + (P(),) * 3 + (
-            P(None, h, None, None), P(None, None, h, None, None))
-        return jax.shard_map(kernel, in_specs=specs, out_specs=(specs[0], specs[-1]),
-                             axis_names=axes, check_vma=False)(
-            q, k, v, g, beta, row_seq, row_start, row_ckpt, init, pool)
-    return rule
-
-
 def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | None,
                    model: LlamaForCausalLM, state: EngineState, sched: Schedule,
                    block_tables: jax.Array, cache: KVCache) -> tuple[TargetOutput, KVCache]:
@@ -293,7 +262,8 @@ def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | N
     positions, meta = ragged_batch(query_lens, decoded, block_tables, ec.block_size, num_tokens,
                                    window_rows_hint(ec, bucket))
     if model.cfg.is_hybrid:
-        meta = dataclasses.replace(meta, linear_rule=linear_rule_for(ec.platform))
+        packed_rule, chunk_rule = linear_rules_for(ec.platform)
+        meta = dataclasses.replace(meta, linear_rule=packed_rule, linear_chunk_rule=chunk_rule)
     cu_q_lens = meta.cu_q_lens
     seq, local = packed_row_seq(cu_q_lens, num_tokens)
     from_prompt = sched.prefilling[seq] | (local == 0)

@@ -244,9 +244,9 @@ def test_mixed_rule_chunks_long_slots_and_scans_windows(chunk):
     cu = np.concatenate([[0], np.cumsum(lens + [0])])
     pos = np.concatenate([np.arange(n) + 4 for n in lens] + [np.zeros(3, int)])
     rows = gd.packed_rows(jnp.asarray(cu, jnp.int32), jnp.asarray(pos, jnp.int32), w)
-    q_lens = jnp.asarray(lens + [0], jnp.int32)
+    assert np.asarray(rows.q_lens).tolist() == lens + [0]
     o, pool = gd.gated_delta_rule_mixed(qq, kk, jnp.asarray(v), jnp.asarray(g), jnp.asarray(beta),
-                                        rows, q_lens, jnp.asarray(init),
+                                        rows, jnp.asarray(init),
                                         jnp.full((5, w, 4, 8, 6), jnp.nan), chunk_size=chunk)
     o, pool = np.asarray(o), np.asarray(pool)
     for s, n in enumerate(lens):
@@ -355,3 +355,69 @@ def test_loader_errors_name_the_tensor(tmp_path):
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}))
     with pytest.raises(ValueError, match="rope_scaling"):
         load_hf(path, jnp.float32)
+
+
+def test_load_config_reads_generation_config_eos(tmp_path):
+    """``load_config`` (no weights read) takes the EOS ids of ``generation_config.json`` too, as
+    loading the checkpoint does: for a hybrid and for a dense config."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from jmtp.model.loader import load_config
+    hybrid = hx.hf_model("qwen3_5").config
+    dense = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, eos_token_id=2)
+    hybrid.architectures, dense.architectures = ["Qwen3_5ForCausalLM"], ["LlamaForCausalLM"]
+    for name, cfg in (("hybrid", hybrid), ("dense", dense)):
+        d = tmp_path / name
+        d.mkdir()
+        cfg.to_json_file(str(d / "config.json"))
+        assert 7 not in load_config(d).eos_token_ids
+        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+        eos = load_config(d).eos_token_ids
+        assert {7, 9} <= set(eos) and int(cfg.eos_token_id) in eos, (name, eos)
+
+
+def test_int8_kv_cache_key_shift_on_the_full_attention_layers(loaded):
+    """An int8 cache on a hybrid target: the key shift is calibrated for the layers that have a
+    KV cache only (``f32[num_kv_layers, Nkv, D]``, row j the mean post-RoPE key of cache layer
+    j, checked against the f32 cache of the calibration prefill); logits of a prefill and
+    one-token decode steps through an int8 cache (keys shifted and Hadamard-rotated) or an fp8
+    cache stay within 5 % (relative) of transformers' f32 logits."""
+    from jmtp.model.kv_shift import CALIBRATION_LEN, calibrate_k_shift, with_k_shift
+    model, _, cfg, params = loaded("qwen3_next")
+    mu = np.asarray(calibrate_k_shift(cfg, params, num_seqs=2, seq_len=12, block_size=4))
+    assert mu.shape == (cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim) == (2, 2, 16)
+    # the same mean from the f32 cache of the same prefill, by hand
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 24)
+    cache = init_model_cache(cfg, 6, 4, num_slots=2)
+    pos, meta = ragged_batch(jnp.array([12, 12]), jnp.zeros(2, jnp.int32),
+                             jnp.arange(6, dtype=jnp.int32).reshape(2, 3), 4, 24)
+    _, cache = hx._fwd(cfg, params, jnp.asarray(ids, jnp.int32), pos, meta, cache)
+    keys = np.asarray(cache.k).reshape(2, 24, cfg.num_kv_heads, cfg.head_dim)
+    np.testing.assert_allclose(mu, keys.mean(1), rtol=1e-5, atol=1e-6)
+    assert CALIBRATION_LEN > 12
+    shifted = with_k_shift(cfg, params, "int8")
+    assert shifted["k_shift"].shape == mu.shape
+    ref = hx.hf_logits(model, IDS)
+    for kv, p in (("int8", shifted), ("fp8_e4m3", params)):
+        got = _paged_logits_kv(cfg, p, IDS, kv)
+        rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert rel < 0.05, (kv, rel)
+
+
+def _paged_logits_kv(cfg, params, ids, kv_cache_dtype):
+    """Prefill 13 tokens then one token per step through a ``kv_cache_dtype`` cache."""
+    from jmtp.model import compute_logits
+    bs, pages = 4, -(-len(ids) // 4)
+    cache = init_model_cache(cfg, pages, bs, num_slots=1, window=1, kv_cache_dtype=kv_cache_dtype)
+    tables = jnp.arange(pages, dtype=jnp.int32)[None]
+    out, done = [], 0
+    for c in [13] + [1] * (len(ids) - 13):
+        pos, meta = ragged_batch(jnp.array([c]), jnp.array([done]), tables, bs, c)
+        h, cache = hx._fwd(cfg, params, jnp.asarray(ids[done:done + c], jnp.int32), pos, meta,
+                           cache)
+        out.append(np.asarray(compute_logits(params, h)))
+        done += c
+    return np.concatenate(out)

@@ -280,10 +280,11 @@ def _good(t=6, h=2, dk=8, dv=4, b=3, w=2):
     ("row_start", jnp.zeros((5,), bool), r"row_start must have shape \(6,\)"),
     ("row_ckpt", jnp.zeros((6, 1), jnp.int32), r"row_ckpt must have shape \(6,\)"),
     ("pool", jnp.zeros((3, 2, 2, 8, 5)), r"pool must have shape \(3, 2, 2, 8, 4\)"),
-    ("pool", jnp.zeros((3, 2, 2, 8)), r"pool must have shape \[B, W, H=2, Dk=8, Dv=4\]"),
+    ("pool", jnp.zeros((3, 2, 2, 8)), r"pool must have shape \[N, W, H=2, Dk=8, Dv=4\]"),
     ("pool", jnp.zeros((3, 2, 2, 8, 4), jnp.bfloat16), "pool must have float32"),
     ("pool", jnp.zeros((3, 0, 2, 8, 4)), "W >= 1"),
-    ("init", jnp.zeros((2, 2, 8, 4)), r"init must have shape \(3, 2, 8, 4\)"),
+    ("init", jnp.zeros((4, 2, 8, 4)), r"init must have shape \(3, 2, 8, 4\)"),
+    ("init", jnp.zeros((3, 2, 8, 5)), r"init must have shape \(3, 2, 8, 4\)"),
 ])
 def test_packed_validation_names_the_argument(name, bad, match):
     args = {**_good(), name: bad}

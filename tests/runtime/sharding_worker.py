@@ -12,7 +12,7 @@ step), ``errors`` (the ValueErrors of engines whose mesh does not fit the model 
 ``dp_host`` (the host side of data parallelism: balanced admission, per-shard preemption),
 ``prefix:dp=D,tp=N,k=K`` (prefix caching on that mesh), ``structured`` (constrained greedy
 decoding on a (2, 2) mesh with MTP), ``hybrid`` (the tiny gated-DeltaNet target with MTP on a
-(2, 2) mesh), ``handoff`` (prefill → decode hand-off
+(2, 2) mesh, and its hand-off to and from one device), ``handoff`` (prefill → decode hand-off
 between TP=2 and one device, both ways), ``tie`` (greedy verification of
 vocabulary-sharded logits with tied maxima on different shards) or ``attention`` (every attention
 implementation under ``shard_map``).
@@ -332,6 +332,15 @@ def hybrid_case():
     out["async_default"], llm.llm_engine.async_scheduling = llm.llm_engine.async_scheduling, False
     out["sync_tokens"] = [o.outputs[0].token_ids for o in llm.generate(
         PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)]
+    # the hand-off carries the recurrent state between this (data, model) = (2, 2) engine and a
+    # one-device one, both ways
+    one = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
+              max_num_seqs=2, max_model_len=32, block_size=4, max_num_batched_tokens=6,
+              compile="lazy")
+    out["handoff"] = {}
+    for name, a, b in (("tp2->tp1", llm, one), ("tp1->tp2", one, llm)):
+        states = a.prefill(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+        out["handoff"][name] = [o.token_ids for o in b.import_request(states, use_tqdm=False)]
     return out
 
 

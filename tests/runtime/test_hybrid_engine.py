@@ -3,7 +3,7 @@ loaded from a transformers checkpoint): greedy output with MTP speculation at K 
 transformers' greedy decoding, with chunked prefill and forced preemptions; an oracle drafter that
 is right up to a chosen position rejects in the middle of windows, every position of the window
 in turn; seeded sampling with ``target_match`` verification reproduces plain seeded sampling;
-what the state pool does not support is refused with a reason; its bytes are reported."""
+the prefill → decode hand-off carries the recurrent state; its bytes are reported."""
 from __future__ import annotations
 
 import functools
@@ -159,18 +159,87 @@ def test_state_pool_bytes_reported(hybrid):
     assert eng.llm_engine.layer_loop == "unrolled"
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(enable_prefix_caching=True), "enable_prefix_caching"),
-    (dict(kv_cache_dtype="int8"), "int8"),
-])
-def test_unsupported_options_refused(hybrid, kw, match):
+def test_unsupported_options_refused(hybrid):
     cfg, params, _ = hybrid
-    with pytest.raises(ValueError, match=match):
-        LLM(model_config=cfg, params=params, **{**ARGS, **kw})
+    with pytest.raises(ValueError, match="max_cached_states"):
+        LLM(model_config=cfg, params=params, **{**ARGS, "enable_prefix_caching": True,
+                                                "max_cached_states": -1})
 
 
-def test_handoff_refused(hybrid):
-    from jmtp.runtime.handoff_engine import HandOff
-    eng = llm(hybrid)
-    with pytest.raises(ValueError, match="recurrent state"):
-        HandOff(eng.llm_engine.runner, eng.llm_engine.requests, 0).check("prefill_request")
+def _wire(states):
+    from jmtp.runtime.handoff import RequestState
+    return [RequestState.from_bytes(s.to_bytes()) for s in states]
+
+
+# K=1's path is K=3's with fewer drafts (and runs across meshes in test_sharding.py)
+@pytest.mark.parametrize("k", [2, 3])
+def test_handoff_carries_the_recurrent_state(hybrid, k):
+    """A request prefilled on one engine and decoded on another (K = 2: an engine of 1 slot and
+    other KV blocks; K = 3: the same engine, through bytes either way) gives transformers'
+    greedy tokens and the one-engine acceptance counts; the state carries every linear layer's
+    convolution and delta-rule state at the slot's checkpoint."""
+    cfg = hybrid[0]
+    a = llm(hybrid, SpeculativeConfig("mtp", k, k))
+    b = (LLM(model_config=cfg, params=hybrid[1], speculative_config=SpeculativeConfig("mtp", 2, 2),
+             **{**ARGS, "max_num_seqs": 1, "num_blocks": 20}) if k == 2 else a)
+    ref = a.generate(PROMPTS, GREEDY, use_tqdm=False)
+    states = a.prefill(PROMPTS, GREEDY)
+    lc, n = cfg.linear, len(cfg.linear_layers)
+    for st in states:
+        assert st.kv["linear_recurrent"].shape == (n, lc.num_value_heads, lc.key_head_dim,
+                                                   lc.value_head_dim)
+        assert st.kv["linear_conv"].shape == (n, lc.conv_kernel_dim - 1, lc.conv_dim)
+        assert int(st.kv["linear_current"]) == k      # a prefill continues from checkpoint K
+        assert st.nbytes()["linear_state"] > 0
+    outs = b.import_request(_wire(states), use_tqdm=False)
+    assert [o.token_ids for o in outs] == hybrid[2] == [r.token_ids for r in ref]
+    assert ([o.metrics.accepted_per_position for o in outs]
+            == [r.metrics.accepted_per_position for r in ref])
+
+
+def test_handoff_refuses_a_mismatched_state_layout(hybrid):
+    """The fingerprint covers the state layout: a state whose layout differs (here: another
+    number of checkpoints per slot, as a K-mismatched engine writes) is refused naming
+    ``kv.linear_state``; a state whose arrays do not match the layout its fingerprint states is
+    refused naming the array."""
+    import copy
+
+    from jmtp.runtime.handoff import fingerprint_hash
+    a = llm(hybrid, SpeculativeConfig("mtp", 2, 2))
+    (st,) = a.prefill(PROMPTS[:1], GREEDY)
+    bad = copy.deepcopy(st)
+    bad.compat["kv"]["linear_state"]["checkpoints"] = 5
+    bad.fingerprint = fingerprint_hash(bad.compat)
+    with pytest.raises(ValueError, match=r"kv\.linear_state\.checkpoints"):
+        a.llm_engine.import_request(bad, "x1")
+    bad = copy.deepcopy(st)
+    bad.kv["linear_recurrent"] = bad.kv["linear_recurrent"][:, :1]
+    with pytest.raises(ValueError, match=r"kv\['linear_recurrent'\]"):
+        a.llm_engine.import_request(bad, "x2")
+    bad.kv.pop("linear_conv")
+    with pytest.raises(ValueError, match=r"kv\['linear_conv'\]"):
+        a.llm_engine.import_request(bad, "x3")
+    assert not a.llm_engine.has_unfinished_requests()
+
+
+def test_state_pool_is_not_copied(hybrid):
+    """The linear layers update the recurrent and convolution state pools in place (one flat
+    view of every linear layer's pool, like the KV cache's): the compiled step of the largest
+    bucket (prefill chunks by the chunked form, windows by the packed rule) has no instruction
+    that makes a buffer of one layer's pool ``[B, W, ...]`` (a slice written back: what the
+    layers did before) and no ``copy`` of a whole pool or of its flat view."""
+    import re
+
+    from jmtp.runtime.buckets import step_buckets
+    run = llm(hybrid, SpeculativeConfig("mtp", 2, 2)).llm_engine.runner
+    lin = run.cache.linear
+    bucket = step_buckets(run.shard_config)[-1]
+    text = run.jitted_step.lower(*run.step_args(bucket)).compile().as_text()
+    ops = [(tuple(int(d) for d in m.group(1).split(",") if d), m.group(2))
+           for m in re.finditer(r"= \w+\[([\d,]*)\]\S* ([\w-]+)\(", text)]
+    layer = {tuple(a.shape[1:]) for a in (lin.recurrent, lin.conv)}
+    whole = {s for a in (lin.recurrent, lin.conv)
+             for s in (tuple(a.shape), (a.shape[0] * a.shape[1],) + tuple(a.shape[2:]))}
+    assert ops and any(op == "fusion" for _, op in ops)
+    assert [o for o in ops if o[0] in layer and o[1] not in ("parameter", "bitcast")] == []
+    assert [o for o in ops if o[0] in whole and o[1] == "copy"] == []

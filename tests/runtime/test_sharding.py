@@ -372,3 +372,16 @@ def test_hybrid_model_on_a_mesh_equals_the_reference(results):
     assert res["spec"][0] == "data" and res["spec"][4] == "model"
     # [D, Ll, B/D, W, Hv, Dk, Dv]: one data shard's slots and half the value heads per device
     assert res["local"] == [1, 2, 2, 3, 2, 8, 8] and res["shape"] == [2, 2, 2, 3, 4, 8, 8]
+
+
+def test_hybrid_handoff_between_a_mesh_and_one_device(results):
+    """A hybrid request prefilled on the (data, model) = (2, 2) engine (recurrent state sharded
+    over the value heads) and decoded on a one-device engine, and the reverse: the exported state
+    is gathered whole and scattered into the other placement; greedy tokens equal the one-device
+    plain forward's."""
+    from tests.runtime.conftest import TINY_HYBRID
+    res = results["hybrid"]
+    assert "error" not in res, res.get("error")
+    cfg, params = tiny_model(0, **TINY_HYBRID)
+    want = [reference_greedy(cfg, params, p, worker.MAX_TOKENS) for p in worker.PROMPTS]
+    assert res["handoff"] == {"tp2->tp1": want, "tp1->tp2": want}
