@@ -36,8 +36,10 @@ from jmtp.runtime import sharding as shd
 log = logging.getLogger(__name__)
 
 #: HLO collectives counted in each executable.
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_COLLECTIVE_RE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
+               "ragged-all-to-all")
+# (a name is not matched inside a longer one: "all-to-all" of "ragged-all-to-all")
+_COLLECTIVE_RE = re.compile(r"(?<![\w-])(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _KERNEL_NAME_RE = re.compile(r"\b(jmtp_[a-z0-9_]+)/pallas_call")
 GiB = 1 << 30
 
@@ -231,12 +233,13 @@ class AotReport:
                  f"({self.num_devices} x {self.device_kind})", "",
                  "| " + " | ".join(row) + " |", "|" + "---|" * len(row),
                  "| " + " | ".join(row.values()) + " |", "",
-                 "| executable | args GiB | temp GiB | peak GiB | Mosaic | collectives | s |",
-                 "|---|---|---|---|---|---|---|"]
+                 "| executable | args GiB | temp GiB | peak GiB | Mosaic | collectives | by kind "
+                 "| s |", "|---|---|---|---|---|---|---|---|"]
         for e in self.executables:
+            kinds = ", ".join(f"{k} {n}" for k, n in e.collectives.items() if n) or "-"
             lines.append(f"| {e.label} | {e.argument_bytes / GiB:.3f} | {e.temp_bytes / GiB:.3f} "
                          f"| {e.peak_bytes / GiB:.3f} | {e.num_mosaic_kernels} | "
-                         f"{sum(e.collectives.values())} | {e.seconds:.1f} |")
+                         f"{sum(e.collectives.values())} | {kinds} | {e.seconds:.1f} |")
         return "\n".join(lines) + "\n"
 
 
@@ -378,7 +381,8 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
                     dtype=str(jax.tree_util.tree_leaves(runner.params)[0].dtype),
                     cache_dtype=str(runner.cache.k.dtype),
                     attention=runner.attention.implementation,
-                    block_allocator=ec.block_allocator),
+                    block_allocator=ec.block_allocator,
+                    **_moe_config(runner.model_config)),
         predicted=dict(params=params_b, kv_cache=kv_b, state=state_b,
                        total=params_b + kv_b + state_b),
         executables=reports, hbm_bytes=hbm_bytes(devices[0]) if ec.platform == "tpu" else 0,
@@ -388,6 +392,15 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
     if serialize_dir is not None:
         _serialize(exes, serialize_dir)
     return report
+
+
+def _moe_config(cfg) -> dict:
+    """The MoE placement of a report's config: expert parallelism and its dispatch, or the
+    experts' width split over ``model`` (nothing for a dense model)."""
+    if cfg.moe is None:
+        return {}
+    return dict(expert_parallel=cfg.moe.expert_parallel,
+                all2all_backend=cfg.moe.all2all_backend if cfg.moe.expert_parallel else None)
 
 
 def _fit_num_blocks(report: AotReport, args, runner) -> None:
@@ -437,7 +450,8 @@ def write_report(reports: Sequence[AotReport], names: Sequence[str], json_path: 
 
 
 def add_compile_args(p) -> None:
-    """``jmtp compile``'s options."""
+    """``jmtp compile``'s options (``jmtp.cli`` adds the expert-parallel ones every engine
+    command shares)."""
     p.add_argument("--model", default=None,
                    help="GGUF file, HF checkpoint directory or HF config.json (only the config "
                         "is read; default: SmolLM2-135M-Instruct)")
@@ -492,6 +506,8 @@ def run_compile(args) -> int:
                                        else args.attention_backend), dtype=args.dtype,
                     tensor_parallel_size=args.tensor_parallel_size,
                     data_parallel_size=args.data_parallel_size,
+                    enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+                    all2all_backend=getattr(args, "all2all_backend", "auto"),
                     enable_prefix_caching=args.enable_prefix_caching)
     reports = []
     for topo in args.topology:

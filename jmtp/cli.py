@@ -36,6 +36,8 @@ def build_llm(args):
                compile=args.compile, compilation_cache_dir=None if cache == "none" else cache,
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                data_parallel_size=getattr(args, "data_parallel_size", 1),
+               enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+               all2all_backend=getattr(args, "all2all_backend", "auto"),
                enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
                layer_loop=getattr(args, "layer_loop", "auto"))
 
@@ -81,6 +83,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="devices of the data-parallel ('data') mesh axis: slots, KV blocks and "
                         "the step's token budget split into that many shards (must divide "
                         "--max-num-seqs, --num-blocks and --max-num-batched-tokens)")
+    add_expert_parallel_args(p)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
                    help="KV-cache storage (target and MTP caches): auto = the model dtype; int8 / "
                         "fp8_e4m3 = 8-bit values with one f32 scale per token per KV head")
@@ -103,6 +106,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compilation-cache-dir", default="auto",
                    help="JAX persistent compilation cache folder (default 'auto': $JMTP_CACHE_DIR, "
                         "else ~/.cache/jmtp/xla; 'none': leave JAX's setting alone)")
+
+
+def add_expert_parallel_args(p: argparse.ArgumentParser) -> None:
+    """``--enable-expert-parallel`` and ``--all2all-backend`` (every command that builds an
+    engine, ``jmtp compile`` too)."""
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the routed experts over every device of the mesh "
+                        "(data x model; must divide the experts) and dispatch each token to "
+                        "the devices owning its experts; attention stays split by request over "
+                        "data and by heads over model")
+    p.add_argument("--all2all-backend", default="auto",
+                   choices=["auto", "allgather_reducescatter", "ragged_all_to_all"],
+                   help="token dispatch under expert parallelism (auto: all-gather + "
+                        "reduce-scatter on CPU and where it moves fewer bytes, else ragged "
+                        "all-to-all)")
 
 
 def _process_seconds() -> float | None:
@@ -299,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("compile", help="compile the engine ahead of time for TPU topologies "
                         "(no TPU needed: libtpu's compiler) and report per-device HBM")
     add_compile_args(co)
+    add_expert_parallel_args(co)
     return p
 
 

@@ -81,7 +81,7 @@ class LLM:
         ``attention_backend``, ``moe_backend``, ``block_allocator``, ``kv_cache_dtype``, ``max_logprobs``, ``seed``,
         ``model_config``/``params``/``tokenizer``, ``mtp_head``, ``compile``,
         ``compilation_cache_dir``, ``tensor_parallel_size``, ``data_parallel_size``, ``mesh``,
-        ``enable_prefix_caching``),
+        ``enable_expert_parallel``, ``all2all_backend``, ``enable_prefix_caching``),
         documented there.
 
     Raises:

@@ -17,7 +17,8 @@ import numpy as np
 
 from jmtp.core.checks import check_one_of
 from jmtp.core.platform import host_platform, platform_of
-from jmtp.model.config import MOE_IMPLEMENTATIONS, ModelConfig
+from jmtp.model.config import ALL2ALL_BACKENDS, MOE_IMPLEMENTATIONS, ModelConfig
+from jmtp.model.expert_parallel import check_expert_parallel, resolve_all2all_backend
 from jmtp.model.kv_shift import with_k_shift
 from jmtp.model.llama import unstack_layers
 from jmtp.model.moe import resolve_implementation as resolve_moe
@@ -132,6 +133,16 @@ class EngineArgs:
         :mod:`jmtp.runtime.data_parallel`. Must divide the three sizes.
       mesh: a ``jax.sharding.Mesh`` with axes ``("data", "model")`` to use instead of one built
         from the two sizes (:func:`jmtp.runtime.sharding.make_mesh`).
+      enable_expert_parallel: (vLLM name) split a MoE model's routed experts over every device of
+        the mesh (``data × model``; each holds ``num_experts / (DP·TP)`` whole experts, which
+        that number must divide) and dispatch each token to the devices owning its experts
+        and back (:mod:`jmtp.model.expert_parallel`); attention stays split by request over
+        ``data`` and by heads over ``model``, the shared experts over ``model``, the router
+        replicated. Off (default): the experts are replicated over ``data`` and each one's
+        width split over ``model``. No effect on one device or for a dense model (logged).
+      all2all_backend: (vLLM name) the token dispatch under expert parallelism:
+        ``"allgather_reducescatter"``, ``"ragged_all_to_all"`` or ``"auto"`` (default: by
+        platform and mesh, :func:`jmtp.model.expert_parallel.resolve_all2all_backend`).
       enable_prefix_caching: reuse the target and MTP KV of full blocks of earlier requests'
         prompts and outputs (vLLM's option name; :mod:`jmtp.runtime.prefix_cache`); on a mesh
         each data shard caches its own blocks (:mod:`jmtp.runtime.prefix_slots`).
@@ -181,6 +192,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     mesh: object = None
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "auto"
     enable_prefix_caching: bool = False
     layer_loop: str = "auto"
     devices: object = None
@@ -242,6 +255,7 @@ class EngineArgs:
             model_config = model_config.replace(moe=model_config.moe.replace(
                 implementation=resolve_moe(a.moe_backend or model_config.moe.implementation,
                                            platform)))
+        check_one_of("all2all_backend", a.all2all_backend, ALL2ALL_BACKENDS)
         if spec.method == "mtp" and "mtp" not in params:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
         if model_config.is_hybrid:
@@ -263,6 +277,8 @@ class EngineArgs:
             model_config, params = replicate_kv_heads(model_config, params, factor)
         if mesh is not None:
             shd.check_tensor_parallel(model_config, tp)
+        if a.enable_expert_parallel:
+            model_config = _with_expert_parallel(model_config, mesh, platform, a.all2all_backend)
         if layer_loop == "unrolled":
             params = unstack_layers(params)
         if model_config.is_hybrid:   # per-layer dicts: the layers always run as an unrolled loop
@@ -364,6 +380,27 @@ def _check_hybrid(a) -> None:
     if a.kv_cache_dtype == "int8":
         raise ValueError("kv_cache_dtype='int8' is not supported with a hybrid linear-attention "
                          "model (use None or 'fp8_e4m3')")
+
+
+def _with_expert_parallel(cfg: ModelConfig, mesh, platform: str, backend: str) -> ModelConfig:
+    """``cfg`` with expert parallelism on (``MoEConfig.expert_parallel``, the dispatch
+    resolved for the platform and mesh); unchanged, with a log line, for a dense model or one
+    device.
+
+    Raises:
+      ValueError: ``num_experts`` not a multiple of the mesh's devices."""
+    if cfg.moe is None:
+        log.warning("enable_expert_parallel: the model has no MoE layers; ignored")
+        return cfg
+    if mesh is None:
+        log.info("enable_expert_parallel: one device holds every expert; nothing to split")
+        return cfg
+    dp, tp = shd.mesh_sizes(mesh)
+    check_expert_parallel(cfg.moe, dp, tp)
+    backend = resolve_all2all_backend(backend, platform, dp, tp, cfg.moe.num_experts_per_tok)
+    log.info("expert parallelism: %d experts over %d devices (%d each), dispatch %s",
+             cfg.moe.num_experts, dp * tp, cfg.moe.num_experts // (dp * tp), backend)
+    return cfg.replace(moe=cfg.moe.replace(expert_parallel=True, all2all_backend=backend))
 
 
 def _make_mesh(cfg: ModelConfig, tp: int, dp: int, mesh, devices=None):
