@@ -205,3 +205,34 @@ def test_handoff_fingerprint_covers_the_row_layout():
     fp = lambda w, g: fingerprint_hash(engine_fingerprint(CFG, ec, 0, "bfloat16", {}, w, g))
     assert fp(256, 1) != fp(256, 2) != fp(384, 2)
     assert fp(256, 1) == fp(256, 1)
+
+
+@pytest.mark.parametrize("a2a", ["allgather_reducescatter", "ragged_all_to_all"])
+def test_expert_parallel_compiles_with_its_dispatch(a2a):
+    """A MoE target (every layer and the MTP layer MoE) with expert parallelism on a (2, 2)
+    v5e mesh: the routed experts hold a quarter of their bytes per device, and the compiled step
+    carries the dispatch's collectives: ragged all-to-alls (the TPU op, not the CPU emulation),
+    or for the all-gather dispatch none of them and no all-to-all (the experts' width split
+    over ``model`` gives GSPMD's all-to-alls around the grouped matmuls; the TPU compiler turns
+    this small reduce-scatter into an all-reduce and a slice)."""
+    from jmtp.model.config import MoEConfig
+    from jmtp.runtime import sharding as shd
+    moe = MoEConfig(8, 2, 128, layers=(0, 1), mtp_moe=True, shared_intermediate_size=128)
+    rep = aot.compile_engine(args(model_config=CFG.replace(moe=moe), data_parallel_size=2,
+                                  tensor_parallel_size=2, enable_expert_parallel=True,
+                                  all2all_backend=a2a, max_num_seqs=4),
+                             topology="v5e:2x2", buckets="largest", slot_ops=False)
+    assert rep.config["expert_parallel"] and rep.config["all2all_backend"] == a2a
+    runner = args(model_config=CFG.replace(moe=moe), data_parallel_size=2, tensor_parallel_size=2,
+                  enable_expert_parallel=True, abstract=True,
+                  devices=aot.topology_devices("v5e:2x2")).build().runner
+    experts = [shd.per_device_bytes(a) for path, a in
+               jax.tree_util.tree_leaves_with_path(runner.params)
+               if "experts_" in jax.tree_util.keystr(path)]
+    assert len(experts) == 6 and all(local * 4 == total for total, local in experts)
+    for e in rep.step_reports:
+        if a2a == "ragged_all_to_all":
+            assert e.collectives["ragged-all-to-all"] > 0, e.collectives
+        else:
+            assert e.collectives["ragged-all-to-all"] == e.collectives["all-to-all"] == 0, (
+                e.collectives)

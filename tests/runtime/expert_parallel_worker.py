@@ -66,12 +66,12 @@ MODELS = {
         qk_norm=True, moe=MoEConfig(8, 2, 16, layers=(0, 1), mtp_moe=True,
                                     norm_topk_prob=True)),
 }
-#: 16 prompts (2 per data shard even at DP = 8) of 9 to 12 tokens: chunked prefill at 4 tokens
-#: per shard per step. Each sequence ends needing 5 of its shard's 7 blocks while the other
-#: holds at least the 3 of its prompt, so both wait for blocks at some step: a preemption on
-#: every shard.
+#: 16 prompts (2 per data shard even at DP = 8) of 9 to 12 tokens, 12 new tokens each: chunked
+#: prefill at 4 tokens per shard per step. Each sequence ends holding 5 or 6 of its shard's 7
+#: blocks, and the first to finish cannot do so before the other holds the 3 of its prompt, so
+#: both wait for blocks at some step: a preemption on every shard.
 PROMPTS = [[(7 * i + j) % 61 + 2 for j in range(9 + i % 4)] for i in range(16)]
-MAX_TOKENS = 8
+MAX_TOKENS = 12
 K = 1
 
 

@@ -77,8 +77,8 @@ def _ok(res):
 @pytest.mark.parametrize("model,dp,tp,a2a", RUNS)
 def test_expert_parallel_greedy_mtp_equals_one_device(results, reference, model, dp, tp, a2a):
     """Greedy MTP (K=1) on the mesh with expert parallelism: the one-device plain output,
-    through chunked prefill (prompts up to 11 tokens, 4 tokens per shard and step) and a
-    preemption wherever a data shard holds two of the prompts at once; every block returned."""
+    through chunked prefill (prompts of 9-12 tokens, 4 tokens per shard and step) and
+    preemption (two sequences outgrow their shard's pool); every block returned."""
     res = _ok(results[_name(model, dp, tp, a2a)])
     assert res["expert_parallel"] is True
     assert res["all2all_backend"] == ("allgather_reducescatter" if a2a == "auto" else a2a)
@@ -105,8 +105,9 @@ def test_expert_bytes_per_device_are_an_eighth(results, model, dp, tp, a2a):
     cache replicated over ``model``, GQA's split by kv heads)."""
     res = _ok(results[_name(model, dp, tp, a2a)])
     names = [path for path, _, _ in res["experts"]]
-    assert any("mtp" in n for n in names) and any("layers" in n for n in names)
-    assert len(names) == 3 * (1 + len(worker.MODELS[model]["moe"].layers))
+    for w in ("experts_gate", "experts_up", "experts_down"):     # target layers and MTP layer
+        assert any("mtp" in n and w in n for n in names) and any(
+            "layers" in n and w in n for n in names), w
     for path, local, total in res["experts"]:
         assert local * 8 == total, path
     local, total = res["memory"]["kv_cache"]
