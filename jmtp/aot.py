@@ -83,10 +83,14 @@ def _num_chips(chips: str) -> int:
 
 
 def hbm_bytes(device: jax.Device) -> int:
-    """HBM bytes of one (compile-only or real) TPU device, from Pallas's chip table."""
+    """HBM bytes of one (compile-only or real) TPU device, from Pallas's chip table: its
+    per-TensorCore capacity times the device's cores (``num_cores``: 2 on a megacore chip such
+    as v5p, where one JAX device is the whole chip; 1 on v5e/v6e, and on v4 where each core is a
+    device)."""
     from jax.experimental.pallas import tpu as pltpu
     with jax.default_device(device):
-        return int(pltpu.get_tpu_info().hbm_capacity_bytes)
+        per_core = int(pltpu.get_tpu_info().hbm_capacity_bytes)
+    return per_core * int(getattr(device, "num_cores", 1) or 1)
 
 
 @dataclasses.dataclass
@@ -274,7 +278,8 @@ def compile_engine(args, *, topology: str | None = None, name: str = "model", bu
       topology: a TPU topology name (:func:`topology_devices`).
       name: the model's name in the report.
       buckets: ``"all"`` (every step bucket), ``"largest"`` (the largest prefill bucket and the
-        largest decode bucket) or ``"none"``.
+        largest decode bucket), ``"decode"`` (the largest decode bucket only: the smallest
+        compile that shows a serving step's collectives and decode memory) or ``"none"``.
       slot_ops: also compile the request insert and slot release (retire/push with prefix
         caching).
       memory_fraction: the HBM share the engine may use (``0 < f <= 1``).
@@ -325,8 +330,8 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
     """One compile of ``args`` (no retry): :func:`compile_engine`."""
     from jmtp.runtime.buckets import StepBucket, decode_buckets, slot_buckets
     from jmtp.runtime.sampling import SamplingParams, make_row
-    if buckets not in ("all", "largest", "none"):
-        raise ValueError(f"buckets must be 'all', 'largest' or 'none', got {buckets!r}")
+    if buckets not in ("all", "largest", "decode", "none"):
+        raise ValueError(f"buckets must be 'all', 'largest', 'decode' or 'none', got {buckets!r}")
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction}")
     args = dataclasses.replace(args, abstract=True, compile="lazy", compilation_cache_dir=None)
@@ -335,9 +340,11 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
                if runner.device is not None else jax.devices()[:1])
     sec = runner.shard_config
     todo = list(runner.uncompiled_buckets())
+    dec = max(StepBucket(t, a) for a in slot_buckets(sec) for t in decode_buckets(sec, a))
     if buckets == "largest":
-        dec = max(StepBucket(t, a) for a in slot_buckets(sec) for t in decode_buckets(sec, a))
         todo = sorted({max(todo), dec})
+    elif buckets == "decode":
+        todo = [dec]
     elif buckets == "none":
         todo = []
     reports: list[ExecutableReport] = []
@@ -474,8 +481,9 @@ def add_compile_args(p) -> None:
                    help="auto: the best for the topology (pallas_tpu)")
     p.add_argument("--dtype", default=None, help="parameter dtype (default bf16 on TPU)")
     p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--buckets", default="all", choices=["all", "largest", "none"],
-                   help="step buckets to compile (largest: the largest prefill and decode ones)")
+    p.add_argument("--buckets", default="all", choices=["all", "largest", "decode", "none"],
+                   help="step buckets to compile (largest: the largest prefill and decode ones; "
+                        "decode: the largest decode one)")
     p.add_argument("--memory-fraction", type=float, default=0.9,
                    help="HBM share the engine may use (vLLM's gpu_memory_utilization)")
     p.add_argument("--fit", action="store_true",

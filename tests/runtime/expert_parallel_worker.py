@@ -32,7 +32,7 @@ import numpy as np
 from jmtp.model.config import MoEConfig, RopeScaling
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
-from tests.runtime.conftest import engine_of, tiny_model
+from tests.runtime.conftest import TINY_HYBRID, engine_of, tiny_model
 
 #: (data, model) meshes of 8 devices: model-parallel attention, both, and attention data
 #: parallel only ((8, 1): SGLang's "DP attention" with the experts over all 8).
@@ -65,7 +65,16 @@ MODELS = {
         architecture="Qwen3MoeForCausalLM", num_heads=8, num_kv_heads=8, head_dim=8,
         qk_norm=True, moe=MoEConfig(8, 2, 16, layers=(0, 1), mtp_moe=True,
                                     norm_topk_prob=True)),
+    # hybrid: gated-DeltaNet layers around a gated full-attention layer (2 key / 4 value heads:
+    # a model axis of at most 2), every layer MoE with a gated shared expert, MoE MTP layer
+    "qwen3_next": dict(
+        TINY_HYBRID, architecture="Qwen3NextForCausalLM",
+        moe=MoEConfig(8, 2, 16, layers=(0, 1, 2), mtp_moe=True, norm_topk_prob=True,
+                      shared_intermediate_size=16, shared_expert_gate=True)),
 }
+#: Meshes a model's heads allow (Qwen3-Next's 2 linear key heads: a model axis of at most 2).
+MODEL_MESHES = {name: [(dp, tp) for dp, tp in MESHES if name != "qwen3_next" or tp <= 2]
+                for name in MODELS}
 #: 16 prompts (2 per data shard even at DP = 8) of 9 to 12 tokens, 12 new tokens each: chunked
 #: prefill at 4 tokens per shard per step. Each sequence ends holding 5 or 6 of its shard's 7
 #: blocks, and the first to finish cannot do so before the other holds the 3 of its prompt, so
