@@ -39,11 +39,10 @@ exact: int8 and e4m3 values are bf16 values; the dot accumulates in f32):
   fuse into the dot: 0 bytes of temporaries for a 7168×18432 weight at 64 and 2048 rows, where
   dequantising first (``x @ (value · scale)``) materialised the 264 MiB bf16 weight.
 * :func:`ragged_dot` (routed experts sorted by expert): XLA:TPU's ragged dot does not fuse the
-  conversion of its right operand (one layer's experts were materialised in bf16 in the same
-  measurement), so block-scaled experts are multiplied one input block at a time
-  (``lax.fori_loop`` over ``K/bk`` ragged dots of ``bk`` columns, 1 MiB of temporaries);
-  per-channel experts convert their ``value`` whole (a temporary of one layer's experts in the
-  activation dtype on TPU).
+  conversion of its right operand (a ragged dot of the whole converted int8 experts held them in
+  bf16, 896 MiB for 32 DeepSeek-V3-sized experts, in the same measurement), so the input axis is
+  walked in chunks (``lax.fori_loop`` over ragged dots of 128-512 columns: 1 MiB of
+  temporaries), block-scaled products scaled per block, per-channel ones once at the end.
 
 On CPU XLA has no fp8 dot at all; the same conversion to the activation dtype makes it run
 (reading the 8-bit bytes from memory). GPU: XLA's dot emitters take the converted operand
@@ -275,15 +274,20 @@ def expert_matmul(x: jax.Array, w) -> jax.Array:
     return (p * s).sum(-2).astype(x.dtype)
 
 
+#: Input-axis chunks :func:`ragged_dot` tries (largest first) for per-channel experts.
+RAGGED_CHUNKS = (512, 256, 128)
+
+
 def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     """``jax.lax.ragged_dot(x, w, group_sizes)``: rows ``x f[M, K]`` sorted by group, group ``e``
     (``group_sizes i32[E]`` rows, summing to M) times ``w f[E, K, N]`` (array or
     :class:`QuantizedWeight`) → ``f[M, N]`` in ``x``'s dtype.
 
-    Per-channel weights: one ragged dot of the converted values, each row scaled by its group's
-    scales. Block-scaled: one ragged dot per input block (``lax.fori_loop``), its f32 product
-    scaled by the row's group's block scales and accumulated (module docstring: XLA:TPU does not
-    fuse the conversion into a ragged dot)."""
+    The input axis is walked in chunks (``lax.fori_loop``), each a ragged dot of the chunk's
+    converted values accumulated in f32, so no converted copy of the experts exists (XLA:TPU does
+    not fuse the conversion into a ragged dot, module docstring): block-scaled weights one block
+    (``bk`` columns) at a time, each product scaled by its rows' experts' block scales;
+    per-channel weights in chunks of :data:`RAGGED_CHUNKS`, the sum scaled once."""
     if not is_quantized(w):
         return jax.lax.ragged_dot(x, w, group_sizes)
     m = x.shape[0]
@@ -293,19 +297,22 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     if nk > 1 and k % bk:
         return jax.lax.ragged_dot(x, dequantize(w, x.dtype), group_sizes)
     rows = jnp.repeat(jnp.arange(e, dtype=jnp.int32), group_sizes, total_repeat_length=m)
-    srow = _expand(w.scale, bn, n, -1)[rows]                       # f32[M, nk, N]
-    if nk == 1:
-        y = jax.lax.ragged_dot(x, w.value.astype(x.dtype), group_sizes,
-                               preferred_element_type=jnp.float32)
-        return (y * srow[:, 0]).astype(x.dtype)
+    srow = w.scale[rows]                                           # f32[M, nk, N/bn]
+    # one scale block along K (per channel): sum the chunks, scale once; else scale each block
+    chunk = bk if nk > 1 else next((c for c in RAGGED_CHUNKS if k % c == 0 and c < k), k)
 
     def block(b, acc):
-        xs = jax.lax.dynamic_slice_in_dim(x, b * bk, bk, axis=1)
-        vs = jax.lax.dynamic_slice_in_dim(w.value, b * bk, bk, axis=1).astype(x.dtype)
+        xs = jax.lax.dynamic_slice_in_dim(x, b * chunk, chunk, axis=1)
+        vs = jax.lax.dynamic_slice_in_dim(w.value, b * chunk, chunk, axis=1).astype(x.dtype)
         p = jax.lax.ragged_dot(xs, vs, group_sizes, preferred_element_type=jnp.float32)
-        return acc + p * jax.lax.dynamic_index_in_dim(srow, b, axis=1, keepdims=False)
+        if nk == 1:
+            return acc + p
+        s = jax.lax.dynamic_index_in_dim(srow, b, axis=1, keepdims=False)   # f32[M, N/bn]
+        return acc + p * _expand(s, bn, n, -1)
 
-    acc = jax.lax.fori_loop(0, nk, block, jnp.zeros((m, n), jnp.float32))
+    acc = jax.lax.fori_loop(0, k // chunk, block, jnp.zeros((m, n), jnp.float32))
+    if nk == 1:
+        acc = acc * _expand(srow[:, 0], bn, n, -1)
     return acc.astype(x.dtype)
 
 

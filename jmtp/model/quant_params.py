@@ -81,7 +81,7 @@ def config_from_params(cfg: ModelConfig, params: dict, method: str,
                                                 activation_scheme))
 
 
-def _convert(w, method: str, block_hf: tuple[int, int] | None, dtype):
+def _convert(w, method: str, block_hf: tuple[int, int] | None):
     """One weight in ``method``'s 8 bits: a float array quantised; an 8-bit weight of the same
     method and blocks kept; another 8-bit weight dequantised (f32) and quantised again."""
     k, n = w.shape[-2:]
@@ -118,10 +118,8 @@ def quantize_params(cfg: ModelConfig, params: dict, method: str,
     if weight_block_size is None and method == "fp8":
         weight_block_size = (q.weight_block_size if q is not None and q.method == "fp8"
                              and q.weight_block_size else DEFAULT_FP8_BLOCK)
-    dtype = params["embed"].dtype
-
     def layer(d: dict) -> dict:
-        return {k: (_convert(v, method, weight_block_size, dtype) if k in QUANTIZABLE else v)
+        return {k: (_convert(v, method, weight_block_size) if k in QUANTIZABLE else v)
                 for k, v in d.items()}
 
     out = dict(params)
@@ -131,7 +129,7 @@ def quantize_params(cfg: ModelConfig, params: dict, method: str,
         mtp = dict(params["mtp"], layer=layer(params["mtp"]["layer"]))
         for k in MTP_PROJECTIONS:     # kept 8-bit only if the checkpoint has it so
             if is_quantized(mtp.get(k)):
-                mtp[k] = _convert(mtp[k], method, weight_block_size, dtype)
+                mtp[k] = _convert(mtp[k], method, weight_block_size)
         out["mtp"] = mtp
     return config_from_params(cfg, out, method, weight_block_size,
                               q.activation_scheme if q is not None else "dynamic"), out

@@ -26,8 +26,9 @@ def _deq(w) -> np.ndarray:
 # (method, block (bk, bn) or None = per output channel, K, N): blocks that tile both axes, a
 # partial last block of outputs (DeepSeek-V3's kv_a_proj: 576 rows in 128-blocks), blocks that do
 # not tile the input axis (the dequantising fallback)
-CASES = [("int8", None, 64, 48), ("fp8", (16, 16), 64, 48), ("fp8", (16, 16), 64, 40),
-         ("fp8", (16, 16), 24, 32), ("int8", (32, 8), 64, 40), ("fp8", (128, 128), 64, 48)]
+CASES = [("int8", None, 64, 48), ("int8", None, 256, 24), ("fp8", (16, 16), 64, 48),
+         ("fp8", (16, 16), 64, 40), ("fp8", (16, 16), 24, 32), ("int8", (32, 8), 64, 40),
+         ("fp8", (128, 128), 64, 48)]
 
 
 @pytest.mark.parametrize("method,block,k,n", CASES)
