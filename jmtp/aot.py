@@ -385,7 +385,9 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
                     block_size=ec.block_size, num_blocks=ec.num_blocks,
                     max_num_batched_tokens=ec.max_num_batched_tokens,
                     speculative=repr(ec.spec.method), k=ec.k, kv_cache_dtype=ec.kv_cache_dtype,
-                    dtype=str(jax.tree_util.tree_leaves(runner.params)[0].dtype),
+                    dtype=str(runner.params["embed"].get_value().dtype),
+                    quantization=(runner.model_config.quantization.describe()
+                                  if runner.model_config.quantization else None),
                     cache_dtype=str(runner.cache.k.dtype),
                     attention=runner.attention.implementation,
                     block_allocator=ec.block_allocator,
@@ -476,6 +478,9 @@ def add_compile_args(p) -> None:
     p.add_argument("--speculative-method", default="mtp", choices=["mtp", "ngram", "none"])
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "int8", "fp8"],
+                   help="8-bit weights: auto = the config's quantization_config (a published "
+                        "FP8 config.json plans 8-bit weights), int8, fp8")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "reference", "xla", "pallas_tpu", "pallas_gpu"],
                    help="auto: the best for the topology (pallas_tpu)")
@@ -501,7 +506,7 @@ def run_compile(args) -> int:
     from jmtp.model.loader import load_config
     from jmtp.runtime.config import SpeculativeConfig
     from jmtp.runtime.engine_args import EngineArgs
-    cfg = load_config(args.model)
+    cfg = load_config(args.model, None if args.quantization == "auto" else args.quantization)
     spec = (None if args.speculative_method == "none" else
             SpeculativeConfig(args.speculative_method, args.num_speculative_tokens))
     name = ("SmolLM2-135M-Instruct" if args.model is None

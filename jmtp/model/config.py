@@ -9,6 +9,7 @@ import dataclasses
 from typing import Literal
 
 from jmtp.core.checks import check_one_of
+from jmtp.model.quant import QuantConfig
 
 MTP_LAYOUTS = ("deepseek", "ernie", "mimo", "qwen3_next")
 ATTENTION_TYPES = ("gqa", "mla")
@@ -275,6 +276,9 @@ class ModelConfig:
       attn_output_gate: the attention output is gated per channel by ``sigmoid(x @ wg)`` before
         ``wo`` (Qwen3-Next / Qwen3.5 gated attention: HF ``q_proj`` doubled, each head's query
         followed by its gate); ``wg f[H, Nq·D]``.
+      quantization: which weights are 8-bit and how (:class:`jmtp.model.quant.QuantConfig`:
+        an FP8 checkpoint's block-scaled weights, or ``LLM(quantization="int8" | "fp8")``);
+        None: every weight in the model dtype.
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -309,6 +313,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
+    quantization: QuantConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -20,6 +20,10 @@ leading layer axis L so that the layers run under one ``lax.scan``)::
   mtp:         enorm,hnorm f[N,H]  eh_proj f[N,2H,H]  final_norm f[N,H]  layer: {as `layers`, N stacked}
   [k_shift     f32[L,Nkv,D]]        (int8 KV caches only: key shift, jmtp.model.kv_shift)
 
+Any linear weight above may be an 8-bit :class:`jmtp.model.quant.QuantizedWeight` (values and
+scales, same ``[in, out]`` layout; ``ModelConfig.quantization`` says which): every matmul with a
+weight goes through :func:`jmtp.model.quant.matmul`.
+
 The KV cache of a stack of ``L`` layers is :class:`KVCache` with ``k, v: f[L, num_blocks, block_size,
 W]``, the kv heads merged head-major into ``W >= Nkv·D`` lanes (:mod:`jmtp.pallas.kv_layout`; 8-bit values plus ``k_scale, v_scale: f32[L, num_blocks, Nkv, block_size]`` when
 ``kv_cache_dtype`` quantises it, :mod:`jmtp.pallas.kv_quant`). The MTP head has its own
@@ -37,6 +41,7 @@ import jax.numpy as jnp
 from jmtp.model import mla
 from jmtp.model.config import ModelConfig
 from jmtp.model import moe
+from jmtp.model.quant import matmul
 from jmtp.model import gated_deltanet as gdn
 from jmtp.model.gated_deltanet import LinearState
 from jmtp.model.metadata import AttentionMetadata
@@ -223,7 +228,7 @@ def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array,
     t = x.shape[0]
     if h is None:
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+    q, k, v = matmul(h, p["wq"]), matmul(h, p["wk"]), matmul(h, p["wv"])
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = q.reshape(t, cfg.num_heads, cfg.head_dim)
@@ -307,8 +312,8 @@ def decoder_layer(
         attn = (attn.astype(jnp.float32) @ rot.T).astype(attn.dtype)
     attn = attn.reshape(t, cfg.q_size)
     if "wg" in p:    # gated attention (Qwen3-Next / Qwen3.5): sigmoid(h @ wg) per channel
-        attn = attn * jax.nn.sigmoid(h @ p["wg"]).astype(attn.dtype)
-    x = x + attn @ p["wo"]
+        attn = attn * jax.nn.sigmoid(matmul(h, p["wg"])).astype(attn.dtype)
+    x = x + matmul(attn, p["wo"])
     return _mlp_block(cfg, p, x), pool
 
 
@@ -491,7 +496,7 @@ def mtp_forward(
         emb = jnp.where((positions == 0)[:, None], jnp.zeros_like(emb), emb)
     e = rms_norm(emb, pick(m["enorm"]), cfg.rms_norm_eps)
     hn = rms_norm(hidden.astype(e.dtype), pick(m["hnorm"]), cfg.rms_norm_eps)
-    x = jnp.concatenate([e, hn], axis=-1) @ pick(m["eh_proj"])
+    x = matmul(jnp.concatenate([e, hn], axis=-1), jax.tree_util.tree_map(pick, m["eh_proj"]))
     layer = jax.tree_util.tree_map(pick, m["layer"])
     x, pool = decoder_layer(cfg, layer, x, positions, _layer_view(meta, cache, layer_idx),
                             _flat_cache(cache), attention_impl)

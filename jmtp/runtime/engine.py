@@ -118,6 +118,10 @@ class LLM:
         """KV-cache bytes, values and scales apart: :meth:`LLMEngine.kv_cache_bytes`."""
         return self.llm_engine.kv_cache_bytes()
 
+    def param_bytes(self) -> dict[str, int]:
+        """Parameter bytes, 8-bit values and scales apart: :meth:`LLMEngine.param_bytes`."""
+        return self.llm_engine.param_bytes()
+
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True) -> list[RequestOutput]:
