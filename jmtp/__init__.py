@@ -18,7 +18,7 @@ Public API::
 (malloc settings on the CPU, JAX's compilation cache) is listed in :mod:`jmtp.runtime.process`.
 """
 from jmtp.aot import AotReport, compile_engine
-from jmtp.core.errors import InvalidRequestError
+from jmtp.core.errors import InvalidRequestError, RequestFailedError
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.engine import LLM
 from jmtp.runtime.engine_args import EngineArgs
@@ -32,5 +32,5 @@ from jmtp.runtime.structured import StructuredOutputsParams
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "SpeculativeConfig", "EngineConfig",
            "RequestOutput", "CompletionOutput", "SpecDecodeMetrics", "RequestState",
-           "MapLimitError", "InvalidRequestError", "EngineArgs", "compile_engine", "AotReport",
-           "StructuredOutputsParams"]
+           "MapLimitError", "InvalidRequestError", "RequestFailedError", "EngineArgs",
+           "compile_engine", "AotReport", "StructuredOutputsParams"]

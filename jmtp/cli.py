@@ -29,6 +29,7 @@ def build_llm(args):
     max_num_seqs = DEFAULT_MAX_NUM_SEQS if args.max_num_seqs is None else args.max_num_seqs
     return LLM(args.model, speculative_config=spec, max_num_seqs=max_num_seqs,
                max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+               max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
                attention_backend=args.attention_backend, block_allocator=args.block_allocator,
                kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
                quantization=None if args.quantization == "auto" else args.quantization,
@@ -40,7 +41,10 @@ def build_llm(args):
                enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
                all2all_backend=getattr(args, "all2all_backend", "auto"),
                enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
-               layer_loop=getattr(args, "layer_loop", "auto"))
+               layer_loop=getattr(args, "layer_loop", "auto"),
+               batch_invariant=getattr(args, "batch_invariant", False),
+               async_scheduling={"on": True, "off": False}.get(
+                   getattr(args, "async_scheduling", "auto")))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -65,6 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="batch slots (default: generate: min(8, number of prompts); serve: 8)")
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget of one step, the largest step bucket (default 256, or "
+                        "more when max-num-seqs x (K+1) needs it)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default: every slot can hold max-model-len tokens)")
     p.add_argument("--max-logprobs", type=int, default=0,
@@ -92,6 +99,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the target and MTP KV of cached full blocks of earlier requests "
                         "(shared prompt prefixes, multi-turn chats); one device only")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every row's logits independent of its batch mates (fixed row tiles "
+                        "and attention chunks): greedy speculative output equals plain decoding "
+                        "bit for bit; slower steps (docs/architecture.md)")
     p.add_argument("--layer-loop", choices=["auto", "scan", "unrolled"], default="auto",
                    help="scan: the target's layers under one lax.scan (fastest start-up); "
                         "unrolled: one graph node per layer (~20%% faster steps on CPU, where "
@@ -105,6 +116,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "$JMTP_COMPILE, else lazy for generate (a one-shot run compiles only "
                         "what its prompts need) and chat (the rest compiles while the user "
                         "types) and eager for serve")
+    p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
+                   help="dispatch each step before reading the previous one's outputs, so host "
+                        "work overlaps the device (same outputs); auto: on unless an n-gram "
+                        "proposer runs")
     p.add_argument("--compilation-cache-dir", default="auto",
                    help="JAX persistent compilation cache folder (default 'auto': $JMTP_CACHE_DIR, "
                         "else ~/.cache/jmtp/xla; 'none': leave JAX's setting alone)")
@@ -287,6 +302,39 @@ def _chat(args) -> int:
     return run_repl(session)
 
 
+def _serve(args) -> int:
+    """``jmtp serve``; under ``jmtp launch`` (a multi-process mesh) process 0 serves HTTP and the
+    others replay its engine calls (:mod:`jmtp.runtime.mirror`)."""
+    import logging
+
+    from jmtp.runtime import distributed as dist
+    from jmtp.runtime.server import serve
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    dist.initialize_from_env()       # before anything touches a device
+    name = args.served_model_name or (
+        "SmolLM2-135M-Instruct" if args.model is None
+        else os.path.basename(os.path.normpath(args.model)))
+    from jmtp.runtime.server import ServerOptions
+    options = ServerOptions(max_n=args.max_n, max_request_bytes=args.max_request_bytes,
+                            ignore_unknown_fields=args.ignore_unknown_fields,
+                            engine_stall_seconds=args.engine_stall_seconds)
+    llm = build_llm(args)
+    import jax
+    if jax.process_count() == 1:
+        return serve(llm, model_name=name, host=args.host, port=args.port,
+                     log_level=args.log_level, options=options)
+    from jmtp.runtime.mirror import MirroredEngine, follow
+    if not dist.is_main_process():
+        return follow(llm.llm_engine)
+    engine = MirroredEngine(llm.llm_engine)
+    try:
+        return serve(llm, model_name=name, host=args.host, port=args.port,
+                     log_level=args.log_level, options=options, engine=engine)
+    finally:
+        engine.stop()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``jmtp`` argument parser (subcommands generate, chat, serve, launch, compile)."""
     p = argparse.ArgumentParser(prog="jmtp", description="MTP speculative decoding in JAX")
@@ -323,6 +371,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "file/directory name)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--max-n", type=int, default=128,
+                   help="most samples one request may ask for: n, and len(prompt) x n for a "
+                        "completions request with a list of prompts (default 128, OpenAI's)")
+    s.add_argument("--max-request-bytes", type=int, default=8 * 2**20,
+                   help="largest request body in bytes (default 8 MiB); a larger one gets HTTP "
+                        "413 before it is read")
+    s.add_argument("--ignore-unknown-fields", action="store_true",
+                   help="log and drop unknown request fields (listed in the response header "
+                        "Jmtp-Ignored-Fields) instead of answering HTTP 400")
+    s.add_argument("--engine-stall-seconds", type=float, default=60.0,
+                   help="/health answers 503 while the engine thread has spent longer than this "
+                        "in one step (default 60; raise it with --compile lazy on large models)")
     add_engine_args(s)
     from jmtp.launch import add_launch_args
     la = sub.add_parser("launch", help="run a jmtp subcommand as N processes of one "
@@ -346,21 +406,7 @@ def main(argv=None) -> int:
             from jmtp.launch import run_launch
             return run_launch(args)
         if args.cmd == "serve":
-            from jmtp.runtime import distributed as dist
-            if dist.env_requested():
-                raise ValueError("jmtp serve runs as one process; multi-process serving (each "
-                                 "request broadcast to every process) is not implemented — "
-                                 f"unset {', '.join(dist.ENV_VARS)}")
-            import logging
-
-            from jmtp.runtime.server import serve
-            logging.basicConfig(level=args.log_level.upper(),
-                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-            name = args.served_model_name or (
-                "SmolLM2-135M-Instruct" if args.model is None
-                else os.path.basename(os.path.normpath(args.model)))
-            return serve(build_llm(args), model_name=name, host=args.host, port=args.port,
-                         log_level=args.log_level)
+            return _serve(args)
         if args.cmd == "chat":
             return _chat(args)
         if args.cmd == "compile":

@@ -59,3 +59,24 @@ def test_expert_parallel_switches_on_every_engine_command(monkeypatch):
     monkeypatch.setattr(engine, "LLM", lambda model, **kw: seen.update(kw))
     build_llm(p.parse_args(["generate", "--enable-expert-parallel"]))
     assert seen["enable_expert_parallel"] is True and seen["all2all_backend"] == "auto"
+
+
+def test_serve_limits_default_to_openai_and_reject_nonsense():
+    """``jmtp serve``'s own limits: OpenAI's n <= 128, 8 MiB bodies, unknown fields refused, a
+    60 s stall bound; ServerOptions refuses limits below 1 by name."""
+    import pytest
+
+    from jmtp.runtime.server.intake import ServerOptions
+
+    p = build_parser()
+    a = p.parse_args(["serve"])
+    assert (a.max_n, a.max_request_bytes, a.ignore_unknown_fields, a.engine_stall_seconds,
+            a.max_num_batched_tokens) == (128, 8 * 2**20, False, 60.0, None)
+    a = p.parse_args(["serve", "--max-n", "4", "--max-request-bytes", "1000",
+                      "--ignore-unknown-fields", "--engine-stall-seconds", "5",
+                      "--max-num-batched-tokens", "16"])
+    assert (a.max_n, a.max_request_bytes, a.ignore_unknown_fields, a.engine_stall_seconds,
+            a.max_num_batched_tokens) == (4, 1000, True, 5.0, 16)
+    for bad in (dict(max_n=0), dict(max_request_bytes=0), dict(engine_stall_seconds=0)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerOptions(**bad)

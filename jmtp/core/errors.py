@@ -17,3 +17,16 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside an engine step (its admission into a batch slot raised); the
+    error names it, so the caller can abort that request alone and go on with the others.
+
+    Attributes:
+      request_id: the failed request's id. The original exception is ``__cause__``.
+    """
+
+    def __init__(self, message: str, request_id: str):
+        super().__init__(message)
+        self.request_id = request_id

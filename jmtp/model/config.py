@@ -279,6 +279,10 @@ class ModelConfig:
       quantization: which weights are 8-bit and how (:class:`jmtp.model.quant.QuantConfig`:
         an FP8 checkpoint's block-scaled weights, or ``LLM(quantization="int8" | "fp8")``);
         None: every weight in the model dtype.
+      batch_invariant: an engine's numerics choice, not the checkpoint's (set by
+        ``LLM(batch_invariant=True)``): every matmul runs over fixed tiles of rows and attention
+        over fixed query tiles and key chunks (:mod:`jmtp.model.invariant`), so each row's
+        result does not depend on the other rows of the batch. Dense attention models only.
     """
 
     architecture: str = "LlamaForCausalLM"
@@ -314,6 +318,7 @@ class ModelConfig:
     linear: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
     quantization: QuantConfig | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

@@ -30,6 +30,8 @@ stored unshifted) and used only by int8 caches (:func:`jmtp.model.llama.decoder_
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,8 +72,10 @@ def calibrate_k_shift(cfg: ModelConfig, params: dict, num_seqs: int = CALIBRATIO
                              jnp.zeros((num_seqs,), jnp.int32), tables, block_size, n)
     cache = init_kv_cache(cfg, cfg.num_layers, num_seqs * pages, block_size, jnp.float32)
     core = {k: v for k, v in params.items() if k != "k_shift"}
-    _, cache = jax.jit(forward, static_argnums=0)(cfg, core, jnp.asarray(ids, jnp.int32), pos,
-                                                  meta, cache)
+    # a function object of this call's own: its executable is dropped when the call returns
+    # (jitting the module-level forward would keep it, and its memory mappings, for good)
+    _, cache = jax.jit(functools.partial(forward), static_argnums=0)(
+        cfg, core, jnp.asarray(ids, jnp.int32), pos, meta, cache)
     # Block b of sequence s is s * pages + b: each sequence's slots are contiguous.
     k = cache.k.reshape(cfg.num_layers, num_seqs, pages * block_size, cfg.num_kv_heads, -1)
     return jnp.mean(k[:, :, :seq_len].astype(jnp.float32), axis=(1, 2))

@@ -22,7 +22,7 @@ leading layer axis L so that the layers run under one ``lax.scan``)::
 
 Any linear weight above may be an 8-bit :class:`jmtp.model.quant.QuantizedWeight` (values and
 scales, same ``[in, out]`` layout; ``ModelConfig.quantization`` says which): every matmul with a
-weight goes through :func:`jmtp.model.quant.matmul`.
+weight goes through :func:`jmtp.model.quant.matmul` (via :func:`jmtp.model.invariant.matmul`).
 
 The KV cache of a stack of ``L`` layers is :class:`KVCache` with ``k, v: f[L, num_blocks, block_size,
 W]``, the kv heads merged head-major into ``W >= Nkv·D`` lanes (:mod:`jmtp.pallas.kv_layout`; 8-bit values plus ``k_scale, v_scale: f32[L, num_blocks, Nkv, block_size]`` when
@@ -32,6 +32,7 @@ one-layer-per-MTP-module cache addressed by the same block ids.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -41,8 +42,8 @@ import jax.numpy as jnp
 from jmtp.model import mla
 from jmtp.model.config import ModelConfig
 from jmtp.model import moe
-from jmtp.model.quant import matmul
 from jmtp.model import gated_deltanet as gdn
+from jmtp.model import invariant
 from jmtp.model.gated_deltanet import LinearState
 from jmtp.model.metadata import AttentionMetadata
 from jmtp.pallas import kv_quant
@@ -228,7 +229,8 @@ def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, positions: jax.Array,
     t = x.shape[0]
     if h is None:
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = matmul(h, p["wq"]), matmul(h, p["wk"]), matmul(h, p["wv"])
+    mm = functools.partial(invariant.matmul, cfg.batch_invariant)
+    q, k, v = mm(h, p["wq"]), mm(h, p["wk"]), mm(h, p["wv"])
     if "bq" in p:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     q = q.reshape(t, cfg.num_heads, cfg.head_dim)
@@ -284,6 +286,7 @@ def decoder_layer(
         return _mlp_block(cfg, p, x), pool._replace(k=k)
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q, k, v = project_qkv(cfg, p, x, positions, h)
+    mm = functools.partial(invariant.matmul, cfg.batch_invariant)
     # An int8 cache stores K and V rotated (kv_quant.hadamard_rotation); the query is rotated
     # alike and the attention output rotated back, which leaves attention unchanged.
     # The rotation is applied in f32 (1/sqrt(n) is not exact in bf16 for every head dim).
@@ -291,7 +294,7 @@ def decoder_layer(
     if rot is not None:
         if k_shift is not None:
             k = (k.astype(jnp.float32) - k_shift.astype(jnp.float32)).astype(k.dtype)
-        q, k, v = ((a.astype(jnp.float32) @ rot).astype(a.dtype) for a in (q, k, v))
+        q, k, v = (mm(a.astype(jnp.float32), rot).astype(a.dtype) for a in (q, k, v))
     slots = meta.slot_mapping
     if t == 1:
         # One row: XLA turns the scatter into a bounds-checked dynamic-update-slice that reads the
@@ -306,14 +309,16 @@ def decoder_layer(
     attn = ragged_paged_attention(
         q, pool.k, pool.v, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
         sm_scale=1.0 / math.sqrt(cfg.head_dim), implementation=attention_impl,
-        k_scale=pool.k_scale, v_scale=pool.v_scale, rows_per_seq=meta.rows_per_seq,
-        num_kv_heads=cfg.num_kv_heads)
+        k_scale=pool.k_scale, v_scale=pool.v_scale,
+        # batch-invariant: every sequence's rows in fixed tiles (jmtp.model.invariant)
+        rows_per_seq=invariant.ROW_TILE if cfg.batch_invariant else meta.rows_per_seq,
+        num_kv_heads=cfg.num_kv_heads, batch_invariant=cfg.batch_invariant)
     if rot is not None:
-        attn = (attn.astype(jnp.float32) @ rot.T).astype(attn.dtype)
+        attn = mm(attn.astype(jnp.float32), rot.T).astype(attn.dtype)
     attn = attn.reshape(t, cfg.q_size)
     if "wg" in p:    # gated attention (Qwen3-Next / Qwen3.5): sigmoid(h @ wg) per channel
-        attn = attn * jax.nn.sigmoid(matmul(h, p["wg"])).astype(attn.dtype)
-    x = x + matmul(attn, p["wo"])
+        attn = attn * jax.nn.sigmoid(mm(h, p["wg"])).astype(attn.dtype)
+    x = x + mm(attn, p["wo"])
     return _mlp_block(cfg, p, x), pool
 
 
@@ -454,8 +459,11 @@ def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
-def compute_logits(params: dict, h: jax.Array) -> jax.Array:
-    """LM head: ``f32[T, V]`` logits of post-norm hidden states ``h: f[T, H]``."""
+def compute_logits(params: dict, h: jax.Array, batch_invariant: bool = False) -> jax.Array:
+    """LM head: ``f32[T, V]`` logits of post-norm hidden states ``h: f[T, H]`` (in row tiles
+    with ``batch_invariant``, :mod:`jmtp.model.invariant`)."""
+    if batch_invariant:
+        return invariant.row_tiled(lambda t: compute_logits(params, t), h)
     if "lm_head" in params:
         return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32).astype(jnp.float32)
     # Contract with the [V, H] table directly: ``h @ embed.T`` makes XLA:CPU materialise the
@@ -496,7 +504,8 @@ def mtp_forward(
         emb = jnp.where((positions == 0)[:, None], jnp.zeros_like(emb), emb)
     e = rms_norm(emb, pick(m["enorm"]), cfg.rms_norm_eps)
     hn = rms_norm(hidden.astype(e.dtype), pick(m["hnorm"]), cfg.rms_norm_eps)
-    x = matmul(jnp.concatenate([e, hn], axis=-1), jax.tree_util.tree_map(pick, m["eh_proj"]))
+    x = invariant.matmul(cfg.batch_invariant, jnp.concatenate([e, hn], axis=-1),
+                         jax.tree_util.tree_map(pick, m["eh_proj"]))
     layer = jax.tree_util.tree_map(pick, m["layer"])
     x, pool = decoder_layer(cfg, layer, x, positions, _layer_view(meta, cache, layer_idx),
                             _flat_cache(cache), attention_impl)

@@ -439,7 +439,7 @@ class LlamaForCausalLM(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         """``f32[T, V]`` logits of post-norm hidden states ``h f[T, H]`` (the target's final norm
         or an MTP module's)."""
-        return llama.compute_logits(self.to_params(), h)
+        return llama.compute_logits(self.to_params(), h, self.cfg.batch_invariant)
 
     def target_logits(self, hidden: jax.Array) -> jax.Array:
         """``f32[T, V]`` logits of rows ``hidden f[T, H]`` of :meth:`__call__`'s output: the final

@@ -44,6 +44,7 @@ from jmtp.model import axes as ax
 from jmtp.model import expert_parallel
 from jmtp.model import quant
 from jmtp.model.config import ModelConfig, MoEConfig
+from jmtp.model.invariant import row_tiled
 from jmtp.model.variables import normal, own_variables, param, weight
 
 DENSE_FFN_KEYS = ("w_gate", "w_up", "w_down")
@@ -224,6 +225,8 @@ def ffn(cfg: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
         if cfg.moe is None:
             raise ValueError("a layer holds MoE parameters (router) but ModelConfig.moe is None")
         return moe_ffn(cfg.moe, p, x)
+    if cfg.batch_invariant:     # fixed row tiles (jmtp.model.invariant)
+        return row_tiled(lambda t: swiglu(t, p["w_gate"], p["w_up"], p["w_down"]), x)
     return swiglu(x, p["w_gate"], p["w_up"], p["w_down"])
 
 

@@ -129,6 +129,12 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def special_token_ids(self) -> dict[str, int]:
+        """``{text: id}`` of the special (control) tokens, the ones
+        ``decode(..., skip_special_tokens=True)`` leaves out."""
+        return {t.content: int(i) for i, t in self.backend.get_added_tokens_decoder().items()
+                if t.special}
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs) -> str:
         """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the checkpoint's chat

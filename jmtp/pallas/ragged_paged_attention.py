@@ -140,6 +140,7 @@ def ragged_paged_attention_xla(
     rows_per_seq: int | None = None,
     k_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size] (quantised cache only)
     v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
+    fixed_chunks: bool = False,
 ) -> jax.Array:               # f[T, Nq, D]
     """Plain-XLA ragged paged attention for backends without a kernel (the CPU default).
 
@@ -163,6 +164,12 @@ def ragged_paged_attention_xla(
       still right): each sequence's pages are gathered once per R rows, and its rows multiply
       them as one small matrix, where the mixed tiles above gather the pages once per row.
 
+    * with ``fixed_chunks`` (batch-invariant mode, :mod:`jmtp.model.invariant`) a chunk is
+      ``kv_chunk`` positions whatever the block table's width, and the chunks are always visited
+      in the loop: a key's place in its chunk, the chunk's length and the code that reduces it
+      are the same in every engine shape (a table narrower than a chunk would otherwise shorten
+      it, and the sums over it would associate differently).
+
     Cost O(T · used keys · Nq · D); scratch O(q_tile · kv_chunk · Nkv · D), independent of the
     number of sequences S and of ``max_model_len``. A quantised cache's pages are dequantised right
     after their gather.
@@ -180,7 +187,8 @@ def ragged_paged_attention_xla(
     tile = max(1, min(q_tile, num_tokens))
     n_tiles = -(-num_tokens // tile)
     padded = n_tiles * tile
-    chunk_pages = max(1, min(pages, kv_chunk // block_size))
+    chunk_pages = max(1, kv_chunk // block_size if fixed_chunks else
+                      min(pages, kv_chunk // block_size))
     chunk = chunk_pages * block_size                                     # keys per loop step
     n_chunks = -(-pages // chunk_pages)
     tables_all = jnp.clip(block_tables, 0, num_blocks - 1)
@@ -272,7 +280,7 @@ def ragged_paged_attention_xla(
         rows = (num_kv_heads, n * group) if one_seq else (n, num_kv_heads, group)
         init = (jnp.full(rows, -jnp.inf, jnp.float32), jnp.zeros(rows, jnp.float32),
                 jnp.zeros(rows + (head_dim,), jnp.float32))
-        if n_chunks == 1:   # the whole table is one chunk: no loop (tight tables, short models)
+        if n_chunks == 1 and not fixed_chunks:   # one chunk: no loop (short models)
             _, den, acc = body(0, init)
         else:
             _, den, acc = jax.lax.fori_loop(jnp.minimum(first, last), last, body, init)
@@ -390,6 +398,7 @@ def ragged_paged_attention(
     v_scale: jax.Array | None = None,   # f32[num_blocks, Nkv, block_size]
     rows_per_seq: int | None = None,
     num_kv_heads: int | None = None,
+    batch_invariant: bool = False,
 ) -> jax.Array:               # f[T, Nq, D]
     """Attention of a ragged batch of queries over a paged KV cache (see module docstring).
 
@@ -401,6 +410,8 @@ def ragged_paged_attention(
         for those dtypes, not allowed for others); see :mod:`jmtp.pallas.kv_quant`.
       rows_per_seq: ``"xla"`` only (the others ignore it): a static schedule hint, see
         :func:`ragged_paged_attention_xla`.
+      batch_invariant: ``"xla"`` only: every row's result independent of the batch (queries
+        ``rows_per_seq`` at a time per sequence, ``fixed_chunks``; :mod:`jmtp.model.invariant`).
       num_kv_heads: Nkv of a merged cache whose rows carry padding lanes
         (:mod:`jmtp.pallas.kv_layout`); default: the row width over ``D``.
       interpret: kernels only (ignored by ``"reference"`` and ``"xla"``): None = Pallas
@@ -426,7 +437,8 @@ def ragged_paged_attention(
     shared_kv = tp > 1 and nkv == 1 and q.shape[1] % tp == 0
     run = functools.partial(_dispatch, impl, sm_scale=sm_scale, sliding_window=sliding_window,
                             soft_cap=soft_cap, interpret=interpret, rows_per_seq=rows_per_seq,
-                            num_kv_heads=nkv // tp if sharded else nkv)
+                            num_kv_heads=nkv // tp if sharded else nkv,
+                            batch_invariant=batch_invariant)
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
     args += (k_scale, v_scale) if k_scale is not None else ()
     if sharded or shared_kv:
@@ -448,7 +460,7 @@ def ragged_paged_attention(
 
 def _dispatch(impl, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_scale=None,
               v_scale=None, *, sm_scale, sliding_window, soft_cap, interpret, rows_per_seq=None,
-              num_kv_heads=None):
+              num_kv_heads=None, batch_invariant=False):
     """Call implementation ``impl`` (arguments as :func:`ragged_paged_attention`;
     ``num_kv_heads``: the heads of this (shard's) cache)."""
     kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
@@ -462,7 +474,8 @@ def _dispatch(impl, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, k_sca
     if impl == "reference":
         return ragged_paged_attention_reference(*args, **kw)
     if impl == "xla":
-        return ragged_paged_attention_xla(*args, **kw, rows_per_seq=rows_per_seq)
+        return ragged_paged_attention_xla(*args, **kw, rows_per_seq=rows_per_seq,
+                                          fixed_chunks=batch_invariant)
     if impl == "pallas_tpu":
         from jmtp.pallas import ragged_paged_attention_tpu as tpu
         return tpu.ragged_paged_attention_tpu(*args, **kw, interpret=interpret,

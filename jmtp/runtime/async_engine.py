@@ -13,10 +13,16 @@ Between two steps the engine thread drains the command queue, so requests that a
 run join the running batch at the next step (continuous batching; admission is the engine's job).
 
 A request that fails (``add_request`` raises, e.g. a prompt longer than ``max_model_len``) gets the
-exception on its own stream and the loop goes on. If ``step()`` itself raises, the error cannot be
-pinned on one request: every in-flight request gets it and is aborted, and the loop goes on serving
-new requests; if even the abort fails the engine is marked dead (``is_dead``) and every later request
-fails at once with :class:`EngineDeadError`.
+exception on its own stream and the loop goes on; so does a request whose admission into a batch
+slot fails inside ``step()`` (the engine raises :class:`~jmtp.core.errors.RequestFailedError`
+naming it; this thread aborts it): the other requests go on untouched. If
+``step()`` raises anything else, the error cannot be pinned on one request: every in-flight request
+gets it and is aborted, and the loop goes on serving new requests; if even the abort fails the
+engine is marked dead (``is_dead``) and every later request fails at once with
+:class:`EngineDeadError`.
+
+Liveness (for ``/health``): :attr:`AsyncLLMEngine.busy_seconds` is how long the engine thread has
+been inside its current pass (a step and the commands around it); 0 while it sleeps idle.
 
 This is the shape of vLLM's ``AsyncLLMEngine`` (``generate`` / ``abort``), built on a thread rather
 than an asyncio background task because one engine step is a long, blocking XLA call.
@@ -32,11 +38,15 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
+from jmtp.core.errors import RequestFailedError
+
 log = logging.getLogger(__name__)
 
 #: Signature of the per-step observer: ``(stats, outputs, step_seconds)``, called on the engine
 #: thread after every step, before the step's outputs reach the streams (``outputs`` empty and
-#: ``step_seconds`` None after a command-only pass). Keep it cheap: it delays every stream.
+#: ``step_seconds`` None after a command-only pass). ``stats["queue_seconds"]`` lists the queue
+#: times (s, from ``add_request`` to the step that admitted the request into a batch slot) of the
+#: requests first admitted in that pass. Keep it cheap: it delays every stream.
 StepObserver = Callable[[dict, list, "float | None"], None]
 
 
@@ -50,6 +60,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue           # RequestOutput | BaseException | None (end)
     added: asyncio.Future          # resolved once the engine accepted (or rejected) the request
+    arrival: float = 0.0           # time.perf_counter() when add_request was called
 
 
 _STOP = object()
@@ -67,7 +78,8 @@ class AsyncLLMEngine:
 
     Attributes:
       stats: the latest ``engine.get_stats()`` snapshot (a new dict after every step or command
-        pass; safe to read from any thread). Adds ``num_requests_in_flight`` (streams open here).
+        pass; safe to read from any thread). Adds ``num_requests_in_flight`` (streams open here)
+        and ``queue_seconds`` (see :data:`StepObserver`).
         It is taken before the step's outputs (or an abort's end of stream, or a failed step's
         error) are handed to the streams, so a caller that has its final output reads stats
         that already count that request as finished and its KV blocks as freed.
@@ -83,7 +95,10 @@ class AsyncLLMEngine:
         self._ids_lock = threading.Lock()
         self._dead: BaseException | None = None
         self._stopping = False
-        self.stats: dict = dict(engine.get_stats(), num_requests_in_flight=0)
+        self._busy_since: float | None = None     # monotonic start of the thread's current pass
+        self._queued: dict[str, float] = {}       # engine thread: added, not yet in a slot
+        self._compile_lock = threading.Lock()
+        self.stats: dict = dict(engine.get_stats(), num_requests_in_flight=0, queue_seconds=[])
         self._thread = threading.Thread(target=self._run, name="jmtp-engine", daemon=True)
         if start:
             self.start()
@@ -107,6 +122,27 @@ class AsyncLLMEngine:
     def is_dead(self) -> bool:
         """True once the engine thread can no longer serve (shut down or failed)."""
         return self._dead is not None or self._stopping
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds the engine thread has spent in its current pass (one step and the commands
+        around it); 0 while it sleeps with nothing to do. A value that keeps growing past any
+        step's time means the thread is stuck."""
+        since = self._busy_since
+        return 0.0 if since is None else max(time.monotonic() - since, 0.0)
+
+    def compile_constraint(self, params) -> None:
+        """Compile a structured-output constraint (a ``StructuredOutputsParams``) on the calling
+        thread, e.g. a worker thread of the server, so the grammar compile stalls neither an event
+        loop nor the engine thread: the engine's own check when the request is added then finds
+        it in the compiler's cache.
+
+        Raises:
+          InvalidRequestError: the grammar engine rejects the constraint
+            (``.field = "structured_outputs.<kind>"``).
+        """
+        with self._compile_lock:        # one compile at a time; the cache is shared
+            self.engine.requests.structured.compiler.compile(params)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine thread: in-flight requests are aborted and their streams end with
@@ -144,7 +180,8 @@ class AsyncLLMEngine:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
             self._pending_ids.add(request_id)
         loop = asyncio.get_running_loop()
-        stream = _Stream(request_id, loop, asyncio.Queue(), loop.create_future())
+        stream = _Stream(request_id, loop, asyncio.Queue(), loop.create_future(),
+                         time.perf_counter())
         self._commands.put(("add", stream, prompt, sampling_params))
         self._wake.set()
         try:
@@ -219,6 +256,7 @@ class AsyncLLMEngine:
             pass
 
     def _forget(self, request_id: str) -> _Stream | None:
+        self._queued.pop(request_id, None)
         stream = self._streams.pop(request_id, None)
         with self._ids_lock:
             self._pending_ids.discard(request_id)
@@ -242,6 +280,7 @@ class AsyncLLMEngine:
                     self._resolve(stream, e)
                     continue
                 self._streams[stream.request_id] = stream
+                self._queued[stream.request_id] = stream.arrival
                 self._resolve(stream, None)
             elif cmd[0] == "abort":
                 stream = self._forget(cmd[1])
@@ -254,9 +293,38 @@ class AsyncLLMEngine:
                 finally:                # the stream ends whatever the engine does
                     self._deliver(stream, None)
 
-    def _snapshot(self) -> dict:
-        self.stats = dict(self.engine.get_stats(), num_requests_in_flight=len(self._streams))
+    def _snapshot(self, queue_seconds: list | None = None) -> dict:
+        self.stats = dict(self.engine.get_stats(), num_requests_in_flight=len(self._streams),
+                          queue_seconds=queue_seconds or [])
         return self.stats
+
+    def _admitted_since(self, t_step: float) -> list[float]:
+        """Queue times of the waiting requests that the step begun at ``t_step`` admitted (a
+        sample in a slot or with output, or already finished); they leave :attr:`_queued`."""
+        waited = []
+        groups = self.engine.requests.groups
+        for rid, t_added in list(self._queued.items()):
+            group = groups.get(rid)
+            if group is None or any(s.slot is not None or s.output_ids for s in group.seqs):
+                waited.append(max(t_step - t_added, 0.0))
+                del self._queued[rid]
+        return waited
+
+    def _fail_one(self, exc: RequestFailedError) -> None:
+        """``step()`` failed one request: abort it and end its stream with the error; every
+        other request goes on."""
+        stream = self._forget(exc.request_id)
+        try:
+            self.engine.abort_request(exc.request_id)
+        except Exception as e:  # noqa: BLE001 -- it would fail every step from now on
+            log.exception("engine unusable: cannot abort a failed request")
+            self._dead = e
+        try:
+            self._snapshot()
+            self._notify([], None)
+        finally:
+            if stream is not None:
+                self._deliver(stream, exc)
 
     def _notify(self, outputs: list, step_seconds: float | None) -> None:
         if self.on_step is None:
@@ -289,17 +357,23 @@ class AsyncLLMEngine:
         try:
             while self._dead is None:
                 self._wake.clear()
+                self._busy_since = time.monotonic()
                 if not self._handle_commands():
                     break
                 if not self.engine.has_unfinished_requests():
                     self._snapshot()
                     self._notify([], None)
                     # Sleep until a command arrives (set() after clear() above is never lost).
+                    self._busy_since = None
                     self._wake.wait()
                     continue
                 t0 = time.perf_counter()
                 try:
                     outputs = self.engine.step()
+                except RequestFailedError as e:
+                    log.warning("%s", e)
+                    self._fail_one(e)
+                    continue
                 except Exception as e:  # noqa: BLE001
                     log.exception("engine step failed; failing the %d in-flight requests",
                                   len(self._streams))
@@ -317,7 +391,7 @@ class AsyncLLMEngine:
                 # Snapshot and observer first: a caller that got its final output reads stats
                 # (and server metrics) that include this step, its blocks freed.
                 try:
-                    self._snapshot()
+                    self._snapshot(self._admitted_since(t0))
                     self._notify(outputs, dt)
                 finally:        # forgotten streams must get their items even if stats fail
                     for stream, out in deliveries:
@@ -327,6 +401,7 @@ class AsyncLLMEngine:
             self._dead = e
         finally:
             self._stopping = True
+            self._busy_since = None
             err = EngineDeadError(f"engine stopped: {self._dead or 'shut down'}")
             for rid in list(self._streams):
                 stream = self._forget(rid)

@@ -160,6 +160,8 @@ class EngineConfig:
       max_stop_ids: width of the per-slot stop-token table (EOS ids + user stop ids).
       max_bad_words / max_bad_word_len: capacity for multi-token bad words per slot.
       max_logprobs: largest ``SamplingParams.logprobs`` served (0: logprobs off, nothing computed).
+      max_logit_bias: ``SamplingParams.logit_bias`` entries a slot holds (its
+        ``i32[B, max_logit_bias]`` ids and ``f32[B, max_logit_bias]`` biases).
       spec: the :class:`SpeculativeConfig`: the window drafts K and MTP substeps M (properties
         ``k``/``m``) and the verify and draft settings the step reads (``verify_strategy``,
         ``max_candidate_len``, ``verify_window``, ``draft_*``).
@@ -196,6 +198,7 @@ class EngineConfig:
     max_bad_words: int = 4
     max_bad_word_len: int = 4
     max_logprobs: int = 0
+    max_logit_bias: int = 300
     spec: SpeculativeConfig = SpeculativeConfig(method=None)
     block_allocator: str = "auto"
     kv_cache_dtype: str | None = None

@@ -134,6 +134,9 @@ def data_parallel_step(mesh: Mesh, graphdef, ec: EngineConfig, drafter, bucket, 
                           jax.tree_util.tree_unflatten(treedef, leaves),
                           _squeeze(state), _squeeze(cache), _squeeze(mtp_cache), chunk[0],
                           limit[0], bitmask[0], override[0])
+        # prompt logprobs are per packed row of a shard: not served on a mesh (refused at intake)
+        out = dataclasses.replace(out, prompt_logprobs=None, prompt_top_ids=None,
+                                  prompt_top_logprobs=None, prompt_row_start=None)
         return _expand(out)
 
     d = P(DATA)

@@ -25,6 +25,9 @@ ENV_COORDINATOR = "JMTP_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JMTP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JMTP_PROCESS_ID"
 ENV_VARS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
+#: Seconds after which the coordination service declares a silent process dead and stops the
+#: job (JAX's ``heartbeat_timeout_seconds``, default 100).
+ENV_HEARTBEAT_TIMEOUT = "JMTP_HEARTBEAT_TIMEOUT"
 
 #: The ``jax_cpu_collectives_implementation`` value jmtp selects (jax 0.10: "gloo" | "mpi").
 CPU_COLLECTIVES = "gloo"
@@ -93,7 +96,8 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, initialization_timeout: int = 300) -> bool:
+               process_id: int | None = None, *, initialization_timeout: int = 300,
+               heartbeat_timeout: int | None = None) -> bool:
     """Join this process to a multi-process JAX job (``jax.distributed.initialize``).
 
     Call it first, before any JAX computation or device query. Arguments left None are read from
@@ -106,6 +110,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       num_processes: processes in the job (>= 1).
       process_id: this process's index in ``[0, num_processes)``.
       initialization_timeout: seconds to wait for every process to connect.
+      heartbeat_timeout: seconds after which a process that stopped sending heartbeats (killed,
+        crashed) is declared dead: JAX then terminates every process of the job with "the JAX
+        distributed service detected fatal errors". None: ``$JMTP_HEARTBEAT_TIMEOUT``, else
+        JAX's default (100 s).
 
     Returns:
       True if this call initialized the job, False if it was already initialized.
@@ -125,6 +133,12 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if coordinator_address is not None:
         kw = dict(coordinator_address=coordinator_address, num_processes=num_processes,
                   process_id=process_id)
+    if heartbeat_timeout is None and os.environ.get(ENV_HEARTBEAT_TIMEOUT, "").strip():
+        heartbeat_timeout = _env_int(ENV_HEARTBEAT_TIMEOUT, os.environ)
+    if heartbeat_timeout is not None:
+        if heartbeat_timeout < 1:
+            raise ValueError(f"heartbeat_timeout must be >= 1 second, got {heartbeat_timeout}")
+        kw["heartbeat_timeout_seconds"] = int(heartbeat_timeout)
     jax.distributed.initialize(initialization_timeout=initialization_timeout, **kw)
     log.info("jax.distributed: process %d of %d, %d local / %d global devices",
              jax.process_index(), jax.process_count(), jax.local_device_count(),

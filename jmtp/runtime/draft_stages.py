@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jmtp.model.config import ModelConfig
+from jmtp.model.invariant import row_tiled
 from jmtp.model.llama import KVCache
 from jmtp.model.metadata import AttentionMetadata, packed_row_seq, ragged_batch
 from jmtp.model.modules import LlamaForCausalLM
@@ -34,6 +35,7 @@ from jmtp.runtime.buckets import StepBucket
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.sharding import uniform_any
 from jmtp.runtime.sampling import SamplingArrays, draft_sample
+from jmtp.runtime.sampling.processors import logit_bias
 from jmtp.runtime.state import EngineState, effective_block_tables
 from jmtp.runtime.target_stages import (TargetOutput, gather_slots, pytree_dataclass,
                                         take_rows, window_rows_hint)
@@ -147,7 +149,15 @@ def _pick(ec: EngineConfig, model: LlamaForCausalLM, ctx: DraftContext, h_rows, 
     its exact distribution q; over the FR-Spec draft vocabulary when the model has a
     :class:`~jmtp.model.modules.DraftHead` (a static, structural choice), else the full one."""
     draft_head = model.draft_head
-    logits = draft_head(h_rows) if draft_head is not None else model.logits(h_rows)
+    if draft_head is None:
+        logits = model.logits(h_rows)
+    elif model.cfg.batch_invariant:     # fixed row tiles (jmtp.model.invariant)
+        logits = row_tiled(draft_head, h_rows)
+    else:
+        logits = draft_head(h_rows)
+    # the request's logit_bias: drafts follow the distribution the target verifies against
+    logits = logit_bias(logits, ctx.sampling, None if draft_head is None
+                        else draft_head.token_ids[...])
     tokens, probs = draft_sample(
         logits, ctx.sampling, ctx.step_idx + sub,
         draft_sampling=ec.spec.draft_sampling, draft_temperature=ec.spec.draft_temperature,

@@ -81,7 +81,8 @@ class LLM:
         ``attention_backend``, ``moe_backend``, ``block_allocator``, ``kv_cache_dtype``, ``max_logprobs``, ``seed``,
         ``model_config``/``params``/``tokenizer``, ``mtp_head``, ``compile``,
         ``compilation_cache_dir``, ``tensor_parallel_size``, ``data_parallel_size``, ``mesh``,
-        ``enable_expert_parallel``, ``all2all_backend``, ``enable_prefix_caching``),
+        ``enable_expert_parallel``, ``all2all_backend``, ``enable_prefix_caching``,
+        ``async_scheduling``),
         documented there.
 
     Raises:
@@ -121,6 +122,19 @@ class LLM:
     def param_bytes(self) -> dict[str, int]:
         """Parameter bytes, 8-bit values and scales apart: :meth:`LLMEngine.param_bytes`."""
         return self.llm_engine.param_bytes()
+
+    def close(self) -> None:
+        """Release the engine: its KV caches, state and compiled executables (and with them the
+        memory mappings XLA:CPU holds; :meth:`LLMEngine.close`). Idempotent; the ``LLM`` cannot
+        generate after it. ``with jmtp.LLM(...) as llm:`` closes on leaving the block; an ``LLM``
+        that is garbage collected releases the same without ``close``."""
+        self.llm_engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -170,6 +184,7 @@ class LLM:
 
     def _check_idle(self, where: str) -> None:
         engine = self.llm_engine
+        engine._check_open()
         if engine.has_unfinished_requests():
             raise RuntimeError(f"{where}: the engine has {engine.get_num_unfinished_requests()}"
                                " unfinished requests added through llm_engine; finish or abort "

@@ -55,6 +55,29 @@ def resolve_layer_loop(layer_loop: str, one_device: bool, platform: str | None =
     return "unrolled" if platform == "cpu" and one_device else "scan"
 
 
+def fit_layer_loop(num_layers: int, ec: EngineConfig, platform: str) -> str:
+    """``"unrolled"``, or ``"scan"`` (logged) when the unrolled engine's step buckets would not fit
+    in what is left of the process's memory-map budget (:func:`jmtp.runtime.host_maps.engine_maps`:
+    an unrolled step maps each layer's kernels apart, the scan's once; if the scan's do not fit
+    either, the budget refuses the compile that would cross the limit, with a ``MapLimitError``).
+    XLA:CPU only; where nothing can be counted, ``"unrolled"``."""
+    from jmtp.runtime.buckets import step_buckets
+    from jmtp.runtime.host_maps import engine_maps, free_maps
+    free = free_maps() if platform == "cpu" else None
+    if free is None:
+        return "unrolled"
+    n = len(step_buckets(ec))
+    unrolled, scan = engine_maps(n, num_layers, True), engine_maps(n, num_layers, False)
+    if unrolled <= free:
+        return "unrolled"
+    log.warning("layer_loop='auto': the %d step buckets of an unrolled %d-layer step need ~%d "
+                "memory mappings but only %d are left of vm.max_map_count; running the layers "
+                "as a scan (~%d; slower steps on CPU). Close engines you no longer use "
+                "(LLM.close) or raise the limit to keep the unrolled loop.", n, num_layers,
+                unrolled, free, scan)
+    return "scan"
+
+
 def default_dtype(platform: str | None = None):
     """fp32 on CPU (much faster than bf16 matmuls there), bf16 on TPU/GPU. ``platform``: the
     platform compiled for (default: the host's)."""
@@ -165,12 +188,29 @@ class EngineArgs:
         over the stacked layers, compiles fastest), ``"unrolled"`` (a Python loop over per-layer
         weights, :func:`jmtp.model.llama.unstack_layers`; one device only: the parameter
         shardings are stated for the stacked layers) or ``"auto"``
-        (default: :func:`resolve_layer_loop`, unrolled on XLA:CPU with one device, else scan).
+        (default: :func:`resolve_layer_loop`, unrolled on XLA:CPU with one device, else scan;
+        the scan instead, logged, when the unrolled step buckets would not fit in what is left of
+        the process's memory-map budget, :func:`fit_layer_loop`).
         On XLA:CPU the scan copies each layer's weights out of the stack before its matmuls
         (in a profile of a SmolLM2 decode step those copies took longer than the matmuls),
         which ``"unrolled"`` avoids, at the price of a compile about twice as long (figures in
         ``docs/performance.md``; the persistent compilation cache keeps it to the first start). Unrolled layers are copies of the stacked ones: a caller that passes ``params``
         and keeps them holds the layer weights twice. The chosen loop is :attr:`layer_loop`.
+      batch_invariant: compute every row of a step in an order independent of the other rows
+        (``ModelConfig.batch_invariant``, :mod:`jmtp.model.invariant`): the target's logits of a
+        token are bit-identical in a verify window and in a one-row decode step, alone or among
+        any batch mates, in any bucket and prefill chunk, so greedy speculative output equals
+        plain greedy output bit for bit (also in bf16 and with 8-bit KV caches) and a request's
+        tokens never depend on its batch mates (sampled ones too, with the fixed speculation
+        policy: the dynamic one picks draft counts by timing). Slower steps (figures in
+        ``docs/performance.md``); attention runs the ``"xla"`` implementation. Dense attention
+        models on one device only (MLA, MoE and hybrid targets and meshes raise ``ValueError``).
+      async_scheduling: dispatch each engine step before the previous step's outputs are read
+        back, so the host's work on them (detokenising, stop strings, logprobs, outputs, the
+        dynamic policy, admissions) overlaps the next step on the device (vLLM's option name;
+        :mod:`jmtp.runtime.inflight`); outputs are the same either way. ``None`` (default): on
+        unless an n-gram proposer runs (:func:`~jmtp.runtime.inflight.default_async_scheduling`);
+        ``LLMEngine.async_scheduling`` can be changed between steps.
 
     Raises (from :meth:`build`):
       ValueError: bad configuration (see :class:`EngineConfig`, :class:`SpeculativeConfig`) or an
@@ -207,6 +247,8 @@ class EngineArgs:
     layer_loop: str = "auto"
     devices: object = None
     abstract: bool = False
+    batch_invariant: bool = False
+    async_scheduling: bool | None = None
 
     def build(self) -> "BuiltEngine":
         """Check the arguments, load the model if needed and build the runner."""
@@ -278,6 +320,8 @@ class EngineArgs:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
         if model_config.is_hybrid:
             _check_hybrid(a)
+        if a.batch_invariant:
+            model_config = _batch_invariant(a, model_config, one_device)
         mesh = _make_mesh(model_config, a.tensor_parallel_size, a.data_parallel_size, a.mesh,
                           devices)
         draft_vocab_size = 0
@@ -297,10 +341,6 @@ class EngineArgs:
             shd.check_tensor_parallel(model_config, tp)
         if a.enable_expert_parallel:
             model_config = _with_expert_parallel(model_config, mesh, platform, a.all2all_backend)
-        if layer_loop == "unrolled":
-            params = unstack_layers(params)
-        if model_config.is_hybrid:   # per-layer dicts: the layers always run as an unrolled loop
-            layer_loop = "unrolled"
         dp = shd.mesh_sizes(mesh)[0] if mesh is not None else 1
         tokens = a.max_num_batched_tokens
         if tokens is None:   # (a multiple of data_parallel_size: split per shard)
@@ -313,6 +353,12 @@ class EngineArgs:
             platform=platform)
         if not a.num_blocks:      # default: every slot can hold a full-length sequence
             ec = dataclasses.replace(ec, num_blocks=a.max_num_seqs * ec.pages_per_seq)
+        if a.layer_loop == "auto" and layer_loop == "unrolled" and not model_config.is_hybrid:
+            layer_loop = fit_layer_loop(model_config.num_layers, ec, platform)
+        if layer_loop == "unrolled":
+            params = unstack_layers(params)
+        if model_config.is_hybrid:   # per-layer dicts: the layers always run as an unrolled loop
+            layer_loop = "unrolled"
         num_mtp_cache_layers = max(model_config.num_mtp_layers, 1) if spec.method == "mtp" else 0
         if spec.method == "mtp" and model_config.num_mtp_layers > 1 and spec.k > 1:
             # Known limitation (docs/architecture.md, the MTP's shadow state): MTP module j >= 1
@@ -323,7 +369,7 @@ class EngineArgs:
                         "output stays lossless; acceptance and seeded sampled output may vary)",
                         model_config.num_mtp_layers)
         runner = DeviceRunner(model_config, params, ec, mesh=mesh, dtype=dtype,
-                              attention_backend=attention_fallback(
+                              attention_backend="xla" if a.batch_invariant else attention_fallback(
                                   a.attention_backend, platform, a.kv_cache_dtype, a.block_size),
                               num_mtp_cache_layers=num_mtp_cache_layers,
                               compile_mode=compile_mode, abstract=bool(a.abstract),
@@ -331,7 +377,7 @@ class EngineArgs:
         if mesh is not None and not a.abstract:
             log.info("mesh %s: %s", dict(mesh.shape), runner.memory_per_device())
         return BuiltEngine(runner, tokenizer, draft_vocab_size, layer_loop, compile_mode,
-                           cache_dir)
+                           cache_dir, a.async_scheduling)
 
 
 @dataclasses.dataclass
@@ -344,6 +390,7 @@ class BuiltEngine:
     layer_loop: str
     compile_mode: str
     compilation_cache_dir: str | None
+    async_scheduling: bool | None = None
 
 
 def attention_fallback(attention_backend: str | None, platform: str,
@@ -385,6 +432,25 @@ def abstract_params(cfg: ModelConfig, dtype, with_mtp: bool, kv_cache_dtype: str
         params["k_shift"] = jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
                                                  jnp.float32)
     return params
+
+
+def _batch_invariant(a, cfg: ModelConfig, one_device: bool) -> ModelConfig:
+    """``cfg`` with ``batch_invariant`` set, after refusing what the mode does not cover.
+
+    Raises:
+      ValueError: an MLA, MoE or hybrid target (their attention / experts / recurrent kernels
+        are not tiled), a device mesh (not verified there yet), or an ``attention_backend``
+        other than ``"xla"`` (the Pallas kernels choose their tiles by the batch)."""
+    what = ("MLA attention" if cfg.is_mla else "a MoE target" if cfg.moe is not None else
+            "a hybrid linear-attention target" if cfg.is_hybrid else
+            "a device mesh" if not one_device else None)
+    if what is not None:
+        raise ValueError(f"batch_invariant=True is not supported with {what} (dense attention "
+                         "models on one device only)")
+    if a.attention_backend not in (None, "xla"):
+        raise ValueError(f"batch_invariant=True runs attention_backend='xla' (its query tiles and "
+                         f"key chunks are fixed); got attention_backend={a.attention_backend!r}")
+    return cfg.replace(batch_invariant=True)
 
 
 def _check_hybrid(a) -> None:
@@ -439,5 +505,5 @@ def _make_mesh(cfg: ModelConfig, tp: int, dp: int, mesh, devices=None):
     return mesh if mesh.size > 1 else None
 
 
-__all__ = ["EngineArgs", "BuiltEngine", "LAYER_LOOPS", "resolve_layer_loop", "default_dtype",
-           "with_draft_vocab", "abstract_params", "attention_fallback"]
+__all__ = ["EngineArgs", "BuiltEngine", "LAYER_LOOPS", "resolve_layer_loop", "fit_layer_loop",
+           "default_dtype", "with_draft_vocab", "abstract_params", "attention_fallback"]

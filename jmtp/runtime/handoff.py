@@ -44,8 +44,10 @@ from jmtp.runtime.sampling import SamplingParams
 from jmtp.runtime.state import EngineState
 
 #: Layout version of :class:`RequestState` (bumped whenever a field or its meaning changes).
-HANDOFF_VERSION = 3    # 3: KV pages in the merged row layout (jmtp.pallas.kv_layout); 2: the
-                       # window's draft budget (EngineState.actual_draft_token_num)
+HANDOFF_VERSION = 4    # 4: the sampling row's seed_hi and logit_bias (64-bit seeds, OpenAI's
+                       # logit_bias); 3: KV pages in the merged row layout
+                       # (jmtp.pallas.kv_layout); 2: the window's draft budget
+                       # (EngineState.actual_draft_token_num)
 
 #: Per-slot fields of :class:`EngineState` carried in ``RequestState.row`` (``blocks`` is carried
 #: as KV pages; ``draft_probs`` only when the engine samples drafts).
@@ -242,6 +244,7 @@ def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, ca
     spec = ec.spec
     model = json.loads(json.dumps(dataclasses.asdict(model_config), default=str))
     model.pop("mla_path", None)
+    model.pop("batch_invariant", None)     # the same function, computed in a fixed order
     if isinstance(model.get("moe"), dict):
         model["moe"].pop("implementation", None)
     return dict(
@@ -256,7 +259,7 @@ def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, ca
                 kv_cache_dtype=ec.kv_cache_dtype, row_width=row_width,
                 row_groups=row_groups),
         sampling=dict(max_stop_ids=ec.max_stop_ids, max_bad_words=ec.max_bad_words,
-                      max_bad_word_len=ec.max_bad_word_len))
+                      max_bad_word_len=ec.max_bad_word_len, max_logit_bias=ec.max_logit_bias))
 
 
 def fingerprint_hash(compat: dict) -> str:

@@ -190,6 +190,10 @@ class HandOffAPI:
         if isinstance(sp, SamplingParams) and sp.n != 1:
             raise ValueError(f"request {request_id!r}: the hand-off supports n=1 only, got "
                              f"SamplingParams.n={sp.n}")
+        if isinstance(sp, SamplingParams) and sp.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                f"request {request_id!r}: the hand-off does not carry prompt logprobs; run "
+                "prompt_logprobs requests on one engine", "prompt_logprobs")
         if isinstance(sp, SamplingParams) and sp.structured_outputs is not None:
             raise InvalidRequestError(
                 f"request {request_id!r}: the hand-off does not carry a grammar state yet; run "

@@ -16,21 +16,30 @@ Not thread-safe: call it from one thread at a time (any thread).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Iterable
 
+import jax
 import numpy as np
 
-from jmtp.runtime.buckets import StepBucket, choose_bucket
+from jmtp.core.errors import RequestFailedError
+from jmtp.runtime.buckets import choose_bucket
 from jmtp.runtime.engine_args import BuiltEngine, EngineArgs
+from jmtp.runtime.engine_compile import CompileAPI
 from jmtp.runtime.handoff_engine import HandOff, HandOffAPI
+from jmtp.runtime.host_maps import MapLimitError
+from jmtp.runtime.inflight import (StepRecord, default_async_scheduling, free_lower_bound,
+                                   needs_sync)
 from jmtp.runtime.outputs import RequestOutput
 from jmtp.runtime.prefix_slots import ShardedPrefixCache
 from jmtp.runtime.requests import RequestTable, Sequence
 from jmtp.runtime.sampling import SamplingParams
-from jmtp.runtime.scheduler import Scheduler, reuse_bucket
+from jmtp.runtime.scheduler import Scheduler
+from jmtp.runtime.plan_sync import plan_sync_for
 from jmtp.runtime.spec_policy import DynamicSpeculation
+from jmtp.runtime.timeline import StepTimeline, StepTimes
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +49,7 @@ def _runner_attr(name: str, doc: str) -> property:
                     lambda self, value: setattr(self.runner, name, value), doc=doc)
 
 
-class LLMEngine(HandOffAPI):
+class LLMEngine(CompileAPI, HandOffAPI):
     """Serving engine with MTP speculative decoding (vLLM ``LLMEngine`` shape).
 
     :class:`jmtp.LLM` builds one from the same arguments and exposes it as ``llm.llm_engine``.
@@ -58,7 +67,13 @@ class LLMEngine(HandOffAPI):
     ``scheduler`` (:class:`~jmtp.runtime.scheduler.Scheduler`), ``requests``
     (:class:`~jmtp.runtime.requests.RequestTable`), ``prefix_caches``
     (:class:`~jmtp.runtime.prefix_slots.ShardedPrefixCache` or None), ``handoff``,
-    ``spec_policy`` (:class:`DynamicSpeculation` or None).
+    ``spec_policy`` (:class:`DynamicSpeculation` or None), ``timeline``
+    (:class:`~jmtp.runtime.timeline.StepTimeline`, off until enabled), ``plan_sync``
+    (:class:`~jmtp.runtime.plan_sync.PlanSync` on a multi-process job, else None).
+
+    ``async_scheduling`` (settable between steps): dispatch each step before reading the previous
+    one's outputs (:mod:`jmtp.runtime.inflight`; the ``async_scheduling`` argument of
+    :class:`~jmtp.runtime.engine_args.EngineArgs`).
 
     Start-up times: ``compile_seconds`` ``{label: seconds}`` of the compiles done ahead
     (``compile="eager"``); ``first_call_seconds`` ``{bucket label: seconds}`` of each bucket's
@@ -83,12 +98,13 @@ class LLMEngine(HandOffAPI):
 
     @classmethod
     def from_runner(cls, runner, tokenizer=None, *, seed: int = 0, compile_mode: str = "lazy",
-                    draft_vocab_size: int = 0) -> "LLMEngine":
+                    draft_vocab_size: int = 0, async_scheduling: bool | None = False
+                    ) -> "LLMEngine":
         """An engine over an already built runner (or a test double of one with the same
         interface, ``tests/runtime/fake_runner.py``); nothing is compiled ahead."""
         self = cls.__new__(cls)
-        self._setup(BuiltEngine(runner, tokenizer, draft_vocab_size, "scan", compile_mode, None),
-                    seed)
+        self._setup(BuiltEngine(runner, tokenizer, draft_vocab_size, "scan", compile_mode, None,
+                                async_scheduling), seed)
         self.compile_seconds = {}
         return self
 
@@ -98,7 +114,8 @@ class LLMEngine(HandOffAPI):
         self.layer_loop, self.compile_mode = built.layer_loop, built.compile_mode
         self.compilation_cache_dir = built.compilation_cache_dir
         ec, sec, dp = run.engine_config, run.shard_config, run.num_shards
-        self.requests = RequestTable(run.model_config, ec, built.tokenizer, seed)
+        self.requests = RequestTable(run.model_config, ec, built.tokenizer, seed,
+                                     prompt_logprobs=getattr(run, "mesh", None) is None)
         self.scheduler = Scheduler(ec, sec, dp)
         self.prefix_caches = (ShardedPrefixCache(ec.block_size, sec.num_blocks, dp,
                                                  run.mtp_cache is not None)
@@ -111,9 +128,19 @@ class LLMEngine(HandOffAPI):
                     sec, min(-(-rows // dp), sec.max_num_batched_tokens),
                     min(-(-n // dp), sec.max_num_seqs), has_prefill=False))
         self.num_steps = 0
+        self.closed = False
         self._pending_drafts = None   # i32[B, K] drafts of the pending windows (last StepOutput)
         self.last_step_seconds = 0.0
         self.policy_seconds = 0.0     # host time in the dynamic policy (plan + observe)
+        self.async_scheduling = (default_async_scheduling(ec) if built.async_scheduling is None
+                                 else bool(built.async_scheduling))
+        self.timeline = StepTimeline()
+        self.plan_sync = plan_sync_for()
+        self._inflight: StepRecord | None = None      # a step dispatched, not read back yet
+        self._num_dispatched = 0
+        self._busy = False            # requests ran since the last dispatch
+        self._last_free = list(run.free_counts)      # free blocks after the last step read back
+        self._preempted_at = [-1] * dp   # per shard: dispatch number when it last preempted
 
     # ------------------------------------------------------------------ configuration
     model_config = _runner_attr("model_config", "The target's ModelConfig.")
@@ -131,68 +158,31 @@ class LLMEngine(HandOffAPI):
     speculative_config = property(lambda self: self.runner.engine_config.spec,
                                   doc="The engine's SpeculativeConfig (engine_config.spec).")
 
-    @property
-    def compiled_buckets(self) -> frozenset[StepBucket]:
-        """The step buckets compiled so far (ahead of time or by a first run)."""
-        return self.runner.compiled_buckets
+    def close(self) -> None:
+        """Drop every request and release the engine's device arrays and compiled executables
+        (:meth:`DeviceRunner.close <jmtp.runtime.runner.DeviceRunner.close>`, which frees the
+        memory mappings XLA:CPU holds for them), so a process can build engines one after
+        another. Idempotent; :meth:`add_request` and :meth:`step` raise ``RuntimeError`` after."""
+        if self.closed:
+            return
+        self.closed = True
+        rec, self._inflight = self._inflight, None
+        if rec is not None and rec.handle is not None:   # a step still on the device: finish it
+            jax.block_until_ready(getattr(rec.handle, "out", rec.handle))
+        for b, seq in enumerate(self.scheduler.slots):
+            if seq is not None:
+                self.scheduler.vacate(b)
+        for group in list(self.requests.groups.values()):
+            self.requests.forget(group)
+        self.handoff.exported.clear()
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+        gc.collect()    # reference cycles (jitted closures, tracebacks) would hold executables
 
-    def uncompiled_buckets(self) -> tuple[StepBucket, ...]:
-        """The step buckets (:func:`~jmtp.runtime.buckets.step_buckets`) not compiled yet."""
-        return self.runner.uncompiled_buckets()
-
-    def bucket_to_run(self, bucket: StepBucket) -> StepBucket:
-        """The bucket a step sized as ``bucket`` runs in: with lazy compiles and no dynamic
-        policy (which prices and times each bucket it plans for), an already compiled bucket
-        that holds it at most twice over (:func:`~jmtp.runtime.scheduler.reuse_bucket`)."""
-        if self.compile_mode != "lazy" or self.spec_policy is not None:
-            return bucket
-        return reuse_bucket(bucket, self.runner.compiled_buckets)
-
-    def compile_buckets(self, buckets: Iterable[StepBucket] | None = None, *,
-                        progress: bool = False) -> dict[str, float]:
-        """Compile step buckets (default: every uncompiled one of
-        :func:`~jmtp.runtime.buckets.step_buckets`) ahead of their first use; nothing runs. A
-        lazy engine warms up so in idle time (``jmtp chat`` does while the user types). Returns
-        ``{bucket label: seconds}``; raises ``MapLimitError`` before a compile that would cross
-        the process's memory-map limit. ``progress``: a tqdm bar."""
-        return self.runner.compile_buckets(buckets, progress=progress)
-
-    def memory_per_device(self) -> dict:
-        """``{"params": (per device, total), "kv_cache": (per device, total)}`` bytes."""
-        return self.runner.memory_per_device()
-
-    def param_bytes(self) -> dict[str, int]:
-        """Device bytes of the parameters, 8-bit values, their scales and the rest apart
-        (:meth:`DeviceRunner.param_bytes <jmtp.runtime.runner.DeviceRunner.param_bytes>`)."""
-        return self.runner.param_bytes()
-
-    def kv_cache_bytes(self) -> dict[str, int]:
-        """Device bytes of the KV caches, values and scales apart
-        (:meth:`DeviceRunner.kv_cache_bytes <jmtp.runtime.runner.DeviceRunner.kv_cache_bytes>`)."""
-        return self.runner.kv_cache_bytes()
-
-    def calibrate_speculation(self, repeats: int = 3) -> dict[StepBucket, float]:
-        """Time every decode step bucket on the idle engine (fastest of ``repeats`` runs after
-        one untimed) and seed the dynamic speculation policy's cost table with the times
-        (:meth:`DynamicSpeculation.seed_costs`); returns them, ``{StepBucket: seconds}``. Called
-        by the constructor with ``speculation_policy="dynamic"`` and ``compile="eager"``. An idle
-        step changes no cache or request state; the policy rescales the seeds by what it
-        measures live (``docs/architecture.md``).
-
-        Raises:
-          ValueError: no dynamic policy, or ``repeats < 1``.
-          RuntimeError: requests are in the engine.
-        """
-        if self.spec_policy is None:
-            raise ValueError("calibrate_speculation needs SpeculativeConfig(speculation_policy="
-                             "'dynamic')")
-        if repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {repeats}")
-        if self.has_unfinished_requests() or self.scheduler.num_running:
-            raise RuntimeError("calibrate_speculation runs on an idle engine only")
-        seconds = self.runner.time_decode_buckets(repeats)
-        self.spec_policy.seed_costs(seconds)
-        return seconds
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed (LLM.close / LLMEngine.close)")
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -211,6 +201,7 @@ class LLMEngine(HandOffAPI):
             blocks needed than exist, ``logprobs`` above ``max_logprobs``, string prompt / stop
             strings / bad words without a tokenizer.
         """
+        self._check_open()
         self.requests.add(request_id, prompt, sampling_params, f"request {request_id!r}")
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -225,6 +216,9 @@ class LLMEngine(HandOffAPI):
                 if seq.slot is not None:
                     self._free_slot(seq.slot, release=True)
             self.requests.forget(group)   # last: a failing release leaves it abortable
+        if not self.has_unfinished_requests():
+            self._drain()     # a step in flight ran only for requests that have ended
+            self._busy = False
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests.groups)
@@ -242,50 +236,162 @@ class LLMEngine(HandOffAPI):
         nothing is unfinished. A request queued by :meth:`add_prefill_request` returns no output:
         the step that finishes its prefill exports it (:meth:`pop_exported`).
 
+        With :attr:`async_scheduling` the step dispatched here runs on the device while this
+        call reads and returns the outputs of the step dispatched by the previous call (the
+        first call returns none); the outputs are the same as without it
+        (:mod:`jmtp.runtime.inflight`).
+
         Raises:
           MapLimitError: (a ``RuntimeError``) the step needs a bucket that is not compiled yet
             (``compile="lazy"``) and compiling it would cross the process's memory-map limit.
             Raised before anything runs or is planned; abort requests to go on.
+          RequestFailedError: (a ``RuntimeError``) admitting the waiting request
+            ``request_id`` into a slot raised (its ``__cause__``). Nothing ran and nothing
+            changed for it on the host: it stays first in line. Abort it to go on with the
+            others (``AsyncLLMEngine`` does, failing that request alone), or step again to
+            retry.
         """
+        self._check_open()
         t0 = time.perf_counter()
-        sch, req, run, pcs = self.scheduler, self.requests, self.runner, self.prefix_caches
-        free = list(run.free_counts)
-        if pcs is not None:   # unreferenced cached blocks can be evicted for a new request
-            free = [f + e for f, e in zip(free, pcs.evictable())]
-        sch.admit_waiting(req.waiting, free, self._admit)
+        sch, req, run = self.scheduler, self.requests, self.runner
+        outputs = [] if self.async_scheduling else self._drain()   # (turned off meanwhile)
+        self._admit_waiting()
+        if self._inflight is not None and (not sch.num_running or needs_sync(sch.slots)):
+            outputs += self._drain()     # the next step needs this one's tokens on the host
+            self._admit_waiting()
         if not sch.num_running:
-            return req.pop_ready()
-        guide, ended = self._structured_inputs()
+            return outputs + req.pop_ready()
+        guide, ended = (None, []) if self._inflight is not None else self._structured_inputs()
         if not sch.num_running:
-            return req.pop_ready() + ended
+            return outputs + req.pop_ready() + ended
         chunks, bucket = sch.plan()
         bucket = self.bucket_to_run(bucket)
         run.check_bucket(bucket)   # before the policy and the prefix cache change anything
         ready = req.pop_ready()
-        limits, plan_seconds = self._draft_limits(chunks)
+        proposing = sch.proposing(chunks)
+        limits, plan_seconds = self._draft_limits(proposing)
+        if self.plan_sync is not None:     # several processes: process 0's plan for all
+            limits = self.plan_sync.agree(self._num_dispatched, bucket, chunks, limits)
+        overlap = self.async_scheduling and guide is None and not needs_sync(sch.slots)
+        rec = self._dispatch(bucket, chunks, limits, proposing, guide, overlap, t0)
+        rec.plan_seconds = plan_seconds
+        if overlap:
+            prev, self._inflight = self._inflight, rec
+            outputs += self._finish(prev) if prev is not None else []
+            if not self.has_unfinished_requests():
+                outputs += self._drain()    # it ran only for requests that have ended
+        else:
+            outputs += self._finish(rec)
+        self.last_step_seconds = time.perf_counter() - t0
+        return ended + ready + outputs
+
+    def _admit_waiting(self) -> None:
+        """Admit waiting requests into free slots; a failure names its request
+        (:class:`RequestFailedError`, which stays first in line)."""
+        req = self.requests
+        try:
+            self.scheduler.admit_waiting(req.waiting, self._free_for_admission(), self._admit)
+        except MapLimitError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- one sequence's admission: name its request
+            rid = req.waiting[0].group.request_id
+            raise RequestFailedError(f"request {rid!r} failed at admission: "
+                                     f"{type(e).__name__}: {e}", rid) from e
+
+    def _free_for_admission(self) -> list[int]:
+        """Free KV blocks per data shard for admission: exact with nothing in flight, else a
+        lower bound (:func:`~jmtp.runtime.inflight.free_lower_bound`); with prefix caching plus
+        the evictable cached blocks."""
+        free = self._free_estimate()
+        pcs = self.prefix_caches
+        if pcs is not None:   # unreferenced cached blocks can be evicted for a new request
+            free = [f + e for f, e in zip(free, pcs.evictable())]
+        return free
+
+    def _free_estimate(self, pushed: list[int] | None = None) -> list[int]:
+        if self._inflight is None:
+            return self.runner.free_counts
+        return free_lower_bound(self._last_free, [self._inflight],
+                                pushed or [0] * self.runner.num_shards)
+
+    def _dispatch(self, bucket, chunks, limits, proposing, guide, overlap: bool, t0: float
+                  ) -> StepRecord:
+        """Evict for the step's blocks (prefix caching) and hand it to the device; read it back at
+        once unless ``overlap`` or the timeline records (then :meth:`_finish` reads it)."""
+        sch, run, pcs = self.scheduler, self.runner, self.prefix_caches
+        D = run.num_shards
+        bounds, pushed = [sch.block_bound(chunks, d) for d in range(D)], [0] * D
         if pcs is not None:
-            for d in range(run.num_shards):
-                pcs.ensure_free(run, d, sch.block_bound(chunks, d))
-        t_step = time.perf_counter()
-        out = (run.run_step(bucket, chunks, limits) if guide is None else
-               run.run_step(bucket, chunks, limits, guide))
+            for d in range(D):
+                pushed[d] = pcs.ensure_free(run, d, bounds[d], self._free_estimate(pushed)[d])
+        rec = StepRecord(self._num_dispatched, bucket, chunks, limits, proposing, list(sch.slots),
+                         sch.tickets.copy(), bounds, pushed, overlap, self._busy, t_round=t0,
+                         policy=(self.spec_policy.plan_context()
+                                 if self.spec_policy is not None else None))
+        self._num_dispatched += 1
+        self._busy = True
+        rec.t_dispatch0 = time.perf_counter()
+        if overlap or self.timeline.enabled:
+            rec.handle = run.dispatch_step(bucket, chunks, limits, guide)
+            rec.first = rec.handle.first
+            if self.timeline.enabled or self.spec_policy is not None:
+                self.timeline.watch(rec.index, rec.handle.out.num_tokens)
+                rec.watched = True
+        else:
+            rec.out = (run.run_step(bucket, chunks, limits) if guide is None else
+                       run.run_step(bucket, chunks, limits, guide))
+        rec.t_dispatch1 = time.perf_counter()
+        sch.dispatched(chunks, limits, proposing)
+        return rec
+
+    def _drain(self) -> list[RequestOutput]:
+        """Read and take the step in flight, if any."""
+        rec, self._inflight = self._inflight, None
+        return self._finish(rec) if rec is not None else []
+
+    def _finish(self, rec: StepRecord) -> list[RequestOutput]:
+        """Read a dispatched step's outputs and take them: the policy's observation, the
+        scheduler's bookkeeping, each slot's tokens (slots that changed occupant since are
+        skipped), preemption. Returns the outputs of the requests with news."""
+        sch, req, pol = self.scheduler, self.requests, self.spec_policy
+        t_fetch0 = time.perf_counter()
+        out = rec.out if rec.out is not None else self.runner.fetch_step(rec.handle)
+        t_fetch1 = time.perf_counter()
+        self._last_free = [int(x) for x in out.free_count]
         self._pending_drafts = out.draft_tokens
-        if self.spec_policy is not None:
+        times = StepTimes(rec.index, rec.bucket.label, "async" if rec.overlapped else "sync",
+                          rec.first, rec.continued, rec.t_round, rec.t_dispatch0,
+                          rec.t_dispatch1, t_fetch0, t_fetch1)
+        if rec.out is None:
+            end = self.timeline.device_end(rec.index, t_fetch1) if rec.watched else t_fetch1
+            times.device_start, times.gap = self.timeline.device_interval(times, end)
+            times.device_end = end
+        seconds = times.device_end - times.device_start if rec.out is None else (
+            t_fetch1 - rec.t_dispatch0)
+        if pol is not None:
             # the proposing depth prices the drafting; a step with a prefill chunk is not timed;
             # the committed tokens feed the policy's guard on the realised rate
             t_obs = time.perf_counter()
-            self.spec_policy.observe(out.num_drafts, out.num_accepted, bucket, t_obs - t_step,
-                                     depth=int(limits.max()), timed=not chunks.any(),
-                                     num_tokens=out.num_tokens, num_allowed=out.num_allowed)
-            self.policy_seconds += plan_seconds + time.perf_counter() - t_obs
+            pol.observe(out.num_drafts, out.num_accepted, rec.bucket, seconds,
+                        depth=int(rec.limits.max()), timed=not rec.chunks.any(),
+                        num_tokens=out.num_tokens, num_allowed=out.num_allowed, plan=rec.policy)
+            self.policy_seconds += rec.plan_seconds + time.perf_counter() - t_obs
         self.num_steps += 1
-        starved = sch.after_step(out, chunks)
-        touched = self._take_tokens(out, chunks)
+        valid = rec.valid(sch.slots, sch.tickets)
+        following = self._inflight if self._inflight is not rec else None
+        starved = sch.after_step(out, rec.chunks, valid, following)
+        touched = self._take_tokens(out, rec.chunks, valid)
         for d in starved:   # every occupied slot of the shard waits for KV blocks
+            if self._preempted_at[d] >= rec.index:
+                continue    # dispatched before the last preemption there: its pauses are old
             self._preempt(d)
             sch.hold[d] = True
-        outputs = ended + ready + [req.make_output(g) for g in touched]
-        self.last_step_seconds = time.perf_counter() - t0
+            self._preempted_at[d] = self._num_dispatched - 1
+        outputs = [req.make_output(g) for g in touched]
+        if not self.has_unfinished_requests():
+            self._busy = False
+        times.t_done = time.perf_counter()
+        self.timeline.record(times)
         return outputs
 
     def _structured_inputs(self):
@@ -311,23 +417,30 @@ class LLMEngine(HandOffAPI):
             guide = None
         return guide, [req.make_output(g) for g in ended.values()]
 
-    def _draft_limits(self, chunks: np.ndarray) -> tuple[np.ndarray, float]:
-        """Per-slot draft limits ``i32[B]`` for the step (K, or the dynamic policy's plan) and
+    def _draft_limits(self, proposing: np.ndarray) -> tuple[np.ndarray, float]:
+        """Per-slot draft limits ``i32[B]`` for the step (each slot's cap: its request's
+        ``num_speculative_tokens`` or K; under the dynamic policy its plan within the caps) and
         the seconds the plan took."""
+        caps = self.scheduler.draft_caps
         if self.spec_policy is None:
-            return np.full((len(self.scheduler.slots),), self.engine_config.k, np.int32), 0.0
+            return caps.copy(), 0.0
         t = time.perf_counter()
-        limits = self.spec_policy.draft_limits(self.scheduler.proposing(chunks))
+        if (caps[proposing] < self.engine_config.k).any():
+            limits = self.spec_policy.draft_limits(proposing, caps)
+        else:                 # no proposing request lowered its cap
+            limits = self.spec_policy.draft_limits(proposing)
         return limits, time.perf_counter() - t
 
-    def _take_tokens(self, out, chunks: np.ndarray) -> list:
-        """Take each running slot's step results into its sequence: tokens, stop strings,
-        finishing (the slot freed), hand-off exports. Returns the groups with news."""
+    def _take_tokens(self, out, chunks: np.ndarray, valid: np.ndarray) -> list:
+        """Take each slot's step results into its sequence (the ``valid`` slots: same occupant
+        as when the step was dispatched): tokens, stop strings, finishing (the slot freed),
+        hand-off exports. Returns the groups with news."""
         touched, exports, req, pcs = {}, [], self.requests, self.prefix_caches
         for b, seq in enumerate(self.scheduler.slots):
-            if seq is None or out.paused[b]:
+            if seq is None or not valid[b] or out.paused[b]:
                 continue
             was_decode = not seq.prefilling
+            req.record_prompt_logprobs(seq, out, b, seq.prefilled, int(chunks[b]))
             seq.prefilled += int(chunks[b])
             n = int(out.num_tokens[b])
             if pcs is not None:
@@ -362,7 +475,9 @@ class LLMEngine(HandOffAPI):
         else:
             ids, row, remaining, resume_token = self.requests.admission_row(seq)
             d, pcs = sch.shard_of(b), self.prefix_caches
-            keys, shared = pcs.match(d, seq) if pcs is not None else ([], [])
+            # (prompt logprobs need every prompt row computed: no cached prefix, as vLLM)
+            keys, shared = (pcs.match(d, seq) if pcs is not None
+                            and seq.params.prompt_logprobs is None else ([], []))
             self.runner.insert(b, ids, len(seq.context_ids), remaining, row, resume_token, shared)
             seq.prefilled = 0
             if pcs is not None:
@@ -417,18 +532,26 @@ class LLMEngine(HandOffAPI):
         (host time in the policy, s; :class:`DynamicSpeculation`). Structured outputs:
         ``structured_host_seconds`` (host time building bitmasks and repairing drafts, s),
         ``structured_constrained_steps`` (steps with a constrained sample) and
-        ``structured_forced_drafts`` (drafts the grammar forced: jump-forward).
+        ``structured_forced_drafts`` (drafts the grammar forced: jump-forward). With a step in
+        flight (``async_scheduling``) ``num_free_blocks`` is the newest count computed (it may
+        lag that step). Once :attr:`timeline` records, also its :meth:`StepTimeline.stats
+        <jmtp.runtime.timeline.StepTimeline.stats>` (``device_idle_share`` and the host and
+        device seconds behind it).
         """
         so = self.requests.structured
         stats = dict(
             **self.requests.stats(), structured_host_seconds=so.host_seconds,
             structured_constrained_steps=so.num_constrained_steps,
             structured_forced_drafts=so.num_forced_drafts, num_running=self.scheduler.num_running,
-            num_free_blocks=sum(self.runner.free_counts), num_blocks=self.engine_config.num_blocks,
+            num_free_blocks=sum(self.runner.free_counts if self._inflight is None
+                                else self.runner.peek_free_counts()),
+            num_blocks=self.engine_config.num_blocks,
             num_steps=self.num_steps, last_step_seconds=self.last_step_seconds,
             num_preemptions=self.scheduler.num_preemptions)
         if self.prefix_caches is not None:
             stats.update(self.prefix_caches.stats())
+        if self.timeline.enabled or self.timeline.steps:
+            stats.update(self.timeline.stats())
         pol = self.spec_policy
         if pol is not None:
             stats.update(spec_policy_plans=pol.num_plans,

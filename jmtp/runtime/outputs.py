@@ -14,6 +14,8 @@ class SpecDecodeMetrics:
       accepted_per_position: K counts; entry k = steps whose draft k+1 was accepted.
       num_decode_steps: verify steps (steps that committed tokens after the prefill).
       num_decode_tokens: tokens committed by those steps.
+      max_drafts_per_step: the most drafts verified in one of those steps (at most the
+        request's ``SamplingParams.num_speculative_tokens``).
     """
 
     num_draft_tokens: int = 0
@@ -21,6 +23,7 @@ class SpecDecodeMetrics:
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     num_decode_steps: int = 0
     num_decode_tokens: int = 0
+    max_drafts_per_step: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -42,6 +45,7 @@ class SpecDecodeMetrics:
             self.accepted_per_position[i] += c
         self.num_decode_steps += other.num_decode_steps
         self.num_decode_tokens += other.num_decode_tokens
+        self.max_drafts_per_step = max(self.max_drafts_per_step, other.max_drafts_per_step)
 
 
 @dataclasses.dataclass
@@ -89,6 +93,10 @@ class RequestOutput:
       outputs: one :class:`CompletionOutput` per sample (``SamplingParams.n``), index order.
       finished: every sample has finished.
       metrics: speculation counters, summed over the samples.
+      prompt_logprobs: with ``SamplingParams.prompt_logprobs=n`` (vLLM's field): one entry per
+        prompt token, None for the first and ``{token id: logprob}`` (the top n and the token
+        itself, the model's raw logprobs) for the others, once the prompt is prefilled; None
+        otherwise.
 
     ``token_ids``, ``text``, ``finish_reason``, ``stop_reason`` and ``logprobs`` are read-only
     shortcuts of ``outputs[0]``.
@@ -100,6 +108,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: SpecDecodeMetrics
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

@@ -82,13 +82,18 @@ class ShardedPrefixCache:
         pc.release(seq.prefix_keys)
         seq.prefix_keys = []
 
-    def ensure_free(self, runner, shard: int, need: int) -> None:
+    def ensure_free(self, runner, shard: int, need: int, free: int | None = None) -> int:
         """Evict unreferenced cached blocks of ``shard`` (LRU) until ``need`` blocks are free on
-        the device or nothing is left to evict; evicted blocks go back to its free stack."""
+        the device or nothing is left to evict; evicted blocks go back to its free stack.
+        ``free``: the shard's free blocks as the caller counts them (default: the runner's
+        exact count; with a step in flight, a lower bound). Returns the blocks pushed back."""
         pc = self.caches[shard]
-        short = need - runner.free_counts[shard]
+        short = need - (runner.free_counts[shard] if free is None else free)
         if short > 0 and pc.num_evictable:
-            runner.push_free(shard, pc.evict(short))
+            ids = pc.evict(short)
+            runner.push_free(shard, ids)
+            return len(ids)
+        return 0
 
     def stats(self) -> dict:
         """``get_stats`` keys over every shard (see :meth:`LLMEngine.get_stats`)."""

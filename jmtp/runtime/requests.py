@@ -28,10 +28,11 @@ from jmtp.runtime.structured.manager import StructuredOutputs
 
 def sample_seed(seed: int, index: int) -> int:
     """Seed of sample ``index`` of a request seeded with ``seed``: ``seed`` itself for sample 0,
-    else a ``numpy.random.SeedSequence((seed, index))`` draw (distinct, reproducible streams)."""
+    else a ``numpy.random.SeedSequence((seed mod 2**64, index))`` draw (distinct, reproducible
+    streams)."""
     if index == 0:
         return int(seed)
-    return int(np.random.SeedSequence((int(seed), int(index))).generate_state(1)[0])
+    return int(np.random.SeedSequence((int(seed) & (2**64 - 1), int(index))).generate_state(1)[0])
 
 
 @dataclasses.dataclass
@@ -49,6 +50,8 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str = ""                 # visible text (stop-string cut applied once finished)
     checked: int = 0               # detokenized characters already searched for stop strings
+    stop_floor: int = 0            # characters of the first min_tokens tokens: no stop string
+                                   # may end inside them (vLLM)
     # per admission
     slot: int | None = None
     context_ids: list[int] = dataclasses.field(default_factory=list)
@@ -88,6 +91,12 @@ class SequenceGroup:
     params: SamplingParams
     bad_words_ids: list[list[int]]
     seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    # stop strings that are a special token's text, by token id: they match the token itself
+    # (with skip_special_tokens its text never reaches the output)
+    special_stops: dict[int, str] = dataclasses.field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one entry per prompt position (None until computed; the
+    # first stays None)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     export: bool = False           # hand off after the prefill (LLMEngine.add_prefill_request)
 
     @property
@@ -102,6 +111,8 @@ class RequestTable:
       model_config / engine_config: the engine's (vocabulary, EOS ids, capacities).
       tokenizer: a :class:`~jmtp.model.tokenizer.Tokenizer` or None (token-id prompts only).
       seed: seeds the per-sample seeds of requests whose ``SamplingParams.seed`` is None.
+      prompt_logprobs: the runner returns prompt logprobs (one device; a mesh refuses
+        ``SamplingParams.prompt_logprobs``).
 
     Attributes: ``groups`` (``{request_id: SequenceGroup}``), ``waiting`` (``deque`` of
     sequences, FIFO), ``ready`` (imported groups that had already finished), ``totals`` (a
@@ -109,7 +120,8 @@ class RequestTable:
     """
 
     def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, tokenizer,
-                 seed: int = 0):
+                 seed: int = 0, prompt_logprobs: bool = True):
+        self.serves_prompt_logprobs = prompt_logprobs
         self.model_config, self.engine_config, self.tokenizer = model_config, engine_config, tokenizer
         self._seed_rng = np.random.default_rng(seed)
         self.groups: dict[str, SequenceGroup] = {}
@@ -117,14 +129,17 @@ class RequestTable:
         self.ready: list[SequenceGroup] = []
         self.totals = SpecDecodeMetrics(accepted_per_position=[0] * engine_config.k)
         self.num_generated = 0
+        specials = getattr(tokenizer, "special_token_ids", None)
+        self._special_ids: dict[str, int] = specials() if specials is not None else {}
         spec = engine_config.spec
         self.structured = StructuredOutputs(
             tokenizer, model_config.vocab_size, model_config.eos_token_ids, engine_config.window,
             draft_sampling=bool(spec.enabled and spec.draft_sampling),
             verify_strategy=spec.verify_strategy)
 
-    def _detokenizer(self) -> IncrementalDetokenizer | None:
-        return IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+    def _detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer | None:
+        return (IncrementalDetokenizer(self.tokenizer, skip_special_tokens)
+                if self.tokenizer is not None else None)
 
     # ------------------------------------------------------------------ intake
     def add(self, request_id, prompt, sp: SamplingParams | None, where: str) -> SequenceGroup:
@@ -159,12 +174,17 @@ class RequestTable:
                                       "stop_token_ids)", "stop")
         self.validate(ids, sp, where)
         group = SequenceGroup(request_id, text, ids, sp,
-                              self.bad_words_ids(sp) if sp.bad_words else [])
+                              self.bad_words_ids(sp) if sp.bad_words else [],
+                              special_stops={self._special_ids[s]: s for s in sp.stop
+                                             if s in self._special_ids},
+                              prompt_logprobs=(None if sp.prompt_logprobs is None
+                                               else [None] * len(ids)))
         for i in range(sp.n):
             seed = (sample_seed(sp.seed, i) if sp.seed is not None
                     else int(self._seed_rng.integers(0, 2**32)))
             group.seqs.append(Sequence(group, i, dataclasses.replace(sp, seed=seed),
-                                       self._detokenizer(), context_ids=list(ids),
+                                       self._detokenizer(sp.skip_special_tokens),
+                                       context_ids=list(ids),
                                        logprobs=[] if sp.logprobs is not None else None,
                                        grammar=self._grammar(sp, group.bad_words_ids)))
         self.groups[request_id] = group
@@ -205,9 +225,22 @@ class RequestTable:
             raise InvalidRequestError(
                 f"{where}: the request needs up to {need} KV blocks but num_blocks={ec.num_blocks}",
                 "max_tokens")
+        if sp.num_speculative_tokens is not None and sp.num_speculative_tokens > ec.k:
+            raise InvalidRequestError(
+                f"{where}: num_speculative_tokens={sp.num_speculative_tokens} exceeds the "
+                f"engine's num_speculative_tokens={ec.k} (a request may only lower it)",
+                "num_speculative_tokens")
         if sp.logprobs is not None and max(sp.logprobs, 1) > ec.max_logprobs:
             raise InvalidRequestError(f"{where}: logprobs={sp.logprobs} exceeds max_logprobs="
                                       f"{ec.max_logprobs} (set LLM(max_logprobs=...))", "logprobs")
+        if sp.prompt_logprobs is not None:
+            if not self.serves_prompt_logprobs:
+                raise InvalidRequestError(f"{where}: prompt_logprobs are not served on a device "
+                                          "mesh", "prompt_logprobs")
+            if max(sp.prompt_logprobs, 1) > ec.max_logprobs:
+                raise InvalidRequestError(f"{where}: prompt_logprobs={sp.prompt_logprobs} exceeds "
+                                          f"max_logprobs={ec.max_logprobs} (set "
+                                          "LLM(max_logprobs=...))", "prompt_logprobs")
         if sp.bad_words and self.tokenizer is None:
             raise InvalidRequestError(f"{where}: bad_words need a tokenizer (use bad_token_ids)",
                                       "bad_words")
@@ -226,13 +259,23 @@ class RequestTable:
                     out.append(ids)
         return out
 
+    def device_params(self, sp: SamplingParams) -> SamplingParams:
+        """``sp`` with ``max_tokens`` and ``min_tokens`` capped at ``max_model_len``, as the
+        device gets them (i32): a sample never runs past ``max_model_len`` tokens, so the cap
+        changes nothing it does, and any int a caller sends fits the device's arrays."""
+        cap = self.engine_config.max_model_len
+        if sp.max_tokens <= cap and sp.min_tokens <= cap:
+            return sp
+        return dataclasses.replace(sp, max_tokens=min(sp.max_tokens, cap),
+                                   min_tokens=min(sp.min_tokens, cap))
+
     def sampling_row(self, sp, prompt_ids, bad_words_ids, seed) -> dict:
         """One row of the device's sampling arrays (:func:`jmtp.runtime.sampling.make_row`)."""
         ec = self.engine_config
-        return make_row(sp, prompt_ids, self.model_config.vocab_size, max_stop=ec.max_stop_ids,
+        return make_row(self.device_params(sp), prompt_ids, self.model_config.vocab_size, max_stop=ec.max_stop_ids,
                         max_bad_words=ec.max_bad_words, max_bad_word_len=ec.max_bad_word_len,
-                        eos_ids=self.model_config.eos_token_ids, request_seed=seed,
-                        bad_words_ids=bad_words_ids)
+                        max_logit_bias=ec.max_logit_bias, eos_ids=self.model_config.eos_token_ids,
+                        request_seed=seed, bad_words_ids=bad_words_ids)
 
     def admission_row(self, seq: Sequence) -> tuple[np.ndarray, dict, int, int]:
         """What the device insert of ``seq`` needs: ``(ids i32[seq_buffer_len]`` (its context,
@@ -256,7 +299,7 @@ class RequestTable:
                               if ec.max_bad_word_len > 1 else [], np.int32)
             row["recent_tokens"][ec.max_bad_word_len - 1 - tail.size:] = tail
         row["rng_offset"] = np.int32(len(hist))
-        return (ids, row, seq.params.max_tokens - len(hist),
+        return (ids, row, self.device_params(seq.params).max_tokens - len(hist),
                 seq.output_ids[-1] if resume else -1)
 
     def imported(self, state, rid: str) -> Sequence:
@@ -265,8 +308,11 @@ class RequestTable:
         :attr:`ready`, the others to the waiting FIFO."""
         sp, prompt_ids = state.sampling_params, list(state.prompt_token_ids)
         group = SequenceGroup(rid, state.prompt, prompt_ids, sp,
-                              [list(w) for w in state.bad_words_ids])
-        seq = Sequence(group, 0, sp, self._detokenizer(), output_ids=list(state.output_token_ids),
+                              [list(w) for w in state.bad_words_ids],
+                              special_stops={self._special_ids[s]: s for s in sp.stop
+                                             if s in self._special_ids})
+        seq = Sequence(group, 0, sp, self._detokenizer(sp.skip_special_tokens),
+                       output_ids=list(state.output_token_ids),
                        metrics=dataclasses.replace(
                            state.metrics,
                            accepted_per_position=list(state.metrics.accepted_per_position)),
@@ -275,6 +321,8 @@ class RequestTable:
         if seq.detok is not None:
             seq.detok.push(seq.output_ids)
             seq.checked = len(seq.detok.text)
+            if len(seq.output_ids) <= sp.min_tokens:
+                seq.stop_floor = seq.checked
         group.seqs.append(seq)
         self.groups[rid] = group
         if state.finished:
@@ -297,8 +345,11 @@ class RequestTable:
         """Add ``tokens`` to ``seq``, detokenizing one token at a time so a stop string that
         completes inside a multi-token step is caught at its token. Returns ``(tokens kept,
         matched stop string or None)``; tokens after the one completing a stop string are
-        dropped."""
-        stops = seq.params.stop
+        dropped. As vLLM: no stop string ends the output before ``min_tokens`` tokens (one must
+        end in the text of a later token). A stop string that is a special token's text matches
+        that token (its text is not in the output when ``skip_special_tokens``)."""
+        sp = seq.params
+        stops = sp.stop
         if seq.detok is None:
             seq.output_ids += tokens
             return len(tokens), None
@@ -308,9 +359,18 @@ class RequestTable:
             if not stops:
                 continue
             text = seq.detok.text
+            if len(seq.output_ids) <= sp.min_tokens:
+                seq.checked = seq.stop_floor = len(text)
+                continue
+            special = seq.group.special_stops.get(t)
+            if special is not None and sp.skip_special_tokens:
+                seq.checked = len(text)
+                seq.text = text + special if sp.include_stop_str_in_output else text
+                return i + 1, special
             longest = max(len(s) for s in stops)
             start = max(0, seq.checked - longest + 1)
-            hits = [(j, s) for s in stops if (j := text.find(s, start)) >= 0]
+            hits = [(j, s) for s in stops
+                    if (j := text.find(s, max(start, seq.stop_floor - len(s) + 1))) >= 0]
             seq.checked = len(text)
             if hits:
                 j, s = min(hits)
@@ -348,9 +408,29 @@ class RequestTable:
                 m.num_decode_tokens += kept
                 m.num_draft_tokens += d
                 m.num_accepted_tokens += a
+                m.max_drafts_per_step = max(m.max_drafts_per_step, d)
                 for i in range(a):
                     m.accepted_per_position[i] += 1
         return kept
+
+    def record_prompt_logprobs(self, seq: Sequence, out, b: int, start: int, chunk: int) -> None:
+        """Keep the prompt logprobs of slot ``b``'s prefill rows ``start .. start + chunk - 1``
+        (context positions) of a step (:mod:`jmtp.runtime.prompt_logprobs`): row ``p`` gives
+        the logprob of prompt token ``p + 1`` and the row's top ``prompt_logprobs``."""
+        g = seq.group
+        if g.prompt_logprobs is None or out.prompt_logprobs is None or not chunk:
+            return
+        k = g.params.prompt_logprobs
+        row0 = int(out.prompt_row_start[b])
+        for r in range(chunk):
+            q = start + r + 1                    # the prompt position row r predicts
+            if not 1 <= q < len(g.prompt_ids) or g.prompt_logprobs[q] is not None:
+                continue
+            i = row0 + r
+            d = {int(t): float(v) for t, v in zip(out.prompt_top_ids[i, :k],
+                                                   out.prompt_top_logprobs[i, :k])}
+            d[int(g.prompt_ids[q])] = float(out.prompt_logprobs[i])
+            g.prompt_logprobs[q] = d
 
     def stats(self) -> dict:
         """Request and token counters of ``LLMEngine.get_stats``."""
@@ -375,7 +455,8 @@ class RequestTable:
             self.groups.pop(g.request_id, None)
         return RequestOutput(request_id=g.request_id, prompt=g.prompt,
                              prompt_token_ids=list(g.prompt_ids), outputs=outs, finished=finished,
-                             metrics=metrics)
+                             metrics=metrics, prompt_logprobs=(
+                                 None if g.prompt_logprobs is None else list(g.prompt_logprobs)))
 
     def pop_ready(self) -> list[RequestOutput]:
         """The outputs of imported requests that had already finished; forgets them."""

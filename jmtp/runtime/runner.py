@@ -16,7 +16,6 @@ test the host logic without XLA.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Iterable
 
@@ -26,227 +25,30 @@ import numpy as np
 from flax import nnx
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.llama import cache_row_width, init_kv_cache, init_model_cache
 from jmtp.model.modules import LlamaForCausalLM
 from jmtp.pallas.ragged_paged_attention import resolve_backend
 from jmtp.runtime import data_parallel as dpar
-from jmtp.runtime import multihost as mh
 from jmtp.runtime import sharding as shd
 from jmtp.runtime.buckets import StepBucket, decode_buckets, slot_buckets, step_buckets
 from jmtp.runtime.config import EngineConfig
-from jmtp.runtime.handoff import gather_slot, import_slot, page_bucket, row_keys
+from jmtp.runtime.handoff import page_bucket, row_keys
 from jmtp.runtime.host_maps import MapBudget
-from jmtp.runtime.state import init_state, insert_request
+from jmtp.runtime.placement import OneDevice, OnMesh, abstract_on
 from jmtp.runtime.structured.bitmask import neutral_inputs
-from jmtp.runtime.step import engine_step, push_free_blocks, release_slot, retire_slot
-
-_STEP_STATICS = (0, 1, 2, 3, 4)      # graphdef, EngineConfig, drafter, StepBucket, attention impl
-_STEP_DONATED = (6, 7, 8)            # state, cache, mtp_cache
 
 
-class OneDevice:
-    """Placement on one device: the plain single-shard functions, jitted (state and caches
-    donated)."""
+@dataclasses.dataclass
+class DispatchedStep:
+    """A step handed to the device (:meth:`DeviceRunner.dispatch_step`) whose outputs are not
+    read yet: ``bucket``, the device ``StepOutput`` ``out``, whether it was the bucket's first
+    run (``first``) and the seconds of the dispatch call (``dispatch_seconds``: tracing and
+    compiling on a first run, else enqueueing)."""
 
-    num_shards = 1
-
-    def __init__(self, runner: "DeviceRunner", dtype, num_mtp_cache_layers: int):
-        mc, ec = runner.model_config, runner.engine_config
-        dev = runner.device
-        self.arg_sharding = None if dev is None else jax.sharding.SingleDeviceSharding(dev)
-        width = cache_row_width(mc, 1, ec.platform)
-        make = lambda: (
-            init_state(ec, mc.vocab_size),
-            init_model_cache(mc, ec.num_blocks, ec.block_size, dtype, num_slots=ec.max_num_seqs,
-                             window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width),
-            init_kv_cache(mc, num_mtp_cache_layers, ec.num_blocks, ec.block_size, dtype,
-                          ec.kv_cache_dtype, width) if num_mtp_cache_layers else None)
-        if runner.abstract:     # shapes only, on the (possibly compile-only) device
-            trees = abstract_on(jax.eval_shape(make), self.arg_sharding)
-            runner.params = abstract_on(runner.params, self.arg_sharding)
-        else:
-            trees = make() if dev is None else jax.device_put(make(), dev)
-            if dev is not None:
-                runner.params = jax.device_put(runner.params, dev)
-        runner.state, runner.cache, runner.mtp_cache = trees
-        self.step = jax.jit(engine_step, static_argnums=_STEP_STATICS,
-                            donate_argnums=_STEP_DONATED)
-        self.insert_fn = jax.jit(insert_request, donate_argnums=0)
-        self.release_fn = jax.jit(functools.partial(release_slot, ec), donate_argnums=0)
-        self.retire_fn = jax.jit(functools.partial(retire_slot, ec), donate_argnums=0)
-        self.push_free_fn = jax.jit(push_free_blocks, donate_argnums=0)
-        self.import_fn = jax.jit(functools.partial(import_slot, ec), donate_argnums=(0, 1, 2))
-
-    @staticmethod
-    def host_lanes(x: np.ndarray):
-        return x
-
-    def to_device(self, x: np.ndarray):
-        return jnp.asarray(x) if self.arg_sharding is None else jax.device_put(x, self.arg_sharding)
-
-    @staticmethod
-    def slot_args(b: int) -> tuple:
-        return (jnp.int32(b),)
-
-    @staticmethod
-    def fetch_step(out):
-        out = jax.device_get(out)
-        return dataclasses.replace(out, free_count=np.reshape(out.free_count, (1,)))
-
-    def release(self, state, b):
-        state = self.release_fn(state, jnp.int32(b))
-        return state, [int(state.free_count)]
-
-    def retire(self, state, b, keep):
-        state, kept = self.retire_fn(state, jnp.int32(b), jnp.asarray(keep))
-        return state, np.asarray(kept), [int(state.free_count)]
-
-    def push_free(self, state, shard, ids):
-        return self.push_free_fn(state, jnp.asarray(ids))
-
-    def owned_blocks(self, state, b) -> np.ndarray:
-        return np.asarray(state.block_tables[b])[:int(state.num_owned[b])]
-
-    def gather(self, state, cache, mtp_cache, b, ids):
-        return jax.device_get(gather_slot(state, cache, mtp_cache, jnp.int32(b), jnp.asarray(ids)))
-
-    def import_(self, state, cache, mtp_cache, b, row, kv, n):
-        state, cache, mtp_cache, ok = self.import_fn(state, cache, mtp_cache, jnp.int32(b), row,
-                                                     kv, jnp.int32(n))
-        return state, cache, mtp_cache, bool(ok), [int(state.free_count)]
-
-
-class OnMesh:
-    """Placement on a ``("data", "model")`` mesh: state and caches stacked per data shard
-    (leading axis over ``data``, kv heads over ``model``), parameters sharded by their logical
-    axes and replicated over ``data``, except the routed experts under expert parallelism, split
-    over ``data × model`` (:mod:`jmtp.runtime.sharding`). Every jitted function's
-    output shardings equal its input ones (donation in place, no recompiles); what the host reads
-    (``StepOutput``, free block counts, exported pages) comes back replicated."""
-
-    def __init__(self, runner: "DeviceRunner", dtype, num_mtp_cache_layers: int):
-        mesh, mc, ec = runner.mesh, runner.model_config, runner.engine_config
-        sec, dp = runner.shard_config, runner.num_shards
-        self.num_shards, self.Bl = dp, sec.max_num_seqs
-        rep = self.rep = shd.replicated(mesh)
-        st = shd.state_sharding(mesh)
-        quant = ec.kv_cache_dtype is not None
-        kv = shd.kv_cache_shardings(mesh, mc.kv_cache_heads, quant, stacked=True)
-        # the target's cache; a hybrid model's also holds the recurrent state pool
-        tkv = shd.kv_cache_shardings(mesh, mc.kv_cache_heads, quant, stacked=True,
-                                     linear_heads=mc.linear.num_value_heads if mc.is_hybrid
-                                     else None)
-        self.arg_sharding = rep
-        moe = mc.moe
-        pshard = shd.param_shardings(runner.params, mesh,
-                                     expert_parallel=moe is not None and moe.expert_parallel)
-        init_st = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
-                          out_shardings=st)
-        width = cache_row_width(mc, shd.mesh_sizes(mesh)[1], ec.platform)
-        init_target = jax.jit(lambda: dpar.stack_shards(init_model_cache(
-            mc, sec.num_blocks, sec.block_size, dtype, num_slots=sec.max_num_seqs,
-            window=ec.window, kv_cache_dtype=ec.kv_cache_dtype, row_width=width), dp),
-            out_shardings=tkv)
-        init_kv = lambda n: jax.jit(lambda: dpar.stack_shards(
-            init_kv_cache(mc, n, sec.num_blocks, sec.block_size, dtype, ec.kv_cache_dtype, width),
-            dp), out_shardings=kv)
-        if runner.abstract:     # shapes and shardings only (compile-only devices: jmtp.aot)
-            runner.params = abstract_on(runner.params, pshard)
-            runner.state = abstract_on(init_st.eval_shape(), st)
-            runner.cache = abstract_on(init_target.eval_shape(), tkv)
-            make = lambda n: abstract_on(init_kv(n).eval_shape(), kv)
-        else:
-            runner.params = mh.put(runner.params, pshard, what="parameters")
-            runner.state = init_st()
-            runner.cache = init_target()
-            make = lambda n: init_kv(n)()
-        runner.mtp_cache = make(num_mtp_cache_layers) if num_mtp_cache_layers else None
-        mkv = kv if runner.mtp_cache is not None else None
-        self.step = jax.jit(functools.partial(dpar.data_parallel_step, mesh,
-                                              param_specs=shd.data_specs(pshard)),
-                            static_argnums=_STEP_STATICS, donate_argnums=_STEP_DONATED,
-                            out_shardings=(st, tkv, mkv, rep))
-        self.insert_fn = jax.jit(functools.partial(dpar.data_parallel_insert, mesh),
-                                 donate_argnums=0, out_shardings=st)
-        self.release_fn = jax.jit(functools.partial(dpar.data_parallel_release, mesh, sec),
-                                  donate_argnums=0, out_shardings=(st, rep))
-        self.retire_fn = jax.jit(functools.partial(dpar.data_parallel_retire, mesh, sec),
-                                 donate_argnums=0, out_shardings=(st, rep, rep))
-        self.push_free_fn = jax.jit(functools.partial(dpar.data_parallel_push_free, mesh),
-                                    donate_argnums=0, out_shardings=(st, rep))
-        self.import_fn = jax.jit(functools.partial(dpar.data_parallel_import, mesh, sec),
-                                 donate_argnums=(0, 1, 2), out_shardings=(st, tkv, mkv, rep, rep))
-        self.gather_fn = jax.jit(dpar.shard_gather, out_shardings=rep)
-        self.owned_fn = jax.jit(lambda s, d, r: (s.num_owned[d, r], s.block_tables[d, r]),
-                                out_shardings=rep)
-        if jax.process_count() > 1:
-            # the first run of each step bucket (and of each slot operation) waits until every
-            # process has compiled it (jmtp.runtime.multihost.SyncFirstCall)
-            self.step = mh.SyncFirstCall(self.step, key=lambda a: a[3], name="step")
-            keys = {"import": lambda a: tuple(v.shape for v in a[6].values()),   # page bucket
-                    "gather": lambda a: a[5].shape}
-            for name in ("insert", "release", "retire", "push_free", "import", "gather", "owned"):
-                attr = f"{name}_fn"
-                setattr(self, attr, mh.SyncFirstCall(getattr(self, attr), key=keys.get(name),
-                                                     name=name))
-
-    def host_lanes(self, x: np.ndarray):
-        return x.reshape((self.num_shards, self.Bl) + x.shape[1:])
-
-    @staticmethod
-    def to_device(x: np.ndarray):
-        return x     # numpy: jit places it (the same on every process)
-
-    def slot_args(self, b: int) -> tuple:
-        return jnp.int32(b // self.Bl), jnp.int32(b % self.Bl)
-
-    def fetch_step(self, out):
-        out = mh.fetch(out)      # replicated: the same on every process
-        n = self.num_shards * self.Bl
-        flat = {f.name: np.reshape(v, (n,) + v.shape[2:]) for f in dataclasses.fields(out)
-                if (v := getattr(out, f.name)) is not None and f.name != "free_count"}
-        return dataclasses.replace(out, **flat)
-
-    @staticmethod
-    def free_counts(state, free) -> list[int]:
-        return [int(x) for x in mh.fetch(free)]
-
-    def release(self, state, b):
-        state, free = self.release_fn(state, *self.slot_args(b))
-        return state, self.free_counts(state, free)
-
-    def retire(self, state, b, keep):
-        state, kept, free = self.retire_fn(state, *self.slot_args(b), jnp.asarray(keep))
-        return state, np.asarray(mh.fetch(kept))[b // self.Bl], self.free_counts(state, free)
-
-    def push_free(self, state, shard, ids):
-        state, _ = self.push_free_fn(state, jnp.int32(shard), jnp.asarray(ids))
-        return state
-
-    def owned_blocks(self, state, b) -> np.ndarray:
-        owned, table = mh.fetch(self.owned_fn(state, *self.slot_args(b)))
-        return np.asarray(table)[:int(owned)]
-
-    def gather(self, state, cache, mtp_cache, b, ids):
-        return mh.fetch(self.gather_fn(state, cache, mtp_cache, *self.slot_args(b),
-                                       jnp.asarray(ids)))
-
-    def import_(self, state, cache, mtp_cache, b, row, kv, n):
-        state, cache, mtp_cache, ok, free = self.import_fn(state, cache, mtp_cache,
-                                                           *self.slot_args(b), row, kv,
-                                                           jnp.int32(n))
-        return (state, cache, mtp_cache, bool(mh.fetch(ok)[b // self.Bl]),
-                self.free_counts(state, free))
-
-
-def abstract_on(tree, shardings):
-    """``tree``'s arrays (or ``ShapeDtypeStruct``s) as ``jax.ShapeDtypeStruct``s placed by
-    ``shardings`` (one sharding for every leaf, a tree of them matching ``tree``, or None)."""
-    def one(x, s):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(lambda x: one(x, shardings), tree)
-    return jax.tree.map(one, tree, shardings)
+    bucket: StepBucket
+    out: object
+    first: bool
+    dispatch_seconds: float
+    op: int = 0           # the runner's device-operation number (free counts bookkeeping)
 
 
 class DeviceRunner:
@@ -295,7 +97,11 @@ class DeviceRunner:
         self.placement = (OneDevice if mesh is None else OnMesh)(self, dtype,
                                                                  num_mtp_cache_layers)
         self.jitted_step = self.placement.step
-        self.free_counts = [self.shard_config.num_blocks] * self.num_shards
+        # free KV blocks per data shard: the last value read, and the newest device value not
+        # read yet (op number, array): a release or a step in flight is read only when asked
+        self._free = [self.shard_config.num_blocks] * self.num_shards
+        self._free_pending: tuple[int, object] | None = None
+        self._op = 0
         # XLA:CPU maps every compiled kernel on its own and aborts the process past the map
         # limit: each new step bucket is checked first (jmtp.runtime.host_maps).
         self.map_budget = MapBudget("step bucket")
@@ -304,6 +110,32 @@ class DeviceRunner:
         # it from the persistent cache, then the step itself): where lazy compiles go
         self.first_call_seconds: dict[str, float] = {}
         self._neutral: tuple | None = None
+
+    # ------------------------------------------------------------------ free blocks
+    @property
+    def free_counts(self) -> list[int]:
+        """Free KV blocks per data shard after every device call made so far (``list[int]``;
+        waits for the newest one that changed them, e.g. a step in flight)."""
+        if self._free_pending is not None:
+            self._free = self.placement.free_list(self._free_pending[1])
+            self._free_pending = None
+        return list(self._free)
+
+    def peek_free_counts(self) -> list[int]:
+        """:attr:`free_counts` without waiting: the newest value already computed (may lag a
+        step in flight; for monitoring only, never for decisions)."""
+        pending = self._free_pending
+        if pending is not None and all(
+                x.is_ready() for x in jax.tree_util.tree_leaves(pending[1])):
+            return self.free_counts
+        return list(self._free)
+
+    def _changed_free(self, free) -> int:
+        """A device call just changed the free counts to ``free`` (a device value, read
+        lazily); returns the call's operation number."""
+        self._op += 1
+        self._free_pending = (self._op, free)
+        return self._op
 
     # ------------------------------------------------------------------ buckets and compiles
     @property
@@ -360,7 +192,27 @@ class DeviceRunner:
             return jax.default_device(self.device)
         return shd.mesh_context(self.mesh)
 
+    def close(self) -> None:
+        """Release the engine's device arrays and compiled executables: the state and KV caches
+        are deleted, the parameters and every jitted function dropped (JAX's caches of them go
+        with them, :mod:`jmtp.runtime.executables`; the parameters live on if the caller holds
+        them). Idempotent; any later call that runs something raises ``RuntimeError``."""
+        if self.placement is None:
+            return
+        for tree in (self.state, self.cache, self.mtp_cache):
+            for x in jax.tree.leaves(tree):
+                if isinstance(x, jax.Array) and not x.is_deleted():
+                    x.delete()
+        self.placement = self.jitted_step = self._neutral = None
+        self.state = self.cache = self.mtp_cache = self.params = None
+
+    @property
+    def closed(self) -> bool:
+        return self.placement is None
+
     def _check_concrete(self):
+        if self.placement is None:
+            raise RuntimeError("this engine is closed")
         if self.abstract:
             raise RuntimeError("this engine was built abstractly (shapes only, for ahead-of-time "
                                "compiles, jmtp.aot); it cannot run")
@@ -434,19 +286,28 @@ class DeviceRunner:
                  guide: tuple[np.ndarray, np.ndarray] | None = None):
         """Run the jitted step in ``bucket`` with prefill chunks and draft limits ``i32[B]``, and
         ``guide`` = ``(token_bitmask i32[B, K+1, NW], draft_override i32[B, K])`` when a
-        structured-output request runs (None: the placed neutral pair).
+        structured-output request runs (None: the placed neutral pair), and read its outputs:
+        :meth:`fetch_step` of :meth:`dispatch_step`.
 
         Returns:
           its :class:`~jmtp.runtime.step.StepOutput` on the host, fields ``[B, ...]`` and
-          ``free_count`` ``i32[num_shards]`` (also stored in :attr:`free_counts`). The first run
-          of a bucket is timed into :attr:`first_call_seconds` and measured for the memory-map
-          budget (checked before by :meth:`check_bucket`).
+          ``free_count`` ``i32[num_shards]``. The first run of a bucket is timed into
+          :attr:`first_call_seconds` and measured for the memory-map budget (checked before by
+          :meth:`check_bucket`).
         """
+        return self.fetch_step(self.dispatch_step(bucket, chunks, limits, guide))
+
+    def dispatch_step(self, bucket: StepBucket, chunks: np.ndarray, limits: np.ndarray,
+                      guide: tuple[np.ndarray, np.ndarray] | None = None) -> DispatchedStep:
+        """Hand the step to the device (JAX's asynchronous dispatch: returns once it is
+        enqueued, after tracing and compiling a bucket's first run); arguments as
+        :meth:`run_step`. The state and caches become the step's outputs at once, so every later
+        device call runs after it. Read its outputs with :meth:`fetch_step`."""
         self._check_concrete()
         first = bucket not in self._compiled
         if first:
             self.map_budget.start()
-            t0 = time.perf_counter()
+        t0 = time.perf_counter()
         p = self.placement
         with self.context():
             self.state, self.cache, self.mtp_cache, out = self.jitted_step(
@@ -455,12 +316,23 @@ class DeviceRunner:
                 self.lift(p.host_lanes(chunks)), self.lift(p.host_lanes(limits)),
                 *(self.neutral_guide() if guide is None else
                   (self.lift(p.host_lanes(x)) for x in guide)))
-        out = p.fetch_step(out)
+        seconds = time.perf_counter() - t0
         if first:
-            self.first_call_seconds[bucket.label] = time.perf_counter() - t0
             self.map_budget.stop()
             self._compiled.add(bucket)
-        self.free_counts = [int(x) for x in out.free_count]
+        return DispatchedStep(bucket, out, first, seconds, self._changed_free(out.free_count))
+
+    def fetch_step(self, step: DispatchedStep):
+        """The outputs of a dispatched step on the host (waits for it): a
+        :class:`~jmtp.runtime.step.StepOutput` as :meth:`run_step` returns. A bucket's first run
+        is timed into :attr:`first_call_seconds`: its dispatch call and this wait."""
+        t0 = time.perf_counter()
+        out = self.placement.fetch_step(step.out)
+        if step.first:
+            self.first_call_seconds[step.bucket.label] = (step.dispatch_seconds
+                                                          + time.perf_counter() - t0)
+        if self._free_pending is not None and self._free_pending[0] == step.op:
+            self._free, self._free_pending = [int(x) for x in out.free_count], None
         return out
 
     def _prefix_args(self, block_ids: list[int]) -> tuple:
@@ -488,14 +360,16 @@ class DeviceRunner:
     def release(self, b: int) -> None:
         """Return slot ``b``'s KV blocks and mark it idle (:func:`~jmtp.runtime.step.release_slot`)."""
         with self.context():
-            self.state, self.free_counts = self.placement.release(self.state, b)
+            self.state, free = self.placement.release(self.state, b)
+        self._changed_free(free)
 
     def retire(self, b: int, keep: np.ndarray) -> np.ndarray:
         """Empty slot ``b`` keeping its owned blocks ``keep bool[P]`` out of the allocator
         (:func:`~jmtp.runtime.step.retire_slot`); returns the kept ids ``i32[P]`` (-1 padded,
         shard-local)."""
         with self.context():
-            self.state, kept, self.free_counts = self.placement.retire(self.state, b, keep)
+            self.state, kept, free = self.placement.retire(self.state, b, keep)
+        self._changed_free(free)
         return kept
 
     def push_free(self, shard: int, ids: list[int]) -> None:
@@ -504,9 +378,8 @@ class DeviceRunner:
         buf = np.full((self.shard_config.num_blocks,), -1, np.int32)
         buf[:len(ids)] = ids
         with self.context():
-            self.state = self.placement.push_free(self.state, shard, buf)
-        self.free_counts = list(self.free_counts)
-        self.free_counts[shard] += len(ids)
+            self.state, free = self.placement.push_free(self.state, shard, buf)
+        self._changed_free(free)
 
     # ------------------------------------------------------------------ hand-off
     def row_keys(self) -> set[str]:
@@ -535,9 +408,11 @@ class DeviceRunner:
             padded[k] = jnp.asarray(pad)
         with self.context():
             (self.state, self.cache, self.mtp_cache, ok,
-             self.free_counts) = self.placement.import_(
+             self._free) = self.placement.import_(
                 self.state, self.cache, self.mtp_cache, b,
                 {k: jnp.asarray(v) for k, v in row.items()}, padded, num_pages)
+        self._op += 1
+        self._free_pending = None       # read already (the import's answer was waited for)
         return ok
 
     # ------------------------------------------------------------------ memory

@@ -24,6 +24,7 @@ import numpy as np
 from jmtp.pallas.block_allocator import blocks_needed
 from jmtp.runtime.buckets import StepBucket, choose_bucket
 from jmtp.runtime.config import EngineConfig
+from jmtp.runtime.inflight import drafts_bound, max_window_drafts
 from jmtp.runtime.requests import Sequence
 
 
@@ -53,7 +54,11 @@ class Scheduler:
     Attributes: ``slots`` (``list[Sequence | None]``, ``B``), ``paused`` (``list[bool]``: the
     slot waited for KV blocks in the last step), ``order`` (occupied slots in admission order),
     ``hold`` (per shard: admit nothing after a preemption until a request ends),
-    ``next_drafts`` (``i32[B]``: drafts waiting in each slot's window), ``num_preemptions``.
+    ``next_drafts`` (``i32[B]``: drafts waiting in each slot's window; with a step in flight, a
+    bound on them, :func:`~jmtp.runtime.inflight.drafts_bound`), ``pending`` (``i32[B]``: prefill
+    tokens of steps in flight), ``tickets`` (``i64[B]``: each admission's number),
+    ``draft_caps`` (``i32[B]``: each occupant's draft cap, ``SamplingParams.num_speculative_
+    tokens`` or K), ``num_preemptions``.
     """
 
     def __init__(self, engine_config: EngineConfig, shard_config: EngineConfig, num_shards: int):
@@ -66,6 +71,11 @@ class Scheduler:
         self.order: list[int] = []
         self.hold = [False] * num_shards
         self.next_drafts = np.zeros((B,), np.int32)
+        self.pending = np.zeros((B,), np.int32)
+        self.tickets = np.zeros((B,), np.int64)
+        self.draft_caps = np.zeros((B,), np.int32)
+        self._admissions = 0
+        self.most_drafts = max_window_drafts(engine_config)
         self.num_preemptions = 0
 
     def shard_of(self, b: int) -> int:
@@ -123,9 +133,13 @@ class Scheduler:
         self.slots[b] = seq
         self.paused[b] = False
         self.order.append(b)
-        if next_drafts is not None:
-            self.next_drafts = np.array(self.next_drafts)   # (the step's copy is read-only)
-            self.next_drafts[b] = next_drafts
+        self._admissions += 1
+        self.tickets[b] = self._admissions
+        self.pending[b] = 0
+        cap = seq.params.num_speculative_tokens
+        self.draft_caps[b] = self.engine_config.k if cap is None else min(cap, self.engine_config.k)
+        self.next_drafts = np.array(self.next_drafts)   # (the step's copy is read-only)
+        self.next_drafts[b] = next_drafts or 0
 
     def vacate(self, b: int) -> Sequence:
         """Slot ``b`` is empty again (its shard's hold ends); returns the sequence it ran."""
@@ -133,6 +147,7 @@ class Scheduler:
         self.slots[b] = None
         self.paused[b] = False
         self.order.remove(b)
+        self.pending[b] = 0
         seq.slot = None
         self.hold[self.shard_of(b)] = False
         return seq
@@ -149,13 +164,12 @@ class Scheduler:
         chunks = np.zeros((self.engine_config.max_num_seqs,), np.int32)
         rows, active = [0] * self.num_shards, [0] * self.num_shards
         for d, r in enumerate(self.shard_slots):
-            decoding = [b for b in r if slots[b] is not None and not slots[b].prefilling]
+            decoding = [b for b in r if slots[b] is not None and not self.prefill_left(b)]
             dec_rows = sum(1 + int(self.next_drafts[b]) for b in decoding)
             budget = sec.max_num_batched_tokens - dec_rows
             for b in r:
-                s = slots[b]
-                if s is not None and s.prefilling:
-                    c = min(len(s.context_ids) - s.prefilled, budget)
+                if slots[b] is not None and self.prefill_left(b):
+                    c = min(self.prefill_left(b), budget)
                     chunks[b], budget = c, budget - c
             rows[d] = dec_rows + int(chunks[r.start:r.stop].sum())
             active[d] = len(decoding) + int(np.count_nonzero(chunks[r.start:r.stop]))
@@ -164,11 +178,24 @@ class Scheduler:
             bucket = reuse_bucket(bucket, compiled)
         return chunks, bucket
 
+    def prefill_left(self, b: int) -> int:
+        """Context tokens of slot ``b``'s occupant not prefilled yet, nor in a step in flight."""
+        s = self.slots[b]
+        return len(s.context_ids) - s.prefilled - int(self.pending[b])
+
     def proposing(self, chunks: np.ndarray) -> np.ndarray:
         """``bool[B]``: slots that propose drafts in the step: decoding ones and those whose
         prefill ends in it."""
-        return np.array([s is not None and s.prefilled + int(chunks[b]) >= len(s.context_ids)
+        return np.array([s is not None and self.prefill_left(b) <= int(chunks[b])
                          for b, s in enumerate(self.slots)])
+
+    def dispatched(self, chunks: np.ndarray, limits: np.ndarray, proposing: np.ndarray) -> None:
+        """A step planned with ``chunks``, draft ``limits`` (i32[B]) and ``proposing`` (bool[B])
+        went to the device: its chunks are pending and each proposing slot's next window is
+        bounded by :func:`~jmtp.runtime.inflight.drafts_bound` until its outputs are read."""
+        self.pending = self.pending + chunks
+        self.next_drafts = drafts_bound(np.asarray(self.next_drafts), limits, proposing,
+                                        self.most_drafts)
 
     def block_bound(self, chunks: np.ndarray, shard: int) -> int:
         """An upper bound on the blocks the next step's top-up can take on ``shard``: per
@@ -179,23 +206,42 @@ class Scheduler:
             s = self.slots[b]
             if s is None:
                 continue
-            rows = int(chunks[b]) if s.prefilling else 1 + int(self.next_drafts[b])
+            rows = int(chunks[b]) if self.prefill_left(b) else 1 + int(self.next_drafts[b])
             if rows:
                 total += blocks_needed(rows + max(ec.m - 1, 0), ec.block_size) + 1
         return total
 
-    def after_step(self, out, chunks: np.ndarray) -> list[int]:
+    def after_step(self, out, chunks: np.ndarray, valid: np.ndarray | None = None,
+                   following=None) -> list[int]:
         """Note which slots the step paused for KV blocks and keep its drafts; returns the
         shards to preempt in: some slot paused and no slot progressed (no prefill chunk, no
-        token)."""
-        self.next_drafts = np.asarray(out.num_next_drafts)
+        token).
+
+        Args:
+          out: the step's ``StepOutput``; chunks: its prefill chunks (i32[B]).
+          valid: bool[B] slots whose occupant the step ran for (default: all); the others
+            (admitted since, or idle) keep their state.
+          following: the :class:`~jmtp.runtime.inflight.StepRecord` of a step dispatched after
+            it and still in flight (asynchronous scheduling): the windows it leaves are bounded
+            from this step's exact ones.
+        """
+        B = len(self.slots)
+        valid = np.ones((B,), bool) if valid is None else valid
+        window = np.asarray(out.num_next_drafts)
+        if following is not None:
+            window = drafts_bound(window, following.limits, following.proposing,
+                                  self.most_drafts)
+        self.next_drafts = np.where(valid, window, self.next_drafts).astype(np.int32)
+        self.pending = np.where(valid, self.pending - chunks, self.pending).astype(np.int32)
         progressed = [False] * self.num_shards
         for b, seq in enumerate(self.slots):
+            if not valid[b]:
+                continue
             self.paused[b] = bool(seq is not None and out.paused[b])
             if seq is not None and not out.paused[b]:
                 progressed[self.shard_of(b)] |= bool(chunks[b] > 0 or out.num_tokens[b] > 0)
         return [d for d, r in enumerate(self.shard_slots) if not progressed[d]
-                and any(self.slots[b] is not None and self.paused[b] for b in r)]
+                and any(self.slots[b] is not None and self.paused[b] and valid[b] for b in r)]
 
     def victim(self, shard: int) -> int:
         """The slot to preempt in ``shard``: its newest admission (LIFO)."""

@@ -128,7 +128,7 @@ def init_state(ec: EngineConfig, vocab_size: int) -> EngineState:
         draft_probs=(jnp.zeros((b, ec.k, vocab_size), jnp.float32) if ec.spec.draft_sampling else None),
         max_dec_len=zi(b),
         sampling=SamplingArrays.empty(b, vocab_size, ec.max_stop_ids, ec.max_bad_words,
-                                      ec.max_bad_word_len),
+                                      ec.max_bad_word_len, ec.max_logit_bias),
         stop_flags=jnp.ones((b,), bool),
         finish_reason=zi(b),
         blocks=BlockAllocatorState.create(ec.num_blocks, b, ec.pages_per_seq),

@@ -79,6 +79,7 @@ from jmtp.model.llama import KVCache
 from jmtp.runtime.buckets import StepBucket
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.draft_stages import draft_model_postprocess
+from jmtp.runtime.prompt_logprobs import prompt_logprobs
 from jmtp.runtime.proposers import propose
 from jmtp.runtime.slots import push_free_blocks, release_finished, release_slot, retire_slot
 from jmtp.runtime.state import EngineState, effective_block_tables
@@ -115,6 +116,10 @@ class StepOutput:
       draft_tokens: i32[B, K]  the drafts of the slot's next verify window (-1 past
                                ``num_next_drafts``); the host's grammar masks them
                                (:mod:`jmtp.runtime.structured`).
+      prompt_logprobs: f32[T], prompt_top_ids: i32[T, n], prompt_top_logprobs: f32[T, n],
+      prompt_row_start: i32[B]  per packed row, the logprob of the context token after it and
+                               the row's top-n; each slot's first row (None unless
+                               max_logprobs > 0; :mod:`jmtp.runtime.prompt_logprobs`).
     """
 
     tokens: jax.Array
@@ -131,6 +136,10 @@ class StepOutput:
     top_logprob_ids: jax.Array | None = None
     top_logprobs: jax.Array | None = None
     draft_tokens: jax.Array | None = None
+    prompt_logprobs: jax.Array | None = None
+    prompt_top_ids: jax.Array | None = None
+    prompt_top_logprobs: jax.Array | None = None
+    prompt_row_start: jax.Array | None = None
 
 
 def engine_step(
@@ -214,6 +223,7 @@ def engine_step(
     target, cache = target_forward(ec, bucket, attention_impl, model, prev, sched,
                                    effective_block_tables(prev, blocks.block_tables), cache)
     verified = speculate_verify(model.cfg, ec, prev, sched, target, token_bitmask)
+    plp = prompt_logprobs(ec, model, prev, sched, target)
     state, done = speculate_update(ec, prev, sched, verified, blocks)
     if cache.linear is not None:
         # a hybrid model's slots continue from the checkpoint of their last committed row
@@ -240,4 +250,7 @@ def engine_step(
                      logprobs=verified.logprobs,
                      top_logprob_ids=verified.top_logprob_ids, top_logprobs=verified.top_logprobs,
                      draft_tokens=state.draft_tokens[:, 1:])
+    if plp is not None:
+        out = dataclasses.replace(out, prompt_logprobs=plp.token, prompt_top_ids=plp.top_ids,
+                                  prompt_top_logprobs=plp.top, prompt_row_start=plp.row_start)
     return state, cache, mtp_cache, out

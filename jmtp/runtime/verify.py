@@ -325,7 +325,7 @@ def verify(logits: jax.Array, draft_tokens: jax.Array, num_drafts: jax.Array,
                + jnp.arange(W, dtype=jnp.int32)[None, :, None])
         purpose = jnp.array([smp.PURPOSE_ACCEPT, smp.PURPOSE_SAMPLE], jnp.int32)[None, None, :]
         u = smp.uniform_draws(sampling.seed, jnp.broadcast_to(pos, (B, W, 2)),
-                              jnp.broadcast_to(purpose, (B, W, 2)))
+                              jnp.broadcast_to(purpose, (B, W, 2)), sampling.seed_hi)
     if strategy in ("auto", "rejection"):
         a, final = _rejection(pen, d, valid, nd, draft_probs, sampling, u, greedy_row)
     elif strategy in ("greedy", "target_match"):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import types
 
 import numpy as np
 
@@ -182,6 +183,8 @@ class FakeRunner:
     def release(self, b: int) -> None:
         self.calls.append("release")
         s = self.slots[b]
+        if s is None:       # released by the step that finished it (a step the host ran ahead)
+            return
         self.free[self.shard(b)] += s.owned      # table order: the last block ends on top
         self.slots[b] = None
 
@@ -205,6 +208,20 @@ class FakeRunner:
         for i in ids:
             self.pinned[shard].remove(int(i))
             self.free[shard].append(int(i))
+
+    def peek_free_counts(self) -> list[int]:
+        return self.free_counts
+
+    def dispatch_step(self, bucket, chunks, limits, guide=None):
+        """The step runs at once (the simulation keeps the device's order of calls); its
+        outputs are the handle (``.out``, ``.first``)."""
+        first = bucket not in self._compiled
+        out = self.run_step(bucket, chunks, limits, guide)
+        return types.SimpleNamespace(out=out, first=first, bucket=bucket)
+
+    @staticmethod
+    def fetch_step(handle) -> StepOutput:
+        return handle.out
 
     def run_step(self, bucket, chunks, limits, guide=None) -> StepOutput:
         if guide is not None:

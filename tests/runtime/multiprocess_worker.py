@@ -51,6 +51,8 @@ def cases():
 def run_engine(dp: int, tp: int, k: int) -> dict:
     """Serve :func:`cases` with one engine on a ``(dp, tp)`` mesh (``(1, 1)``: one device, no
     mesh); ``{case: [token ids per prompt]}`` plus the engine's leftovers under ``"_engine"``."""
+    import jax
+
     from jmtp.runtime.config import SpeculativeConfig
     from jmtp.runtime.engine import LLM
     from jmtp.runtime import sharding as shd
@@ -64,6 +66,12 @@ def run_engine(dp: int, tp: int, k: int) -> dict:
     out = {name: [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
            for name, (prompts, sps) in cases().items()}
     eng = llm.llm_engine
+    if jax.process_count() > 1:     # the same cases with the synchronous loop (issue 50)
+        out["_async_default"], eng.async_scheduling = eng.async_scheduling, False
+        out["_sync"] = {name: [o.outputs[0].token_ids for o in llm.generate(prompts, sps,
+                                                                           use_tqdm=False)]
+                        for name, (prompts, sps) in cases().items()}
+        eng.async_scheduling = out["_async_default"]
     embed = eng.params["embed"][...]
     out["_engine"] = {
         "step_executables": engine_of(eng).runner.jitted_step._cache_size(),

@@ -124,6 +124,14 @@ def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8",
            "cache_dtype": str(eng.cache.k.dtype),
            "free_blocks": eng.get_stats()["num_free_blocks"],
            "num_blocks": eng.engine_config.num_blocks}
+    if (dp, tp) == (2, 2):      # the same requests with the synchronous loop (issue 50)
+        out["async_default"] = eng.async_scheduling
+        eng.async_scheduling = False
+        out["sync_tokens"] = [o.outputs[0].token_ids for o in llm.generate(
+            PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)]
+        out["sync_sampled"] = [o.outputs[0].token_ids for o in llm.generate(
+            PROMPTS, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, seed=100 + i)
+                      for i in range(len(PROMPTS))], use_tqdm=False)]
     if hlo:
         out["hlo"] = collectives(llm)
     return out
@@ -318,9 +326,13 @@ def hybrid_case():
               block_size=4, max_num_batched_tokens=12, compile="lazy")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
     rec = engine_of(llm).runner.cache.linear.recurrent
-    return {"tokens": [o.outputs[0].token_ids for o in outs],
-            "spec": [str(a) for a in rec.sharding.spec], "shape": list(rec.shape),
-            "local": list(rec.addressable_shards[0].data.shape)}
+    out = {"tokens": [o.outputs[0].token_ids for o in outs],
+           "spec": [str(a) for a in rec.sharding.spec], "shape": list(rec.shape),
+           "local": list(rec.addressable_shards[0].data.shape)}
+    out["async_default"], llm.llm_engine.async_scheduling = llm.llm_engine.async_scheduling, False
+    out["sync_tokens"] = [o.outputs[0].token_ids for o in llm.generate(
+        PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)]
+    return out
 
 
 def main(cases: list[str]) -> None:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import jmtp
 from jmtp.runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM
@@ -267,3 +268,134 @@ def test_shutdown_ends_streams_and_rejects_new_requests(llm):
     run(main())
     assert not eng.is_running and eng.is_dead
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_failed_admission_fails_that_request_alone(llm, tiny, monkeypatch):
+    """A request whose admission into a slot raises inside ``step()`` gets the error on its own
+    stream (``RequestFailedError`` naming it); the request running next to it completes with
+    the reference tokens and the engine goes on."""
+    cfg, params = tiny
+    bad_prompt = [31, 32, 33]
+    runner = llm.llm_engine.runner
+    insert = runner.insert
+
+    def failing_insert(b, ids, *args, **kw):
+        if [int(t) for t in ids[:3]] == bad_prompt:
+            raise RuntimeError("injected insert failure")
+        return insert(b, ids, *args, **kw)
+
+    monkeypatch.setattr(runner, "insert", failing_insert)
+    eng = AsyncLLMEngine(llm.llm_engine)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def main():
+        good = asyncio.ensure_future(collect(eng, "good", PROMPTS[1], sp))
+        bad = await eng.add_request("bad", bad_prompt, sp)
+        with pytest.raises(jmtp.RequestFailedError) as ei:
+            async for _ in bad:
+                pass
+        assert ei.value.request_id == "bad"
+        assert isinstance(ei.value.__cause__, RuntimeError)
+        return await good, await collect(eng, "after", PROMPTS[0], sp)
+
+    try:
+        good, after = run(main())
+    finally:
+        eng.shutdown()
+    assert good[-1].outputs[0].token_ids == reference_greedy(cfg, params, PROMPTS[1], 12,
+                                                             stop_ids=())
+    assert after[-1].outputs[0].token_ids == reference_greedy(cfg, params, PROMPTS[0], 12,
+                                                              stop_ids=())
+    st = llm.llm_engine.get_stats()
+    assert st["num_free_blocks"] == st["num_blocks"] and not llm.llm_engine.has_unfinished_requests()
+
+
+def test_huge_max_tokens_run_to_the_end_of_the_context(llm, tiny):
+    """``max_tokens`` / ``min_tokens`` far past int32 (an OverflowError in the device insert
+    that failed every request in flight) run to ``max_model_len``, as any budget past it does:
+    the device gets the budget capped at the context."""
+    cfg, params = tiny
+    sp = SamplingParams(max_tokens=2**40, min_tokens=2**33, ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], sp, use_tqdm=False)[0]
+    ref = reference_greedy(cfg, params, PROMPTS[0], 10**6, stop_ids=(), max_model_len=64)
+    assert len(ref) == 64 - len(PROMPTS[0])
+    assert out.outputs[0].token_ids == ref and out.outputs[0].finish_reason == "length"
+
+
+class BlockingEngine(CountingEngine):
+    """A CountingEngine whose steps wait while :attr:`gate` is clear."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def step(self):
+        self.gate.wait()
+        return super().step()
+
+
+def test_busy_seconds_and_health_follow_a_stuck_step(llm):
+    """``busy_seconds`` grows while the engine thread is stuck in a step and is 0 when idle;
+    ``/health`` answers 503 ``engine_stalled`` past ``engine_stall_seconds``, 200 once the step
+    is over, and 503 ``engine_dead`` after shutdown."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from jmtp.runtime.server import ServerMetrics, ServerOptions, build_app
+
+    blocking = BlockingEngine(llm.llm_engine)
+    eng = AsyncLLMEngine(blocking, start=False)
+    app = build_app(eng, None, model_name="m", max_model_len=64, metrics=ServerMetrics(),
+                    vocab_size=64, options=ServerOptions(engine_stall_seconds=0.3))
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def main(http):
+        assert (await asyncio.to_thread(http.get, "/health")).json()["status"] == "ok"
+        assert eng.busy_seconds == 0.0
+        blocking.gate.clear()
+        stream = await eng.add_request("stuck", PROMPTS[0], sp)
+        await asyncio.sleep(0.6)
+        busy = eng.busy_seconds
+        stalled = await asyncio.to_thread(http.get, "/health")
+        blocking.gate.set()
+        outs = [o async for o in stream]
+        while eng.busy_seconds > 0:
+            await asyncio.sleep(0.01)
+        return busy, stalled, outs, await asyncio.to_thread(http.get, "/health")
+
+    with TestClient(app) as http:
+        busy, stalled, outs, after = run(main(http), timeout=120)
+    assert busy > 0.3 and outs[-1].finished
+    assert stalled.status_code == 503 and stalled.json()["error"]["code"] == "engine_stalled"
+    assert after.status_code == 200 and after.json()["status"] == "ok"
+    r = TestClient(app).get("/health")      # the lifespan ended: the engine was shut down
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+
+def test_queue_times_reach_the_observer(llm):
+    """Each request's queue time (arrival to admission) is reported once, in the stats of the
+    pass that admitted it; with 2 slots the third request waits for one. (The schedule of
+    test_continuous_batching_matches_reference: its step buckets are compiled already.)"""
+    seen, running = [], []
+
+    def observe(st, outs, dt):
+        seen.extend(st["queue_seconds"])
+        running.append(st["num_running"])
+
+    eng = AsyncLLMEngine(llm.llm_engine, on_step=observe)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def main():
+        first = asyncio.ensure_future(collect(eng, "q0", PROMPTS[0], sp))
+        while not running or running[-1] == 0:
+            await asyncio.sleep(0.01)
+        return await asyncio.gather(first, *(collect(eng, f"q{i}", PROMPTS[i], sp)
+                                             for i in (1, 2, 3)))
+
+    try:
+        run(main())
+    finally:
+        eng.shutdown()
+    assert len(seen) == 4 and all(w >= 0 for w in seen)
+    assert max(seen) > 10 * min(seen)       # a late one waited for a slot to free

@@ -192,8 +192,11 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny, model):
     from tests.runtime.conftest import TINY_MOE
     cfg, params = tiny if model == "dense" else tiny_model(1, **TINY_MOE)
     slots = 4 if model == "dense" else 2
+    # the synchronous loop: it sizes each window's rows exactly, so narrow buckets come up
+    # (asynchronous scheduling plans a window's bound, the budget: test_async_engine_real.py)
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
-              max_num_seqs=slots, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+              max_num_seqs=slots, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32,
+              async_scheduling=False)
     ec = llm.engine_config
     rng = np.random.default_rng(0)
     batch = lambda n: [list(rng.integers(2, 64, rng.integers(1, 30))) for _ in range(n)]

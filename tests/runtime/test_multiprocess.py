@@ -115,6 +115,18 @@ def test_every_process_equals_one_device(job, reference):
                 assert p[key][name] == want, (p["process_index"], key, name)
 
 
+def test_async_scheduling_equals_the_synchronous_loop_on_every_process(job):
+    """Asynchronous scheduling is on by default (plain and MTP) on the 2-process mesh, and the
+    synchronous loop gives every process the same greedy and seeded sampled tokens."""
+    procs, *_ = job
+    for p in procs:
+        for k in worker.KS:
+            res = p[f"k={k}"]
+            assert res["_async_default"] is True
+            for name in worker.cases():
+                assert res["_sync"][name] == res[name], (p["process_index"], k, name)
+
+
 def test_mesh_spans_both_processes_and_model_axis_is_process_major(job):
     procs, *_ = job
     assert sorted(p["process_index"] for p in procs) == list(range(NUM_PROCESSES))

@@ -11,9 +11,12 @@ from tests.runtime.conftest import tiny_model
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),
-    (dict(top_p=1.5), "top_p"), (dict(n=0), "n"), (dict(seed=-1), "seed"),
+    (dict(top_p=1.5), "top_p"), (dict(n=0), "n"), (dict(seed=2**63), "seed"),
     (dict(min_tokens=9, max_tokens=4), "min_tokens"), (dict(stop=[""]), "stop"),
     (dict(logprobs=-1), "logprobs"), (dict(temperature="hot"), "temperature"),
+    # floats the device holds as f32 must stay finite there; an int past float64 is no number
+    (dict(temperature=1e39), "temperature"), (dict(top_p=float("nan")), "top_p"),
+    (dict(repetition_penalty=10**400), "repetition_penalty"),
 ])
 def test_sampling_params_errors_name_their_field(kwargs, field):
     with pytest.raises(jmtp.InvalidRequestError) as ei:
@@ -53,3 +56,26 @@ def test_engine_request_errors_name_their_field(engine, prompt, sp, field):
 def test_other_errors_fall_back_to_the_prompt_field():
     assert param_of(ValueError("SamplingParams.top_p=2: must be in (0, 1]"), "prompt") == "prompt"
     assert param_of(jmtp.InvalidRequestError("x"), "messages") == "messages"
+
+
+def test_structured_schema_depth_is_bounded():
+    """A JSON-schema constraint nested past MAX_SCHEMA_DEPTH is refused by name before any
+    recursive check runs (a 100-level schema hit Python's recursion limit in jsonschema); at
+    the limit it is accepted. JSON text nested past the parser's own limit is refused too."""
+    from jmtp.core.checks import json_depth
+    from jmtp.runtime.structured.params import MAX_SCHEMA_DEPTH
+
+    def nested(levels):
+        s = {"type": "string"}
+        for _ in range(levels):
+            s = {"type": "object", "properties": {"a": s}}
+        return s
+
+    assert json_depth(nested(31)) == 63 and json_depth(nested(32)) == 65
+    assert json_depth([[]] * 3) == 2 and json_depth("x") == 0 and json_depth({}) == 1
+    assert json_depth(nested(1000), limit=MAX_SCHEMA_DEPTH) == MAX_SCHEMA_DEPTH + 1
+    jmtp.StructuredOutputsParams(json=nested(31))
+    for bad in (nested(32), nested(1000), '{"properties": {"a": ' * 5000 + "{}" + "}}" * 5000):
+        with pytest.raises(jmtp.InvalidRequestError, match="nested more than 64") as ei:
+            jmtp.StructuredOutputsParams(json=bad)
+        assert ei.value.field == "structured_outputs.json"

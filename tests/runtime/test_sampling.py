@@ -96,7 +96,11 @@ BAD_VALUES = [
     ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5),
     ("top_k", -2), ("min_p", -0.1), ("min_p", 1.1), ("max_tokens", 0),
     ("repetition_penalty", 0.0), ("frequency_penalty", 2.5), ("presence_penalty", -3.0),
-    ("min_tokens", -1), ("logprobs", -1), ("seed", -1), ("seed", 2**32),
+    ("min_tokens", -1), ("logprobs", -1), ("seed", 2**63), ("seed", -(2**63) - 1),
+    ("seed", 1.5), ("logit_bias", {5: 100.5}), ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {5: float("nan")}), ("logit_bias", {"5": 1.0}), ("logit_bias", "x"),
+    ("logit_bias", [(5, 1.0), (5, 2.0)]), ("skip_special_tokens", "yes"),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 1.5),
     ("stop_token_ids", (-3,)), ("bad_token_ids", (1.5,)), ("bad_words", ("",)),
     ("ignore_eos", "yes"), ("stop_token_ids", "12"), ("n", 0), ("n", 1.5), ("stop", [""]),
     ("stop", [3]), ("stop", b"x"), ("include_stop_str_in_output", "yes"),
@@ -116,6 +120,20 @@ def test_top_k_minus_one_is_off_and_stop_normalised():
 def test_params_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_seed_and_logit_bias_conventions():
+    """vLLM: seed=-1 means no seed; seeds are 64-bit (OpenAI's int64). logit_bias: OpenAI's
+    {token: bias in [-100, 100]}, stored as sorted (id, bias) pairs; {} is no bias."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2 and SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(seed=-2).seed_halves == (2**32 - 2, 2**32 - 1)
+    assert SamplingParams(seed=2**32 + 5).seed_halves == (5, 1)
+    p = SamplingParams(logit_bias={9: -100, 3: 100.0, 4: 0.5})
+    assert p.logit_bias == ((3, 100.0), (4, 0.5), (9, -100.0))
+    assert SamplingParams(logit_bias=[[9, -100], [3, 100]]).logit_bias == ((3, 100.0), (9, -100.0))
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    assert SamplingParams().skip_special_tokens and SamplingParams().prompt_logprobs is None
 
 
 def test_params_min_tokens_above_max_tokens():

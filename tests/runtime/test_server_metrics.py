@@ -33,3 +33,18 @@ def test_dynamic_policy_counters_follow_the_engine_stats():
     assert got["jmtp_spec_policy_drafting_plans_total"] == 2
     assert got["jmtp_spec_policy_holds_total"] == 1
     assert got["jmtp_spec_policy_host_seconds_total"] == pytest.approx(0.75)
+
+
+def test_preemptions_and_queue_times_follow_the_engine_stats():
+    """``jmtp_num_preemptions_total`` follows the engine's cumulative ``num_preemptions``;
+    ``jmtp_request_queue_seconds`` observes each queue time the async engine reports once."""
+    from jmtp.runtime.server import ServerMetrics
+
+    m = ServerMetrics()
+    m.on_step(dict(num_preemptions=0, queue_seconds=[0.5, 2.0]), [], 0.01)
+    m.on_step(dict(num_preemptions=2, queue_seconds=[]), [], 0.01)
+    m.on_step(dict(num_preemptions=3, queue_seconds=[7.0]), [], None)
+    got = samples(m)
+    assert got["jmtp_num_preemptions_total"] == 3
+    assert got["jmtp_request_queue_seconds_count"] == 3
+    assert got["jmtp_request_queue_seconds_sum"] == pytest.approx(9.5)

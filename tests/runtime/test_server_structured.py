@@ -8,6 +8,7 @@ checked with ``jsonschema`` against the request's schemas.
 """
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import re
@@ -49,6 +50,7 @@ TEMPLATE = ("{% if tools %}TOOLS={{ tools | tojson }}|{% endif %}"
             "<assistant>")
 
 
+@functools.lru_cache(maxsize=1)
 def _tokenizer():
     """A byte-level tokenizer (one id per byte) with :data:`TEMPLATE` as its chat template."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
@@ -65,12 +67,16 @@ def _tokenizer():
 class ScriptedEngine:
     """The ``AsyncLLMEngine`` surface the server uses. Every request gets the text
     :attr:`reply` in :attr:`pieces` deltas, finishing with :attr:`finish`; :attr:`error` is
-    raised by ``add_request`` instead. :attr:`calls` records ``(prompt, SamplingParams)``."""
+    raised by ``add_request`` instead. :attr:`calls` records ``(prompt text, SamplingParams)``."""
 
-    is_dead, is_running = False, True
+    is_dead, is_running, busy_seconds = False, True, 0.0
+    stats = {"num_requests_in_flight": 0}
 
     def __init__(self):
         self.calls, self.reply, self.finish, self.pieces, self.error = [], "", "stop", 1, None
+
+    def compile_constraint(self, params):
+        pass
 
     def start(self):
         pass
@@ -84,6 +90,8 @@ class ScriptedEngine:
     async def add_request(self, request_id, prompt, sp):
         if self.error is not None:
             raise self.error
+        if isinstance(prompt, list):    # the server sends token ids: record the text
+            prompt = _tokenizer().decode(prompt, skip_special_tokens=False)
         self.calls.append((prompt, sp))
         return self._outputs(request_id, sp)
 

@@ -711,8 +711,10 @@ def test_engine_asks_for_limits_of_proposing_slots_only_and_mtp_fills_them():
 
     cfg, params = tiny_model(0)
     spec = SpeculativeConfig("mtp", num_speculative_tokens=2, speculation_policy="dynamic")
+    # (the synchronous loop: each step's windows are read back before the next is planned)
     eng = LLMEngine(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=2,
-                    max_model_len=64, block_size=4, max_num_batched_tokens=6, compile="lazy")
+                    max_model_len=64, block_size=4, max_num_batched_tokens=6, compile="lazy",
+                    async_scheduling=False)
     pol = eng.spec_policy
     pol.pool_trials[:], pol.pool_succ[:] = 1e6, 1e6          # acceptance ~1: always draft 2
     pol.refresh_every = 0                                      # (no no-draft timing steps)

@@ -38,13 +38,18 @@ class SamplingArrays:
       bad_word_seqs: i32[B, NW, LW] multi-token bad words, right-aligned, -1 left padding.
       recent_tokens: i32[B, LW-1] the last ``LW-1`` tokens of prompt + output (-1 where the history
         is shorter), for multi-token bad words.
-      seed: u32[B] the request's RNG seed (see :func:`jmtp.runtime.sampling.rng.request_keys`).
+      seed: u32[B] the low 32 bits of the request's RNG seed, seed_hi: u32[B] the high 32 bits
+        (0 for seeds in [0, 2**32); see :func:`jmtp.runtime.sampling.rng.request_keys`).
+      logit_bias_ids: i32[B, NB] token ids of the slot's ``logit_bias`` (-1 padded);
+        logit_bias_values: f32[B, NB] their biases, added to the logits before penalties.
       rng_offset: i32[B] tokens the request generated before its current admission (non-zero
         after a preemption): added to the per-admission ``step_idx`` to give the output position
         of every random draw, so a re-admitted request continues its random stream.
       prompt_mask: bool[B, V] token occurs in the prompt (repetition penalty).
       output_counts: i32[B, V] occurrences of each token among the generated tokens.
       logprobs: i32[B] requested number of top logprobs (-1 = none); informational for the engine.
+      prompt_logprobs: i32[B] requested top prompt logprobs (-1 = none): the step computes
+        prompt logprobs while such a slot prefills (:mod:`jmtp.runtime.prompt_logprobs`).
     """
 
     temperature: jax.Array
@@ -61,10 +66,14 @@ class SamplingArrays:
     bad_word_seqs: jax.Array
     recent_tokens: jax.Array
     seed: jax.Array
+    seed_hi: jax.Array
+    logit_bias_ids: jax.Array
+    logit_bias_values: jax.Array
     rng_offset: jax.Array
     prompt_mask: jax.Array
     output_counts: jax.Array
     logprobs: jax.Array
+    prompt_logprobs: jax.Array
 
     @property
     def batch_size(self) -> int:
@@ -76,7 +85,8 @@ class SamplingArrays:
 
     @staticmethod
     def empty(batch_size: int, vocab_size: int, max_stop: int = 4, max_bad_words: int = 0,
-              max_bad_word_len: int = 1, *, as_numpy: bool = False) -> "SamplingArrays":
+              max_bad_word_len: int = 1, max_logit_bias: int = 0, *,
+              as_numpy: bool = False) -> "SamplingArrays":
         """All-neutral arrays for ``batch_size`` slots (greedy, no penalties, nothing banned).
 
         Args:
@@ -84,24 +94,26 @@ class SamplingArrays:
           max_stop: S >= 1, capacity for stop ids (+ per-request EOS ids) per slot.
           max_bad_words: NW >= 0, capacity for multi-token bad words per slot.
           max_bad_word_len: LW >= 1, longest multi-token bad word.
+          max_logit_bias: NB >= 0, capacity for ``logit_bias`` entries per slot.
           as_numpy: return numpy arrays (host-side packing) instead of jax arrays.
         Raises:
           ValueError naming the argument when a size is out of range.
         """
         for name, value, minimum in (("batch_size", batch_size, 1), ("vocab_size", vocab_size, 1),
                                      ("max_stop", max_stop, 1), ("max_bad_words", max_bad_words, 0),
-                                     ("max_bad_word_len", max_bad_word_len, 1)):
+                                     ("max_bad_word_len", max_bad_word_len, 1),
+                                     ("max_logit_bias", max_logit_bias, 0)):
             if int(value) < minimum:
                 raise ValueError(f"SamplingArrays.empty: {name}={value} must be >= {minimum}")
         B, V = int(batch_size), int(vocab_size)
-        row = _neutral_row(V, max_stop, max_bad_words, max_bad_word_len)
+        row = _neutral_row(V, max_stop, max_bad_words, max_bad_word_len, max_logit_bias)
         fields = {name: np.repeat(value[None], B, axis=0) for name, value in row.items()}
         arrays = SamplingArrays(**fields)
         return arrays if as_numpy else jax.tree.map(jnp.asarray, arrays)
 
 
-def _neutral_row(V: int, S: int, NW: int, LW: int) -> dict[str, np.ndarray]:
-    """One idle slot's values; ``V, S, NW, LW`` as in :class:`SamplingArrays`."""
+def _neutral_row(V: int, S: int, NW: int, LW: int, NB: int = 0) -> dict[str, np.ndarray]:
+    """One idle slot's values; ``V, S, NW, LW, NB`` as in :class:`SamplingArrays`."""
     return dict(
         temperature=np.float32(0.0), top_p=np.float32(1.0), top_k=np.int32(0),
         min_p=np.float32(0.0), repetition_penalty=np.float32(1.0),
@@ -110,21 +122,24 @@ def _neutral_row(V: int, S: int, NW: int, LW: int) -> dict[str, np.ndarray]:
         stop_token_ids=np.full((S,), -1, np.int32), bad_token_mask=np.zeros((V,), bool),
         bad_word_seqs=np.full((NW, LW), -1, np.int32),
         recent_tokens=np.full((LW - 1,), -1, np.int32),
-        seed=np.uint32(0), rng_offset=np.int32(0), prompt_mask=np.zeros((V,), bool),
+        seed=np.uint32(0), seed_hi=np.uint32(0), logit_bias_ids=np.full((NB,), -1, np.int32),
+        logit_bias_values=np.zeros((NB,), np.float32), rng_offset=np.int32(0), prompt_mask=np.zeros((V,), bool),
         output_counts=np.zeros((V,), np.int32),
-        logprobs=np.int32(-1))
+        logprobs=np.int32(-1), prompt_logprobs=np.int32(-1))
 
 
 def make_row(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int, *,
              max_stop: int, max_bad_words: int = 0, max_bad_word_len: int = 1,
-             eos_ids: Sequence[int] = (), request_seed: int | None = None,
+             max_logit_bias: int = 0, eos_ids: Sequence[int] = (),
+             request_seed: int | None = None,
              bad_words_ids: Sequence[Sequence[int]] = ()) -> dict[str, np.ndarray]:
     """Host-side (numpy) values of one slot for ``params`` (shapes of one row of SamplingArrays).
 
     Args:
       params: the request's :class:`SamplingParams`.
       prompt_ids: the prompt token ids (for the repetition penalty and multi-token bad words).
-      vocab_size: V. max_stop, max_bad_words, max_bad_word_len: S, NW, LW of the target arrays.
+      vocab_size: V. max_stop, max_bad_words, max_bad_word_len, max_logit_bias: S, NW, LW, NB of
+        the target arrays.
       eos_ids: per-request EOS ids, added to the slot's stop ids unless ``params.ignore_eos``.
       request_seed: used when ``params.seed`` is None; when both are None a random seed is drawn.
       bad_words_ids: ``params.bad_words`` tokenized by the engine; length-1 sequences are banned
@@ -133,7 +148,7 @@ def make_row(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
       ValueError naming the argument when an id is outside [0, V) or a capacity is exceeded.
     """
     V = int(vocab_size)
-    row = _neutral_row(V, max_stop, max_bad_words, max_bad_word_len)
+    row = _neutral_row(V, max_stop, max_bad_words, max_bad_word_len, max_logit_bias)
     prompt = np.asarray(list(prompt_ids), dtype=np.int64).reshape(-1)
     if prompt.size and (prompt.min() < 0 or prompt.max() >= V):
         raise InvalidRequestError(f"prompt_ids: token ids must be in [0, {V})", "prompt")
@@ -169,8 +184,17 @@ def make_row(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
     seed = params.seed if params.seed is not None else request_seed
     if seed is None:
         seed = int(np.random.default_rng().integers(0, 2**32))
-    if not 0 <= int(seed) < 2**32:
-        raise InvalidRequestError(f"request_seed={seed} must be in [0, 2**32)", "seed")
+    if not -(2**63) <= int(seed) < 2**63:
+        raise InvalidRequestError(f"request_seed={seed} must be in [-2**63, 2**63)", "seed")
+    seed_u64 = int(seed) & (2**64 - 1)
+    bias = params.logit_bias or ()
+    if len(bias) > max_logit_bias:
+        raise InvalidRequestError(f"logit_bias: {len(bias)} entries exceed max_logit_bias="
+                                  f"{max_logit_bias}", "logit_bias")
+    if any(token_id >= V for token_id, _ in bias):
+        raise InvalidRequestError(f"logit_bias: token ids must be < vocab_size={V}", "logit_bias")
+    for i, (token_id, value) in enumerate(bias):
+        row["logit_bias_ids"][i], row["logit_bias_values"][i] = token_id, value
     if max_bad_word_len > 1 and prompt.size:
         prompt_tail = prompt[-(max_bad_word_len - 1):]
         row["recent_tokens"][max_bad_word_len - 1 - prompt_tail.size:] = prompt_tail
@@ -183,14 +207,17 @@ def make_row(params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
         frequency_penalty=np.float32(params.frequency_penalty),
         presence_penalty=np.float32(params.presence_penalty),
         min_tokens=np.int32(params.min_tokens), ignore_eos=np.bool_(params.ignore_eos),
-        seed=np.uint32(seed), logprobs=np.int32(-1 if params.logprobs is None else params.logprobs))
+        seed=np.uint32(seed_u64 & 0xFFFFFFFF), seed_hi=np.uint32(seed_u64 >> 32),
+        logprobs=np.int32(-1 if params.logprobs is None else params.logprobs),
+        prompt_logprobs=np.int32(-1 if params.prompt_logprobs is None
+                                 else params.prompt_logprobs))
     return row
 
 
-def _capacities(arrays: SamplingArrays) -> tuple[int, int, int, int]:
-    """``(V, S, NW, LW)`` of ``arrays`` (see :class:`SamplingArrays`)."""
+def _capacities(arrays: SamplingArrays) -> tuple[int, int, int, int, int]:
+    """``(V, S, NW, LW, NB)`` of ``arrays`` (see :class:`SamplingArrays`)."""
     return (arrays.vocab_size, arrays.stop_token_ids.shape[1], arrays.bad_word_seqs.shape[1],
-            arrays.bad_word_seqs.shape[2])
+            arrays.bad_word_seqs.shape[2], arrays.logit_bias_ids.shape[1])
 
 
 @jax.jit
@@ -225,24 +252,23 @@ def set_slot(arrays: SamplingArrays, slot: int, params: SamplingParams, prompt_i
     Raises:
       ValueError naming the argument (slot out of range, ids out of range, capacity exceeded).
     """
-    V, S, NW, LW = _capacities(arrays)
+    V, S, NW, LW, NB = _capacities(arrays)
     if vocab_size is not None and int(vocab_size) != V:
         raise ValueError(f"vocab_size={vocab_size} != the arrays' vocabulary size {V}")
     row = make_row(params, prompt_ids, V, max_stop=S, max_bad_words=NW, max_bad_word_len=LW,
-                   eos_ids=eos_ids, request_seed=request_seed, bad_words_ids=bad_words_ids)
+                   max_logit_bias=NB, eos_ids=eos_ids, request_seed=request_seed, bad_words_ids=bad_words_ids)
     return _put_row(arrays, slot, row)
 
 
 def clear_slot(arrays: SamplingArrays, slot: int) -> SamplingArrays:
     """Return ``arrays`` with ``slot`` reset to neutral values (idle / padding slot)."""
-    V, S, NW, LW = _capacities(arrays)
-    return _put_row(arrays, slot, _neutral_row(V, S, NW, LW))
+    return _put_row(arrays, slot, _neutral_row(*_capacities(arrays)))
 
 
 def pack_sampling(params: Sequence[SamplingParams | None], batch_size: int, vocab_size: int, *,
                   prompts: Sequence[Sequence[int]] | None = None, max_stop: int = 4,
-                  max_bad_words: int = 0, max_bad_word_len: int = 1, eos_ids: Sequence[int] = (),
-                  seeds: Sequence[int | None] | None = None,
+                  max_bad_words: int = 0, max_bad_word_len: int = 1, max_logit_bias: int = 0,
+                  eos_ids: Sequence[int] = (), seeds: Sequence[int | None] | None = None,
                   bad_words_ids: Sequence[Sequence[Sequence[int]]] | None = None,
                   as_numpy: bool = False) -> SamplingArrays:
     """Build :class:`SamplingArrays` for ``batch_size`` slots from a list of params (None = idle).
@@ -255,15 +281,15 @@ def pack_sampling(params: Sequence[SamplingParams | None], batch_size: int, voca
     if len(params) > batch_size:
         raise ValueError(f"params: {len(params)} requests exceed batch_size={batch_size}")
     arrays = SamplingArrays.empty(batch_size, vocab_size, max_stop, max_bad_words,
-                                  max_bad_word_len, as_numpy=True)
+                                  max_bad_word_len, max_logit_bias, as_numpy=True)
     fields = {f.name: getattr(arrays, f.name).copy() for f in dataclasses.fields(arrays)}
     for slot, slot_params in enumerate(params):
         if slot_params is None:
             continue
         row = make_row(slot_params, prompts[slot] if prompts is not None else (), vocab_size,
                        max_stop=max_stop, max_bad_words=max_bad_words,
-                       max_bad_word_len=max_bad_word_len, eos_ids=eos_ids,
-                       request_seed=seeds[slot] if seeds is not None else 0,
+                       max_bad_word_len=max_bad_word_len, max_logit_bias=max_logit_bias,
+                       eos_ids=eos_ids, request_seed=seeds[slot] if seeds is not None else 0,
                        bad_words_ids=bad_words_ids[slot] if bad_words_ids is not None else ())
         for name, value in row.items():
             fields[name][slot] = value

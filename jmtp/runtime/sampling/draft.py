@@ -69,7 +69,8 @@ def draft_sample(logits: jax.Array, sampling: SamplingArrays, positions: jax.Arr
     draft_positions = (jnp.zeros((B,), jnp.int32) if positions is None
                        else positions.astype(jnp.int32))
     if key is None:
-        u = uniform_draws(sampling.seed, draft_positions + sampling.rng_offset, PURPOSE_DRAFT)
+        u = uniform_draws(sampling.seed, draft_positions + sampling.rng_offset, PURPOSE_DRAFT,
+                          sampling.seed_hi)
     else:
         row_keys = jax.vmap(lambda row, position: jax.random.fold_in(jax.random.fold_in(
             jax.random.fold_in(key, row), position), PURPOSE_DRAFT))(

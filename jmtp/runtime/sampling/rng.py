@@ -23,24 +23,44 @@ PURPOSE_DRAFT = 2    # a draft token sampled from the proposer's distribution
 NUM_PURPOSES = 4
 
 
-def request_keys(seed: jax.Array, positions: jax.Array, purpose) -> jax.Array:
-    """Typed PRNG keys ``key[positions.shape]``: ``fold_in(key(seed[b]), n * NUM_PURPOSES + π)``.
+def seed_keys(seed: jax.Array, seed_hi: jax.Array | None = None) -> jax.Array:
+    """Typed PRNG keys ``key[B]`` of 64-bit request seeds: ``key(lo)`` for a seed in
+    ``[0, 2**32)`` (``seed_hi == 0``), else ``fold_in(key(lo), hi)``, so every bit of the seed
+    counts and the streams of 32-bit seeds are those they always were.
+
+    Args:
+      seed: u32[B] the seeds' low 32 bits. seed_hi: u32[B] their high 32 bits (None: 0).
+    """
+    keys = jax.vmap(jax.random.key)(seed.astype(jnp.uint32))
+    if seed_hi is None:
+        return keys
+    hi = seed_hi.astype(jnp.uint32)
+    wide = jax.vmap(jax.random.fold_in)(keys, hi)
+    data = jnp.where((hi == 0).reshape(hi.shape + (1,) * (jax.random.key_data(keys).ndim - 1)),
+                     jax.random.key_data(keys), jax.random.key_data(wide))
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(keys))
+
+
+def request_keys(seed: jax.Array, positions: jax.Array, purpose,
+                 seed_hi: jax.Array | None = None) -> jax.Array:
+    """Typed PRNG keys ``key[positions.shape]``: ``fold_in(K(seed[b]), n * NUM_PURPOSES + π)``,
+    ``K`` = :func:`seed_keys`.
 
     One key per (request seed, output position ``n``, purpose ``π``); the pair is packed into one
     ``fold_in`` (injective for positions below 2**29), which is the nested
     ``fold_in(fold_in(key, n), π)`` scheme with one hash instead of two.
 
     Args:
-      seed: u32[B] request seeds.
+      seed: u32[B] request seeds (their low 32 bits). seed_hi: u32[B] the high 32 bits, or None.
       positions: i32[B, ...] output positions (0 = the first generated token).
       purpose: a ``PURPOSE_*`` constant, or an int array broadcastable to ``positions``.
     """
     key_data = (positions.astype(jnp.uint32) * jnp.uint32(NUM_PURPOSES)
                 + jnp.asarray(purpose, jnp.uint32))
-    seed_keys = jax.vmap(jax.random.key)(seed.astype(jnp.uint32))
+    seed_keys_ = seed_keys(seed, seed_hi)
     flat_data = key_data.reshape(key_data.shape[0], -1)
     keys = jax.vmap(lambda seed_key, row_data: jax.vmap(
-        lambda datum: jax.random.fold_in(seed_key, datum))(row_data))(seed_keys, flat_data)
+        lambda datum: jax.random.fold_in(seed_key, datum))(row_data))(seed_keys_, flat_data)
     return keys.reshape(key_data.shape)
 
 
@@ -51,13 +71,14 @@ def uniform_from_keys(keys: jax.Array) -> jax.Array:
     return u.reshape(keys.shape)
 
 
-def uniform_draws(seed: jax.Array, positions: jax.Array, purpose) -> jax.Array:
+def uniform_draws(seed: jax.Array, positions: jax.Array, purpose,
+                  seed_hi: jax.Array | None = None) -> jax.Array:
     """``f32[...]`` in [0, 1), one per (request, position, purpose); see :func:`request_keys`.
 
     Call it once per jitted function with every (position, purpose) needed: each call site
     compiles its own hash.
     """
-    return uniform_from_keys(request_keys(seed, positions, purpose))
+    return uniform_from_keys(request_keys(seed, positions, purpose, seed_hi))
 
 
 def sample_from_probs(probs: jax.Array, u: jax.Array) -> jax.Array:

@@ -7,11 +7,16 @@ import prometheus_client as prom
 class ServerMetrics:
     """Prometheus metrics of one server (own registry; no global state).
 
-    Exposed (``/metrics``): ``jmtp_requests_total{endpoint}``, ``jmtp_request_success_total
-    {finish_reason}``, ``jmtp_request_errors_total{status}``, ``jmtp_prompt_tokens_total``,
+    Exposed (``/metrics``): ``jmtp_requests_total{endpoint}`` (every generation request
+    received, also those refused before their body was read), ``jmtp_requests_rejected_total
+    {endpoint}`` (refused at intake with a 4xx: body size, body, fields, model),
+    ``jmtp_request_success_total{finish_reason}``, ``jmtp_request_errors_total{status}`` (every
+    error answer but ``/health``'s), ``jmtp_prompt_tokens_total``,
     ``jmtp_generation_tokens_total``, ``jmtp_num_requests_running``, ``jmtp_num_requests_waiting``
     (queue length), ``jmtp_kv_blocks_free``, ``jmtp_kv_blocks_total``, ``jmtp_step_seconds``
-    (histogram of engine-step wall time, s), and speculation: ``jmtp_spec_decode_draft_tokens_total``,
+    (histogram of engine-step wall time, s), ``jmtp_request_queue_seconds`` (histogram of the
+    time from a request's arrival at the engine to its admission into a batch slot, s),
+    ``jmtp_num_preemptions_total`` (samples preempted for KV blocks), and speculation: ``jmtp_spec_decode_draft_tokens_total``,
     ``jmtp_spec_decode_accepted_tokens_total``, ``jmtp_spec_decode_accepted_per_position_total
     {position}`` (verify steps whose draft ``position`` (1-based) was accepted),
     ``jmtp_spec_decode_steps_total``, ``jmtp_spec_decode_step_tokens_total`` and
@@ -30,6 +35,16 @@ class ServerMetrics:
                                             ["finish_reason"], registry=r)
         self.request_errors = prom.Counter("jmtp_request_errors", "Requests answered with an error",
                                            ["status"], registry=r)
+        self.rejected = prom.Counter("jmtp_requests_rejected", "Generation requests refused at "
+                                     "intake (4xx before they reached the engine)", ["endpoint"],
+                                     registry=r)
+        self.queue_seconds = prom.Histogram(
+            "jmtp_request_queue_seconds", "Time from arrival at the engine to admission into a "
+            "batch slot (s)", registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                     300.0))
+        self.preemptions = prom.Counter("jmtp_num_preemptions", "Samples preempted (out of KV "
+                                        "blocks) and re-queued", registry=r)
         self.prompt_tokens = prom.Counter("jmtp_prompt_tokens", "Prompt tokens of requests that "
                                           "produced output", registry=r)
         self.generation_tokens = prom.Counter("jmtp_generation_tokens", "Generated tokens",
@@ -85,6 +100,9 @@ class ServerMetrics:
         self.kv_total.set(stats.get("num_blocks", 0))
         if step_seconds is not None:
             self.step_seconds.observe(stats.get("last_step_seconds") or step_seconds)
+        for waited in stats.get("queue_seconds") or ():
+            self.queue_seconds.observe(waited)
+        self._inc_from(self.preemptions, stats, "num_preemptions")
         self._inc_from(self.draft_tokens, stats, "num_draft_tokens")
         self._inc_from(self.accepted_tokens, stats, "num_accepted_tokens")
         self._inc_from(self.decode_steps, stats, "num_decode_steps")

@@ -10,16 +10,20 @@ import functools
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jmtp.core.errors import InvalidRequestError
 from jmtp.runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from jmtp.runtime.sampling import SamplingParams
+from jmtp.runtime.server.intake import ServerOptions
 from jmtp.runtime.server.metrics import ServerMetrics
 from jmtp.runtime.server.protocol import (BadRequest, ChatCompletionRequest, CompletionRequest,
-                                          Usage, error_body, finish_reason, param_of, sse)
+                                          Usage, client_message, error_body, finish_reason,
+                                          param_of, sse)
 from jmtp.runtime.server.structured import Constraint, constraint_sources, resolve
 from jmtp.runtime.server.tools import ToolPlan, plan_tools
 
@@ -61,17 +65,47 @@ async def _merge(streams: list):
             t.cancel()
 
 
+def max_token_chars(tokenizer) -> int:
+    """The most characters of text one token can stand for: the longest token string of the
+    vocabulary (added tokens included). A byte-level BPE token's string has one character per
+    byte and a SentencePiece token's one per character, so a text of ``c`` characters needs at
+    least ``c / max_token_chars`` tokens: the cheap bound checked before tokenizing."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is None or not hasattr(backend, "get_vocab"):
+        return 1 << 20      # unknown tokenizer: no pre-check worth the name
+    return max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=1)
+
+
 class OpenAIServing:
-    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses."""
+    """Turns OpenAI requests into engine requests and engine outputs into OpenAI responses.
+
+    Everything that can take long on a large input (tokenizing, rendering the chat template,
+    checking JSON schemas, compiling output constraints) runs on ``options.intake_threads``
+    worker threads, not the event loop, after a cheap length check: a text longer than
+    ``max_model_len * max_token_chars`` characters is refused untokenized. Prompts reach the
+    engine as token ids, so its thread does not tokenize them again.
+    """
 
     def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, max_model_len: int,
-                 metrics: ServerMetrics, max_logprobs: int = 0):
+                 metrics: ServerMetrics, max_logprobs: int = 0,
+                 options: ServerOptions | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.max_logprobs = max_logprobs
+        self.options = options or ServerOptions()
+        self.max_token_chars = max_token_chars(tokenizer)
+        self._pool = ThreadPoolExecutor(self.options.intake_threads,
+                                        thread_name_prefix="jmtp-intake")
+
+    def close(self) -> None:
+        """Stop the intake threads (queued work is dropped)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _offload(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     # ---------------------------------------------------------------- request → engine
     def _check_model(self, req) -> None:
@@ -80,16 +114,41 @@ class OpenAIServing:
                              f"`{self.model_name}`).", "model", status=404,
                              code="model_not_found")
 
+    def _check_common(self, req) -> None:
+        """Cheap checks of either endpoint, on the event loop."""
+        if req.stream_options is not None and not req.stream:
+            raise BadRequest("stream_options: only allowed with \"stream\": true",
+                             "stream_options")
+
+    def _check_logprobs(self, n: int, field: str) -> None:
+        if self.max_logprobs <= 0:
+            raise BadRequest(f"{field}: this server returns no logprobs", field)
+        if n > self.max_logprobs:
+            raise BadRequest(f"{field}={n}: this server returns at most {self.max_logprobs} "
+                             "logprobs per token", field)
+
+    def _tokenize(self, text: str, field: str) -> list[int]:
+        """Token ids of ``text`` (a worker thread), after the cheap length bound."""
+        room = self.max_model_len - 1
+        if len(text) > room * self.max_token_chars:
+            raise BadRequest(f"{field}: {len(text)} characters cannot fit in the {room} prompt "
+                             f"tokens max_model_len={self.max_model_len} allows (a token of this "
+                             f"model covers at most {self.max_token_chars} characters)", field)
+        return list(self.tokenizer.encode(text))
+
     def _sampling_params(self, req, max_tokens: int | None, prompt_len: int, logprobs,
-                         default_max: int | None, prompt_field: str,
+                         default_max: int | None, prompt_field: str, max_tokens_field: str,
                          constraint: Constraint | None = None) -> SamplingParams:
-        if req.n < 1:
-            raise BadRequest(f"n={req.n}: must be >= 1", "n")
         if prompt_len >= self.max_model_len:
             raise BadRequest(f"{prompt_field}: the prompt has {prompt_len} tokens; it must be "
                              f"shorter than max_model_len={self.max_model_len}", prompt_field)
+        left = self.max_model_len - prompt_len
         if max_tokens is None:
-            max_tokens = default_max if default_max is not None else self.max_model_len - prompt_len
+            max_tokens = left if default_max is None else min(default_max, left)
+        elif max_tokens > left:
+            raise BadRequest(f"{max_tokens_field}={max_tokens} is more than the {left} tokens the "
+                             f"prompt ({prompt_len} tokens) leaves of max_model_len="
+                             f"{self.max_model_len}", max_tokens_field)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         kw: dict[str, Any] = dict(max_tokens=max_tokens, n=req.n, stop=stop)
         if req.include_stop_str_in_output:
@@ -101,8 +160,14 @@ class OpenAIServing:
                 kw[f] = getattr(req, f)
         if req.top_k is not None:
             kw["top_k"] = req.top_k
+        if req.num_speculative_tokens is not None:
+            kw["num_speculative_tokens"] = req.num_speculative_tokens
         if req.stop_token_ids:
             kw["stop_token_ids"] = tuple(req.stop_token_ids)
+        kw["logit_bias"] = self._logit_bias(req.logit_bias)
+        kw["skip_special_tokens"] = req.skip_special_tokens
+        if req.prompt_logprobs is not None:
+            kw["prompt_logprobs"] = req.prompt_logprobs
         if logprobs is not None:
             kw["logprobs"] = logprobs
         if constraint is not None:
@@ -110,7 +175,36 @@ class OpenAIServing:
         try:
             return SamplingParams(**kw)
         except (ValueError, TypeError) as e:
-            raise BadRequest(str(e), self._param(e, "prompt", constraint)) from e
+            param = self._param(e, "prompt", constraint)
+            raise BadRequest(client_message(e), max_tokens_field if param == "max_tokens"
+                             else param) from e
+
+    def _compile(self, constraint: Constraint | None) -> None:
+        """Compile the output constraint on this (worker) thread; the engine's check at intake
+        then finds it cached."""
+        if constraint is None:
+            return
+        try:
+            self.engine.compile_constraint(constraint.params)
+        except InvalidRequestError as e:
+            raise BadRequest(f"{constraint.param}: {client_message(e)}",
+                             constraint.rename(e.field)) from e
+
+    @staticmethod
+    def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's ``logit_bias`` (JSON object keys are strings) with int token ids."""
+        if bias is None:
+            return None
+        out = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise BadRequest(f"logit_bias: key {key!r} is not a token id", "logit_bias") from None
+            if token in out:
+                raise BadRequest(f"logit_bias: token id {token} given twice", "logit_bias")
+            out[token] = value
+        return out
 
     @staticmethod
     def _param(err: Exception, prompt_field: str, constraint: Constraint | None) -> str | None:
@@ -124,10 +218,8 @@ class OpenAIServing:
         except EngineDeadError:
             raise
         except (ValueError, TypeError) as e:   # grammar errors too: before the request runs
-            raise BadRequest(str(e), self._param(e, prompt_field, constraint)) from e
-
-    def _prompt_len(self, prompt) -> int:
-        return len(prompt) if isinstance(prompt, list) else len(self.tokenizer.encode(prompt))
+            raise BadRequest(client_message(e, request_id),
+                             self._param(e, prompt_field, constraint)) from e
 
     # ---------------------------------------------------------------- logprobs
     @staticmethod
@@ -166,6 +258,7 @@ class OpenAIServing:
     # ---------------------------------------------------------------- completions
     async def completions(self, req: CompletionRequest, raw: Request):
         self._check_model(req)
+        self._check_common(req)
         if req.echo:
             raise BadRequest("echo is not supported", "echo")
         if req.suffix:
@@ -173,24 +266,28 @@ class OpenAIServing:
         if req.best_of is not None and req.best_of != req.n:
             raise BadRequest("best_of other than n is not supported", "best_of")
         p = req.prompt
-        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
-            prompts = [p]
-        else:
-            prompts = list(p)
-        if not prompts:
-            raise BadRequest("prompt is empty", "prompt")
-        if req.logprobs is not None and req.logprobs > max(self.max_logprobs, 0):
-            raise BadRequest(f"logprobs={req.logprobs} exceeds the server's max_logprobs="
-                             f"{self.max_logprobs} (start it with --max-logprobs)", "logprobs")
-        constraint = resolve(constraint_sources(req))
-        # OpenAI's default max_tokens for completions is 16.
-        sps = [self._sampling_params(req, req.max_tokens, self._prompt_len(pr), req.logprobs,
-                                     default_max=16, prompt_field="prompt",
-                                     constraint=constraint) for pr in prompts]
+        prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+        if len(prompts) * req.n > self.options.max_n:
+            raise BadRequest(f"a request runs at most {self.options.max_n} samples: "
+                             f"{len(prompts)} prompts x n={req.n}", "n" if req.n > 1 else "prompt")
+        if req.logprobs is not None:
+            self._check_logprobs(req.logprobs, "logprobs")
+        ids, sps, constraint = await self._offload(self._prepare_completion, req, prompts)
         base = f"cmpl-{uuid.uuid4().hex}"
         return await self._serve(
-            raw, req, base, prompts, sps, "prompt", "text_completion", self._completion_choice,
+            raw, req, base, ids, sps, "prompt", "text_completion", self._completion_choice,
             self._completion_chunk_choice, constraint)
+
+    def _prepare_completion(self, req: CompletionRequest, prompts: list):
+        """(worker thread) ``(token ids per prompt, SamplingParams per prompt, constraint)``."""
+        constraint = resolve(constraint_sources(req))
+        ids = [self._tokenize(pr, "prompt") if isinstance(pr, str) else list(pr)
+               for pr in prompts]
+        # OpenAI's default max_tokens for completions is 16.
+        sps = [self._sampling_params(req, req.max_tokens, len(i), req.logprobs, 16, "prompt",
+                                     "max_tokens", constraint) for i in ids]
+        self._compile(constraint)
+        return ids, sps, constraint
 
     def _completion_choice(self, idx, c, req) -> dict:
         return {"index": idx, "text": c.text,
@@ -228,39 +325,47 @@ class OpenAIServing:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self._check_model(req)
+        self._check_common(req)
+        top = None
+        if req.logprobs:
+            top = req.top_logprobs or 0
+            self._check_logprobs(top, "logprobs" if req.top_logprobs is None else "top_logprobs")
+        elif req.top_logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+        ids, sp, constraint, plan = await self._offload(self._prepare_chat, req, top)
+        base = f"chatcmpl-{uuid.uuid4().hex}"
+        return await self._serve(raw, req, base, [ids], [sp], "messages", "chat.completion",
+                                 functools.partial(self._chat_choice, plan=plan),
+                                 functools.partial(self._chat_chunk_choice, plan=plan),
+                                 constraint)
+
+    def _prepare_chat(self, req: ChatCompletionRequest, top: int | None):
+        """(worker thread) ``(prompt token ids, SamplingParams, constraint, tool plan)``."""
         plan = plan_tools(req)
         sources = constraint_sources(req)
         if plan.forced:
             sources.append(("tools", {"json": plan.schema}))
         constraint = resolve(sources)
+        messages = self._template_messages(req)
+        chars = sum(len(m["content"]) for m in messages)
+        room = self.max_model_len - 1
+        if chars > room * self.max_token_chars:
+            raise BadRequest(f"messages: {chars} characters of content cannot fit in the {room} "
+                             f"prompt tokens max_model_len={self.max_model_len} allows",
+                             "messages")
         extra = {} if plan.template_tools is None else {"tools": plan.template_tools}
         try:
-            prompt = self.tokenizer.apply_chat_template(self._template_messages(req), **extra)
+            prompt = self.tokenizer.apply_chat_template(messages, **extra)
         except Exception as e:  # noqa: BLE001 -- template errors are the request's fault
             raise BadRequest(f"messages: cannot apply the chat template: {e}", "messages") from e
-        top = None
-        if req.logprobs:
-            top = req.top_logprobs or 0
-            if top > self.max_logprobs or self.max_logprobs == 0:
-                raise BadRequest(f"logprobs need the server started with --max-logprobs >= "
-                                 f"{max(top, 1)} (it has {self.max_logprobs})", "logprobs")
-        elif req.top_logprobs:
-            raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+        ids = self._tokenize(prompt, "messages")
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
-        try:
-            sp = self._sampling_params(req, max_tokens, self._prompt_len(prompt), top,
-                                       default_max=None, prompt_field="messages",
-                                       constraint=constraint)
-        except BadRequest as e:
-            if e.param == "max_tokens" and req.max_completion_tokens is not None:
-                e.param = "max_completion_tokens"     # name the field the client sent
-            raise
-        base = f"chatcmpl-{uuid.uuid4().hex}"
-        return await self._serve(raw, req, base, [prompt], [sp], "messages", "chat.completion",
-                                 functools.partial(self._chat_choice, plan=plan),
-                                 functools.partial(self._chat_chunk_choice, plan=plan),
-                                 constraint)
+        sp = self._sampling_params(req, max_tokens, len(ids), top, None, "messages", field,
+                                   constraint)
+        self._compile(constraint)
+        return ids, sp, constraint, plan
 
     @staticmethod
     def _tool_result(plan: ToolPlan, c) -> tuple[list | None, str | None]:
@@ -333,12 +438,25 @@ class OpenAIServing:
         return await self._until_disconnect(raw, ids, self._collect(ids, streams, head, req, n,
                                                                     choice_fn))
 
+    def _prompt_logprobs(self, plp) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{"<id>":
+        {"logprob", "rank": null, "decoded_token"}}``."""
+        if plp is None:
+            return None
+        return [None if d is None else
+                {str(t): {"logprob": self._lp(v), "rank": None,
+                          "decoded_token": self._token_str(t)} for t, v in d.items()}
+                for d in plp]
+
     async def _collect(self, ids, streams, head, req, n, choice_fn) -> dict:
         usage = Usage()
         final: dict[int, Any] = {}
+        prompt_lp: dict[int, Any] = {}
         seen = set()
         try:
             async for i, out in _merge(streams):
+                if out.prompt_logprobs is not None:
+                    prompt_lp[i] = out.prompt_logprobs
                 if i not in seen:
                     seen.add(i)
                     usage.prompt += len(out.prompt_token_ids)
@@ -346,6 +464,8 @@ class OpenAIServing:
                 for c in out.outputs:
                     if c.finish_reason is not None or out.finished:
                         final[i * n + c.index] = c
+                if out.finished:
+                    usage.add_metrics(out.metrics)
         finally:
             for rid in ids:
                 await self.engine.abort(rid)     # no-op for finished requests
@@ -354,7 +474,12 @@ class OpenAIServing:
             c = final[idx]
             usage.completion += len(c.token_ids)
             choices.append(choice_fn(idx, c, req))
-        return dict(head, choices=choices, usage=usage.as_dict())
+            if req.prompt_logprobs is not None and head["object"] == "text_completion":
+                choices[-1]["prompt_logprobs"] = self._prompt_logprobs(prompt_lp.get(idx // n))
+        body = dict(head, choices=choices, usage=usage.as_dict())
+        if req.prompt_logprobs is not None and head["object"] != "text_completion":
+            body["prompt_logprobs"] = self._prompt_logprobs(prompt_lp.get(0))   # vLLM: top level
+        return body
 
     async def _until_disconnect(self, raw: Request, ids, coro) -> Response:
         """Run ``coro`` unless the client disconnects first (then abort its requests)."""
@@ -405,11 +530,18 @@ class OpenAIServing:
                         done.add(idx)
                     started.add(idx)
                     choice = chunk_fn(idx, c, req, first, offsets.get(idx, 0))
+                    if choice is not None and first and req.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = self._prompt_logprobs(out.prompt_logprobs)
                     if choice is not None:      # None: nothing to send yet (a tool call)
                         choices.append(choice)
-                    offsets[idx] = offsets.get(idx, 0) + len(c.delta_text)
+                    # text_offset counts the tokens' own strings (what the non-streamed
+                    # response's offsets count), not the delta text a stop string holds back
+                    offsets[idx] = offsets.get(idx, 0) + sum(
+                        len(self._token_str(t)) for t in c.delta_token_ids)
                     if c.finish_reason is not None:
                         usage.completion += len(c.token_ids)
+                if out.finished:
+                    usage.add_metrics(out.metrics)
                 if choices:
                     yield sse(dict(head, object=head["object"] + (
                         ".chunk" if head["object"] == "chat.completion" else ""), choices=choices))
@@ -423,7 +555,8 @@ class OpenAIServing:
         except Exception as e:  # noqa: BLE001 -- the error goes to this stream only
             log.exception("stream %s failed", head["id"])
             self.metrics.request_errors.labels(status="500").inc()
-            yield sse(error_body(str(e), "internal_error", None))
+            yield sse(error_body("generation failed in the engine (the server log has the "
+                                 "details)", "internal_error", None))
         finally:
             for rid in ids:
                 await self.engine.abort(rid)     # no-op for finished requests

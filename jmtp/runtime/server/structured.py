@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from jmtp.core.errors import InvalidRequestError
-from jmtp.runtime.server.protocol import BadRequest
-from jmtp.runtime.structured.params import KINDS, StructuredOutputsParams
+from jmtp.runtime.server.protocol import BadRequest, client_message
+from jmtp.runtime.structured.params import StructuredOutputsParams
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
@@ -55,13 +55,17 @@ def _response_format(rf) -> dict | None:
                      f"{', '.join(RESPONSE_FORMAT_TYPES)})", "response_format")
 
 
-def _structured_outputs(obj: dict) -> dict:
-    if "structural_tag" in obj and obj["structural_tag"] is not None:
+def _structured_outputs(so) -> dict:
+    """The ``StructuredOutputsParams`` keyword arguments of a ``structured_outputs`` object
+    (:class:`~jmtp.runtime.server.protocol.StructuredOutputsRequest`)."""
+    if so.structural_tag is not None:
         raise BadRequest("structured_outputs.structural_tag is not supported",
                          "structured_outputs.structural_tag")
-    # json_object=false means "not this kind"; other vLLM options (whitespace, fallback) do not
-    # apply: the JSON layout is fixed (StructuredOutputsParams).
-    return {k: obj[k] for k in KINDS if obj.get(k) is not None and obj.get(k) is not False}
+    # json_object=false means "not this kind"; vLLM's layout options (whitespace, fallback) do
+    # not apply: the JSON layout is fixed (StructuredOutputsParams).
+    kinds = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+             "json_object": so.json_object}
+    return {k: v for k, v in kinds.items() if v is not None and v is not False}
 
 
 def constraint_sources(req) -> list[tuple[str, dict]]:
@@ -103,5 +107,5 @@ def resolve(sources: list[tuple[str, dict]]) -> Constraint | None:
     try:
         params = StructuredOutputsParams(**kw)
     except InvalidRequestError as e:
-        raise BadRequest(f"{param}: {e}", request_field(e.field, param)) from e
+        raise BadRequest(f"{param}: {client_message(e)}", request_field(e.field, param)) from e
     return Constraint(params, param)

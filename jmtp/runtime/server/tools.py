@@ -21,7 +21,9 @@ import uuid
 
 import jsonschema
 
+from jmtp.core.checks import json_depth
 from jmtp.runtime.server.protocol import BadRequest
+from jmtp.runtime.structured.params import MAX_SCHEMA_DEPTH
 
 #: A tool without ``parameters`` takes any JSON object.
 ANY_OBJECT = {"type": "object"}
@@ -123,8 +125,9 @@ def plan_tools(req) -> ToolPlan:
 
     Raises:
       BadRequest: ``param="tools"`` for two tools of one name or a ``parameters`` that is not a
-        valid JSON Schema object; ``param="tool_choice"`` for a forced choice without tools or a
-        named tool that is not in ``tools``.
+        valid JSON Schema object or is nested deeper than ``MAX_SCHEMA_DEPTH``;
+        ``param="tool_choice"`` for a forced choice without tools or a named tool that is not in
+        ``tools``.
     """
     choice = req.tool_choice
     tools: dict[str, dict] = {}
@@ -136,6 +139,9 @@ def plan_tools(req) -> ToolPlan:
         params = ANY_OBJECT if fn.parameters is None else fn.parameters
         if not isinstance(params, dict):
             raise BadRequest(f"{where}.parameters: must be a JSON schema object", "tools")
+        if json_depth(params, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+            raise BadRequest(f"{where}.parameters: nested more than {MAX_SCHEMA_DEPTH} levels "
+                             "deep (objects and arrays)", "tools")
         try:
             jsonschema.validators.validator_for(params).check_schema(params)
         except jsonschema.SchemaError as e:

@@ -57,15 +57,17 @@ class RateGuard:
         """A step without active slots: nothing to judge next."""
         self.judged = self.planned = False
 
-    def observe(self, num_tokens: np.ndarray | None, seconds: float, step: int, prices: Prices
-                ) -> bool:
+    def observe(self, num_tokens: np.ndarray | None, seconds: float, step: int, prices: Prices,
+                plan: tuple[bool, int] | None = None) -> bool:
         """Add a recorded step (``num_tokens`` i32[B] committed per slot, wall ``seconds``) to the
         window if it is judged; a full window is compared with plain decoding (the no-draft base
-        from ``prices``) and cleared. Returns whether a hold started at ``step``."""
-        if num_tokens is None or not self.judged or not self.guard_samples:
+        from ``prices``) and cleared. Returns whether a hold started at ``step``. ``plan``:
+        ``(judged, n)`` of the step's own plan when later plans came before this observation
+        (asynchronous scheduling); default: the last plan's."""
+        judged, n = plan if plan is not None else (self.judged, self._n)
+        if num_tokens is None or not judged or not self.guard_samples:
             return False
         num_tokens = np.asarray(num_tokens)
-        n = self._n
         if n != self.window_n:
             self.window, self.window_n = [], n
         self.window.append((float(num_tokens.sum()), seconds, int(np.count_nonzero(num_tokens))))

@@ -62,16 +62,19 @@ class DraftPlanner:
         self.probe_pending = np.zeros((num_slots,), bool)   # probed, first draft not yet verified
         self.refresh_left = 0                               # no-draft steps still to run
 
-    def limits(self, active: np.ndarray, n: int, prices: Prices) -> tuple[np.ndarray, bool]:
+    def limits(self, active: np.ndarray, n: int, prices: Prices, caps: np.ndarray | None = None
+               ) -> tuple[np.ndarray, bool]:
         """The draft limits of one step over the ``n`` slots in ``active`` (bool[B]), priced by
-        ``prices`` (of this step).
+        ``prices`` (of this step), each at most its ``caps`` (i32[B], the requests' own caps;
+        None: K): a draft past its slot's cap is no candidate and a slot capped at 0 is never
+        probed.
 
         Returns:
           ``(limits i32[B], planned)``: ``planned`` when the plan drafts for some slot unforced
           (not only probes).
         """
         limits = np.zeros((self.num_slots,), np.int32)
-        rankings = self.rankings(active)
+        rankings = self.rankings(active, caps)
         _, plan_pos, plan_slot, _ = self.plan(rankings, n, prices)
         planned = bool(len(plan_pos))
         if planned and not self.refresh_left and self.costs.no_draft_stale(n, prices.step):
@@ -82,6 +85,8 @@ class DraftPlanner:
         np.maximum.at(limits, plan_slot, (plan_pos + 1).astype(limits.dtype))
         if self.probe_every:
             probe = active & (limits == 0) & (self.zero_streak >= self.probe_gap)
+            if caps is not None:
+                probe &= caps > 0
             if probe.any():
                 # The probes' first drafts are forced; the plan is chosen again around them.
                 limits[:] = 0
@@ -112,14 +117,18 @@ class DraftPlanner:
         self.probe_gap[slot] = self.probe_every
         self.probe_pending[slot] = False
 
-    def rankings(self, active: np.ndarray) -> list[Candidates]:
+    def rankings(self, active: np.ndarray, caps: np.ndarray | None = None
+                 ) -> list[Candidates]:
         """The candidates of the active slots ranked by falling gain (ties: position, slot) and,
         when some draft may not be proposed (presence below 1), also by falling gain per
         expected row (its running minimum over the slot's positions): a rarely proposed draft
         adds only a fraction of a row, so it may pay more than its gain ranks it. Both keys
-        fall with position, so each ranking lists a slot's drafts in order."""
+        fall with position, so each ranking lists a slot's drafts in order. Drafts past a
+        slot's cap (``caps`` i32[B]) get gain 0, which no plan takes."""
         slots = np.nonzero(active)[0]
         g, r = self.estimates.gains()[slots], self.estimates.expected_rows()[slots]  # f64[n, K]
+        if caps is not None:
+            g = np.where(np.arange(self.k)[None] < caps[slots][:, None], g, 0.0)
         gain, rows = g.reshape(-1), r.reshape(-1)
         pos = np.tile(np.arange(self.k), len(slots))
         slot = np.repeat(slots, self.k)

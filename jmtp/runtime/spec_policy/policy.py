@@ -163,12 +163,15 @@ class DynamicSpeculation:
         self.costs.seed(seconds)
 
     # ------------------------------------------------------------------ decisions
-    def draft_limits(self, active: np.ndarray) -> np.ndarray:
+    def draft_limits(self, active: np.ndarray, caps: np.ndarray | None = None) -> np.ndarray:
         """i32[B] drafts each slot may propose this step (0 for inactive slots).
 
         Args:
           active: bool[B] slots that propose in this step: decoding, or finishing their prefill
             in it (a slot still prefilling after this step proposes nothing).
+          caps: i32[B] or None: each slot's own cap (``SamplingParams.num_speculative_tokens``;
+            None: K for every slot); the plan never exceeds it and never probes a slot capped
+            at 0.
         """
         active = np.asarray(active, bool)
         n = int(active.sum())
@@ -179,14 +182,23 @@ class DynamicSpeculation:
         if self.guard.begin(self.num_plans, n):
             return np.zeros((self.num_slots,), np.int32)       # held off: plain decoding
         # One memoised price view for the whole plan: the tables do not change while it is chosen.
-        limits, self.guard.planned = self.planner.limits(active, n, self.costs.prices(self.num_plans))
+        limits, self.guard.planned = self.planner.limits(active, n, self.costs.prices(self.num_plans),
+                                                         caps)
+        if caps is not None:
+            limits = np.minimum(limits, caps).astype(np.int32)
         self.num_drafting_plans += bool(limits.any())
         return limits
 
+    def plan_context(self) -> tuple[bool, int, int]:
+        """What :meth:`observe` needs of the last plan when it comes after later plans
+        (asynchronous scheduling plans step N+1 before it observes step N): ``(judged, n,
+        clock)``; pass it back as ``observe(..., plan=...)``."""
+        return self.guard.judged, self.guard._n, self.num_plans
+
     def observe(self, num_drafts: np.ndarray, num_accepted: np.ndarray,
                 bucket: StepBucket, seconds: float, depth: int = 0, timed: bool = True,
-                num_tokens: np.ndarray | None = None, num_allowed: np.ndarray | None = None
-                ) -> None:
+                num_tokens: np.ndarray | None = None, num_allowed: np.ndarray | None = None,
+                plan: tuple[bool, int, int] | None = None) -> None:
         """Record one step: per-slot drafts verified / accepted (``StepOutput.num_drafts`` /
         ``num_accepted``, i32[B]) and the budget each verified window was proposed under
         (``num_allowed``, i32[B], ``StepOutput.num_allowed``; None: every allowed draft was
@@ -201,12 +213,15 @@ class DynamicSpeculation:
         records acceptance only. ``num_tokens`` (i32[B], ``StepOutput.num_tokens``: the tokens
         each slot committed) feeds the guard on the realised rate when the step is judged (it
         verifies drafts the plan proposed in the step before, and it is timed; None: the guard
-        learns nothing from this step)."""
+        learns nothing from this step). ``plan``: the step's :meth:`plan_context` when later
+        plans came first (asynchronous scheduling); default: the last plan is this step's."""
         allowed, accepted = self.estimates.update(num_drafts, num_accepted, num_allowed)
         self.planner.probe_verified(allowed, accepted)
-        if not self.costs.record(bucket, seconds, depth, timed, self.num_plans):
+        clock = self.num_plans if plan is None else plan[2]
+        if not self.costs.record(bucket, seconds, depth, timed, clock):
             return
-        if self.guard.observe(num_tokens, seconds, self.num_plans, self.costs.prices(self.num_plans)):
+        if self.guard.observe(num_tokens, seconds, clock, self.costs.prices(clock),
+                              None if plan is None else plan[:2]):
             self.planner.refresh_left = 0      # the hold runs the no-draft bucket anyway
 
     def reset_slot(self, slot: int) -> None:

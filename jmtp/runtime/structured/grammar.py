@@ -88,7 +88,14 @@ class GrammarCompiler:
     def _compile_uncached(self, key: str):
         """``(grammar text, a fresh matcher to copy)`` of a constraint's key."""
         params = StructuredOutputsParams(**json.loads(key))
-        grammar = params.grammar_source()
+        try:
+            grammar = params.grammar_source()
+        except InvalidRequestError:
+            raise
+        except ValueError as e:     # llguidance's converters refuse the constraint
+            raise InvalidRequestError(
+                f"StructuredOutputsParams.{params.kind}: the grammar engine rejects it: {e}",
+                f"structured_outputs.{params.kind}") from None
         bad, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if bad:
             raise InvalidRequestError(

@@ -7,8 +7,9 @@ the llguidance grammar the engine compiles (:mod:`jmtp.runtime.structured.gramma
 
 Every check that needs no tokenizer runs on construction and raises
 :class:`~jmtp.core.errors.InvalidRequestError` (a ``ValueError``) naming the field as
-``structured_outputs.<name>``: exactly one constraint, a JSON schema that is a valid JSON Schema
-(checked with the ``jsonschema`` package), a regex Python can compile, a non-empty ``choice``
+``structured_outputs.<name>``: exactly one constraint, a JSON schema nested at most
+:data:`MAX_SCHEMA_DEPTH` levels deep that is a valid JSON Schema (checked with the ``jsonschema``
+package, whose recursive checks the depth bound keeps off Python's recursion limit), a regex Python can compile, a non-empty ``choice``
 list of strings. Grammar errors the compiler finds (an unknown rule, a schema feature llguidance
 does not implement) are raised the same way when the request is added, before it runs.
 """
@@ -17,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import reprlib
 from typing import Any, Sequence
 
 import jsonschema
 
+from jmtp.core.checks import json_depth
 from jmtp.core.errors import InvalidRequestError
 
 #: JSON layout the JSON constraints force: one space after ``:`` and ``,`` and no other
@@ -29,10 +32,19 @@ from jmtp.core.errors import InvalidRequestError
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+#: Deepest nesting of objects and arrays a JSON-schema constraint may have (a property's schema
+#: sits two levels below its object's: ``{"properties": {"name": {...}}}``), so 32 nested objects.
+#: OpenAI's structured outputs allow 10 levels of object nesting.
+MAX_SCHEMA_DEPTH = 64
+_TOO_DEEP = f"nested more than {MAX_SCHEMA_DEPTH} levels deep (objects and arrays)"
+
+
+_REPR = reprlib.Repr()      # bounded depth: a value may be nested past the recursion limit
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxstring = 4, 8, 8, 200
 
 
 def _error(field: str, value, limit: str) -> InvalidRequestError:
-    text = repr(value)
+    text = _REPR.repr(value)
     if len(text) > 200:
         text = text[:200] + "..."
     return InvalidRequestError(f"StructuredOutputsParams.{field}={text}: {limit}",
@@ -80,8 +92,14 @@ class StructuredOutputsParams:
                     schema = json.loads(schema)
                 except json.JSONDecodeError as e:
                     raise _error("json", self.json, f"not JSON text ({e})") from None
+                except RecursionError:      # nested past the JSON parser's own limit
+                    raise _error("json", self.json, _TOO_DEEP) from None
             if not isinstance(schema, (dict, bool)):
                 raise _error("json", self.json, "must be a JSON schema (an object)")
+            if json_depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+                raise _error("json", self.json, _TOO_DEEP)
+            if schema is False:
+                raise _error("json", self.json, "the schema false allows no output")
             try:
                 jsonschema.validators.validator_for(schema).check_schema(schema)
             except jsonschema.SchemaError as e:
@@ -122,8 +140,9 @@ class StructuredOutputsParams:
         import llguidance
         from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
         M = llguidance.LLMatcher
-        if self.json is not None:
-            return M.grammar_from_json_schema(self.json, overrides=JSON_OPTIONS)
+        if self.json is not None:     # the schema `true` allows any JSON value
+            schema = {} if self.json is True else self.json
+            return M.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         if self.json_object:
             return M.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if self.regex is not None:
