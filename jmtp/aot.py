@@ -363,7 +363,8 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
         ec, mc = runner.engine_config, runner.model_config
         row = make_row(SamplingParams(), [0], mc.vocab_size, max_stop=ec.max_stop_ids,
                        max_bad_words=ec.max_bad_words, max_bad_word_len=ec.max_bad_word_len,
-                       eos_ids=mc.eos_token_ids, request_seed=0)
+                       max_logit_bias=ec.max_logit_bias, eos_ids=mc.eos_token_ids,
+                       request_seed=0)
         runner.compile_slot_ops(row, on_executable=keep)
     params_b = shd.per_device_bytes(runner.params)[1]
     kv_b = shd.per_device_bytes((runner.cache, runner.mtp_cache))[1]

@@ -130,14 +130,14 @@ def data_parallel_step(mesh: Mesh, graphdef, ec: EngineConfig, drafter, bucket, 
         raise ValueError(f"param_specs has {len(specs)} entries for {len(leaves)} parameters")
 
     def body(leaves, state, cache, mtp_cache, chunk, limit, bitmask, override):
-        out = engine_step(graphdef, ec, drafter, bucket, attention_impl,
-                          jax.tree_util.tree_unflatten(treedef, leaves),
-                          _squeeze(state), _squeeze(cache), _squeeze(mtp_cache), chunk[0],
-                          limit[0], bitmask[0], override[0])
+        state, cache, mtp_cache, out = engine_step(
+            graphdef, ec, drafter, bucket, attention_impl,
+            jax.tree_util.tree_unflatten(treedef, leaves), _squeeze(state), _squeeze(cache),
+            _squeeze(mtp_cache), chunk[0], limit[0], bitmask[0], override[0])
         # prompt logprobs are per packed row of a shard: not served on a mesh (refused at intake)
         out = dataclasses.replace(out, prompt_logprobs=None, prompt_top_ids=None,
                                   prompt_top_logprobs=None, prompt_row_start=None)
-        return _expand(out)
+        return _expand((state, cache, mtp_cache, out))
 
     d = P(DATA)
     return _on_shard(mesh, body, (list(specs), d, d, d, d, d, d, d), d)(
