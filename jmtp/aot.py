@@ -36,8 +36,10 @@ from jmtp.runtime import sharding as shd
 log = logging.getLogger(__name__)
 
 #: HLO collectives counted in each executable.
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
-_COLLECTIVE_RE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
+               "ragged-all-to-all")
+# (a name is not matched inside a longer one: "all-to-all" of "ragged-all-to-all")
+_COLLECTIVE_RE = re.compile(r"(?<![\w-])(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _KERNEL_NAME_RE = re.compile(r"\b(jmtp_[a-z0-9_]+)/pallas_call")
 GiB = 1 << 30
 
@@ -81,10 +83,14 @@ def _num_chips(chips: str) -> int:
 
 
 def hbm_bytes(device: jax.Device) -> int:
-    """HBM bytes of one (compile-only or real) TPU device, from Pallas's chip table."""
+    """HBM bytes of one (compile-only or real) TPU device, from Pallas's chip table: its
+    per-TensorCore capacity times the device's cores (``num_cores``: 2 on a megacore chip such
+    as v5p, where one JAX device is the whole chip; 1 on v5e/v6e, and on v4 where each core is a
+    device)."""
     from jax.experimental.pallas import tpu as pltpu
     with jax.default_device(device):
-        return int(pltpu.get_tpu_info().hbm_capacity_bytes)
+        per_core = int(pltpu.get_tpu_info().hbm_capacity_bytes)
+    return per_core * int(getattr(device, "num_cores", 1) or 1)
 
 
 @dataclasses.dataclass
@@ -231,12 +237,13 @@ class AotReport:
                  f"({self.num_devices} x {self.device_kind})", "",
                  "| " + " | ".join(row) + " |", "|" + "---|" * len(row),
                  "| " + " | ".join(row.values()) + " |", "",
-                 "| executable | args GiB | temp GiB | peak GiB | Mosaic | collectives | s |",
-                 "|---|---|---|---|---|---|---|"]
+                 "| executable | args GiB | temp GiB | peak GiB | Mosaic | collectives | by kind "
+                 "| s |", "|---|---|---|---|---|---|---|---|"]
         for e in self.executables:
+            kinds = ", ".join(f"{k} {n}" for k, n in e.collectives.items() if n) or "-"
             lines.append(f"| {e.label} | {e.argument_bytes / GiB:.3f} | {e.temp_bytes / GiB:.3f} "
                          f"| {e.peak_bytes / GiB:.3f} | {e.num_mosaic_kernels} | "
-                         f"{sum(e.collectives.values())} | {e.seconds:.1f} |")
+                         f"{sum(e.collectives.values())} | {kinds} | {e.seconds:.1f} |")
         return "\n".join(lines) + "\n"
 
 
@@ -271,7 +278,8 @@ def compile_engine(args, *, topology: str | None = None, name: str = "model", bu
       topology: a TPU topology name (:func:`topology_devices`).
       name: the model's name in the report.
       buckets: ``"all"`` (every step bucket), ``"largest"`` (the largest prefill bucket and the
-        largest decode bucket) or ``"none"``.
+        largest decode bucket), ``"decode"`` (the largest decode bucket only: the smallest
+        compile that shows a serving step's collectives and decode memory) or ``"none"``.
       slot_ops: also compile the request insert and slot release (retire/push with prefix
         caching).
       memory_fraction: the HBM share the engine may use (``0 < f <= 1``).
@@ -322,8 +330,8 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
     """One compile of ``args`` (no retry): :func:`compile_engine`."""
     from jmtp.runtime.buckets import StepBucket, decode_buckets, slot_buckets
     from jmtp.runtime.sampling import SamplingParams, make_row
-    if buckets not in ("all", "largest", "none"):
-        raise ValueError(f"buckets must be 'all', 'largest' or 'none', got {buckets!r}")
+    if buckets not in ("all", "largest", "decode", "none"):
+        raise ValueError(f"buckets must be 'all', 'largest', 'decode' or 'none', got {buckets!r}")
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must lie in (0, 1], got {memory_fraction}")
     args = dataclasses.replace(args, abstract=True, compile="lazy", compilation_cache_dir=None)
@@ -332,9 +340,11 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
                if runner.device is not None else jax.devices()[:1])
     sec = runner.shard_config
     todo = list(runner.uncompiled_buckets())
+    dec = max(StepBucket(t, a) for a in slot_buckets(sec) for t in decode_buckets(sec, a))
     if buckets == "largest":
-        dec = max(StepBucket(t, a) for a in slot_buckets(sec) for t in decode_buckets(sec, a))
         todo = sorted({max(todo), dec})
+    elif buckets == "decode":
+        todo = [dec]
     elif buckets == "none":
         todo = []
     reports: list[ExecutableReport] = []
@@ -376,10 +386,13 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
                     block_size=ec.block_size, num_blocks=ec.num_blocks,
                     max_num_batched_tokens=ec.max_num_batched_tokens,
                     speculative=repr(ec.spec.method), k=ec.k, kv_cache_dtype=ec.kv_cache_dtype,
-                    dtype=str(jax.tree_util.tree_leaves(runner.params)[0].dtype),
+                    dtype=str(runner.params["embed"].get_value().dtype),
+                    quantization=(runner.model_config.quantization.describe()
+                                  if runner.model_config.quantization else None),
                     cache_dtype=str(runner.cache.k.dtype),
                     attention=runner.attention.implementation,
-                    block_allocator=ec.block_allocator),
+                    block_allocator=ec.block_allocator,
+                    **_moe_config(runner.model_config)),
         predicted=dict(params=params_b, kv_cache=kv_b, state=state_b,
                        total=params_b + kv_b + state_b),
         executables=reports, hbm_bytes=hbm_bytes(devices[0]) if ec.platform == "tpu" else 0,
@@ -389,6 +402,15 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
     if serialize_dir is not None:
         _serialize(exes, serialize_dir)
     return report
+
+
+def _moe_config(cfg) -> dict:
+    """The MoE placement of a report's config: expert parallelism and its dispatch, or the
+    experts' width split over ``model`` (nothing for a dense model)."""
+    if cfg.moe is None:
+        return {}
+    return dict(expert_parallel=cfg.moe.expert_parallel,
+                all2all_backend=cfg.moe.all2all_backend if cfg.moe.expert_parallel else None)
 
 
 def _fit_num_blocks(report: AotReport, args, runner) -> None:
@@ -438,7 +460,8 @@ def write_report(reports: Sequence[AotReport], names: Sequence[str], json_path: 
 
 
 def add_compile_args(p) -> None:
-    """``jmtp compile``'s options."""
+    """``jmtp compile``'s options (``jmtp.cli`` adds the expert-parallel ones every engine
+    command shares)."""
     p.add_argument("--model", default=None,
                    help="GGUF file, HF checkpoint directory or HF config.json (only the config "
                         "is read; default: SmolLM2-135M-Instruct)")
@@ -456,13 +479,17 @@ def add_compile_args(p) -> None:
     p.add_argument("--speculative-method", default="mtp", choices=["mtp", "ngram", "none"])
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"])
+    p.add_argument("--quantization", default="auto", choices=["auto", "int8", "fp8"],
+                   help="8-bit weights: auto = the config's quantization_config (a published "
+                        "FP8 config.json plans 8-bit weights), int8, fp8")
     p.add_argument("--attention-backend", default="auto",
                    choices=["auto", "reference", "xla", "pallas_tpu", "pallas_gpu"],
                    help="auto: the best for the topology (pallas_tpu)")
     p.add_argument("--dtype", default=None, help="parameter dtype (default bf16 on TPU)")
     p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--buckets", default="all", choices=["all", "largest", "none"],
-                   help="step buckets to compile (largest: the largest prefill and decode ones)")
+    p.add_argument("--buckets", default="all", choices=["all", "largest", "decode", "none"],
+                   help="step buckets to compile (largest: the largest prefill and decode ones; "
+                        "decode: the largest decode one)")
     p.add_argument("--memory-fraction", type=float, default=0.9,
                    help="HBM share the engine may use (vLLM's gpu_memory_utilization)")
     p.add_argument("--fit", action="store_true",
@@ -480,7 +507,7 @@ def run_compile(args) -> int:
     from jmtp.model.loader import load_config
     from jmtp.runtime.config import SpeculativeConfig
     from jmtp.runtime.engine_args import EngineArgs
-    cfg = load_config(args.model)
+    cfg = load_config(args.model, None if args.quantization == "auto" else args.quantization)
     spec = (None if args.speculative_method == "none" else
             SpeculativeConfig(args.speculative_method, args.num_speculative_tokens))
     name = ("SmolLM2-135M-Instruct" if args.model is None
@@ -493,6 +520,8 @@ def run_compile(args) -> int:
                                        else args.attention_backend), dtype=args.dtype,
                     tensor_parallel_size=args.tensor_parallel_size,
                     data_parallel_size=args.data_parallel_size,
+                    enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+                    all2all_backend=getattr(args, "all2all_backend", "auto"),
                     enable_prefix_caching=args.enable_prefix_caching)
     reports = []
     for topo in args.topology:

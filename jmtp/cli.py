@@ -32,11 +32,14 @@ def build_llm(args):
                max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
                attention_backend=args.attention_backend, block_allocator=args.block_allocator,
                kv_cache_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
+               quantization=None if args.quantization == "auto" else args.quantization,
                max_logprobs=args.max_logprobs,
                seed=args.seed, mtp_head=None if args.mtp_head == "none" else args.mtp_head,
                compile=args.compile, compilation_cache_dir=None if cache == "none" else cache,
                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                data_parallel_size=getattr(args, "data_parallel_size", 1),
+               enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+               all2all_backend=getattr(args, "all2all_backend", "auto"),
                enable_prefix_caching=getattr(args, "enable_prefix_caching", False),
                layer_loop=getattr(args, "layer_loop", "auto"),
                batch_invariant=getattr(args, "batch_invariant", False),
@@ -91,9 +94,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="devices of the data-parallel ('data') mesh axis: slots, KV blocks and "
                         "the step's token budget split into that many shards (must divide "
                         "--max-num-seqs, --num-blocks and --max-num-batched-tokens)")
+    add_expert_parallel_args(p)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
                    help="KV-cache storage (target and MTP caches): auto = the model dtype; int8 / "
                         "fp8_e4m3 = 8-bit values with one f32 scale per token per KV head")
+    add_quantization_arg(p)
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the target and MTP KV of cached full blocks of earlier requests "
                         "(shared prompt prefixes, multi-turn chats); one device only")
@@ -121,6 +126,30 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compilation-cache-dir", default="auto",
                    help="JAX persistent compilation cache folder (default 'auto': $JMTP_CACHE_DIR, "
                         "else ~/.cache/jmtp/xla; 'none': leave JAX's setting alone)")
+
+
+def add_expert_parallel_args(p: argparse.ArgumentParser) -> None:
+    """``--enable-expert-parallel`` and ``--all2all-backend`` (every command that builds an
+    engine, ``jmtp compile`` too)."""
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the routed experts over every device of the mesh "
+                        "(data x model; must divide the experts) and dispatch each token to "
+                        "the devices owning its experts; attention stays split by request over "
+                        "data and by heads over model")
+    p.add_argument("--all2all-backend", default="auto",
+                   choices=["auto", "allgather_reducescatter", "ragged_all_to_all"],
+                   help="token dispatch under expert parallelism (auto: all-gather + "
+                        "reduce-scatter on CPU and where it moves fewer bytes, else ragged "
+                        "all-to-all)")
+
+
+def add_quantization_arg(p: argparse.ArgumentParser) -> None:
+    """``--quantization`` (every command that builds an engine, ``jmtp compile`` included)."""
+    p.add_argument("--quantization", default="auto", choices=["auto", "int8", "fp8"],
+                   help="8-bit weights on the device (target and MTP decoder blocks): auto = "
+                        "the checkpoint's own (a block-scaled FP8 checkpoint stays 8-bit); int8 "
+                        "= weight-only, one scale per output channel; fp8 = float8_e4m3fn in "
+                        "128x128 blocks (or the checkpoint's)")
 
 
 def _process_seconds() -> float | None:
@@ -233,6 +262,11 @@ def _generate(args) -> int:
         say(f"=== mesh {dict(llm.mesh.shape)}: per device params "
             f"{mem['params'][0] / 2**20:.1f} of {mem['params'][1] / 2**20:.1f} MiB, KV caches "
             f"{mem['kv_cache'][0] / 2**20:.1f} of {mem['kv_cache'][1] / 2**20:.1f} MiB")
+    pb = llm.llm_engine.param_bytes()
+    q = llm.model_config.quantization
+    say(f"=== parameters ({q.describe() if q else 'model dtype'}): "
+        f"{pb['total'] / 2**20:.1f} MiB (8-bit values {pb['quantized_values'] / 2**20:.1f} MiB, "
+        f"scales {pb['scales'] / 2**20:.1f} MiB, other {pb['unquantized'] / 2**20:.1f} MiB)")
     kv = llm.llm_engine.kv_cache_bytes()
     say(f"=== KV cache ({llm.engine_config.kv_cache_dtype or 'model dtype'}): values "
         f"{kv['values'] / 2**20:.1f} MiB, scales {kv['scales'] / 2**20:.1f} MiB"
@@ -360,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("compile", help="compile the engine ahead of time for TPU topologies "
                         "(no TPU needed: libtpu's compiler) and report per-device HBM")
     add_compile_args(co)
+    add_expert_parallel_args(co)
     return p
 
 

@@ -22,3 +22,24 @@ $J --model configs/llama-3.1-70b.json --topology v5e:16x16 --tensor-parallel-siz
 .venv/bin/jmtp compile --buckets largest --model configs/qwen3-next-80b-a3b.json \
    --topology v5p:2x2x1 --tensor-parallel-size 4 --max-num-seqs 16 --max-model-len 4096 \
    --num-speculative-tokens 2 --json docs/aot/qwen3-next-80b.json --markdown docs/aot/qwen3-next-80b.md
+# Expert parallelism (issue 47): the routed experts split over every device of the mesh, each
+# token dispatched to its experts' devices and back (docs/moe.md). bf16 weights: the FP8
+# block-scaled checkpoints (kept 8-bit) halve the routed experts' bytes; re-run these with
+# --quantization fp8 once that lands (docs/scaling.md, section 0b).
+# Qwen3-Next-80B with expert parallelism, against the 755-collective step above.
+.venv/bin/jmtp compile --buckets largest --model configs/qwen3-next-80b-a3b.json \
+   --topology v5p:2x2x1 --tensor-parallel-size 4 --max-num-seqs 16 --max-model-len 4096 \
+   --num-speculative-tokens 2 --enable-expert-parallel \
+   --json docs/aot/qwen3-next-80b-ep.json --markdown docs/aot/qwen3-next-80b-ep.md
+# DeepSeek-V3 + its MTP layer (K=1, its trained depth): attention data parallel 4 x MLA heads
+# over 8, 256 experts over 32 v5p chips.
+.venv/bin/jmtp compile --buckets largest --model configs/deepseek-v3.json \
+   --topology v5p:2x4x4 --data-parallel-size 4 --tensor-parallel-size 8 \
+   --enable-expert-parallel --max-num-seqs 64 --max-model-len 4096 --num-speculative-tokens 1 \
+   --json docs/aot/deepseek-v3-ep.json --markdown docs/aot/deepseek-v3-ep.md
+# GLM-4.5 + its MTP layer (K=3): attention data parallel 2 x heads over 8, 160 experts over 16
+# v5p chips.
+.venv/bin/jmtp compile --buckets largest --model configs/glm-4.5.json \
+   --topology v5p:2x2x4 --data-parallel-size 2 --tensor-parallel-size 8 \
+   --enable-expert-parallel --max-num-seqs 64 --max-model-len 4096 --num-speculative-tokens 3 \
+   --json docs/aot/glm-4.5-ep.json --markdown docs/aot/glm-4.5-ep.md

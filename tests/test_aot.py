@@ -232,3 +232,70 @@ def test_hybrid_engine_compiles_with_the_gated_delta_rule_kernels():
     assert all(e.mosaic_kernels == want for e in r.step_reports), [
         e.mosaic_kernels for e in r.step_reports]
     assert "slot_state" in {e.label for e in r.executables}
+
+
+@pytest.mark.parametrize("a2a", ["allgather_reducescatter", "ragged_all_to_all"])
+def test_expert_parallel_compiles_with_its_dispatch(a2a):
+    """A MoE target (every layer and the MTP layer MoE) with expert parallelism on a (2, 2)
+    v5e mesh: the routed experts hold a quarter of their bytes per device, and the compiled step
+    carries the dispatch's collectives: ragged all-to-alls (the TPU op, not the CPU emulation),
+    or for the all-gather dispatch none of them (the TPU compiler turns its small reduce-scatter
+    into an all-reduce and a slice; the step's plain all-to-alls belong to the sampler's sort
+    over the vocabulary-sharded logits)."""
+    from jmtp.model.config import MoEConfig
+    from jmtp.runtime import sharding as shd
+    moe = MoEConfig(8, 2, 128, layers=(0, 1), mtp_moe=True, shared_intermediate_size=128)
+    rep = aot.compile_engine(args(model_config=CFG.replace(moe=moe), data_parallel_size=2,
+                                  tensor_parallel_size=2, enable_expert_parallel=True,
+                                  all2all_backend=a2a, max_num_seqs=4),
+                             topology="v5e:2x2", buckets="largest", slot_ops=False)
+    assert rep.config["expert_parallel"] and rep.config["all2all_backend"] == a2a
+    runner = args(model_config=CFG.replace(moe=moe), data_parallel_size=2, tensor_parallel_size=2,
+                  enable_expert_parallel=True, abstract=True,
+                  devices=aot.topology_devices("v5e:2x2")).build().runner
+    experts = [shd.per_device_bytes(a) for path, a in
+               jax.tree_util.tree_leaves_with_path(runner.params)
+               if "experts_" in jax.tree_util.keystr(path)]
+    assert len(experts) == 6 and all(local * 4 == total for total, local in experts)
+    for e in rep.step_reports:
+        if a2a == "ragged_all_to_all":
+            assert e.collectives["ragged-all-to-all"] > 0, e.collectives
+        else:
+            assert e.collectives["ragged-all-to-all"] == 0, e.collectives
+
+
+def test_hbm_of_a_megacore_device_is_the_whole_chip():
+    """A v5p device is a whole chip (2 TensorCores, ``num_cores``): 103 GB of HBM (Pallas's
+    chip table gives it per core); a v5e or v6e device is one core of its chip's memory."""
+    assert aot.hbm_bytes(aot.topology_devices("v5p:2x2x1")[0]) == 103_000_000_000
+    assert aot.hbm_bytes(aot.topology_devices("v5e:2x2")[0]) == 17_200_000_000
+
+
+def test_compile_plans_a_published_fp8_config_in_8_bits(tmp_path, capsys):
+    """``jmtp compile`` on a config.json with DeepSeek-V3's ``quantization_config`` (no weights):
+    the engine is built 8-bit (the decoder-block linears of the target and of the MTP head fp8
+    in 128x128 blocks, the rest bf16), jmtp's parameter bytes are the hand count, and the
+    compiler's argument bytes are within 10 % of jmtp's prediction."""
+    from jmtp.cli import main
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+          "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 1024,
+          "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+          "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                  "quant_method": "fp8", "weight_block_size": [128, 128]}}
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(hf))
+    out = tmp_path / "r.json"
+    assert main(["compile", "--model", str(cfg), "--topology", "v5e:1x1", "--max-num-seqs", "4",
+                 "--max-model-len", "256", "--num-speculative-tokens", "1", "--buckets",
+                 "largest", "--json", str(out)]) == 0
+    capsys.readouterr()
+    rep = json.loads(out.read_text())[0]
+    assert rep["config"]["quantization"] == "fp8 (128x128 blocks)"
+    h, i, q, kv, blocks = 128, 256, 512, 256, 3            # 2 target layers + the MTP layer
+    fp8 = blocks * (2 * h * q + 2 * h * kv + 3 * h * i)   # one byte per weight
+    scales = 4 * blocks * (4 + 2 + 2 + 4 + 2 + 2 + 2)     # f32 per 128x128 block
+    bf16 = 2 * (2 * 512 * h + h + blocks * 2 * h + 3 * h + 2 * h * h)
+    assert rep["predicted"]["params"] == fp8 + scales + bf16
+    assert abs(rep["prediction_error"]) < 0.10

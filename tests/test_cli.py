@@ -39,6 +39,28 @@ def test_one_shot_commands_compile_lazily_unless_told(monkeypatch):
     assert p.parse_args(["serve"]).compile is None
 
 
+def test_expert_parallel_switches_on_every_engine_command(monkeypatch):
+    """``--enable-expert-parallel`` and ``--all2all-backend`` parse on generate, chat, serve and
+    compile, and reach the engine's keywords (``LLM`` is replaced by a recorder)."""
+    import pytest
+
+    import jmtp.runtime.engine as engine
+    from jmtp.cli import build_llm
+    p = build_parser()
+    for cmd in (["generate"], ["chat"], ["serve"], ["compile", "--topology", "v5e:2x2"]):
+        args = p.parse_args(cmd + ["--enable-expert-parallel", "--all2all-backend",
+                                   "ragged_all_to_all"])
+        assert args.enable_expert_parallel and args.all2all_backend == "ragged_all_to_all"
+        assert not p.parse_args(cmd).enable_expert_parallel
+        assert p.parse_args(cmd).all2all_backend == "auto"
+    with pytest.raises(SystemExit):
+        p.parse_args(["generate", "--all2all-backend", "deepep"])
+    seen = {}
+    monkeypatch.setattr(engine, "LLM", lambda model, **kw: seen.update(kw))
+    build_llm(p.parse_args(["generate", "--enable-expert-parallel"]))
+    assert seen["enable_expert_parallel"] is True and seen["all2all_backend"] == "auto"
+
+
 def test_serve_limits_default_to_openai_and_reject_nonsense():
     """``jmtp serve``'s own limits: OpenAI's n <= 128, 8 MiB bodies, unknown fields refused, a
     60 s stall bound; ServerOptions refuses limits below 1 by name."""

@@ -43,22 +43,41 @@ SLOTS = "slots"
 # Leading axis of the stacked (per data shard) engine state and KV caches.
 DATA_SHARD = "data_shard"
 
-# The one table: logical axis name -> mesh axis (None = replicated).
-LOGICAL_TO_MESH: dict[str, str | None] = {
+# The one table: logical axis name -> mesh axis (None = replicated; a tuple = those axes
+# together, the first major).
+LOGICAL_TO_MESH: dict[str, str | tuple[str, ...] | None] = {
     Q_HEADS: MODEL, KV_HEADS: MODEL, MLP: MODEL, VOCAB: MODEL,
     LAYERS: None, EMBED: None, EMBED2: None, HEAD_DIM: None,
     BLOCKS: None, BLOCK_SIZE: None, EXPERTS: None, EXPERT_MLP: MODEL,
     SLOTS: DATA, DATA_SHARD: DATA,
 }
+#: Its rows under expert parallelism (``LLM(enable_expert_parallel=True)``,
+#: :mod:`jmtp.model.expert_parallel`): the routed experts split over every device of the mesh,
+#: data-major (data shard ``d`` owns a contiguous block of ``E / DP`` experts, split further over
+#: ``model``), each expert whole (its width ``expert_mlp`` no longer split). Attention, the dense
+#: MLP, the shared experts and the vocabulary keep the rows above (the router is unnamed:
+#: replicated).
+EXPERT_PARALLEL_RULES: dict[str, str | tuple[str, ...] | None] = {
+    EXPERTS: (DATA, MODEL), EXPERT_MLP: None,
+}
 
 
-def attention_specs(cache_ndim: int = 4) -> tuple[P, P, P]:
+def mesh_rules(expert_parallel: bool = False) -> dict[str, str | tuple[str, ...] | None]:
+    """The logical -> mesh table in force: :data:`LOGICAL_TO_MESH`, with
+    :data:`EXPERT_PARALLEL_RULES` over it when ``expert_parallel``."""
+    return {**LOGICAL_TO_MESH, **EXPERT_PARALLEL_RULES} if expert_parallel else LOGICAL_TO_MESH
+
+
+def attention_specs(cache_ndim: int = 4, shared_kv: bool = False) -> tuple[P, P, P]:
     """``(query/output spec f[T, Nq, D], cache spec, scale spec f32[num_blocks, Nkv,
     block_size])`` of ragged paged attention under ``shard_map``: heads over ``model``. The cache
     spec is for a split ``f[num_blocks, block_size, Nkv, D]`` cache (``cache_ndim=4``) or a merged
     ``f[num_blocks, block_size, Nkv·D]`` one (3: kv heads are major in the last axis, so each
-    device's slice holds whole heads)."""
+    device's slice holds whole heads). ``shared_kv``: one kv head shared by every query head
+    (MQA, and MLA's latent cache): the query heads split, the cache and scales replicated."""
     heads = LOGICAL_TO_MESH[KV_HEADS]
+    if shared_kv:
+        return P(None, heads, None), P(), P()
     cache = P(None, None, heads, None) if cache_ndim == 4 else P(None, None, heads)
     return P(None, heads, None), cache, P(None, heads, None)
 

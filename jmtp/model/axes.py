@@ -17,7 +17,8 @@ name           dimension
 ``kv_heads``   the fused key / value projection ``Nkv·D`` (same)
 ``head_dim``   one head's D (Qwen3 q/k-norm weights)
 ``mlp``        the SwiGLU intermediate size I (also the MoE shared experts' width)
-``experts``    the E routed experts of a MoE layer (expert parallelism maps it onto the mesh)
+``experts``    the E routed experts of a MoE layer (expert parallelism maps it onto the mesh;
+               the router's expert axis stays unnamed)
 ``expert_mlp`` one routed expert's SwiGLU width I_e
 =============  ===========================================================================
 
@@ -39,8 +40,8 @@ Parameters (``[...]`` = only for some architectures; ``L`` = ``layers``)::
   layers.mlp.w_gate/w_up  f[L, H, I]       (layers, embed, mlp)
   layers.mlp.w_down       f[L, I, H]       (layers, mlp, embed)
   MoE layers instead of w_gate/w_up/w_down (:mod:`jmtp.model.moe`):
-  router                  f[L, H, E]       (layers, embed, experts)
-  [router_bias]           f[L, E]          (layers, experts)    score-correction bias
+  router                  f[L, H, E]       (layers, embed, -)      replicated
+  [router_bias]           f[L, E]          (layers, -)          score-correction bias
   experts_gate/experts_up f[L, E, H, I_e]  (layers, experts, embed, expert_mlp)
   experts_down            f[L, E, I_e, H]  (layers, experts, expert_mlp, embed)
   [shared_gate/shared_up] f[L, H, I_s]     (layers, embed, mlp)  shared experts
@@ -72,8 +73,9 @@ LAYER_AXES: dict[str, tuple[str, ...]] = {
     # unnamed (replicated).
     "wq_a": (EMBED, None), "q_a_norm": (None,), "wq_b": (None, Q_HEADS),
     "wkv_a": (EMBED, None), "kv_a_norm": (None,), "wkv_b": (None, Q_HEADS),
-    # MoE FFN (jmtp.model.moe)
-    "router": (EMBED, EXPERTS), "router_bias": (EXPERTS,),
+    # MoE FFN (jmtp.model.moe). The router is unnamed on its expert axis: replicated, so that
+    # every device routes its own tokens (expert parallelism splits only the experts).
+    "router": (EMBED, None), "router_bias": (None,),
     "experts_gate": (EXPERTS, EMBED, EXPERT_MLP), "experts_up": (EXPERTS, EMBED, EXPERT_MLP),
     "experts_down": (EXPERTS, EXPERT_MLP, EMBED),
     "shared_gate": (EMBED, MLP), "shared_up": (EMBED, MLP), "shared_down": (MLP, EMBED),

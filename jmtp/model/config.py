@@ -9,12 +9,16 @@ import dataclasses
 from typing import Literal
 
 from jmtp.core.checks import check_one_of
+from jmtp.model.quant import QuantConfig
 
 MTP_LAYOUTS = ("deepseek", "ernie", "mimo", "qwen3_next")
 ATTENTION_TYPES = ("gqa", "mla")
 MLA_PATHS = ("absorbed", "expanded")
 MOE_SCORING = ("softmax", "sigmoid")
 MOE_IMPLEMENTATIONS = ("auto", "ragged", "dense")
+#: Token dispatch of expert parallelism (vLLM's ``all2all_backend`` option;
+#: :mod:`jmtp.model.expert_parallel`).
+ALL2ALL_BACKENDS = ("auto", "allgather_reducescatter", "ragged_all_to_all")
 LAYER_TYPES = ("full_attention", "linear_attention")
 
 
@@ -149,6 +153,13 @@ class MoEConfig:
         every expert on every token, weighted; E·T rows) or ``"auto"`` (default: ``"ragged"`` on
         TPU, ``"dense"`` elsewhere: XLA:CPU lowers ``ragged_dot`` to a masked dense product over
         all E groups, k times the dense reference's work; ``scripts/bench_moe.py``).
+      expert_parallel: on a device mesh, the routed experts are split over every device (data ×
+        model) and each token is dispatched to the devices owning its experts and back
+        (:mod:`jmtp.model.expert_parallel`; ``LLM(enable_expert_parallel=True)``). No effect on
+        one device.
+      all2all_backend: the dispatch under expert parallelism: ``"allgather_reducescatter"``,
+        ``"ragged_all_to_all"`` or ``"auto"`` (resolved by the engine for its platform and mesh:
+        :func:`jmtp.model.expert_parallel.resolve_all2all_backend`).
     """
 
     num_experts: int
@@ -166,6 +177,8 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
     implementation: Literal["auto", "ragged", "dense"] = "auto"
+    expert_parallel: bool = False
+    all2all_backend: Literal["auto", "allgather_reducescatter", "ragged_all_to_all"] = "auto"
 
     def __post_init__(self):
         e, k = self.num_experts, self.num_experts_per_tok
@@ -177,6 +190,7 @@ class MoEConfig:
                              f"got {k}")
         check_one_of("MoEConfig.scoring", self.scoring, MOE_SCORING)
         check_one_of("MoEConfig.implementation", self.implementation, MOE_IMPLEMENTATIONS)
+        check_one_of("MoEConfig.all2all_backend", self.all2all_backend, ALL2ALL_BACKENDS)
         if self.n_group < 1 or e % self.n_group:
             raise ValueError(f"MoEConfig.n_group ({self.n_group}) must be >= 1 and divide "
                              f"num_experts ({e})")
@@ -262,6 +276,9 @@ class ModelConfig:
       attn_output_gate: the attention output is gated per channel by ``sigmoid(x @ wg)`` before
         ``wo`` (Qwen3-Next / Qwen3.5 gated attention: HF ``q_proj`` doubled, each head's query
         followed by its gate); ``wg f[H, Nq·D]``.
+      quantization: which weights are 8-bit and how (:class:`jmtp.model.quant.QuantConfig`:
+        an FP8 checkpoint's block-scaled weights, or ``LLM(quantization="int8" | "fp8")``);
+        None: every weight in the model dtype.
       batch_invariant: an engine's numerics choice, not the checkpoint's (set by
         ``LLM(batch_invariant=True)``): every matmul runs over fixed tiles of rows and attention
         over fixed query tiles and key chunks (:mod:`jmtp.model.invariant`), so each row's
@@ -300,6 +317,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
+    quantization: QuantConfig | None = None
     batch_invariant: bool = False
 
     def __post_init__(self):

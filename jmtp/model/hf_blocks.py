@@ -10,6 +10,10 @@ asks for them: q/k/v biases, ``self_attn.{q,k}_norm``, fused ``qkv_proj`` / ``up
 latent attention (:func:`_read_mla_attention`). Torch Linear weights are ``[out, in]``, Paddle ones
 ``[in, out]`` (``paddle``). Checkpoints whose attention uses interleaved RoPE pairs get their q/k
 output rows permuted (:func:`deinterleave_rows`), after which jmtp's rotate-half forward is exact.
+A block-scaled FP8 tensor arrives as a :class:`~jmtp.model.fp8_checkpoint.QArray` and goes
+through the same transposes, slices, row permutations and stacks (the permutations stay inside
+the scale blocks) to the device as a :class:`~jmtp.model.quant.QuantizedWeight`
+(:func:`device_array`).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.model.config import ModelConfig
+from jmtp.model.fp8_checkpoint import QArray, is_qarray, to_quantized
 from jmtp.model.params import layer_shapes
 from jmtp.model.safetensors_io import TensorSource
 
@@ -31,11 +36,15 @@ def deinterleave_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     ``convert_hf_to_gguf.py`` permutation of ``wq``/``wk`` (its ``permute`` does the inverse),
     matching transformers' ``LlamaTensorProcessor._reverse_permute_weights``.
     """
-    rows = w.shape[0]
+    return w[deinterleave_perm(w.shape[0], num_heads)]
+
+
+def deinterleave_perm(rows: int, num_heads: int) -> np.ndarray:
+    """The row order of :func:`deinterleave_rows`: ``new[r] = old[perm[r]]``."""
     if rows % (2 * num_heads):
         raise ValueError(f"cannot de-interleave {rows} rows into {num_heads} heads of even size")
     d2 = rows // num_heads // 2
-    return w.reshape(num_heads, d2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return np.arange(rows).reshape(num_heads, d2, 2).swapaxes(1, 2).reshape(rows)
 
 
 class TensorReader:
@@ -196,11 +205,10 @@ def _read_ffn(rd: TensorReader, p: str, cfg: ModelConfig, paddle: bool,
 def _deinterleave_tail(w: np.ndarray, groups: int, tail: int) -> np.ndarray:
     """``w f[groups*(lead+tail), ...]`` (torch rows = outputs) with the last ``tail`` rows of every
     group de-interleaved (:func:`deinterleave_rows` on them, one head)."""
-    g = w.reshape(groups, -1, *w.shape[1:]).copy()
-    lead = g.shape[1] - tail
-    for j in range(groups):
-        g[j, lead:] = deinterleave_rows(g[j, lead:], 1)
-    return g.reshape(w.shape)
+    per = w.shape[0] // groups
+    perm = np.arange(w.shape[0]).reshape(groups, per)
+    perm[:, per - tail:] = perm[:, per - tail:][:, deinterleave_perm(tail, 1)]
+    return w[perm.reshape(-1)]
 
 
 def _read_mla_attention(rd: TensorReader, p: str, cfg: ModelConfig, *,
@@ -234,15 +242,30 @@ def _read_mla_attention(rd: TensorReader, p: str, cfg: ModelConfig, *,
 def stack_layers(blocks: list[dict[str, np.ndarray]], cfg: ModelConfig, dtype,
            moe: bool = False) -> dict[str, jax.Array]:
     """Stack per-layer tensors on a new leading axis, converting once to ``dtype`` (the MoE
-    score-correction bias stays f32)."""
+    score-correction bias stays f32; 8-bit tensors stay 8-bit, :func:`device_array`).
+
+    Raises:
+      ValueError: a tensor 8-bit in some layers and float in others."""
     shapes = layer_shapes(cfg, moe)
     out = {}
     for name, shape in shapes.items():
+        if any(is_qarray(b[name]) for b in blocks):
+            out[name] = device_array(np.stack([b[name] for b in blocks]), dtype, name)
+            continue
         buf = np.empty((len(blocks),) + shape, np.float32 if name == "router_bias" else dtype)
         for j, b in enumerate(blocks):
             buf[j] = b[name]
         out[name] = jnp.asarray(buf)
     return out
+
+
+def device_array(x, dtype, name: str = ""):
+    """A loaded tensor on the device: a float array in ``dtype`` (the MoE score-correction bias
+    in f32), or a :class:`~jmtp.model.fp8_checkpoint.QArray` as an 8-bit
+    :class:`~jmtp.model.quant.QuantizedWeight` (its values and scales as they are)."""
+    if isinstance(x, QArray):
+        return to_quantized(x)
+    return jnp.asarray(np.asarray(x, np.float32 if name == "router_bias" else dtype))
 
 
 def np_dtype(dtype) -> np.dtype:

@@ -28,10 +28,10 @@ The rows (transformers ``models/<name>/configuration_<name>.py`` and ``modeling_
   ``self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj, kv_a_proj_with_mqa,kv_a_layernorm,
   kv_b_proj,o_proj}``). With ``rope_interleave`` (the default) the rotary columns of ``q_b_proj``
   (per head) and ``kv_a_proj_with_mqa`` are de-interleaved like ERNIE's. YaRN rope scaling
-  (``rope_type: yarn``, DeepSeek-V3's own; any architecture) is supported. DeepSeek-V3's fp8
-  checkpoints (``F8_E4M3`` weights with ``<name>_scale_inv`` f32 scales per ``weight_block_size``
-  block (``quantization_config``, 128x128 in DeepSeek-V3)) are dequantised at load
-  (:func:`jmtp.model.safetensors_io.dequantize_block_fp8`).
+  (``rope_type: yarn``, DeepSeek-V3's own; any architecture) is supported. Block-scaled FP8
+  checkpoints of any of these architectures (``F8_E4M3`` weights with ``<name>_scale_inv`` f32
+  scales per ``weight_block_size`` block, ``quantization_config``; 128x128 in DeepSeek-V3) load
+  8-bit (:mod:`jmtp.model.fp8_checkpoint`, :mod:`jmtp.model.quant`).
 * Mixture-of-experts targets (:mod:`jmtp.model.moe`; ``ModelConfig.moe``):
 
   - ``Qwen3MoeForCausalLM``: softmax router, ``norm_topk_prob``, no shared experts; MoE layers

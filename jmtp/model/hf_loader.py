@@ -38,6 +38,11 @@ model, ``ernie4_5_mtp.py``):
 
 A checkpoint without MTP tensors gets a fresh head from :func:`jmtp.model.params.init_mtp_params`.
 MTP tensors are also looked for in an ``mtp/`` sub-directory (where ERNIE ships them).
+
+Block-scaled FP8 checkpoints (``quantization_config``, :mod:`jmtp.model.fp8_checkpoint`) load
+without dequantising: their FP8 weights become :class:`~jmtp.model.quant.QuantizedWeight` s and
+``ModelConfig.quantization`` records which; every tensor, the MTP layer's included, is checked
+against the config as it is read.
 """
 from __future__ import annotations
 
@@ -54,8 +59,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.hf_blocks import (TensorReader, deinterleave_rows, np_dtype, read_block,
-                                  stack_layers)
+from jmtp.model.fp8_checkpoint import CheckpointQuant, parse_quantization_config
+from jmtp.model.hf_blocks import (TensorReader, deinterleave_rows, device_array, np_dtype,
+                                  read_block, stack_layers)
 from jmtp.model.hf_config import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture, hf_config
 from jmtp.model.params import (check_params, init_mtp_params, layer_shapes, layers_stacked,
                                mtp_moe_of_fresh_head)
@@ -177,7 +183,8 @@ def _paddle_from_shape(rd: TensorReader, proj: str, h: int) -> bool:
 
 
 def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
-                 interleaved_rope: bool = False, num_mtp_hint: int = 0) -> tuple[ModelConfig, dict]:
+                 interleaved_rope: bool = False, num_mtp_hint: int = 0,
+                 quant: CheckpointQuant | None = None) -> tuple[ModelConfig, dict]:
     """Assemble the jmtp parameter pytree (see :mod:`jmtp.model.llama`) from HF-named tensors.
 
     Args:
@@ -189,6 +196,8 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
         q/k rows (:func:`deinterleave_rows`).
       num_mtp_hint: MTP modules announced by the config (the log message; for the MiMo layout it
         must equal the layers found).
+      quant: the checkpoint's FP8 ``quantization_config`` (its FP8 tensors arrive 8-bit from
+        ``src`` and stay so; ``cfg.quantization`` is set from them).
 
     Returns:
       ``(cfg, params)`` with params checked by :func:`jmtp.model.params.check_params`.
@@ -212,9 +221,8 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
     if layers_stacked(cfg):
         params["layers"] = stack_layers(blocks, cfg, np_dt, kinds[0])
     else:   # dense and MoE layers mixed: one dict per layer (jmtp.model.params.layers_stacked)
-        params["layers"] = tuple(
-            {k: jnp.asarray(np.asarray(b[k], np.float32 if k == "router_bias" else np_dt))
-             for k in layer_shapes(cfg, m)} for b, m in zip(blocks, kinds))
+        params["layers"] = tuple({k: device_array(b[k], np_dt, k) for k in layer_shapes(cfg, m)}
+                                 for b, m in zip(blocks, kinds))
     del blocks
 
     layout, prefixes, top = detect_mtp(rd.names, cfg.num_layers, where)
@@ -253,11 +261,17 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
                          else np.asarray(params["final_norm"], np.float32))
             mblocks.append(read_block(rd, lay.block.format(p=p, top=top), cfg, paddle=paddle,
                                       interleaved=interleaved_rope, moe=mtp_moe))
-        as_stack = lambda xs: jnp.asarray(np.stack([np.asarray(x, np_dt) for x in xs]))
+        as_stack = lambda xs: device_array(np.stack(list(xs)), np_dt)   # noqa: E731
         params["mtp"] = {"enorm": as_stack(enorm), "hnorm": as_stack(hnorm), "eh_proj": as_stack(eh),
                          "final_norm": as_stack(fnorm),
                          "layer": stack_layers(mblocks, cfg, np_dt, mtp_moe)}
         log.info("loaded %d MTP module(s) (%s layout) from %s", n, layout, where)
+    if quant is not None:
+        from jmtp.model.quant_params import config_from_params
+        cfg = config_from_params(cfg, params, "fp8", quant.weight_block_size,
+                                 quant.activation_scheme)
+        log.info("FP8 weights kept 8-bit: %s", ", ".join(cfg.quantization.quantized)
+                 if cfg.quantization else "none")
     check_params(cfg, params, source=where)
     unused = sorted(name for name in rd.names - rd.used if not _IGNORED.search(name)
                     and not (cfg.tie_word_embeddings and name == "lm_head.weight"))
@@ -294,12 +308,14 @@ def load_hf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
     if (hf.get("architectures") or [None])[0] in hybrid.HYBRID_ARCHITECTURES:
         if (hf.get("quantization_config") or {}):
             raise ValueError(f"{cfg_path}: quantised hybrid checkpoints (field "
-                             "'quantization_config') are not supported")
+                             "'quantization_config') are not supported: the gated-DeltaNet "
+                             "layers' fused projections are not read 8-bit yet (load the BF16 "
+                             "checkpoint with quantization='int8' instead)")
         return hybrid.build_hybrid_params(hybrid.hybrid_config(hf, str(cfg_path), gen),
                                           SafetensorsSource(d), str(d), dtype)
+    quant = parse_quantization_config(hf, str(cfg_path))
     cfg = hf_config(hf, str(cfg_path), gen)
-    block = (hf.get("quantization_config") or {}).get("weight_block_size")
-    src = SafetensorsSource(d, weight_block_size=tuple(int(b) for b in block) if block else None)
+    src = SafetensorsSource(d, quant=quant, num_layers=cfg.num_layers)
     interleaved = architecture(hf, str(cfg_path)).uses_interleaved_rope(hf)
     return build_params(cfg, src, str(d), dtype, interleaved_rope=interleaved,
-                        num_mtp_hint=int(hf.get("num_nextn_predict_layers") or 0))
+                        num_mtp_hint=int(hf.get("num_nextn_predict_layers") or 0), quant=quant)

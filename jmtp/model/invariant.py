@@ -32,6 +32,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jmtp.model import quant
+
 #: Rows per tile of every batch-invariant matmul and attention query tile.
 ROW_TILE = 8
 
@@ -48,12 +50,13 @@ def row_tiled(f: Callable[[jax.Array], jax.Array], x: jax.Array,
     return out.reshape((n * tile,) + out.shape[2:])[:t]
 
 
-def matmul(invariant: bool, x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x @ w`` (``x f[T, ..., K]``, ``w f[K, N]``); with ``invariant`` in row tiles
-    (:func:`row_tiled`)."""
+def matmul(invariant: bool, x: jax.Array, w) -> jax.Array:
+    """``x @ w`` (``x f[T, ..., K]``, ``w f[K, N]`` or an 8-bit
+    :class:`~jmtp.model.quant.QuantizedWeight`: :func:`jmtp.model.quant.matmul`); with
+    ``invariant`` in row tiles (:func:`row_tiled`)."""
     if not invariant:
-        return x @ w
-    return row_tiled(lambda t: t @ w, x)
+        return quant.matmul(x, w)
+    return row_tiled(lambda t: quant.matmul(t, w), x)
 
 
 __all__ = ["ROW_TILE", "matmul", "row_tiled"]

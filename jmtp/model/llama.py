@@ -20,6 +20,10 @@ leading layer axis L so that the layers run under one ``lax.scan``)::
   mtp:         enorm,hnorm f[N,H]  eh_proj f[N,2H,H]  final_norm f[N,H]  layer: {as `layers`, N stacked}
   [k_shift     f32[L,Nkv,D]]        (int8 KV caches only: key shift, jmtp.model.kv_shift)
 
+Any linear weight above may be an 8-bit :class:`jmtp.model.quant.QuantizedWeight` (values and
+scales, same ``[in, out]`` layout; ``ModelConfig.quantization`` says which): every matmul with a
+weight goes through :func:`jmtp.model.quant.matmul` (via :func:`jmtp.model.invariant.matmul`).
+
 The KV cache of a stack of ``L`` layers is :class:`KVCache` with ``k, v: f[L, num_blocks, block_size,
 W]``, the kv heads merged head-major into ``W >= Nkv·D`` lanes (:mod:`jmtp.pallas.kv_layout`; 8-bit values plus ``k_scale, v_scale: f32[L, num_blocks, Nkv, block_size]`` when
 ``kv_cache_dtype`` quantises it, :mod:`jmtp.pallas.kv_quant`). The MTP head has its own
@@ -509,7 +513,7 @@ def mtp_forward(
     e = rms_norm(emb, pick(m["enorm"]), cfg.rms_norm_eps)
     hn = rms_norm(hidden.astype(e.dtype), pick(m["hnorm"]), cfg.rms_norm_eps)
     x = invariant.matmul(cfg.batch_invariant, jnp.concatenate([e, hn], axis=-1),
-                         pick(m["eh_proj"]))
+                         jax.tree_util.tree_map(pick, m["eh_proj"]))
     layer = jax.tree_util.tree_map(pick, m["layer"])
     x, pool = decoder_layer(cfg, layer, x, positions, _layer_view(meta, cache, layer_idx),
                             _flat_cache(cache), attention_impl)

@@ -93,7 +93,8 @@ def resolve_checkpoint(path: str | os.PathLike | None) -> tuple[Path, str]:
 
 
 def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
-                    mtp_head: str | os.PathLike | None = "auto") -> tuple[ModelConfig, dict]:
+                    mtp_head: str | os.PathLike | None = "auto",
+                    quantization: str | None = None) -> tuple[ModelConfig, dict]:
     """Load a checkpoint into ``(ModelConfig, params)``.
 
     Args:
@@ -104,6 +105,11 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
         the shipped head; a path: that head file (:mod:`jmtp.model.mtp_head`), replacing any other.
         A head file may carry an FR-Spec token ranking (``params["draft_vocab"]``) and set
         ``cfg.draft_vocab_size``.
+      quantization: None (default): the weights as the checkpoint stores them (a block-scaled FP8
+        checkpoint's FP8 weights stay 8-bit, :mod:`jmtp.model.fp8_checkpoint`); ``"int8"``
+        (one scale per output channel) or ``"fp8"`` (128x128 blocks, or the checkpoint's): the
+        decoder-block linears of the target and the MTP head quantised at load
+        (:func:`jmtp.model.quant_params.quantize_params`); ``cfg.quantization`` says which.
 
     Returns:
       ``(cfg, params)``: params is the pytree documented in :mod:`jmtp.model.llama` (weights
@@ -141,19 +147,54 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
         from jmtp.model.mtp_head import attach_mtp_head
         cfg, params = attach_mtp_head(cfg, params, str(head))
         log.info("MTP head from %s (draft vocabulary %s)", head, cfg.draft_vocab_size or "full")
+    from jmtp.model.quant_params import with_quantization
+    cfg, params = with_quantization(cfg, params, quantization)
+    if cfg.quantization is not None:
+        log.info("8-bit weights: %s of %s", cfg.quantization.describe(),
+                 ", ".join(cfg.quantization.quantized))
     return cfg, params
 
 
-def load_config(path: str | os.PathLike | None = None) -> ModelConfig:
+def load_config(path: str | os.PathLike | None = None,
+                quantization: str | None = None) -> ModelConfig:
     """The :class:`ModelConfig` of a checkpoint without reading its weights: a GGUF file (its
     metadata), an HF checkpoint directory or an HF ``config.json`` file (``None`` = the default
     SmolLM2). For ahead-of-time compiles (:mod:`jmtp.aot`). The EOS ids come from
     ``config.json`` and a ``generation_config.json`` beside it, as :func:`load_checkpoint` reads
     them.
 
+    ``cfg.quantization`` follows ``quantization`` as for :func:`load_checkpoint`: None reads a
+    config's ``quantization_config`` (block-scaled FP8: the decoder-block linears of the target
+    and of the MTP layer 8-bit, :func:`jmtp.model.quant_params.config_quantization`), so a
+    published ``config.json`` alone plans an FP8 deployment.
+
     Raises:
-      ValueError: as :func:`resolve_checkpoint`, or an unreadable / unknown config.
+      ValueError: as :func:`resolve_checkpoint`, or an unreadable / unknown config (a bad
+        ``quantization_config`` names the field).
     """
+    from jmtp.model.quant_params import config_quantization
+    return config_quantization(_load_config(path), quantization, _checkpoint_quant(path))
+
+
+def _checkpoint_quant(path):
+    """The ``quantization_config`` of an HF checkpoint directory or config.json (None for GGUF
+    files and configs without one)."""
+    import json
+
+    from jmtp.model.fp8_checkpoint import parse_quantization_config
+    p = Path(os.fspath(path)).expanduser() if path is not None else None
+    if p is None:
+        return None
+    cfg_path = p if p.is_file() and p.suffix == ".json" else p / "config.json"
+    if not cfg_path.is_file():
+        return None
+    try:
+        return parse_quantization_config(json.loads(cfg_path.read_text()), str(cfg_path))
+    except json.JSONDecodeError:
+        return None      # _load_config reports it
+
+
+def _load_config(path) -> ModelConfig:
     import json
 
     p = Path(os.fspath(path)).expanduser() if path is not None else None

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.metadata import AttentionMetadata
+from jmtp.model.quant import dequantize, is_quantized, matmul
 from jmtp.pallas.kv_layout import cache_rows
 from jmtp.pallas.ragged_paged_attention import ragged_paged_attention
 
@@ -99,19 +100,24 @@ def project(cfg: ModelConfig, p: dict, h: jax.Array, positions: jax.Array, rope)
     """
     t, nq, dn, dr = h.shape[0], cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     if "wq" in p:
-        q = h @ p["wq"]
+        q = matmul(h, p["wq"])
     else:
-        q = _rms(h @ p["wq_a"], p["q_a_norm"], LATENT_NORM_EPS) @ p["wq_b"]
+        q = matmul(_rms(matmul(h, p["wq_a"]), p["q_a_norm"], LATENT_NORM_EPS), p["wq_b"])
     q = q.reshape(t, nq, dn + dr)
     q_nope, q_pe = q[..., :dn], rope(q[..., dn:], positions)
-    ckv = h @ p["wkv_a"]
+    ckv = matmul(h, p["wkv_a"])
     c = _rms(ckv[:, :cfg.kv_lora_rank], p["kv_a_norm"], LATENT_NORM_EPS)
     k_pe = rope(ckv[:, None, cfg.kv_lora_rank:], positions)[:, 0]
     return q_nope, q_pe, jnp.concatenate([c, k_pe], axis=-1)[:, None, :]
 
 
-def split_kv_b(cfg: ModelConfig, wkv_b: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``wkv_b f[C, Nq*(dn+dv)]`` -> ``(W_UK f[C, Nq, dn], W_UV f[C, Nq, dv])``."""
+def split_kv_b(cfg: ModelConfig, wkv_b, dtype=None) -> tuple[jax.Array, jax.Array]:
+    """``wkv_b f[C, Nq*(dn+dv)]`` -> ``(W_UK f[C, Nq, dn], W_UV f[C, Nq, dv])``. An 8-bit
+    ``wkv_b`` is dequantised to ``dtype`` here, inside the step: its halves are contracted on
+    different axes (the absorbed query contracts ``W_UK``'s head axis), and it is small
+    (``C·Nq·(dn+dv)``: 16.8 M weights per DeepSeek-V3 layer, one layer at a time)."""
+    if is_quantized(wkv_b):
+        wkv_b = dequantize(wkv_b, dtype or jnp.float32)
     w = wkv_b.reshape(cfg.kv_lora_rank, cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
     return w[..., :cfg.qk_nope_head_dim], w[..., cfg.qk_nope_head_dim:]
 
@@ -137,7 +143,7 @@ def attention_absorbed(cfg: ModelConfig, p: dict, q_nope, q_pe, cache: jax.Array
     Returns:
       f[T, Nq, dv] per-head attention outputs (padding rows zero).
     """
-    w_uk, w_uv = split_kv_b(cfg, p["wkv_b"])
+    w_uk, w_uv = split_kv_b(cfg, p["wkv_b"], q_nope.dtype)
     q_lat = jnp.einsum("thd,chd->thc", q_nope, w_uk)
     q = jnp.concatenate([q_lat, q_pe.astype(q_lat.dtype)], axis=-1)     # f[T, Nq, C + dr]
     o = ragged_paged_attention(q, cache, cache, meta.kv_lens, meta.block_tables, meta.cu_q_lens,
@@ -164,7 +170,7 @@ def attention_expanded(cfg: ModelConfig, p: dict, q_nope, q_pe, cache: jax.Array
     tables = jnp.clip(meta.block_tables, 0, nb - 1)
     lat = cache[tables][..., :c + cfg.qk_rope_head_dim].reshape(
         s * pages, bs, c + cfg.qk_rope_head_dim)
-    w_uk, w_uv = split_kv_b(cfg, p["wkv_b"])
+    w_uk, w_uv = split_kv_b(cfg, p["wkv_b"], cache.dtype)
     k_nope = jnp.einsum("nbc,chd->nbhd", lat[..., :c], w_uk)
     k_pe = jnp.broadcast_to(lat[:, :, None, c:], (s * pages, bs, nq, cfg.qk_rope_head_dim))
     k = jnp.concatenate([k_nope, k_pe.astype(k_nope.dtype)], axis=-1)
@@ -193,4 +199,4 @@ def mla_attention(cfg: ModelConfig, p: dict, h: jax.Array, positions: jax.Array,
     cache = write_latent(cache, latent, slots)
     attend = attention_absorbed if cfg.mla_path == "absorbed" else attention_expanded
     o = attend(cfg, p, q_nope, q_pe, cache, meta, attention_impl)
-    return o.reshape(t, cfg.num_heads * cfg.v_head_dim) @ p["wo"], cache
+    return matmul(o.reshape(t, cfg.num_heads * cfg.v_head_dim), p["wo"]), cache

@@ -22,22 +22,39 @@ from jmtp.model import axes as ax
 from jmtp.model import llama
 from jmtp.model.config import ModelConfig
 from jmtp.model.metadata import AttentionMetadata
+from jmtp.model.quant import QuantizedWeight
 # Buffer and the Param constructors live in jmtp.model.variables (shared with jmtp.model.moe).
 from jmtp.model.variables import Buffer  # noqa: F401
 from jmtp.model.variables import buffer as _buffer
 from jmtp.model.variables import normal as _rand
+from jmtp.model.variables import own_variables
 from jmtp.model.variables import param as _param
+from jmtp.model.variables import weight as _weight
 
 
 def _values(tree):
     """Replace every ``nnx.Variable`` of a nested dict / tuple with its array."""
-    return jax.tree_util.tree_map(lambda v: v[...], tree,
+    return jax.tree_util.tree_map(lambda v: v.get_value(), tree,
                                   is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _fill(variables, arrays, where: str) -> None:
     """Set each Variable of ``variables`` (nested dict / tuple) to the array at the same place of
-    ``arrays``; raises ``ValueError`` naming the first tensor missing or of the wrong shape."""
+    ``arrays``; raises ``ValueError`` naming the first tensor missing or of the wrong shape, or
+    an 8-bit weight where the module has a float one (or the reverse, or another storage dtype
+    or block: ``ModelConfig.quantization`` decides)."""
+    if isinstance(variables, QuantizedWeight) or isinstance(arrays, QuantizedWeight):
+        if not (isinstance(variables, QuantizedWeight) and isinstance(arrays, QuantizedWeight)):
+            raise ValueError(
+                f"{where}: {'an 8-bit' if isinstance(arrays, QuantizedWeight) else 'a float'} "
+                f"weight given where ModelConfig.quantization makes it "
+                f"{'8-bit' if isinstance(variables, QuantizedWeight) else 'float'}")
+        if tuple(arrays.block) != tuple(variables.block) or arrays.dtype != variables.dtype:
+            raise ValueError(f"{where}: {arrays.dtype} in blocks {tuple(arrays.block)}, expected "
+                             f"{variables.dtype} in blocks {tuple(variables.block)}")
+        _fill(variables.value, arrays.value, f"{where}.value")
+        _fill(variables.scale, arrays.scale, f"{where}.scale")
+        return
     if isinstance(variables, nnx.Variable):
         if tuple(arrays.shape) != tuple(variables.shape):
             raise ValueError(f"{where}: shape {tuple(arrays.shape)}, expected {variables.shape}")
@@ -54,18 +71,24 @@ class Attention(nnx.Module):
     """Attention projections (MLA ones, :func:`jmtp.model.mla.layer_shapes`, when
     ``cfg.attention_type == "mla"``). GQA: ``wq f[H, Nq·D]``, ``wk, wv f[H, Nkv·D]``, ``wo f[Nq·D, H]``,
     Qwen2 biases ``bq, bk, bv`` when ``cfg.attention_bias``, Qwen3 ``q_norm, k_norm f[D]`` when
-    ``cfg.qk_norm``; each with a leading ``layers`` axis of size ``num_stacked`` if given."""
+    ``cfg.qk_norm``; each with a leading ``layers`` axis of size ``num_stacked`` if given. The
+    projections ``cfg.quantization`` covers under ``prefix`` (``"layers"``, ``"mtp.layer"``) are
+    :class:`~jmtp.model.quant.QuantizedWeight` s."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 num_stacked: int | None = None, std: float = 0.02):
+                 num_stacked: int | None = None, std: float = 0.02, prefix: str = "layers"):
         lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
         h, q, kv, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
+        qc = cfg.quantization
         if cfg.is_mla:  # DeepSeek multi-head latent attention (jmtp.model.mla)
             from jmtp.model import mla
             for name, shape in mla.layer_shapes(cfg).items():
-                value = (jnp.ones(lead + shape, dtype) if name.endswith("norm")
-                         else _rand(rngs, lead + shape, dtype, std))
-                setattr(self, name, _param(value, ax.LAYER_AXES[name], st))
+                if name.endswith("norm"):
+                    var = _param(jnp.ones(lead + shape, dtype), ax.LAYER_AXES[name], st)
+                else:
+                    var = _weight(qc, f"{prefix}.{name}", _rand(rngs, lead + shape, dtype, std),
+                                  ax.LAYER_AXES[name], st)
+                setattr(self, name, var)
             return
         shapes = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h)}
         if cfg.attention_bias:
@@ -73,14 +96,16 @@ class Attention(nnx.Module):
         if cfg.attn_output_gate:    # gated attention (Qwen3-Next / Qwen3.5)
             shapes.update(wg=(h, q))
         for name, shape in shapes.items():
-            setattr(self, name, _param(_rand(rngs, lead + shape, dtype, std), ax.LAYER_AXES[name], st))
+            value = _rand(rngs, lead + shape, dtype, std)
+            setattr(self, name, _weight(qc, f"{prefix}.{name}", value, ax.LAYER_AXES[name], st))
         if cfg.qk_norm:
             self.q_norm = _param(jnp.ones(lead + (d,), dtype), ax.LAYER_AXES["q_norm"], st)
             self.k_norm = _param(jnp.ones(lead + (d,), dtype), ax.LAYER_AXES["k_norm"], st)
 
     def variables(self) -> dict:
-        """``{name: nnx.Param}`` under the names of :mod:`jmtp.model.llama`'s layer dict."""
-        return {k: v for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+        """``{name: nnx.Param or QuantizedWeight}`` under the names of :mod:`jmtp.model.llama`'s
+        layer dict."""
+        return own_variables(self)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -104,26 +129,29 @@ class GatedDeltaNet(nnx.Module):
             setattr(self, name, _param(value, ax.LAYER_AXES[name], st))
 
     def variables(self) -> dict:
-        return {k: v for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+        return own_variables(self)
 
 
 class MLP(nnx.Module):
     """SwiGLU MLP: ``w_gate, w_up f[H, I]``, ``w_down f[I, H]`` (leading ``layers`` axis if
-    ``num_stacked``)."""
+    ``num_stacked``; 8-bit where ``cfg.quantization`` covers ``prefix.<name>``)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 num_stacked: int | None = None, std: float = 0.02):
+                 num_stacked: int | None = None, std: float = 0.02, prefix: str = "layers"):
         lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
         h, i = cfg.hidden_size, cfg.intermediate_size
         for name, shape in {"w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}.items():
-            setattr(self, name, _param(_rand(rngs, lead + shape, dtype, std), ax.LAYER_AXES[name], st))
+            setattr(self, name, _weight(cfg.quantization, f"{prefix}.{name}",
+                                        _rand(rngs, lead + shape, dtype, std), ax.LAYER_AXES[name],
+                                        st))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``f[T, H] -> f[T, H]`` (unstacked MLP only)."""
-        return (jax.nn.silu(x @ self.w_gate[...]) * (x @ self.w_up[...])) @ self.w_down[...]
+        from jmtp.model.moe import swiglu
+        return swiglu(x, *(_values(getattr(self, k)) for k in ("w_gate", "w_up", "w_down")))
 
     def variables(self) -> dict:
-        return {k: v for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+        return own_variables(self)
 
 
 class DecoderLayer(nnx.Module):
@@ -135,17 +163,20 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  num_stacked: int | None = None, std: float = 0.02, moe: bool = False,
-                 linear: bool = False):
+                 linear: bool = False, prefix: str = "layers"):
         from jmtp.model.moe import MoE
         lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
         h = cfg.hidden_size
         self.num_stacked = num_stacked
         self.attn_norm = _param(jnp.ones(lead + (h,), dtype), ax.LAYER_AXES["attn_norm"], st)
-        self.attn = (GatedDeltaNet if linear else Attention)(
-            cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked, std=std)
+        if linear:
+            self.attn = GatedDeltaNet(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked, std=std)
+        else:
+            self.attn = Attention(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked, std=std,
+                                  prefix=prefix)
         self.mlp_norm = _param(jnp.ones(lead + (h,), dtype), ax.LAYER_AXES["mlp_norm"], st)
         self.mlp = (MoE if moe else MLP)(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked,
-                                         std=std)
+                                         std=std, prefix=prefix)
 
     def variables(self) -> dict:
         """The layer dict of :mod:`jmtp.model.llama` (``attn_norm, wq, …, w_down``) of Params."""
@@ -202,11 +233,12 @@ class MTPHead(nnx.Module):
         n, h = num_modules, cfg.hidden_size
         self.enorm = _param(jnp.ones((n, h), dtype), ax.MTP_AXES["enorm"], True)
         self.hnorm = _param(jnp.ones((n, h), dtype), ax.MTP_AXES["hnorm"], True)
-        self.eh_proj = _param(_rand(rngs, (n, 2 * h, h), dtype, (2 * h) ** -0.5),
-                              ax.MTP_AXES["eh_proj"], True)
+        self.eh_proj = _weight(cfg.quantization, "mtp.eh_proj",
+                               _rand(rngs, (n, 2 * h, h), dtype, (2 * h) ** -0.5),
+                               ax.MTP_AXES["eh_proj"], True)
         self.final_norm = _param(jnp.ones((n, h), dtype), ax.MTP_AXES["final_norm"], True)
         self.layer = DecoderLayer(cfg, rngs=rngs, dtype=dtype, num_stacked=n, std=std,
-                                  moe=cfg.mtp_is_moe)
+                                  moe=cfg.mtp_is_moe, prefix="mtp.layer")
 
     def variables(self) -> dict:
         """``params["mtp"]`` of :mod:`jmtp.model.llama`, of Params."""
@@ -223,7 +255,7 @@ class MTPHead(nnx.Module):
         """A head holding the arrays of ``mtp`` (``params["mtp"]``, as :meth:`to_params` returns
         it, e.g. from :func:`jmtp.model.mtp_head.load_mtp_head`), without random initialisation.
 
-        N comes from ``mtp["enorm"].shape[0]``, the dtype from ``mtp["eh_proj"]`` (arrays keep
+        N comes from ``mtp["enorm"].shape[0]``, the dtype from ``mtp["enorm"]`` (arrays keep
         their own dtype); ``cfg`` decides which layer tensors exist (biases, q/k norms).
 
         Raises:
@@ -234,7 +266,7 @@ class MTPHead(nnx.Module):
             if need not in mtp:
                 raise ValueError(f"missing tensor mtp.{need}")
         n = int(mtp["enorm"].shape[0])
-        head = nnx.eval_shape(lambda: cls(cfg, n, rngs=nnx.Rngs(0), dtype=mtp["eh_proj"].dtype))
+        head = nnx.eval_shape(lambda: cls(cfg, n, rngs=nnx.Rngs(0), dtype=mtp["enorm"].dtype))
         variables = head.variables()
         extra = sorted(set(mtp) - set(variables)) + sorted(
             f"layer.{k}" for k in set(mtp["layer"]) - set(variables["layer"]))

@@ -25,7 +25,13 @@ same result up to float rounding:
   product over all E groups, so there it costs k times the dense reference.
 
 ``"auto"`` (the default) picks ``"ragged"`` on TPU and ``"dense"`` elsewhere
-(:func:`resolve_implementation`).
+(:func:`resolve_implementation`). With ``MoEConfig.expert_parallel`` on a device mesh the routed
+experts are split over the devices and :func:`moe_ffn` hands the layer to
+:mod:`jmtp.model.expert_parallel` (the same math, each device running its own experts).
+
+8-bit experts (:class:`jmtp.model.quant.QuantizedWeight`) go through the same two paths:
+every matmul is one of :mod:`jmtp.model.quant`'s (``matmul``, ``expert_matmul``,
+``ragged_dot``), which are plain ``@`` / ``einsum`` / ``ragged_dot`` on float arrays.
 """
 from __future__ import annotations
 
@@ -35,9 +41,11 @@ from flax import nnx
 
 from jmtp.core.platform import host_platform
 from jmtp.model import axes as ax
+from jmtp.model import expert_parallel
+from jmtp.model import quant
 from jmtp.model.config import ModelConfig, MoEConfig
 from jmtp.model.invariant import row_tiled
-from jmtp.model.variables import normal, param
+from jmtp.model.variables import normal, own_variables, param, weight
 
 DENSE_FFN_KEYS = ("w_gate", "w_up", "w_down")
 MOE_KEYS = ("router", "router_bias", "experts_gate", "experts_up", "experts_down",
@@ -70,9 +78,11 @@ def is_moe(p: dict) -> bool:
     return "router" in p
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: ``f[T, H] -> f[T, H]``."""
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def swiglu(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    """``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: ``f[T, H] -> f[T, H]`` (weights float or
+    8-bit, :func:`jmtp.model.quant.matmul`)."""
+    mm = quant.matmul
+    return mm(jax.nn.silu(mm(x, w_gate)) * mm(x, w_up), w_down)
 
 
 def route(moe: MoEConfig, x: jax.Array, router: jax.Array,
@@ -113,37 +123,42 @@ def experts_dense(x, w_gate, w_up, w_down, weights, ids) -> jax.Array:
     """Reference: every expert on every token, summed with the routing weights.
 
     Args:
-      x: f[T, H]; w_gate, w_up: f[E, H, I_e]; w_down: f[E, I_e, H];
-      weights: f32[T, k]; ids: i32[T, k] (from :func:`route`).
+      x: f[T, H]; w_gate, w_up: f[E, H, I_e]; w_down: f[E, I_e, H] (float or 8-bit);
+      weights: f32[T, k]; ids: i32[T, k] (from :func:`route`; an id ``E``, no expert of
+        ``w_*``, contributes 0: a pair another device computes, :mod:`jmtp.model.expert_parallel`).
 
     Returns:
       f[T, H] in ``x.dtype``.
     """
     t, e = x.shape[0], w_gate.shape[0]
-    gates = jnp.zeros((t, e), jnp.float32).at[jnp.arange(t)[:, None], ids].add(weights)
-    hid = jax.nn.silu(jnp.einsum("th,ehi->eti", x, w_gate)) * jnp.einsum("th,ehi->eti", x, w_up)
-    y = jnp.einsum("eti,eih->eth", hid, w_down)
+    gates = jnp.zeros((t, e + 1), jnp.float32).at[jnp.arange(t)[:, None], ids].add(weights)
+    gates = gates[:, :e]
+    em = quant.expert_matmul
+    hid = jax.nn.silu(em(x, w_gate)) * em(x, w_up)
+    y = em(hid, w_down)
     return jnp.einsum("te,eth->th", gates, y.astype(jnp.float32)).astype(x.dtype)
 
 
 def experts_ragged(x, w_gate, w_up, w_down, weights, ids) -> jax.Array:
     """Sorted-by-expert grouped matmuls (``jax.lax.ragged_dot``); arguments and result as
-    :func:`experts_dense`.
+    :func:`experts_dense`, except that an id ``E`` (no expert of ``w_*``: a pair another device
+    computes, :mod:`jmtp.model.expert_parallel`) contributes 0.
 
     The ``T·k`` (token, expert) pairs are stably sorted by expert id; ``group_sizes i32[E]``
     counts each expert's rows, so expert ``e`` multiplies rows ``[sum(sizes[:e]),
-    sum(sizes[:e+1]))`` only. Each row's output is scaled by its weight and the k rows of a token
-    are summed back in its original order (fp32)."""
+    sum(sizes[:e+1]))`` only (the pairs of id ``E`` sort last, outside every group). Each row's
+    output is scaled by its weight and the k rows of a token are summed back in its original
+    order (fp32)."""
     t, k = ids.shape
     e = w_gate.shape[0]
     flat = ids.reshape(-1)                                                     # i32[T·k]
     order = jnp.argsort(flat, stable=True)                                     # pair index, sorted
     xs = x[order // k]                                                         # f[T·k, H]
-    sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    hid = (jax.nn.silu(jax.lax.ragged_dot(xs, w_gate, sizes))
-           * jax.lax.ragged_dot(xs, w_up, sizes))
-    y = jax.lax.ragged_dot(hid, w_down, sizes).astype(jnp.float32)             # f32[T·k, H]
-    y = y * weights.reshape(-1)[order][:, None]
+    sizes = jnp.bincount(flat, length=e + 1)[:e].astype(jnp.int32)
+    hid = (jax.nn.silu(quant.ragged_dot(xs, w_gate, sizes))
+           * quant.ragged_dot(xs, w_up, sizes))
+    y = quant.ragged_dot(hid, w_down, sizes).astype(jnp.float32)               # f32[T·k, H]
+    y = jnp.where((flat[order] < e)[:, None], y * weights.reshape(-1)[order][:, None], 0.0)
     per_pair = jnp.zeros_like(y).at[order].set(y, unique_indices=True)
     return per_pair.reshape(t, k, -1).sum(1).astype(x.dtype)
 
@@ -182,15 +197,25 @@ def moe_ffn(moe: MoEConfig, p: dict, x: jax.Array, implementation: str | None = 
       ValueError: unknown ``implementation``.
     """
     impl = resolve_implementation(implementation or moe.implementation)
+    if expert_parallel.is_active(moe):     # routed experts split over the mesh
+        return expert_parallel.moe_ffn(moe, p, x, route=route,
+                                       experts=EXPERT_IMPLEMENTATIONS[impl], shared=shared_experts)
     weights, ids = route(moe, x, p["router"], p.get("router_bias"))
     out = EXPERT_IMPLEMENTATIONS[impl](x, p["experts_gate"], p["experts_up"], p["experts_down"],
                                        weights, ids)
     if "shared_gate" in p:
-        shared = swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"])
-        if "shared_expert_gate" in p:    # Qwen3-Next / Qwen3.5-MoE: sigmoid(x @ w) per token
-            shared = jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared
-        out = out + shared
+        out = out + shared_experts(p, x)
     return out
+
+
+def shared_experts(p: dict, x: jax.Array) -> jax.Array:
+    """The shared experts of a layer dict on ``x f[T, H]``: ``swiglu(x, shared_*)``, gated per
+    token by ``sigmoid(x @ shared_expert_gate)`` when the layer has that gate (Qwen3-Next /
+    Qwen3.5-MoE). f[T, H]."""
+    shared = swiglu(x, p["shared_gate"], p["shared_up"], p["shared_down"])
+    if "shared_expert_gate" in p:
+        shared = jax.nn.sigmoid(x @ p["shared_expert_gate"]) * shared
+    return shared
 
 
 def ffn(cfg: ModelConfig, p: dict, x: jax.Array) -> jax.Array:
@@ -220,20 +245,22 @@ class MoE(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 num_stacked: int | None = None, std: float = 0.02):
+                 num_stacked: int | None = None, std: float = 0.02, prefix: str = "layers"):
         self.moe = cfg.moe
         lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
         for name, shape in moe_shapes(cfg).items():
             if name == "router_bias":
-                value = jnp.zeros(lead + shape, jnp.float32)
-            else:
-                value = normal(rngs, lead + shape, dtype, std)
-            setattr(self, name, param(value, ax.LAYER_AXES[name], st))
+                var = param(jnp.zeros(lead + shape, jnp.float32), ax.LAYER_AXES[name], st)
+            else:   # 8-bit where cfg.quantization covers it (jmtp.model.variables.weight)
+                var = weight(cfg.quantization, f"{prefix}.{name}",
+                             normal(rngs, lead + shape, dtype, std), ax.LAYER_AXES[name], st)
+            setattr(self, name, var)
 
     def __call__(self, x: jax.Array, implementation: str | None = None) -> jax.Array:
         """``f[T, H] -> f[T, H]`` (unstacked module only); see :func:`moe_ffn`."""
-        return moe_ffn(self.moe, {k: v[...] for k, v in self.variables().items()}, x,
-                       implementation)
+        params = jax.tree_util.tree_map(lambda v: v[...], self.variables(),
+                                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+        return moe_ffn(self.moe, params, x, implementation)
 
     def variables(self) -> dict:
-        return {k: v for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+        return own_variables(self)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.model.config import ModelConfig
+from jmtp.model.quant import QuantizedWeight, check_quantized, is_quantized
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +154,16 @@ def init_mtp_params(cfg: ModelConfig, params: dict, key: jax.Array, dtype=None) 
     layers = params["layers"]
     if cfg.is_hybrid:      # the head is full attention: copy the last full-attention layer
         layers = (layers[cfg.kv_layers[-1]],)
-    last_layer = ({k: np.asarray(a, np.float32) for k, a in layers[-1].items()}
-                  if isinstance(layers, (list, tuple)) else
-                  {k: np.asarray(a[-1:], np.float32)[0] for k, a in layers.items()})
-    last = {k: jnp.asarray(np.repeat(a[None], n, 0), jnp.float32 if k == "router_bias" else dtype)
-            for k, a in last_layer.items()}
+    last_layer = (layers[-1] if isinstance(layers, (list, tuple)) else
+                  jax.tree_util.tree_map(lambda a: a[-1], layers))
+
+    def repeat(k, a):      # n copies; an 8-bit layer's weights stay 8-bit (values and scales)
+        if is_quantized(a):
+            return QuantizedWeight(jnp.repeat(a.value[None], n, 0),
+                                   jnp.repeat(a.scale[None], n, 0), a.block)
+        return jnp.asarray(np.repeat(np.asarray(a, np.float32)[None], n, 0),
+                           jnp.float32 if k == "router_bias" else dtype)
+    last = {k: repeat(k, a) for k, a in last_layer.items()}
     eh = rng.standard_normal((n, 2 * h, h), np.float32) / np.sqrt(2 * h)
     return {
         "enorm": cast(np.ones((n, h))),
@@ -204,7 +210,13 @@ def replicate_kv_heads(cfg: ModelConfig, params: dict, factor: int) -> tuple[Mod
         return cfg, params
     nkv, d = cfg.num_kv_heads, cfg.head_dim
 
-    def heads(a, axis_len):   # repeat along the head axis of a [..., Nkv, X] view
+    def heads(a, axis_len, d=d):   # repeat along the head axis of a [..., Nkv, X] view
+        if is_quantized(a):        # 8-bit wk / wv: values per head, scales per head's columns
+            bn = a.block[1]
+            if d % bn:
+                raise ValueError(f"kv heads of head_dim {d} cannot be replicated in 8-bit "
+                                 f"blocks {a.block} (the block must divide head_dim)")
+            return QuantizedWeight(heads(a.value, True), heads(a.scale, True, d // bn), a.block)
         if isinstance(a, jax.ShapeDtypeStruct):
             shape = list(a.shape)
             shape[-1 if axis_len else -2] *= factor
@@ -249,6 +261,7 @@ def check_params(cfg: ModelConfig, params: dict, source: str = "params") -> None
                          "linear-attention layers), so params['layers'] must be a tuple of "
                          "per-layer dicts")
     walk(expected, params, "")
+    check_quantized(cfg, params, source)     # 8-bit weights where cfg.quantization says
 
 
 def _walk_shapes(source: str):

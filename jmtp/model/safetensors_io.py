@@ -4,8 +4,11 @@ README: 8-byte little-endian header length, JSON header, raw little-endian data)
 
 :class:`SafetensorsSource` is one checkpoint directory's tensors in HF naming and torch
 (``[out, in]``) layout, the :class:`TensorSource` the HF loader (:mod:`jmtp.model.hf_loader`)
-reads; DeepSeek-V3's block-scaled fp8 weights are dequantised on access
-(:func:`dequantize_block_fp8`).
+reads. Block-scaled FP8 weights (DeepSeek-V3/R1, GLM-4.5-FP8, Qwen3-FP8) come out 8-bit, as
+:class:`~jmtp.model.fp8_checkpoint.QArray` s (values and their ``weight_scale_inv`` grid), each
+tensor checked against the config's ``quantization_config``
+(:func:`jmtp.model.fp8_checkpoint.check_tensor`); :func:`dequantize_block_fp8` is the numpy
+dequantisation (``w · scale_inv`` per block) the tests compare with.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from typing import Protocol
 
 import ml_dtypes
 import numpy as np
+
+from jmtp.model.fp8_checkpoint import CheckpointQuant, QArray, check_tensor
 
 
 class TensorSource(Protocol):
@@ -123,13 +128,19 @@ class SafetensorsSource:
     """All tensors of a checkpoint directory: ``model.safetensors.index.json`` (sharded) or every
     ``*.safetensors`` file, plus ``mtp/*.safetensors`` when that sub-directory exists.
 
+    Args:
+      quant: the checkpoint's ``quantization_config`` (None: no tensor may be FP8).
+      num_layers: the target's ``num_hidden_layers`` (error messages call tensors of layers past
+        it MTP layer tensors).
+
     Raises:
       ValueError: if no safetensors file is found, the index names a missing shard, or a tensor
         name appears in two files.
     """
 
-    def __init__(self, directory: str | os.PathLike, weight_block_size: tuple[int, int] | None = None):
-        self.weight_block_size = weight_block_size
+    def __init__(self, directory: str | os.PathLike, quant: CheckpointQuant | None = None,
+                 num_layers: int | None = None):
+        self.quant, self.num_layers = quant, num_layers
         d = Path(directory)
         index = d / "model.safetensors.index.json"
         if index.is_file():
@@ -159,12 +170,45 @@ class SafetensorsSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._files[name].shape(name)
 
-    def get(self, name: str) -> np.ndarray:
+    def is_mtp(self, name: str) -> bool:
+        """Whether ``name`` belongs to an MTP layer (a layer index past ``num_layers``, or an
+        ``mtp`` prefix)."""
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and self.num_layers:
+            return int(parts[2]) >= self.num_layers
+        return name.startswith("mtp.") or ".mtp" in name
+
+    def get(self, name: str) -> np.ndarray | QArray:
+        """The tensor ``name``: a float array, or for an FP8 weight a :class:`QArray` with its
+        ``weight_scale_inv``.
+
+        Raises:
+          ValueError: naming the tensor: its storage disagrees with ``quantization_config``
+            (:func:`~jmtp.model.fp8_checkpoint.check_tensor`), an FP8 weight without (or a float
+            one with) a ``_scale_inv``, a scale grid that does not fit the weight, an unsupported
+            dtype.
+        """
         sf = self._files[name]
-        if sf.dtype_name(name) in _FP8_ST_DTYPES and name + "_scale_inv" in self._files:
-            return dequantize_block_fp8(sf.get(name), self.get(name + "_scale_inv"),
-                                        self.weight_block_size, f"{sf.path}: tensor {name!r}")
-        if sf.dtype_name(name) not in _FLOAT_ST_DTYPES:
+        dt = sf.dtype_name(name)
+        fp8 = dt in _FP8_ST_DTYPES
+        check_tensor(name, fp8, dt, self.quant, sf.path, self.is_mtp(name))
+        scale_name = name + "_scale_inv"
+        if fp8:
+            if scale_name not in self._files:
+                raise ValueError(f"{sf.path}: tensor {name!r} is {dt} without its "
+                                 f"{scale_name!r} (block-scaled FP8 needs one f32 scale per "
+                                 f"{self.quant.weight_block_size} block)")
+            sdt = self._files[scale_name].dtype_name(scale_name)
+            if sdt not in _FLOAT_ST_DTYPES:
+                raise ValueError(f"{self.where(scale_name)}: tensor {scale_name!r} must be a "
+                                 f"float scale grid, got {sdt}")
+            scale = np.asarray(self._files[scale_name].get(scale_name), np.float32)
+            return QArray(sf.get(name), scale, self.quant.weight_block_size,
+                          f"{sf.path}: tensor {name!r}")
+        if scale_name in self._files:
+            raise ValueError(f"{sf.path}: tensor {name!r} is {dt} but has a {scale_name!r}: a "
+                             "scale without an FP8 weight")
+        if dt not in _FLOAT_ST_DTYPES:
             raise ValueError(
                 f"{sf.path}: tensor {name!r} has dtype {sf.dtype_name(name)}; only "
                 f"{'/'.join(_FLOAT_ST_DTYPES)} weights are supported (quantized checkpoints are not)")

@@ -1,6 +1,8 @@
 """The variables of jmtp's NNX modules: ``nnx.Param`` s and :class:`Buffer` s created with their
-logical axis names (:mod:`jmtp.model.axes`) as ``out_sharding`` metadata, and the random normal
-initialiser the fresh modules use. Shared by :mod:`jmtp.model.modules` and :mod:`jmtp.model.moe`.
+logical axis names (:mod:`jmtp.model.axes`) as ``out_sharding`` metadata, 8-bit weights
+(:func:`weight`: a :class:`~jmtp.model.quant.QuantizedWeight` of two Params) and the random
+normal initialiser the fresh modules use. Shared by :mod:`jmtp.model.modules` and
+:mod:`jmtp.model.moe`.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmtp.model import axes as ax
+from jmtp.model.quant import QuantConfig, QuantizedWeight, quantize
 
 
 class Buffer(nnx.Variable):
@@ -41,3 +44,27 @@ def buffer(value: jax.Array, names) -> Buffer:
 def normal(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
     """``std``-scaled standard normal values of ``shape`` (drawn in f32, then cast to ``dtype``)."""
     return (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+def weight(quantization: QuantConfig | None, path: str, value: jax.Array, names,
+           stacked: bool = False):
+    """A linear weight of a module: ``param(value, names, stacked)``, or, when ``quantization``
+    covers ``path`` (``"layers.wq"``, ``"mtp.layer.w_up"``, ...), ``value`` quantised to a
+    :class:`~jmtp.model.quant.QuantizedWeight` whose ``value`` Param has the weight's logical
+    axes and whose ``scale`` Param has them too, except an axis of one scale (per-channel
+    scales' input axis), which is unnamed (replicated). Assign the result with ``nnx.data``."""
+    if quantization is None or not quantization.covers(path):
+        return param(value, names, stacked)
+    q = quantize(value, quantization.method, quantization.block(*value.shape[-2:]))
+    names = tuple(names)
+    scale_names = names[:-2] + tuple(n if size > 1 else None
+                                     for n, size in zip(names[-2:], q.scale.shape[-2:]))
+    return nnx.data(QuantizedWeight(param(q.value, names, stacked),
+                                    param(q.scale, scale_names, stacked), q.block))
+
+
+def own_variables(module) -> dict:
+    """``{attribute: nnx.Param or QuantizedWeight}`` of a module's own weights (the layer dict
+    entries it contributes)."""
+    return {k: v for k, v in vars(module).items()
+            if isinstance(v, (nnx.Param, QuantizedWeight))}

@@ -432,18 +432,21 @@ def ragged_paged_attention(
     nkv = cache_dims(q, k_cache, num_kv_heads)[2]
     kernel_on_mesh = impl in KERNEL_PLATFORMS and bool(mesh.auto_axes())
     sharded = (tp > 1 or kernel_on_mesh) and nkv % tp == 0
+    # one kv head shared by every query head (MQA; MLA's latent cache): the query heads split
+    # over the model axis, each rank reading the whole (replicated) cache
+    shared_kv = tp > 1 and nkv == 1 and q.shape[1] % tp == 0
     run = functools.partial(_dispatch, impl, sm_scale=sm_scale, sliding_window=sliding_window,
                             soft_cap=soft_cap, interpret=interpret, rows_per_seq=rows_per_seq,
                             num_kv_heads=nkv // tp if sharded else nkv,
                             batch_invariant=batch_invariant)
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens)
     args += (k_scale, v_scale) if k_scale is not None else ()
-    if sharded:
+    if sharded or shared_kv:
         # Tensor parallel (a mesh set by jmtp.core.mesh.mesh_context): every rank attends
         # with its own kv heads and their query heads; the metadata is replicated. A kernel
         # always runs here on a mesh (Mosaic cannot be partitioned automatically), even when
         # the model axis has one device.
-        heads, cache, scale = mesh.attention_specs(k_cache.ndim)
+        heads, cache, scale = mesh.attention_specs(k_cache.ndim, shared_kv=shared_kv)
         rep = jax.sharding.PartitionSpec()
         specs = (heads, cache, cache, rep, rep, rep) + ((scale, scale) if k_scale is not None
                                                         else ())

@@ -21,8 +21,12 @@ is manual over ``data`` only (``axis_names={"data"}``): inside it each shard run
 single-shard functions (:func:`jmtp.runtime.step.engine_step`,
 :func:`jmtp.runtime.state.insert_request`, :func:`jmtp.runtime.step.release_slot`) on its own
 slots, blocks and caches with ``EngineConfig`` :func:`shard_config`, while the ``model`` axis stays
-automatic (GSPMD tensor parallelism, attention under its own ``shard_map`` over kv heads). No
-array crosses data shards except the small per-step results the host reads
+automatic (GSPMD tensor parallelism, attention under its own ``shard_map`` over kv heads). The
+parameters enter replicated over ``data``, except the routed experts under expert parallelism:
+each shard sees its ``E/D`` experts. Otherwise no array crosses data shards, except the MoE
+layers' token rows under expert parallelism (:mod:`jmtp.model.expert_parallel`; a run-time
+branch around a model forward must then be taken alike by every shard:
+:func:`jmtp.core.mesh.uniform_any`) and the small per-step results the host reads
 (:class:`~jmtp.runtime.step.StepOutput`, gathered to every device so every process of a
 multi-process run can read them). A request never spans shards: its slot, block table and blocks
 belong to one shard, and its per-slot sampling parameters, seeds and random stream move with its
@@ -103,13 +107,17 @@ def _on_shard(mesh: Mesh, body, in_specs, out_specs):
 
 def data_parallel_step(mesh: Mesh, graphdef, ec: EngineConfig, drafter, bucket, attention_impl,
                        model_state, state, cache, mtp_cache, prefill_chunk, draft_limit,
-                       token_bitmask, draft_override):
+                       token_bitmask, draft_override, *, param_specs=None):
     """:func:`~jmtp.runtime.step.engine_step` on every data shard at once.
 
     Args:
       mesh: the engine's mesh (static).
       graphdef, drafter, bucket, attention_impl, model_state: as for ``engine_step``
-        (``model_state`` replicated over ``data``).
+        (``model_state`` replicated over ``data``, except under expert parallelism the routed
+        experts, split over ``data`` too).
+      param_specs: the ``data`` part of each leaf of ``model_state``'s placement, in leaf order
+        (:func:`jmtp.runtime.sharding.data_specs`); None: every parameter replicated over
+        ``data``.
       ec: the *shard's* config (:func:`shard_config`), static.
       state, cache, mtp_cache: stacked (module docstring).
       prefill_chunk, draft_limit: i32[D, B/D]; token_bitmask: i32[D, B/D, K+1, NW];
@@ -119,18 +127,24 @@ def data_parallel_step(mesh: Mesh, graphdef, ec: EngineConfig, drafter, bucket, 
       ``(state, cache, mtp_cache, StepOutput)``, all stacked: ``StepOutput`` fields are
       ``[D, B/D, ...]`` and ``free_count`` is ``i32[D]``.
     """
-    def body(model_state, state, cache, mtp_cache, chunk, limit, bitmask, override):
-        *new, out = engine_step(graphdef, ec, drafter, bucket, attention_impl, model_state,
-                                _squeeze(state), _squeeze(cache), _squeeze(mtp_cache), chunk[0],
-                                limit[0], bitmask[0], override[0])
+    leaves, treedef = jax.tree_util.tree_flatten(model_state)
+    specs = tuple(param_specs) if param_specs is not None else (P(),) * len(leaves)
+    if len(specs) != len(leaves):
+        raise ValueError(f"param_specs has {len(specs)} entries for {len(leaves)} parameters")
+
+    def body(leaves, state, cache, mtp_cache, chunk, limit, bitmask, override):
+        state, cache, mtp_cache, out = engine_step(
+            graphdef, ec, drafter, bucket, attention_impl,
+            jax.tree_util.tree_unflatten(treedef, leaves), _squeeze(state), _squeeze(cache),
+            _squeeze(mtp_cache), chunk[0], limit[0], bitmask[0], override[0])
         # prompt logprobs are per packed row of a shard: not served on a mesh (refused at intake)
         out = dataclasses.replace(out, prompt_logprobs=None, prompt_top_ids=None,
                                   prompt_top_logprobs=None, prompt_row_start=None)
-        return _expand((*new, out))
+        return _expand((state, cache, mtp_cache, out))
 
     d = P(DATA)
-    return _on_shard(mesh, body, (P(), d, d, d, d, d, d, d), d)(
-        model_state, state, cache, mtp_cache, prefill_chunk, draft_limit, token_bitmask,
+    return _on_shard(mesh, body, (list(specs), d, d, d, d, d, d, d), d)(
+        list(leaves), state, cache, mtp_cache, prefill_chunk, draft_limit, token_bitmask,
         draft_override)
 
 

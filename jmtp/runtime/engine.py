@@ -81,7 +81,8 @@ class LLM:
         ``attention_backend``, ``moe_backend``, ``block_allocator``, ``kv_cache_dtype``, ``max_logprobs``, ``seed``,
         ``model_config``/``params``/``tokenizer``, ``mtp_head``, ``compile``,
         ``compilation_cache_dir``, ``tensor_parallel_size``, ``data_parallel_size``, ``mesh``,
-        ``enable_prefix_caching``, ``async_scheduling``),
+        ``enable_expert_parallel``, ``all2all_backend``, ``enable_prefix_caching``,
+        ``async_scheduling``),
         documented there.
 
     Raises:
@@ -117,6 +118,10 @@ class LLM:
     def kv_cache_bytes(self) -> dict[str, int]:
         """KV-cache bytes, values and scales apart: :meth:`LLMEngine.kv_cache_bytes`."""
         return self.llm_engine.kv_cache_bytes()
+
+    def param_bytes(self) -> dict[str, int]:
+        """Parameter bytes, 8-bit values and scales apart: :meth:`LLMEngine.param_bytes`."""
+        return self.llm_engine.param_bytes()
 
     def close(self) -> None:
         """Release the engine: its KV caches, state and compiled executables (and with them the

@@ -17,11 +17,13 @@ import numpy as np
 
 from jmtp.core.checks import check_one_of
 from jmtp.core.platform import host_platform, platform_of
-from jmtp.model.config import MOE_IMPLEMENTATIONS, ModelConfig
+from jmtp.model.config import ALL2ALL_BACKENDS, MOE_IMPLEMENTATIONS, ModelConfig
+from jmtp.model.expert_parallel import check_expert_parallel, resolve_all2all_backend
 from jmtp.model.kv_shift import with_k_shift
 from jmtp.model.llama import unstack_layers
 from jmtp.model.moe import resolve_implementation as resolve_moe
 from jmtp.model.params import replicate_kv_heads
+from jmtp.model.quant import QUANT_METHODS
 from jmtp.pallas.kv_quant import check_kv_cache_dtype
 from jmtp.pallas.ragged_paged_attention import IMPLEMENTATIONS
 from jmtp.runtime import compile as jc
@@ -132,6 +134,13 @@ class EngineArgs:
       kv_cache_dtype: ``EngineConfig.kv_cache_dtype``: ``None`` (default: ``dtype``), ``"int8"``
         or ``"fp8_e4m3"`` for the target and the MTP cache (:mod:`jmtp.pallas.kv_quant`; bytes:
         :meth:`kv_cache_bytes`).
+      quantization: 8-bit weights (vLLM's name; :mod:`jmtp.model.quant`): None (default) keeps
+        the checkpoint's (a block-scaled FP8 checkpoint, auto-detected from its
+        ``quantization_config``, stays 8-bit on the device), ``"int8"`` (weight-only, one scale
+        per output channel, any checkpoint) or ``"fp8"`` (block-scaled ``float8_e4m3fn``, the
+        checkpoint's blocks or 128x128): the decoder-block linears of the target and of the MTP
+        layer; embeddings, LM head, norms and routers stay in ``dtype``. Bytes:
+        :meth:`~jmtp.runtime.runner.DeviceRunner.param_bytes`.
       max_logprobs: largest ``SamplingParams.logprobs`` served (0 = logprobs off).
       seed: seeds the per-request seeds of requests whose ``SamplingParams.seed`` is None.
       model_config / params / tokenizer: pass an already-built model instead of ``model``.
@@ -155,6 +164,16 @@ class EngineArgs:
         :mod:`jmtp.runtime.data_parallel`. Must divide the three sizes.
       mesh: a ``jax.sharding.Mesh`` with axes ``("data", "model")`` to use instead of one built
         from the two sizes (:func:`jmtp.runtime.sharding.make_mesh`).
+      enable_expert_parallel: (vLLM name) split a MoE model's routed experts over every device of
+        the mesh (``data × model``; each holds ``num_experts / (DP·TP)`` whole experts, which
+        that number must divide) and dispatch each token to the devices owning its experts
+        and back (:mod:`jmtp.model.expert_parallel`); attention stays split by request over
+        ``data`` and by heads over ``model``, the shared experts over ``model``, the router
+        replicated. Off (default): the experts are replicated over ``data`` and each one's
+        width split over ``model``. No effect on one device or for a dense model (logged).
+      all2all_backend: (vLLM name) the token dispatch under expert parallelism:
+        ``"allgather_reducescatter"``, ``"ragged_all_to_all"`` or ``"auto"`` (default: by
+        platform and mesh, :func:`jmtp.model.expert_parallel.resolve_all2all_backend`).
       enable_prefix_caching: reuse the target and MTP KV of full blocks of earlier requests'
         prompts and outputs (vLLM's option name; :mod:`jmtp.runtime.prefix_cache`); on a mesh
         each data shard caches its own blocks (:mod:`jmtp.runtime.prefix_slots`). A hybrid
@@ -223,10 +242,13 @@ class EngineArgs:
     compilation_cache_dir: str | bool | None = "auto"
     block_allocator: str = "auto"
     kv_cache_dtype: str | None = None
+    quantization: str | None = None
     moe_backend: str | None = None
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     mesh: object = None
+    enable_expert_parallel: bool = False
+    all2all_backend: str = "auto"
     enable_prefix_caching: bool = False
     max_cached_states: int | None = None
     layer_loop: str = "auto"
@@ -241,6 +263,9 @@ class EngineArgs:
         # process-wide settings first: the malloc tuning works best before a JAX backend starts
         cache_dir = prepare_process(a.compilation_cache_dir)
         check_kv_cache_dtype(a.kv_cache_dtype)   # before anything is loaded
+        if a.quantization not in (None,) + QUANT_METHODS:
+            raise ValueError(f"quantization must be one of {QUANT_METHODS} or None, got "
+                             f"{a.quantization!r}")
         check_one_of("layer_loop", a.layer_loop, LAYER_LOOPS)
         devices = (list(a.mesh.devices.flat) if a.mesh is not None
                    else list(a.devices) if a.devices is not None else None)
@@ -264,20 +289,26 @@ class EngineArgs:
             if model_config is None:
                 raise ValueError("abstract=True needs model_config (the engine is built from "
                                  "shapes; jmtp.model.loader.load_config reads one from a model file)")
+            if a.quantization is not None:
+                from jmtp.model.quant_params import config_quantization
+                model_config = config_quantization(model_config, a.quantization)
             params = params if params is not None else abstract_params(
                 model_config, dtype, spec.method == "mtp", a.kv_cache_dtype)
         elif params is None:
             from jmtp.model.loader import load_checkpoint, load_tokenizer
-            model_config, params = load_checkpoint(a.model, dtype=dtype, mtp_head=a.mtp_head)
+            model_config, params = load_checkpoint(a.model, dtype=dtype, mtp_head=a.mtp_head,
+                                                   quantization=a.quantization)
             if tokenizer is None:
                 tokenizer = load_tokenizer(a.model)
         elif model_config is None:
             raise ValueError("model_config is required when params are given")
         else:
             from jmtp.model.params import check_params
+            from jmtp.model.quant_params import with_quantization
             # An MTP head is optional unless method="mtp" (checked below).
             check_params(model_config if "mtp" in params else
                          model_config.replace(num_mtp_layers=0), params, "params")
+            model_config, params = with_quantization(model_config, params, a.quantization)
         if not 0 <= a.max_logprobs <= model_config.vocab_size:
             raise ValueError(f"max_logprobs must lie in [0, vocab_size={model_config.vocab_size}], "
                              f"got {a.max_logprobs}")
@@ -291,6 +322,7 @@ class EngineArgs:
             model_config = model_config.replace(moe=model_config.moe.replace(
                 implementation=resolve_moe(a.moe_backend or model_config.moe.implementation,
                                            platform)))
+        check_one_of("all2all_backend", a.all2all_backend, ALL2ALL_BACKENDS)
         if spec.method == "mtp" and "mtp" not in params:
             raise ValueError("speculative method 'mtp' needs MTP weights (params['mtp'])")
         num_states = _state_checkpoints(a, model_config)
@@ -313,6 +345,8 @@ class EngineArgs:
             model_config, params = replicate_kv_heads(model_config, params, factor)
         if mesh is not None:
             shd.check_tensor_parallel(model_config, tp)
+        if a.enable_expert_parallel:
+            model_config = _with_expert_parallel(model_config, mesh, platform, a.all2all_backend)
         dp = shd.mesh_sizes(mesh)[0] if mesh is not None else 1
         tokens = a.max_num_batched_tokens
         if tokens is None:   # (a multiple of data_parallel_size: split per shard)
@@ -386,8 +420,10 @@ def attention_fallback(attention_backend: str | None, platform: str,
 def abstract_params(cfg: ModelConfig, dtype, with_mtp: bool, kv_cache_dtype: str | None) -> dict:
     """The parameter dict of ``cfg`` as ``jax.ShapeDtypeStruct``s (nothing allocated): the
     target, the MTP head when ``with_mtp`` (``cfg.num_mtp_layers`` modules, at least one) and the
-    int8 cache's key shift."""
+    int8 cache's key shift; the weights ``cfg.quantization`` covers as 8-bit
+    :class:`~jmtp.model.quant.QuantizedWeight` s (values and f32 scales)."""
     from jmtp.model.params import param_shapes
+    from jmtp.model.quant_params import abstract_quantized
     c = (cfg.replace(num_mtp_layers=max(cfg.num_mtp_layers, 1)) if with_mtp
          else cfg.replace(num_mtp_layers=0))
 
@@ -397,7 +433,7 @@ def abstract_params(cfg: ModelConfig, dtype, with_mtp: bool, kv_cache_dtype: str
         if tree and isinstance(tree[0], dict):
             return tuple(sds(v) for v in tree)
         return jax.ShapeDtypeStruct(tuple(tree), jnp.float32 if name == "router_bias" else dtype)
-    params = sds(param_shapes(c))
+    params = abstract_quantized(c, sds(param_shapes(c)))
     if kv_cache_dtype == "int8" and not cfg.is_mla:
         params["k_shift"] = jax.ShapeDtypeStruct(
             (cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
@@ -439,6 +475,27 @@ def _state_checkpoints(a, cfg: ModelConfig) -> int:
         raise ValueError(f"max_cached_states={n} must be a multiple of data_parallel_size={dp} "
                          "(each data shard keeps its own)")
     return a.max_num_seqs + n
+
+
+def _with_expert_parallel(cfg: ModelConfig, mesh, platform: str, backend: str) -> ModelConfig:
+    """``cfg`` with expert parallelism on (``MoEConfig.expert_parallel``, the dispatch
+    resolved for the platform and mesh); unchanged, with a log line, for a dense model or one
+    device.
+
+    Raises:
+      ValueError: ``num_experts`` not a multiple of the mesh's devices."""
+    if cfg.moe is None:
+        log.warning("enable_expert_parallel: the model has no MoE layers; ignored")
+        return cfg
+    if mesh is None:
+        log.info("enable_expert_parallel: one device holds every expert; nothing to split")
+        return cfg
+    dp, tp = shd.mesh_sizes(mesh)
+    check_expert_parallel(cfg.moe, dp, tp)
+    backend = resolve_all2all_backend(backend, platform, dp, tp, cfg.moe.num_experts_per_tok)
+    log.info("expert parallelism: %d experts over %d devices (%d each), dispatch %s",
+             cfg.moe.num_experts, dp * tp, cfg.moe.num_experts // (dp * tp), backend)
+    return cfg.replace(moe=cfg.moe.replace(expert_parallel=True, all2all_backend=backend))
 
 
 def _make_mesh(cfg: ModelConfig, tp: int, dp: int, mesh, devices=None):

@@ -43,6 +43,11 @@ class CompileAPI:
         """``{"params": (per device, total), "kv_cache": (per device, total)}`` bytes."""
         return self.runner.memory_per_device()
 
+    def param_bytes(self) -> dict[str, int]:
+        """Device bytes of the parameters, 8-bit values, their scales and the rest apart
+        (:meth:`DeviceRunner.param_bytes <jmtp.runtime.runner.DeviceRunner.param_bytes>`)."""
+        return self.runner.param_bytes()
+
     def kv_cache_bytes(self) -> dict[str, int]:
         """Device bytes of the KV caches, values and scales apart
         (:meth:`DeviceRunner.kv_cache_bytes <jmtp.runtime.runner.DeviceRunner.kv_cache_bytes>`)."""

@@ -114,7 +114,8 @@ class OneDevice:
 class OnMesh:
     """Placement on a ``("data", "model")`` mesh: state and caches stacked per data shard
     (leading axis over ``data``, kv heads over ``model``), parameters sharded by their logical
-    axes and replicated over ``data`` (:mod:`jmtp.runtime.sharding`). Every jitted function's
+    axes and replicated over ``data``, except the routed experts under expert parallelism, split
+    over ``data × model`` (:mod:`jmtp.runtime.sharding`). Every jitted function's
     output shardings equal its input ones (donation in place, no recompiles); what the host reads
     (``StepOutput``, free block counts, exported pages) comes back replicated."""
 
@@ -131,7 +132,9 @@ class OnMesh:
                                      linear_heads=mc.linear.num_value_heads if mc.is_hybrid
                                      else None, linear_saved=ec.num_state_checkpoints > 0)
         self.arg_sharding = rep
-        pshard = shd.param_shardings(runner.params, mesh)
+        moe = mc.moe
+        pshard = shd.param_shardings(runner.params, mesh,
+                                     expert_parallel=moe is not None and moe.expert_parallel)
         init_st = jax.jit(lambda: dpar.stack_shards(init_state(sec, mc.vocab_size), dp),
                           out_shardings=st)
         width = cache_row_width(mc, shd.mesh_sizes(mesh)[1], ec.platform)
@@ -155,7 +158,8 @@ class OnMesh:
             make = lambda n: init_kv(n)()
         runner.mtp_cache = make(num_mtp_cache_layers) if num_mtp_cache_layers else None
         mkv = kv if runner.mtp_cache is not None else None
-        self.step = jax.jit(functools.partial(dpar.data_parallel_step, mesh),
+        self.step = jax.jit(functools.partial(dpar.data_parallel_step, mesh,
+                                              param_specs=shd.data_specs(pshard)),
                             static_argnums=STEP_STATICS, donate_argnums=STEP_DONATED,
                             out_shardings=(st, tkv, mkv, rep))
         self.insert_fn = jax.jit(functools.partial(dpar.data_parallel_insert, mesh),

@@ -442,6 +442,14 @@ class DeviceRunner:
         c_total, c_local = shd.per_device_bytes((self.cache, self.mtp_cache))
         return {"params": (p_local, p_total), "kv_cache": (c_local, c_total)}
 
+    def param_bytes(self) -> dict[str, int]:
+        """Device bytes of the parameters by kind (whole arrays; per device:
+        :meth:`memory_per_device`): ``quantized_values`` (the 8-bit weights, one byte each),
+        ``scales`` (their f32 scales), ``unquantized`` (every other parameter, in the model
+        dtype), ``total``, and ``quantized_elements`` (:func:`jmtp.model.quant_params.param_bytes`)."""
+        from jmtp.model.quant_params import param_bytes
+        return param_bytes(nnx.merge(self.graphdef, self.params).to_params())
+
     def kv_cache_bytes(self) -> dict[str, int]:
         """Device bytes of the KV caches, values and quantisation scales apart.
 

@@ -12,8 +12,10 @@ logical axis        mesh axis what it shards
 ``kv_heads``        model     wk, wv / bk, bv columns; the KV caches' heads axis
 ``mlp``             model     w_gate / w_up columns, w_down rows (column / row parallel MLP)
 ``vocab``           model     embedding rows, LM head columns, the FR-Spec draft head rows
-``experts``         (none)    MoE routed experts (expert parallelism will map it; replicated now)
-``expert_mlp``      (none)    one routed expert's width (replicated for now)
+``experts``         (none)    MoE routed experts; with expert parallelism (data, model): every
+                              device of the mesh holds E / (DP·TP) whole experts
+``expert_mlp``      model     one routed expert's width (tensor-parallel experts); none with
+                              expert parallelism
 ``slots``           data      every per-slot array of the engine state (rows of B)
 ``data_shard``      data      the leading axis of the stacked state and KV caches (one entry
                               per data shard, :mod:`jmtp.runtime.data_parallel`)
@@ -31,8 +33,14 @@ paged attention runs under ``jax.shard_map`` over the kv heads
 A dimension mapped to ``model`` must split into whole pieces: ``tensor_parallel_size`` must divide
 ``num_heads`` and ``num_kv_heads``, or be a multiple of ``num_kv_heads`` dividing ``num_heads``:
 the engine then replicates each kv head (:func:`jmtp.model.params.replicate_kv_heads`); else
-:func:`check_tensor_parallel` raises. A ``vocab`` or ``mlp``
-dimension that TP does not divide leaves that one tensor replicated.
+:func:`check_tensor_parallel` raises. Multi-head latent attention splits its query heads only
+(its one latent cache head is replicated over ``model``, ``docs/mla.md``). A ``vocab`` or
+``mlp`` dimension that TP does not divide leaves that one tensor replicated.
+
+Expert parallelism (``enable_expert_parallel=True``) maps ``experts`` to ``(data, model)`` and
+``expert_mlp`` to nothing (:data:`~jmtp.core.mesh.EXPERT_PARALLEL_RULES`, given to
+:func:`param_shardings` and :func:`logical_spec` as ``rules``): every device holds whole
+experts, ``E / (DP·TP)`` of each MoE layer (:mod:`jmtp.model.expert_parallel`).
 
 Data parallelism splits the request slots and the KV-block pool into ``data_parallel_size``
 shards, each a small engine of its own inside the same jitted step
@@ -51,8 +59,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 # The mesh vocabulary lives in jmtp.core.mesh (kernels and model code read it there); it is
 # re-exported here with the placement rules built on it.
 from jmtp.core.mesh import (DATA, DATA_SHARD, LOGICAL_TO_MESH, MESH_AXES, MODEL, SLOTS,  # noqa: F401
-                            attention_specs, auto_axes, mesh_context, model_axis_size,
-                            uniform_any)
+                            attention_specs, auto_axes, mesh_context, mesh_rules,
+                            model_axis_size, uniform_any)
 from jmtp.model import axes as ax
 
 log = logging.getLogger(__name__)
@@ -139,12 +147,13 @@ def mesh_sizes(mesh: Mesh) -> tuple[int, int]:
 def check_tensor_parallel(cfg, tensor_parallel_size: int) -> None:
     """Raise ``ValueError`` unless ``tensor_parallel_size`` divides the query and kv heads of
     ``cfg`` (a :class:`~jmtp.model.config.ModelConfig`; the engine has replicated the kv heads
-    first where TP is a multiple of them, :func:`jmtp.model.params.replicate_kv_heads`)."""
+    first where TP is a multiple of them, :func:`jmtp.model.params.replicate_kv_heads`); for
+    multi-head latent attention only the query heads (the latent cache is replicated)."""
     tp = tensor_parallel_size
-    if tp > 1 and getattr(cfg, "is_mla", False):
-        raise ValueError(f"tensor_parallel_size={tp}: tensor parallelism is not implemented for "
-                         "multi-head latent attention (attention_type='mla'); use 1")
-    for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads)):
+    # MLA: the query heads split, the one latent cache head replicated (docs/mla.md)
+    heads = (("num_heads", cfg.num_heads),) if getattr(cfg, "is_mla", False) else (
+        ("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads))
+    for name, n in heads:
         if n % tp:
             raise ValueError(
                 f"tensor_parallel_size={tp} must divide {name}={n} (the model has "
@@ -153,14 +162,18 @@ def check_tensor_parallel(cfg, tensor_parallel_size: int) -> None:
 
 
 def logical_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
-                 where: str = "") -> P:
+                 where: str = "", rules: dict | None = None) -> P:
     """The ``PartitionSpec`` of an array with logical axes ``names`` and ``shape`` on ``mesh``.
 
-    A dimension whose mesh axis does not divide it is left replicated (logged once per tensor).
+    ``rules``: the logical -> mesh table (default :data:`LOGICAL_TO_MESH`; with expert
+    parallelism :func:`~jmtp.core.mesh.mesh_rules`). A dimension whose mesh axis (or axes
+    together) does not divide it is left replicated (logged once per tensor); mesh axes of size
+    1 are left out.
 
     Raises:
       ValueError: an unknown logical name, or ``len(names) != len(shape)``.
     """
+    rules = LOGICAL_TO_MESH if rules is None else rules
     if len(names) != len(shape):
         raise ValueError(f"{where}: {len(names)} axis names {tuple(names)} for shape {tuple(shape)}")
     out = []
@@ -168,15 +181,17 @@ def logical_spec(names: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
         if name is None:
             out.append(None)
             continue
-        if name not in LOGICAL_TO_MESH:
+        if name not in rules:
             raise ValueError(f"{where}: unknown logical axis {name!r} (see LOGICAL_TO_MESH)")
-        axis = LOGICAL_TO_MESH[name]
-        n = int(mesh.shape[axis]) if axis is not None else 1
+        axes = rules[name]
+        axes = tuple(a for a in ((axes,) if isinstance(axes, str) else axes or ())
+                     if int(mesh.shape[a]) > 1)
+        n = int(np.prod([int(mesh.shape[a]) for a in axes]))
         if n > 1 and size % n:
-            log.info("%s: %s axis of size %d not divisible by mesh axis %s=%d; replicated",
-                     where or "array", name, size, axis, n)
-            axis = None
-        out.append(axis if n > 1 else None)
+            log.info("%s: %s axis of size %d not divisible by mesh axes %s=%d; replicated",
+                     where or "array", name, size, axes, n)
+            axes = ()
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return P(*out)
 
 
@@ -184,18 +199,36 @@ def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
-def param_shardings(model_state: nnx.State, mesh: Mesh) -> nnx.State:
+def param_shardings(model_state: nnx.State, mesh: Mesh,
+                    expert_parallel: bool = False) -> nnx.State:
     """``model_state`` (from ``nnx.split``) with each Variable's value replaced by the
     ``NamedSharding`` its ``out_sharding`` logical names give on ``mesh`` (same tree structure, so
-    ``jax.device_put(model_state, param_shardings(model_state, mesh))`` places it).
+    ``jax.device_put(model_state, param_shardings(model_state, mesh))`` places it);
+    ``expert_parallel``: the routed experts over every device
+    (:data:`~jmtp.core.mesh.EXPERT_PARALLEL_RULES`).
 
     A Variable without ``out_sharding`` metadata is replicated."""
+    rules = mesh_rules(expert_parallel)
+
     def one(path, v):
         shape = v.get_value().shape     # an array or a ShapeDtypeStruct (abstract params)
         names = v.get_metadata().get("out_sharding") or (None,) * len(shape)
         where = ".".join(str(getattr(k, "key", k)) for k in path)
-        return v.replace(NamedSharding(mesh, logical_spec(names, shape, mesh, where)))
+        return v.replace(NamedSharding(mesh, logical_spec(names, shape, mesh, where, rules)))
     return jax.tree_util.tree_map_with_path(one, model_state, is_leaf=_is_var)
+
+
+def data_specs(shardings) -> tuple[P, ...]:
+    """The ``data`` part of each sharding of ``shardings`` (a pytree of ``NamedSharding``s,
+    e.g. :func:`param_shardings`), in leaf order: the ``in_specs`` of the data-parallel
+    ``shard_map`` (:func:`jmtp.runtime.data_parallel.data_parallel_step`), which is manual over
+    ``data`` only. ``P()`` for a parameter replicated over ``data``; under expert parallelism a
+    routed expert tensor's ``(data, model)`` axis becomes ``data`` (each shard sees its ``E/DP``
+    experts, still split over ``model``)."""
+    def keep(entry):
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        return DATA if DATA in axes else None
+    return tuple(P(*(keep(e) for e in s.spec)) for s in jax.tree_util.tree_leaves(shardings))
 
 
 def kv_cache_sharding(mesh: Mesh, num_kv_heads: int, stacked: bool = False,
@@ -289,5 +322,6 @@ def per_device_bytes(tree) -> tuple[int, int]:
 __all__ = ["DATA", "MODEL", "MESH_AXES", "SLOTS", "DATA_SHARD", "state_sharding",
            "LOGICAL_TO_MESH", "make_mesh", "mesh_devices", "check_mesh",
            "mesh_sizes", "check_tensor_parallel", "logical_spec", "param_shardings",
+           "data_specs", "mesh_rules",
            "kv_cache_sharding", "kv_cache_shardings", "linear_state_shardings", "replicated", "attention_specs", "mesh_context",
            "per_device_bytes", "model_axis_size", "auto_axes", "uniform_any"]

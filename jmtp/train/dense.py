@@ -87,7 +87,8 @@ def check_trainable(cfg: ModelConfig, where: str) -> None:
     Raises:
       ValueError: the MiMo MTP layout (``cfg.mtp_layout == "mimo"``: its head takes the target's
         pre-norm hidden state and zeroes position 0's embedding, which the training data path
-        does not provide) or an MLA target (``cfg.attention_type == "mla"``).
+        does not provide), an MLA target (``cfg.attention_type == "mla"``) or an 8-bit MTP
+        head (``cfg.quantization`` covering ``mtp.*``).
     """
     if cfg.mtp_layout == "mimo":
         raise ValueError(f"{where}: MTP training for ModelConfig.mtp_layout='mimo' is not "
@@ -95,6 +96,11 @@ def check_trainable(cfg: ModelConfig, where: str) -> None:
     if cfg.is_mla:
         raise ValueError(f"{where}: MTP training on a multi-head latent attention target "
                          "(ModelConfig.attention_type='mla') is not implemented")
+    q = cfg.quantization
+    if q is not None and any(p.startswith("mtp.") for p in q.quantized):
+        raise ValueError(f"{where}: the MTP head holds 8-bit weights ({q.describe()}); training "
+                         "needs a float head (load without quantization, or attach a float head "
+                         "file)")
 
 
 def dense_mtp_forward(

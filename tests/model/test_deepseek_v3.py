@@ -167,9 +167,11 @@ def _quantize_fp8(w: np.ndarray, block: int):
 
 
 def test_fp8_block_scaled_checkpoint(tmp_path):
-    """An fp8 checkpoint (F8_E4M3 weights + weight_scale_inv, sharded) loads dequantised: the
-    weights equal q * scale exactly, and the logits equal transformers' on the dequantised model."""
+    """An fp8 checkpoint (F8_E4M3 weights + weight_scale_inv, sharded) loads 8-bit: the values and
+    scales are the file's (their product the dequantised weight exactly), and the logits equal
+    transformers' on the dequantised model."""
     from safetensors.numpy import load_file, save_file
+    from jmtp.model.quant import dequantize, is_quantized
     block = 16
     model = _save(tmp_path / "src", seed=3, q_lora_rank=24)
     tensors = load_file(str(tmp_path / "src" / "model.safetensors"))
@@ -177,7 +179,8 @@ def test_fp8_block_scaled_checkpoint(tmp_path):
     out.mkdir()
     deq = {}
     for name, w in list(tensors.items()):
-        if name.endswith("proj.weight") and w.ndim == 2:   # DeepSeek quantises the Linear weights
+        # DeepSeek quantises the Linear weights (kv_a_proj_with_mqa included), not the router
+        if name.endswith(("proj.weight", "proj_with_mqa.weight")) and w.ndim == 2:
             q, s = _quantize_fp8(w.astype(np.float32), block)
             tensors[name], tensors[name + "_scale_inv"] = q, s
             deq[name] = (q.astype(np.float32) * np.repeat(np.repeat(s, block, 0), block, 1)[
@@ -197,11 +200,12 @@ def test_fp8_block_scaled_checkpoint(tmp_path):
     (out / "config.json").write_text(json.dumps(hf))
     cfg, params = load_checkpoint(out, dtype=jnp.float32)
     layers = params["layers"]          # dense layer 0 + MoE layer 1: a tuple of per-layer dicts
-    np.testing.assert_array_equal(np.asarray(layers[1]["wkv_b"]),
+    assert is_quantized(layers[1]["wkv_b"]) and layers[1]["wkv_b"].dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(dequantize(layers[1]["wkv_b"])),
                                   deq["model.layers.1.self_attn.kv_b_proj.weight"].T)
-    np.testing.assert_array_equal(np.asarray(layers[0]["w_down"]),
+    np.testing.assert_array_equal(np.asarray(dequantize(layers[0]["w_down"])),
                                   deq["model.layers.0.mlp.down_proj.weight"].T)
-    np.testing.assert_array_equal(np.asarray(layers[1]["experts_up"][5]),
+    np.testing.assert_array_equal(np.asarray(dequantize(layers[1]["experts_up"][5])),
                                   deq["model.layers.1.mlp.experts.5.up_proj.weight"].T)
     # the reference: transformers on the dequantised weights (an fp32 checkpoint of them)
     ref_dir = tmp_path / "deq"

@@ -171,6 +171,31 @@ def test_dense_and_ragged_agree_random():
     np.testing.assert_allclose(np.asarray(b), ref, rtol=1e-4, atol=1e-5)
 
 
+def test_ragged_leaves_out_pairs_of_another_device():
+    """Expert parallelism hands ``experts_ragged`` the pairs of experts another device owns as
+    id ``E``: they contribute 0 (they sort last, outside every group), the others as before
+    (numpy loop over the kept pairs)."""
+    rng = np.random.default_rng(3)
+    e, k, t = 4, 2, 9
+    x = jnp.asarray(rng.standard_normal((t, H)), jnp.float32)
+    wg, wu = (jnp.asarray(0.3 * rng.standard_normal((e, H, IE)), jnp.float32) for _ in range(2))
+    wd = jnp.asarray(0.3 * rng.standard_normal((e, IE, H)), jnp.float32)
+    ids = np.stack([rng.permutation(e + 2)[:k] for _ in range(t)]).clip(0, e).astype(np.int32)
+    weights = rng.random((t, k)).astype(np.float32)
+    got = np.asarray(jax.jit(experts_ragged)(x, wg, wu, wd, jnp.asarray(weights),
+                                             jnp.asarray(ids)))
+    assert (ids == e).any() and (ids < e).any()
+    ref = np.zeros((t, H))
+    for i in range(t):
+        for j in range(k):
+            if ids[i, j] < e:
+                ee = ids[i, j]
+                g = np.asarray(x[i]) @ np.asarray(wg[ee])
+                hid = g / (1 + np.exp(-g)) * (np.asarray(x[i]) @ np.asarray(wu[ee]))
+                ref[i] += weights[i, j] * (hid @ np.asarray(wd[ee]))
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_auto_implementation_resolves_per_backend():
     from jmtp.model.moe import resolve_implementation
     assert resolve_implementation("auto") == ("ragged" if jax.default_backend() == "tpu" else "dense")
@@ -185,7 +210,7 @@ def test_module_axes_and_call():
     m = MoE(cfg, rngs=nnx.Rngs(0))
     names = {k: v.get_metadata()["out_sharding"] for k, v in m.variables().items()}
     assert names["experts_gate"] == (ax.EXPERTS, ax.EMBED, ax.EXPERT_MLP)
-    assert names["router"] == (ax.EMBED, ax.EXPERTS)
+    assert names["router"] == (ax.EMBED, None)       # replicated: every device routes its rows
     assert names["shared_down"] == (ax.MLP, ax.EMBED)
     stacked = MoE(cfg, rngs=nnx.Rngs(0), num_stacked=3)
     assert stacked.experts_down.get_metadata()["out_sharding"] == (
