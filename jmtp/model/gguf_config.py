@@ -56,7 +56,7 @@ GGUF_ARCHITECTURES = {
     "qwen35moe": ("Qwen3_5MoeForCausalLM", False),
 }
 # The hybrid gated-DeltaNet architectures (hybrid_gguf_config; tensors read by
-# jmtp.model.gguf_loader.HybridGGUFSource into jmtp.model.hf_qwen3_next's builder), and those of
+# jmtp.model.gguf_hybrid.HybridGGUFSource into jmtp.model.hf_qwen3_next's builder), and those of
 # them whose every layer is MoE with a gated shared expert.
 HYBRID_GGUF_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
 HYBRID_MOE_GGUF_ARCHITECTURES = ("qwen3next", "qwen35moe")
