@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The compiles behind docs/scaling.md and the README's `jmtp compile` table (CPU only, libtpu's
+# The compiles behind docs/scaling.md's `jmtp compile` table (§0; CPU only, libtpu's
 # compiler; about 15 minutes on 2 cores). Writes docs/aot/<name>.{json,md}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
