@@ -139,6 +139,7 @@ def main(argv=None):
             llm = LLM(model_config=cfg, params=params, tokenizer=tok, max_num_seqs=1,
                       max_model_len=max_len, speculative_config=spec, compile="eager")
             eng, rec = llm.llm_engine, collections.defaultdict(list)
+            eng.async_scheduling = False     # each step timed from dispatch to its outputs
             run = eng.runner.run_step
 
             def timed(bucket, chunks, limits, guide=None, run=run, rec=rec):

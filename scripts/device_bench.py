@@ -176,6 +176,9 @@ class FixedDepth:
     def draft_limits(self, active):
         return np.where(np.asarray(active, bool), self.depth, 0).astype(np.int32)
 
+    def plan_context(self):
+        return None
+
     def observe(self, *args, **kw):
         pass
 
@@ -216,6 +219,7 @@ def measure_engine(cfg, params, spec, batches, depths, *, context, new_tokens, d
               compile="lazy", dtype=dtype, layer_loop="scan",
               max_num_batched_tokens=max(batches) * context + 64)
     eng = llm.llm_engine
+    eng.async_scheduling = False    # one step at a time: each step timed from dispatch to outputs
     build = time.perf_counter() - t0
     rec: dict = {}
     run = eng.runner.run_step

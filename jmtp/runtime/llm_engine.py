@@ -260,6 +260,8 @@ class LLMEngine(CompileAPI, HandOffAPI):
         t0 = time.perf_counter()
         sch, req, run = self.scheduler, self.requests, self.runner
         outputs = [] if self.async_scheduling else self._drain()   # (turned off meanwhile)
+        if self._inflight is not None and req.waiting and req.waiting[0].handoff is not None:
+            outputs += self._drain()     # an import takes its blocks at once: exact free counts
         self._admit_waiting()
         sync = self.suffix is not None      # (suffix drafts follow every step's tokens)
         if self._inflight is not None and (not sch.num_running or sync or needs_sync(sch.slots)):

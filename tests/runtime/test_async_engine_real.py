@@ -38,7 +38,7 @@ def engine(method: str) -> LLM:
     cfg, params = tiny_model(0, vocab_size=VOCAB_SIZE)
     return LLM(model_config=cfg, params=params, tokenizer=tiny_tokenizer(),
                speculative_config=SPECS[method], max_num_seqs=2, max_model_len=48,
-               block_size=4, num_blocks=12, max_num_batched_tokens=8,
+               block_size=4, num_blocks=9, max_num_batched_tokens=8,
                enable_prefix_caching=True, compile="lazy", layer_loop="scan",
                dtype=jnp.float32)
 

@@ -69,7 +69,8 @@ def test_kv_cache_bytes_hand_computed(runs):
     got = spec.kv_cache_bytes()
     assert got == dict(target_values=values(2), target_scales=scales(2), mtp_values=values(1),
                        mtp_scales=scales(1), values=values(3), scales=scales(3),
-                       linear_state=0, total=values(3) + scales(3))
+                       linear_state=0, prefix_states=0, prefix_state_entry=0,
+                       total=values(3) + scales(3))
 
 
 def test_unknown_kv_cache_dtype_is_rejected_early():

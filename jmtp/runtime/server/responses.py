@@ -26,10 +26,19 @@ class ErrorResponse(_Out):
     error: ErrorDetail
 
 
+class SpeculationUsage(_Out):
+    """jmtp's speculation counters of a response's requests (``usage.speculation``)."""
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_decode_steps: int
+    max_drafts_per_step: int
+
+
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    speculation: Union[SpeculationUsage, None] = None
 
 
 class CompletionLogprobs(_Out):
@@ -39,12 +48,24 @@ class CompletionLogprobs(_Out):
     text_offset: list[int]
 
 
+class PromptLogprob(_Out):
+    """One token's entry of vLLM's ``prompt_logprobs``."""
+    logprob: float | None
+    rank: None
+    decoded_token: str
+
+
+#: vLLM's ``prompt_logprobs``: per prompt token None (the first) or ``{"<id>": PromptLogprob}``.
+PromptLogprobs = Union[list[Union[dict[str, PromptLogprob], None]], None]
+
+
 class CompletionChoice(_Out):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length"] | None
     stop_reason: Union[int, str, None]
+    prompt_logprobs: PromptLogprobs = None
 
 
 class CompletionResponse(_Out):
@@ -112,6 +133,7 @@ class ChatCompletionResponse(_Out):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs = None
 
 
 class CompletionChunk(_Out):
@@ -142,6 +164,7 @@ class ChatChunkChoice(_Out):
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length", "tool_calls"] | None
     stop_reason: Union[int, str, None]
+    prompt_logprobs: PromptLogprobs = None
 
 
 class ChatCompletionChunk(_Out):
