@@ -36,11 +36,19 @@ The tensors themselves are read by :mod:`jmtp.model.gguf_loader`.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numpy as np
 
 from jmtp.model.config import LinearAttentionConfig, ModelConfig, MoEConfig, RopeScaling
+
+#: GGUF tensor types the loaders read (dequantized to fp32 on the host, then cast).
+SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
+                        "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+#: Tensors a GGUF file may hold that no jmtp parameter takes (not reported as unused).
+GGUF_IGNORED = re.compile(
+    r"^rope_freqs\.weight$|\.nextn\.(embed_tokens|shared_head_head)\.weight$")
 
 # GGUF general.architecture -> (HF architecture, llama.cpp permuted q/k rows)
 GGUF_ARCHITECTURES = {

@@ -3,7 +3,7 @@
 undone (:class:`HybridGGUFSource`), their checks, and the load through
 :func:`jmtp.model.hf_qwen3_next.build_hybrid_params`. :func:`jmtp.model.gguf_loader.load_gguf`
 dispatches here; the facts shared with the other GGUF architectures are in
-:mod:`jmtp.model.gguf_loader`."""
+:mod:`jmtp.model.gguf_loader` and :mod:`jmtp.model.gguf_config`."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.gguf_loader import _GGUF_IGNORED, SUPPORTED_GGUF_TYPES
+from jmtp.model.gguf_config import GGUF_IGNORED, SUPPORTED_GGUF_TYPES
 
 __all__ = ["HybridGGUFSource", "check_hybrid_tensors", "load_hybrid"]
 
@@ -179,7 +179,7 @@ class HybridGGUFSource:
         """GGUF tensors no HF name reads (the NextN layers' optional ``embed_tokens`` /
         ``shared_head_head``, which jmtp's MTP head shares with the target, excepted)."""
         used = {g for gs, _, _ in self._map.values() for g in gs}
-        return sorted(n for n in self._tensors if n not in used and not _GGUF_IGNORED.search(n))
+        return sorted(n for n in self._tensors if n not in used and not GGUF_IGNORED.search(n))
 
     def _shape1(self, g: str) -> tuple[int, ...]:
         return tuple(int(s) for s in reversed(self._tensors[g].shape.tolist()))

@@ -50,18 +50,17 @@ from typing import Any
 import numpy as np
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.gguf_config import (GGUF_ARCHITECTURES, HYBRID_GGUF_ARCHITECTURES, gguf_config,
-                                    gguf_metadata)
+from jmtp.model.gguf_config import (GGUF_ARCHITECTURES, GGUF_IGNORED, HYBRID_GGUF_ARCHITECTURES,
+                                    SUPPORTED_GGUF_TYPES, gguf_config, gguf_metadata)
 from jmtp.model.hf_loader import build_params, deinterleave_rows
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUFSource", "HYBRID_GGUF_ARCHITECTURES",
-           "INTERLEAVED_GGUF_ARCHITECTURES", "SUPPORTED_GGUF_TYPES", "check_layer_tensors", "gguf_array", "gguf_config", "gguf_metadata",
-           "gguf_tokenizer_data", "is_gguf", "load_gguf", "open_gguf"]
+           "INTERLEAVED_GGUF_ARCHITECTURES", "SUPPORTED_GGUF_TYPES", "check_layer_tensors",
+           "gguf_array", "gguf_config", "gguf_metadata", "gguf_tokenizer_data", "is_gguf",
+           "load_gguf", "open_gguf"]
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K",
-                        "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # llama.cpp runs these with interleaved ("normal") RoPE on unpermuted HF weights (DeepSeek's own
 # rope_interleave layout): the loader de-interleaves like the HF loader does.
 INTERLEAVED_GGUF_ARCHITECTURES = ("deepseek2", "ernie4_5-moe")
@@ -115,8 +114,6 @@ _NEXTN_MAP = {
     "hnorm.weight": "nextn.hnorm.weight",
     "shared_head.norm.weight": "nextn.shared_head_norm.weight",
 }
-_GGUF_IGNORED = re.compile(
-    r"^rope_freqs\.weight$|\.nextn\.(embed_tokens|shared_head_head)\.weight$")
 _GLOBAL_MAP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -221,7 +218,7 @@ class GGUFSource:
         """GGUF tensors no HF name reads (llama.cpp's derived ``rope_freqs`` and the NextN
         layers' duplicate ``embed_tokens`` / ``shared_head_head`` excepted)."""
         used = {g for gs, _ in self._hf2gguf.values() for g in gs}
-        return sorted(n for n in self._tensors if n not in used and not _GGUF_IGNORED.search(n))
+        return sorted(n for n in self._tensors if n not in used and not GGUF_IGNORED.search(n))
 
     def _shape1(self, g: str) -> tuple[int, ...]:
         return tuple(int(s) for s in reversed(self._tensors[g].shape.tolist()))
