@@ -325,6 +325,9 @@ class DeviceRunner:
         if first:
             self.map_budget.stop()
             self._compiled.add(bucket)
+            # the compile is known now (a clock reading first runs between this dispatch and the
+            # fetch sees it); fetch_step adds the wait for the outputs
+            self.first_call_seconds[bucket.label] = seconds
         return DispatchedStep(bucket, out, first, seconds, self._changed_free(out.free_count))
 
     def fetch_step(self, step: DispatchedStep):
