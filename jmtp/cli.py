@@ -121,8 +121,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "types) and eager for serve")
     p.add_argument("--async-scheduling", choices=["auto", "on", "off"], default="auto",
                    help="dispatch each step before reading the previous one's outputs, so host "
-                        "work overlaps the device (same outputs); auto: on unless an n-gram "
-                        "proposer runs")
+                        "work overlaps the device (same outputs); auto: on for GPU/TPU unless an "
+                        "n-gram or suffix proposer runs, off on CPU (host and device share cores)")
     p.add_argument("--compilation-cache-dir", default="auto",
                    help="JAX persistent compilation cache folder (default 'auto': $JMTP_CACHE_DIR, "
                         "else ~/.cache/jmtp/xla; 'none': leave JAX's setting alone)")

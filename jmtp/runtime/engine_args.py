@@ -215,7 +215,8 @@ class EngineArgs:
         back, so the host's work on them (detokenising, stop strings, logprobs, outputs, the
         dynamic policy, admissions) overlaps the next step on the device (vLLM's option name;
         :mod:`jmtp.runtime.inflight`); outputs are the same either way. ``None`` (default): on
-        unless an n-gram proposer runs (:func:`~jmtp.runtime.inflight.default_async_scheduling`);
+        for GPU and TPU unless an n-gram or suffix proposer runs, off on CPU, where the host and
+        XLA's device share the cores (:func:`~jmtp.runtime.inflight.default_async_scheduling`);
         ``LLMEngine.async_scheduling`` can be changed between steps.
 
     Raises (from :meth:`build`):

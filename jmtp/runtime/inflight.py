@@ -127,12 +127,18 @@ def needs_sync(slots: list) -> bool:
 
 
 def default_async_scheduling(ec: EngineConfig) -> bool:
-    """``async_scheduling=None``: on unless the windows are hard to bound ahead of the outputs
-    (an n-gram proposer, alone or extending MTP drafts: its windows are often shorter than their
-    budget, so a step planned for the budget runs rows the synchronous loop would not; see
-    ``docs/async_scheduling.md`` for the measurements behind this), or suffix decoding drafts
-    (the host drafts from each step's tokens: the engine reads every step before the next)."""
+    """``async_scheduling=None``: on for an accelerator (``ec.platform`` "gpu" or "tpu") unless the
+    windows are hard to bound ahead of the outputs (an n-gram proposer, alone or extending MTP
+    drafts: its windows are often shorter than their budget, so a step planned for the budget
+    runs rows the synchronous loop would not), or suffix decoding drafts (the host drafts from
+    each step's tokens: the engine reads every step before the next). Off on CPU: XLA:CPU's
+    "device" is the host's own cores, so the overlapped host work slows the step it overlaps;
+    measured on a 2-core VM, SmolLM2 with MTP runs 0.96-0.98x the synchronous loop (async wins
+    only where host work is a large share of a step: 1.26x for a tiny model at batch 64;
+    ``docs/async_scheduling.md``, ``scripts/bench_async.py``)."""
     spec = ec.spec
+    if ec.platform == "cpu":
+        return False
     return not spec.enabled or (spec.method == "mtp" and spec.ngram_sizes == (0, 0)
                                 and not spec.uses_suffix)
 

@@ -260,8 +260,10 @@ def test_async_is_the_default_where_windows_are_bounded():
     on = [None, SpeculativeConfig("mtp", 3), SpeculativeConfig("mtp", 3, 3, mtp_strategy="with_ngram"),
           SpeculativeConfig("mtp", 3, speculation_policy="dynamic")]
     off = [SpeculativeConfig("ngram", 3), SpeculativeConfig("mtp", 3, 1, mtp_strategy="with_ngram")]
-    for spec, want in [(s, True) for s in on] + [(s, False) for s in off]:
-        ec = EngineConfig(max_num_seqs=2, max_model_len=32, block_size=4, num_blocks=16,
-                          spec=spec or SpeculativeConfig(method=None))
-        assert default_async_scheduling(ec) is want, spec
+    for platform in ("gpu", "tpu", "cpu"):
+        for spec, want in [(s, True) for s in on] + [(s, False) for s in off]:
+            ec = EngineConfig(max_num_seqs=2, max_model_len=32, block_size=4, num_blocks=16,
+                              spec=spec or SpeculativeConfig(method=None), platform=platform)
+            # on CPU the host and the "device" share cores: off there whatever the method
+            assert default_async_scheduling(ec) is (want and platform != "cpu"), (spec, platform)
     assert FakeRunner is not None
