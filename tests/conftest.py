@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config, items):
         item._id = type(node_id).parse(item.nodeid + suffix)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)    # an xdist hook
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` with the groups handed out first. xdist orders its work units by test
     count, so a group of one or two long tests (the soak, the SmolLM2 engine, the batch-invariant
