@@ -46,6 +46,53 @@ for _flag in _FLAGS:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Keep ``--dist loadgroup`` working on pytest >= 9.2. pytest-xdist (3.8) sends a group to one
+    worker by appending ``@group`` to each marked test's id, written to ``item._nodeid``; pytest
+    9.2 reads the id from ``item._id`` instead, so the suffix was lost and every group's tests
+    were spread over both workers (each worker built the group's module-scoped engines again:
+    measured, a tiny module with an ``xdist_group`` mark set its fixture up on gw0 and gw1).
+    Here the same suffix is written where this pytest reads it; a no-op where xdist's worked."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        suffix = "@" + "_".join(names)
+        node_id = getattr(item, "_id", None)
+        if not names or item.nodeid.endswith(suffix) or node_id is None:
+            continue
+        item._id = type(node_id).parse(item.nodeid + suffix)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)    # an xdist hook
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the groups handed out first. xdist orders its work units by test
+    count, so a group of one or two long tests (the soak, the SmolLM2 engine, the batch-invariant
+    engines) went out among the single ungrouped tests, and a worker could start one when the
+    other had nothing left to run. The groups are the suite's expensive units (each carries a
+    module-scoped engine, server or subprocess): run first, they leave the short ungrouped tests
+    to fill both workers at the end. Only the order changes; what runs where is xdist's."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class GroupsFirst(LoadGroupScheduling):
+        _ordered = False
+
+        def _assign_work_unit(self, node):
+            if not self._ordered:       # the queue is complete at the first assignment
+                self._ordered = True
+                units = list(self.workqueue.items())
+                self.workqueue.clear()
+                # a group's unit is named by the group, an ungrouped test's by its node id
+                self.workqueue.update(sorted(units, key=lambda unit: "::" in unit[0]))
+            super()._assign_work_unit(node)
+
+    return GroupsFirst(config, log)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_executables():
     """Drop JAX's compiled executables after each test module. A pytest-xdist worker otherwise

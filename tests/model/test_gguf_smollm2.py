@@ -12,6 +12,8 @@ import pytest
 
 from jmtp.model import compute_logits, forward, forward_logits, init_kv_cache, ragged_batch
 
+pytestmark = pytest.mark.xdist_group("smollm2_reference")   # one worker loads transformers' SmolLM2 once
+
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)  # torch's thread pool thrashes on a small shared CPU
 transformers = pytest.importorskip("transformers")

@@ -23,6 +23,8 @@ torch.set_num_threads(1)
 pytest.importorskip("transformers")
 from tests.model import hybrid_fixtures as hx  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("hybrid_models")   # one worker builds the shared engines once
+
 
 @functools.lru_cache(maxsize=None)
 def _loaded(kind: str, tmp: str):

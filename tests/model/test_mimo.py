@@ -32,6 +32,8 @@ from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from tests.runtime.conftest import reference_greedy, engine_of
 
+pytestmark = pytest.mark.xdist_group("mimo")   # one worker builds the shared engines once
+
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)  # torch's thread pool thrashes on a small shared CPU
 transformers = pytest.importorskip("transformers")

@@ -17,6 +17,8 @@ from jmtp.runtime.sampling import SamplingParams
 
 from tests.runtime.conftest import reference_greedy
 
+pytestmark = pytest.mark.xdist_group("async_engine")   # one worker builds the shared engines once
+
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 10, 12, 14, 2], [7, 2, 30, 31]]
 
 

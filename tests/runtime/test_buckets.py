@@ -116,8 +116,9 @@ def _spy_buckets(llm):
     return seen
 
 
+@pytest.mark.xdist_group("buckets_scattered")       # both cases on one worker: one compile
 @pytest.mark.parametrize("sampled", [False, True])
-def test_scattered_active_slots_match_a_narrow_engine(sampled):
+def test_scattered_active_slots_match_a_narrow_engine(sampled, kept_engines):
     """Slots 1, 5, 6 of an 8-slot engine keep decoding while 0, 2, 3, 4 finished at their prefill
     and 7 stays idle: compacted into A = 4 rows (one padding row), their tokens equal the same
     requests' on a 3-slot engine (and greedy equals the non-paged reference)."""
@@ -127,8 +128,9 @@ def test_scattered_active_slots_match_a_narrow_engine(sampled):
     spec = SpeculativeConfig("mtp", 2, 2)
     kw = dict(model_config=cfg, params=params, speculative_config=spec, max_model_len=64,
               block_size=4, max_num_batched_tokens=48)
-    wide = LLM(max_num_seqs=8, **kw)
+    wide = LLM(max_num_seqs=8, **kw)             # fresh engines, the compiled buckets shared
     narrow = LLM(max_num_seqs=3, **kw)
+    kept_engines += [wide, narrow]
     long_prompts = [[5, 6, 7], list(range(2, 20)), [9] * 7]
 
     def sp(i, n):

@@ -15,6 +15,8 @@ from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from tests.runtime.conftest import reference_greedy
 
+pytestmark = pytest.mark.xdist_group("deepseek_engine")   # one worker builds the shared engines once
+
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
 transformers = pytest.importorskip("transformers")

@@ -1,6 +1,8 @@
 """Engine behaviour with controlled drafters: oracle / null drafts, stops, limits, blocks, one graph."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,11 +107,22 @@ def test_eos_inside_window_ends_output_exactly(eos_index, what):
     assert free_blocks(llm) == llm.engine_config.num_blocks
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, K, K + 1, K + 2])
-def test_max_tokens_never_exceeded(max_tokens):
+@functools.lru_cache(maxsize=None)
+def _prompts_oracle():
+    """The oracle drafter of PROMPTS' 30-token references: one function object, so the engines
+    of test_max_tokens_never_exceeded have one configuration and share their compiled steps."""
     cfg, params = tiny_model(0)
     refs = _refs(cfg, params, PROMPTS, 30, stop_ids=())
-    _, _, llm = make_llm(oracle_drafter([p + o for p, o in zip(PROMPTS, refs)], MAX_LEN + K + 1, 4))
+    return oracle_drafter([p + o for p, o in zip(PROMPTS, refs)], MAX_LEN + K + 1, 4)
+
+
+@pytest.mark.xdist_group("edges_max_tokens")
+@pytest.mark.parametrize("max_tokens", [1, 2, K, K + 1, K + 2])
+def test_max_tokens_never_exceeded(max_tokens, kept_engines):
+    cfg, params = tiny_model(0)
+    refs = _refs(cfg, params, PROMPTS, 30, stop_ids=())
+    _, _, llm = make_llm(_prompts_oracle())      # a fresh engine, compiled steps shared
+    kept_engines.append(llm)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                         use_tqdm=False)
     for o, r in zip(outs, refs):
@@ -130,16 +143,19 @@ def test_prompt_near_max_model_len_finishes_with_length(room):
     assert len(o.prompt_token_ids) + len(o.token_ids) == MAX_LEN
 
 
-def test_one_token_prompt_with_mtp(tiny):
+@pytest.mark.xdist_group("edges_mtp2_2slots")    # one configuration, compiled once
+def test_one_token_prompt_with_mtp(tiny, kept_engines):
     cfg, params = tiny
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
               max_num_seqs=2, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+    kept_engines.append(llm)
     (o,) = llm.generate([[7]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert o.token_ids == reference_greedy(cfg, params, [7], 6, stop_ids=())
 
 
+@pytest.mark.xdist_group("edges_no_write")       # one configuration, compiled once
 @pytest.mark.parametrize("offset", [K, 1])  # len % block_size in {block_size - K, block_size - 1}
-def test_no_write_outside_own_blocks(offset):
+def test_no_write_outside_own_blocks(offset, kept_engines):
     """Poison every block with NaN: only the request's own blocks are written, and the output is
     still exact (a NaN read would spread into the logits)."""
     bs = 8
@@ -148,6 +164,7 @@ def test_no_write_outside_own_blocks(offset):
     ref = reference_greedy(cfg, params, prompt, 9, stop_ids=())
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", K, K),
               max_num_seqs=2, max_model_len=MAX_LEN, block_size=bs, max_num_batched_tokens=32)
+    kept_engines.append(llm)                    # a fresh engine, compiled steps shared
     nan = lambda c: KVCache(jnp.full_like(c.k, jnp.nan), jnp.full_like(c.v, jnp.nan))
     llm.cache, llm.mtp_cache = nan(llm.cache), nan(llm.mtp_cache)
     (o,) = llm.generate([prompt], SamplingParams(max_tokens=9, ignore_eos=True), use_tqdm=False)
@@ -260,8 +277,9 @@ def test_bad_input_raises_before_running(tiny):
     assert not calls  # nothing ran
 
 
+@pytest.mark.xdist_group("edges_mtp2_2slots")    # test_one_token_prompt_with_mtp's configuration
 @pytest.mark.parametrize("fail_in", ["insert", "release"])
-def test_failing_device_call_loses_no_request(tiny, fail_in):
+def test_failing_device_call_loses_no_request(tiny, fail_in, kept_engines):
     """A device call that raises (the request insert while admitting, or the slot release while
     aborting) leaves the host's bookkeeping as it was: the error reaches the caller unchanged, the
     request can still be aborted or run, and no KV block leaks. (Before the fix the insert's
@@ -270,6 +288,7 @@ def test_failing_device_call_loses_no_request(tiny, fail_in):
     cfg, params = tiny
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
               max_num_seqs=2, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+    kept_engines.append(llm)
     eng = llm.llm_engine
     real = getattr(eng.runner, fail_in)
     calls = []

@@ -11,6 +11,8 @@ from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks
 
+pytestmark = pytest.mark.xdist_group("engine_lossless")   # one worker builds the shared engines once
+
 MAX_LEN = 96
 
 

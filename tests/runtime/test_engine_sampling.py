@@ -12,6 +12,8 @@ from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model
 
+pytestmark = pytest.mark.xdist_group("engine_sampling")   # one worker builds the shared engines once
+
 
 @functools.lru_cache(maxsize=None)
 def engine(k: int | None):

@@ -14,6 +14,8 @@ from jmtp.runtime.engine import LLM, SamplingParams
 from jmtp.runtime.handoff import HANDOFF_VERSION, RequestState
 from tests.runtime.conftest import tiny_model, free_blocks
 
+pytestmark = pytest.mark.xdist_group("handoff_engines")   # one worker builds the shared engines once
+
 MAX_LEN = 48
 PROMPTS = [[5, 6, 7, 8, 9], list(range(2, 15))]
 GREEDY = SamplingParams(max_tokens=16)

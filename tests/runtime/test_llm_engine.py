@@ -222,9 +222,10 @@ def test_top_k_minus_one_equals_off():
     assert outs[0] != outs[2]   # top_k=5 really filters (a check that k matters at all)
 
 
+@pytest.mark.xdist_group("llm_engine_preemption")  # both temperatures on one worker: one compile
 @pytest.mark.parametrize("spec", [None, SpeculativeConfig("mtp", 2, 2)], ids=["plain", "mtp2"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_seeded_request_survives_preemption(spec, temperature):
+def test_seeded_request_survives_preemption(spec, temperature, kept_engines):
     cfg, params = tiny_model(0)
     prompts = [[5, 6, 7, 8, 9], [3, 4], [10] * 9, [20, 21, 22]]
     sp = SamplingParams(max_tokens=24, ignore_eos=True, temperature=temperature, seed=7)
@@ -233,6 +234,7 @@ def test_seeded_request_survives_preemption(spec, temperature):
         llm = LLM(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=4,
                   max_model_len=MAX_LEN, block_size=4, num_blocks=num_blocks,
                   max_num_batched_tokens=32)
+        kept_engines.append(llm)    # a fresh engine; the other temperature's runs its buckets
         outs = llm.generate(prompts, sp, use_tqdm=False)
         st = llm.llm_engine.get_stats()
         assert st["num_free_blocks"] == st["num_blocks"]

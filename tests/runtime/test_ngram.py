@@ -22,6 +22,8 @@ from jmtp.runtime.engine import LLM, SamplingParams
 from jmtp.runtime.ngram import extend_with_ngram, ngram_match
 from tests.runtime.conftest import tiny_model, free_blocks, engine_of
 
+pytestmark = pytest.mark.xdist_group("ngram_engines")   # one worker builds the shared engines once
+
 MAX_LEN = 96
 
 

@@ -17,6 +17,8 @@ from jmtp.runtime.engine import SamplingParams
 from jmtp.runtime.prefix_cache import PrefixCache, block_keys
 from tests.runtime.conftest import reference_greedy, tiny_model, engine_of
 
+pytestmark = pytest.mark.xdist_group("prefix_cache")   # one worker builds the shared engines once
+
 BS = 4
 MAX_LEN = 96
 VOCAB = 12      # a small vocabulary: the random MTP head's drafts are sometimes accepted

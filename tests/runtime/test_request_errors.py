@@ -8,6 +8,8 @@ import jmtp
 from jmtp.runtime.server import param_of
 from tests.runtime.conftest import tiny_model
 
+pytestmark = pytest.mark.xdist_group("request_errors")   # one worker builds the shared engines once
+
 
 @pytest.mark.parametrize("kwargs,field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature"),

@@ -33,6 +33,8 @@ from conftest import tiny_model
 from structured_fixtures import (SCHEMA, VOCAB_SIZE, compiler, reference_constrained_greedy,
                                  tiny_tokenizer)
 
+pytestmark = pytest.mark.xdist_group("structured_engines")   # one worker builds the shared engines once
+
 V = VOCAB_SIZE
 
 

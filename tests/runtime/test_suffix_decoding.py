@@ -22,6 +22,8 @@ from tests.runtime.conftest import free_blocks, reference_greedy, tiny_model
 from tests.runtime.fake_runner import FakeRunner, reference
 from tests.runtime.test_host_logic import drive
 
+pytestmark = pytest.mark.xdist_group("suffix_engines")   # one worker builds the shared engines once
+
 SUFFIX = SpeculativeConfig("suffix", 3)
 HYBRID = SpeculativeConfig("mtp", 3, 1, mtp_strategy="with_suffix")
 PROMPT = [5, 6, 7, 8]
