@@ -54,8 +54,8 @@ def capture_chunk(seq: Sequence, left: int, c: int, block_size: int, window: int
     * ``seq.state_target``, the end of a KV match past every cached state (a branch point);
     * the context's last block boundary, when the chunk would run past it: the continuation
       point. A conversation's next turn repeats this context, so it resumes there rather than
-      at the last chunk end that fell on a boundary (vLLM likewise caches the state of a
-      prompt's last full block). The context's tail after it takes one more, shorter step.
+      at the last chunk end that fell on a boundary. The context's tail after it takes one
+      more, shorter step.
 
     Dense targets and engines without prefix caching get ``c`` unchanged. Returns the chunk
     (``1 <= chunk <= c`` for ``c >= 1``)."""
