@@ -265,6 +265,24 @@ def test_boundary_captured_hand_worked():
     assert b[ok].tolist() == [8, 8, 8] and ck[ok].tolist() == [1, 2, 1]
 
 
+def test_capture_chunk_hand_worked():
+    """Block 4, window 3, a 23-token context: a chunk of 8 from 16 ends on the context's last
+    boundary 20; one that ends on or before it, or a short chunk (<= the window, its rows keep
+    their states), is not cut; a branch point at 12 cuts first; a dense slot (no capture entry)
+    is never cut."""
+    from jmtp.runtime.requests import Sequence
+    from jmtp.runtime.scheduler import capture_chunk
+    seq = Sequence(None, 0, SamplingParams(), None, context_ids=list(range(23)), state_entry=0)
+    assert capture_chunk(seq, 7, 7, 4, 3) == 4          # 16..23 -> 16..20
+    assert capture_chunk(seq, 15, 8, 4, 3) == 8         # 8..16: ends before 20
+    assert capture_chunk(seq, 3, 3, 4, 3) == 3          # 20..23: crosses nothing
+    assert capture_chunk(seq, 5, 3, 4, 3) == 3          # 18..21: short, row 1 keeps 20
+    seq.state_target = 12
+    assert capture_chunk(seq, 15, 8, 4, 3) == 4         # 8..16 -> 8..12 (branch point)
+    seq.state_entry = -1
+    assert capture_chunk(seq, 7, 7, 4, 3) == 7
+
+
 def test_state_cache_lru_and_invariants():
     """Entries are free, held by a slot or cached: ``take`` prefers a free one, then evicts the
     least recently used cached one; ``put`` of a key already cached frees the entry;
