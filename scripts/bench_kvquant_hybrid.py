@@ -62,7 +62,7 @@ def teacher_forced(cfg, params, prompts, outputs, kv):
     import jax.numpy as jnp
     import numpy as np
 
-    from jmtp.model import compute_logits, forward, ragged_batch
+    from jmtp.model import compute_logits, forward
     from jmtp.model.kv_shift import with_k_shift
     from jmtp.model.llama import init_model_cache
     fwd = jax.jit(forward, static_argnums=0)
@@ -72,25 +72,37 @@ def teacher_forced(cfg, params, prompts, outputs, kv):
         ids = list(p) + list(o)
         t, bs = len(ids), 16
         pages = -(-t // bs)
-        pos, meta = ragged_batch(jnp.array([t]), jnp.array([0]),
-                                 jnp.arange(pages, dtype=jnp.int32)[None], bs, t)
+        ids, pos, meta = _padded(ids, pages, bs)
         top = []
         for dt, pr in ((None, params), (kv, shifted)):
             cache = init_model_cache(cfg, pages, bs, kv_cache_dtype=dt)
-            h, _ = fwd(cfg, pr, jnp.asarray(ids, jnp.int32), pos, meta, cache)
+            h, _ = fwd(cfg, pr, ids, pos, meta, cache)
             top.append(np.asarray(jnp.argmax(compute_logits(params, h[len(p) - 1:t - 1]), -1)))
         same += int((top[0] == top[1]).sum())
         total += len(o)
     return same, total
 
 
+def _padded(ids, pages, bs):
+    """``ids`` padded to ``pages`` full blocks (one compile per page count, not per length;
+    the model is causal, so rows before the padding do not see it) and their ragged batch."""
+    import jax.numpy as jnp
+
+    from jmtp.model import ragged_batch
+    tp = pages * bs
+    pos, meta = ragged_batch(jnp.array([tp]), jnp.array([0]),
+                             jnp.arange(pages, dtype=jnp.int32)[None], bs, tp)
+    return jnp.asarray(list(ids) + [0] * (tp - len(ids)), jnp.int32), pos, meta
+
+
 def kv_errors(cfg, params, prompts, kv):
     """Relative RMS error of the full-attention layers' K and V as an 8-bit cache stores them
     (int8: keys shifted and rotated, values rotated; fp8: plain), dequantised and rotated back."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from jmtp.model import forward, ragged_batch
+    from jmtp.model import forward
     from jmtp.model.kv_shift import calibrate_k_shift
     from jmtp.model.llama import init_model_cache
     from jmtp.pallas import kv_quant
@@ -99,13 +111,11 @@ def kv_errors(cfg, params, prompts, kv):
     r = np.asarray(kv_quant.hadamard_rotation(cfg.head_dim)) if kv == "int8" else np.eye(
         cfg.head_dim, dtype=np.float32)
     err = {"K": [0.0, 0.0], "V": [0.0, 0.0]}
+    fwd = jax.jit(forward, static_argnums=0)
     for ids in prompts:
         t, bs = len(ids), 16
         pages = -(-t // bs)
-        pos, meta = ragged_batch(jnp.array([t]), jnp.array([0]),
-                                 jnp.arange(pages, dtype=jnp.int32)[None], bs, t)
-        _, cache = forward(cfg, params, jnp.asarray(ids, jnp.int32), pos, meta,
-                           init_model_cache(cfg, pages, bs))
+        _, cache = fwd(cfg, params, *_padded(ids, pages, bs), init_model_cache(cfg, pages, bs))
         for name, c in (("K", cache.k), ("V", cache.v)):
             x = np.asarray(c).reshape(cfg.num_kv_layers, -1, cfg.num_kv_heads, cfg.head_dim)[:, :t]
             xs = x - (mu[:, None] if name == "K" and kv == "int8" else 0.0)

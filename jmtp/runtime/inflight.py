@@ -16,7 +16,8 @@ view of the device that is never optimistic where that could be wrong:
   for blocks is corrected when its outputs are read (the device clips a chunk to what is left).
 * **Free blocks.** Admission and the prefix cache's eviction count the free blocks of the last
   step read back, plus the blocks pushed back since, minus what each step in flight can take
-  (:func:`free_lower_bound`): a lower bound (releases in between only add).
+  and what hand-off imports took since that step (:func:`free_lower_bound`): a lower bound
+  (releases in between only add).
 * **Occupants.** Each admission gets a ticket (``Scheduler.tickets``); outputs of a slot whose
   request finished (stop string), was aborted or preempted after the step was dispatched are
   dropped (:meth:`StepRecord.valid`): the request learns of its end one step late, and the tokens
@@ -47,6 +48,8 @@ class StepRecord:
       seqs, tickets: the slots' occupants and their admission tickets (i64[B]) at dispatch.
       bounds: per data shard, the most KV blocks it can take (``Scheduler.block_bound``).
       pushed: per data shard, evicted prefix-cache blocks pushed back just before it.
+      taken: per data shard, KV blocks that imported requests took since the step before it
+        (hand-off imports allocate at admission; None: none).
       overlapped: dispatched before the previous step's outputs were read.
       continued: the engine was busy since the previous dispatch (a device gap before it is
         idle time of a busy engine, not a pause between requests).
@@ -77,6 +80,7 @@ class StepRecord:
     t_round: float = 0.0
     t_dispatch0: float = 0.0
     t_dispatch1: float = 0.0
+    taken: list[int] | None = None
 
     def valid(self, slots: list, tickets: np.ndarray) -> np.ndarray:
         """``bool[B]``: slots whose occupant now is the one the step ran for (same admission)."""
@@ -104,16 +108,20 @@ def drafts_bound(window: np.ndarray, limits: np.ndarray, proposing: np.ndarray, 
     return np.where(proposing, grown, window).astype(np.int32)
 
 
-def free_lower_bound(last_free: list[int], inflight: list[StepRecord], pushed: list[int]
-                     ) -> list[int]:
+def free_lower_bound(last_free: list[int], inflight: list[StepRecord], pushed: list[int],
+                     taken: list[int] | None = None) -> list[int]:
     """Per data shard, a lower bound on the free KV blocks once every step in flight has run:
     ``last_free`` (free blocks after the last step read back), plus the blocks pushed back before
     each step in flight and ``pushed`` (pushed since the last dispatch), minus what each step in
-    flight can take. Releases since then are not counted (they only add)."""
+    flight can take and the blocks imported requests took before each step in flight
+    (``StepRecord.taken``) and since the last dispatch (``taken``): an import allocates at
+    admission, after the step read back, so that step's free count does not show it. Releases
+    since then are not counted (they only add)."""
     out = list(last_free)
     for rec in inflight:
-        out = [f + p - b for f, p, b in zip(out, rec.pushed, rec.bounds)]
-    return [max(f + p, 0) for f, p in zip(out, pushed)]
+        out = [f + p - b - t for f, p, b, t in zip(out, rec.pushed, rec.bounds,
+                                                  rec.taken or [0] * len(out))]
+    return [max(f + p - t, 0) for f, p, t in zip(out, pushed, taken or [0] * len(out))]
 
 
 def needs_sync(slots: list) -> bool:

@@ -145,6 +145,7 @@ class LLMEngine(CompileAPI, HandOffAPI):
         self._num_dispatched = 0
         self._busy = False            # requests ran since the last dispatch
         self._last_free = list(run.free_counts)      # free blocks after the last step read back
+        self._taken = [0] * dp           # per shard: blocks imports took since the last dispatch
         self._preempted_at = [-1] * dp   # per shard: dispatch number when it last preempted
 
     # ------------------------------------------------------------------ configuration
@@ -260,8 +261,6 @@ class LLMEngine(CompileAPI, HandOffAPI):
         t0 = time.perf_counter()
         sch, req, run = self.scheduler, self.requests, self.runner
         outputs = [] if self.async_scheduling else self._drain()   # (turned off meanwhile)
-        if self._inflight is not None and req.waiting and req.waiting[0].handoff is not None:
-            outputs += self._drain()     # an import takes its blocks at once: exact free counts
         self._admit_waiting()
         sync = self.suffix is not None      # (suffix drafts follow every step's tokens)
         if self._inflight is not None and (not sch.num_running or sync or needs_sync(sch.slots)):
@@ -322,7 +321,7 @@ class LLMEngine(CompileAPI, HandOffAPI):
         if self._inflight is None:
             return self.runner.free_counts
         return free_lower_bound(self._last_free, [self._inflight],
-                                pushed or [0] * self.runner.num_shards)
+                                pushed or [0] * self.runner.num_shards, self._taken)
 
     def _dispatch(self, bucket, chunks, limits, proposing, guide, overlap: bool, t0: float
                   ) -> StepRecord:
@@ -337,7 +336,8 @@ class LLMEngine(CompileAPI, HandOffAPI):
         rec = StepRecord(self._num_dispatched, bucket, chunks, limits, proposing, list(sch.slots),
                          sch.tickets.copy(), bounds, pushed, overlap, self._busy, t_round=t0,
                          policy=(self.spec_policy.plan_context()
-                                 if self.spec_policy is not None else None))
+                                 if self.spec_policy is not None else None), taken=self._taken)
+        self._taken = [0] * D
         self._num_dispatched += 1
         self._busy = True
         rec.t_dispatch0 = time.perf_counter()
@@ -495,7 +495,9 @@ class LLMEngine(CompileAPI, HandOffAPI):
         changed and the sequence stays waiting)."""
         sch, drafts = self.scheduler, None
         if seq.handoff is not None:
+            pages = seq.handoff.num_pages
             drafts = self.handoff.admit(b, seq)
+            self._taken[sch.shard_of(b)] += pages      # (free_lower_bound)
         else:
             ids, row, remaining, resume_token = self.requests.admission_row(seq)
             d, pcs = sch.shard_of(b), self.prefix_caches

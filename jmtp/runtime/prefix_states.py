@@ -12,7 +12,9 @@ one state per block, 77 MB per 16 tokens for Qwen3-Next-80B):
 
 * the *continuation point*: the last block boundary a request passed before its final step. The
   next turn of a conversation repeats the request's prompt and output, so it matches the KV
-  blocks up to about there and continues from that state;
+  blocks up to about there and continues from that state (a long prefill chunk that would run
+  past the context's last boundary ends on it, so that boundary is captured:
+  :func:`jmtp.runtime.scheduler.capture_chunk`);
 * the *branch point*: a request whose KV match reaches further than any cached state (another
   request cached the blocks of a shared system prompt, but its state lies past the shared part)
   recomputes from the longest boundary that has a state, and captures the state at the end of

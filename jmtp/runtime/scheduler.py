@@ -43,6 +43,33 @@ def reuse_bucket(bucket: StepBucket, compiled: Iterable[StepBucket]) -> StepBuck
     return min(fits, default=bucket)
 
 
+def capture_chunk(seq: Sequence, left: int, c: int, block_size: int, window: int) -> int:
+    """The prefill chunk of ``seq`` (``left`` context tokens to go, ``c`` the budget gives it),
+    cut for a hybrid target with prefix caching (``seq.state_entry >= 0``) so that a block
+    boundary whose state the slot should capture ends the chunk. A chunk of more than
+    ``window`` (K+1) rows keeps only its final state
+    (:func:`~jmtp.model.state_checkpoints.boundary_captured`), so a boundary inside it is lost.
+    Two boundaries are kept (:mod:`jmtp.runtime.prefix_states`):
+
+    * ``seq.state_target``, the end of a KV match past every cached state (a branch point);
+    * the context's last block boundary, when the chunk would run past it: the continuation
+      point. A conversation's next turn repeats this context, so it resumes there rather than
+      at the last chunk end that fell on a boundary. The context's tail after it takes one
+      more, shorter step.
+
+    Dense targets and engines without prefix caching get ``c`` unchanged. Returns the chunk
+    (``1 <= chunk <= c`` for ``c >= 1``)."""
+    if seq.state_entry < 0 or c <= 0:
+        return c
+    start = len(seq.context_ids) - left
+    if start < seq.state_target < start + c:
+        c = seq.state_target - start       # a branch point
+    last = len(seq.context_ids) // block_size * block_size
+    if c > window and start < last < start + c:
+        c = last - start                    # the continuation point
+    return c
+
+
 class Scheduler:
     """Slots, admission, token budget, bucket choice and preemption of one engine.
 
@@ -157,12 +184,12 @@ class Scheduler:
              ) -> tuple[np.ndarray, StepBucket]:
         """Prefill chunks ``i32[B]`` and the step's bucket. Per shard the budget
         ``max_num_batched_tokens / D`` goes to decode windows first, then to prefill chunks in
-        slot order (a hybrid model's chunk ends on the block boundary whose state the slot must
-        capture, ``Sequence.state_target``: :mod:`jmtp.runtime.prefix_states`); the busiest
+        slot order (a hybrid model's chunk ends on a block boundary whose state the slot must
+        capture: :func:`capture_chunk`); the busiest
         shard's rows and active slots pick the bucket. With
         ``compiled`` (lazy compiles), an already compiled bucket is reused when it fits
         (:func:`reuse_bucket`)."""
-        sec, slots = self.shard_config, self.slots
+        sec, slots, ec = self.shard_config, self.slots, self.engine_config
         chunks = np.zeros((self.engine_config.max_num_seqs,), np.int32)
         rows, active = [0] * self.num_shards, [0] * self.num_shards
         for d, r in enumerate(self.shard_slots):
@@ -172,9 +199,8 @@ class Scheduler:
             for b in r:
                 left = self.prefill_left(b) if slots[b] is not None else 0
                 if left:
-                    c, start = min(left, budget), len(slots[b].context_ids) - left
-                    if start < slots[b].state_target < start + c:
-                        c = slots[b].state_target - start   # a state to capture (prefix_states)
+                    c = capture_chunk(slots[b], left, min(left, budget), ec.block_size,
+                                      ec.window)
                     chunks[b], budget = c, budget - c
             rows[d] = dec_rows + int(chunks[r.start:r.stop].sum())
             active[d] = len(decoding) + int(np.count_nonzero(chunks[r.start:r.stop]))
@@ -253,4 +279,4 @@ class Scheduler:
         return next(b for b in reversed(self.order) if self.shard_of(b) == shard)
 
 
-__all__ = ["Scheduler", "reuse_bucket"]
+__all__ = ["Scheduler", "capture_chunk", "reuse_bucket"]

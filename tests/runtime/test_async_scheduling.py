@@ -248,6 +248,10 @@ def test_free_lower_bound_by_hand():
     # 10 free after the last step read; 1 pushed before the step in flight, which can take 3;
     # 2 pushed since: 10 + 1 - 3 + 2 = 10. Shard 1: 4 + 0 - 5 -> 0 (never negative).
     assert free_lower_bound([10, 4], [rec], [2, 0]) == [10, 0]
+    # hand-off imports allocate at admission, after the step read back: 2 blocks imported before
+    # the step in flight and 1 since are not in its free count: 10 + 1 - 3 - 2 + 2 - 1 = 7
+    rec.taken = [2, 0]
+    assert free_lower_bound([10, 4], [rec], [2, 0], [1, 0]) == [7, 0]
     # windows: a proposing slot's bound is max(min(limit, most), window before); others keep it
     got = drafts_bound(np.array([0, 2, 3, 1]), np.array([3, 1, 0, 3]),
                        np.array([True, True, True, False]), 2)

@@ -186,6 +186,35 @@ def test_evicted_state_falls_back_to_the_longest_boundary_with_one(tmp):
     assert after["prefix_cache_hit_tokens"] > before["prefix_cache_hit_tokens"]
 
 
+@pytest.mark.parametrize("n", [21, 23])
+def test_next_turn_resumes_at_the_prompts_last_block_boundary(tmp, n):
+    """A first turn whose reply crosses no further block boundary (``n``-token prompt, 2-token
+    reply, 8-token prefill chunks, block 4, K=2: the last chunk ``16..n`` is longer than the
+    window and runs past boundary 20): the second turn (prompt + reply + 3 user tokens) hits
+    the prefix cache up to the first prompt's last block boundary, ``n // 4 * 4 = 20`` tokens,
+    not only to the last chunk end on a boundary (16), and both turns give transformers'
+    greedy tokens."""
+    eng = engine("qwen3_next", 2, tmp)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    def generate(rid, ids):
+        eng.add_request(rid, ids, sp)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    out = o.outputs[0].token_ids
+        return out
+
+    prompt = _r(n)
+    toks = generate(f"b{n}-0", prompt)
+    assert toks == greedy_ref("qwen3_next", tuple(prompt), tmp)[:2]
+    second = prompt + toks + _r(3)
+    hits = eng.get_stats()["prefix_cache_hit_tokens"]
+    toks2 = generate(f"b{n}-1", second)
+    assert eng.get_stats()["prefix_cache_hit_tokens"] - hits == n // BS * BS
+    assert toks2 == greedy_ref("qwen3_next", tuple(second), tmp)[:2]
+
+
 def test_captured_states_equal_a_plain_prefill(tmp):
     """Every cached state entry whose key lies on the token chain of a conversation equals
     (5e-5) the linear layers' state after prefilling that chain's prefix in one piece (the paged
@@ -234,6 +263,24 @@ def test_boundary_captured_hand_worked():
     b, ck, ok = boundary_captured(p0, q, valid, pre, fin, 4, 3)
     assert ok.tolist() == [True, False, False, True, True, False]
     assert b[ok].tolist() == [8, 8, 8] and ck[ok].tolist() == [1, 2, 1]
+
+
+def test_capture_chunk_hand_worked():
+    """Block 4, window 3, a 23-token context: a chunk of 8 from 16 ends on the context's last
+    boundary 20; one that ends on or before it, or a short chunk (<= the window, its rows keep
+    their states), is not cut; a branch point at 12 cuts first; a dense slot (no capture entry)
+    is never cut."""
+    from jmtp.runtime.requests import Sequence
+    from jmtp.runtime.scheduler import capture_chunk
+    seq = Sequence(None, 0, SamplingParams(), None, context_ids=list(range(23)), state_entry=0)
+    assert capture_chunk(seq, 7, 7, 4, 3) == 4          # 16..23 -> 16..20
+    assert capture_chunk(seq, 15, 8, 4, 3) == 8         # 8..16: ends before 20
+    assert capture_chunk(seq, 3, 3, 4, 3) == 3          # 20..23: crosses nothing
+    assert capture_chunk(seq, 5, 3, 4, 3) == 3          # 18..21: short, row 1 keeps 20
+    seq.state_target = 12
+    assert capture_chunk(seq, 15, 8, 4, 3) == 4         # 8..16 -> 8..12 (branch point)
+    seq.state_entry = -1
+    assert capture_chunk(seq, 7, 7, 4, 3) == 7
 
 
 def test_state_cache_lru_and_invariants():
