@@ -386,7 +386,7 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
                     block_size=ec.block_size, num_blocks=ec.num_blocks,
                     max_num_batched_tokens=ec.max_num_batched_tokens,
                     speculative=repr(ec.spec.method), k=ec.k, kv_cache_dtype=ec.kv_cache_dtype,
-                    dtype=str(runner.params["embed"].get_value().dtype),
+                    dtype=str(runner.params["final_norm"].get_value().dtype),
                     quantization=(runner.model_config.quantization.describe()
                                   if runner.model_config.quantization else None),
                     cache_dtype=str(runner.cache.k.dtype),

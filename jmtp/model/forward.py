@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.llama import compute_logits, forward, init_model_cache
+from jmtp.model.llama import compute_logits, forward, init_model_cache, param_dtype
 from jmtp.model.metadata import ragged_batch
 
 
@@ -16,7 +16,7 @@ from jmtp.model.metadata import ragged_batch
 def _prefill_hidden(cfg: ModelConfig, params, ids, block_size: int):
     t = ids.shape[0]
     pages = -(-t // block_size)
-    cache = init_model_cache(cfg, pages, block_size, params["embed"].dtype)
+    cache = init_model_cache(cfg, pages, block_size, param_dtype(params))
     tables = jnp.arange(pages, dtype=jnp.int32)[None]
     positions, meta = ragged_batch(jnp.array([t], jnp.int32), jnp.zeros((1,), jnp.int32), tables,
                                    block_size, t)

@@ -44,6 +44,7 @@ from jmtp.model.config import ModelConfig
 from jmtp.model import moe
 from jmtp.model import gated_deltanet as gdn
 from jmtp.model import invariant
+from jmtp.model import quant
 from jmtp.model.gated_deltanet import LinearState
 from jmtp.model.metadata import AttentionMetadata
 from jmtp.pallas import kv_quant
@@ -456,10 +457,17 @@ def forward(
         and to the MTP head), or the pre-norm ones with ``pre_norm``;
       cache: the cache with this step's K/V written at ``meta.slot_mapping``.
     """
-    x = params["embed"][ids]
+    x = quant.embedding(params["embed"], ids, param_dtype(params))
     x, cache = _run_layers(cfg, params["layers"], x, positions, meta, cache, attention_impl,
                            params.get("k_shift"))
     return (x if pre_norm else final_norm(cfg, params, x)), cache
+
+
+def param_dtype(params: dict):
+    """The model's float dtype: the embedding's, or the final norm's when the embedding is 8-bit
+    (``quantization="int8"``)."""
+    e = params["embed"]
+    return params["final_norm"].dtype if quant.is_quantized(e) else e.dtype
 
 
 def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:
@@ -473,11 +481,15 @@ def compute_logits(params: dict, h: jax.Array, batch_invariant: bool = False) ->
     if batch_invariant:
         return invariant.row_tiled(lambda t: compute_logits(params, t), h)
     if "lm_head" in params:
-        return jnp.dot(h, params["lm_head"], preferred_element_type=jnp.float32).astype(jnp.float32)
+        w = params["lm_head"]
+        if quant.is_quantized(w):    # int8 per output channel: (h @ values) · scales
+            y = jnp.dot(h, w.value.astype(h.dtype), preferred_element_type=jnp.float32)
+            return y * w.scale[0]
+        return jnp.dot(h, w, preferred_element_type=jnp.float32).astype(jnp.float32)
     # Contract with the [V, H] table directly: ``h @ embed.T`` makes XLA:CPU materialise the
-    # transposed table (a 113 MB copy per step for SmolLM2) when T = 1.
-    return jax.lax.dot_general(h, params["embed"], (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32).astype(jnp.float32)
+    # transposed table (a 113 MB copy per step for SmolLM2) when T = 1. An int8 table: the dot
+    # with its values, times each row's scale (quant.logits_from_rows).
+    return quant.logits_from_rows(h, params["embed"])
 
 
 def mtp_forward(
@@ -507,7 +519,7 @@ def mtp_forward(
     """
     m = params["mtp"]
     pick = lambda a: a[layer_idx]
-    emb = params["embed"][ids]
+    emb = quant.embedding(params["embed"], ids, param_dtype(params))
     if cfg.mtp_layout == "mimo":      # "masking inputs at position 0, as not needed by MTP"
         emb = jnp.where((positions == 0)[:, None], jnp.zeros_like(emb), emb)
     e = rms_norm(emb, pick(m["enorm"]), cfg.rms_norm_eps)

@@ -22,7 +22,7 @@ from jmtp.model import axes as ax
 from jmtp.model import llama
 from jmtp.model.config import ModelConfig
 from jmtp.model.metadata import AttentionMetadata
-from jmtp.model.quant import QuantizedWeight
+from jmtp.model.quant import QuantizedWeight, logits_from_rows
 # Buffer and the Param constructors live in jmtp.model.variables (shared with jmtp.model.moe).
 from jmtp.model.variables import Buffer  # noqa: F401
 from jmtp.model.variables import buffer as _buffer
@@ -283,13 +283,15 @@ class DraftHead(nnx.Module):
 
     Attributes (both :class:`Buffer`, derived at load time, never trained):
       token_ids: i32[N]  full-vocabulary id of each draft-vocabulary entry (axis ``vocab``).
-      weight: f[N, H]    their LM-head rows (axes ``vocab, embed``).
+      weight: f[N, H]    their LM-head rows (axes ``vocab, embed``); with an int8 embedding a
+        per-row :class:`~jmtp.model.quant.QuantizedWeight` (``i8[N, H]`` values, ``f32[N, 1]``
+        scales: the table's own rows, :func:`jmtp.model.quant.take_rows`).
 
     Raises:
       ValueError: ``token_ids`` not 1-D integer, or ``weight`` not ``[len(token_ids), H]``.
     """
 
-    def __init__(self, token_ids: jax.Array, weight: jax.Array):
+    def __init__(self, token_ids: jax.Array, weight):
         if token_ids.ndim != 1 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
             raise ValueError(f"DraftHead.token_ids must be an integer vector, got "
                              f"{token_ids.dtype}{list(token_ids.shape)}")
@@ -297,10 +299,17 @@ class DraftHead(nnx.Module):
             raise ValueError(f"DraftHead.weight must be [N={token_ids.shape[0]}, H], got "
                              f"{list(weight.shape)}")
         self.token_ids = _buffer(token_ids, ax.TOP_AXES["draft_ids"])
-        self.weight = _buffer(weight, ax.TOP_AXES["draft_head"])
+        if isinstance(weight, QuantizedWeight):
+            self.weight = nnx.data(QuantizedWeight(
+                _buffer(weight.value, ax.TOP_AXES["draft_head"]),
+                _buffer(weight.scale, (ax.TOP_AXES["draft_head"][0], None)), weight.block))
+        else:
+            self.weight = _buffer(weight, ax.TOP_AXES["draft_head"])
 
     def __call__(self, h: jax.Array) -> jax.Array:
         """``f32[T, N]`` draft-vocabulary logits of post-norm hidden rows ``h f[T, H]``."""
+        if isinstance(self.weight, QuantizedWeight):
+            return logits_from_rows(h, _values(self.weight))
         return jnp.dot(h, self.weight[...].T, preferred_element_type=jnp.float32)
 
     def to_vocab(self, draft_tokens: jax.Array, probs: jax.Array | None, vocab_size: int):
@@ -346,9 +355,11 @@ class LlamaForCausalLM(nnx.Module):
         self.cfg = cfg
         lm_head = not cfg.tie_word_embeddings if lm_head is None else lm_head
         v, h = cfg.vocab_size, cfg.hidden_size
-        self.embed = _param(_rand(rngs, (v, h), dtype, std), ax.TOP_AXES["embed"])
-        self.lm_head = nnx.data(None if not lm_head else
-                                _param(_rand(rngs, (h, v), dtype, std), ax.TOP_AXES["lm_head"]))
+        qc = cfg.quantization     # int8: embed per vocabulary row, lm_head per output channel
+        self.embed = _weight(qc, "embed", _rand(rngs, (v, h), dtype, std), ax.TOP_AXES["embed"])
+        self.lm_head = (nnx.data(None) if not lm_head else
+                        _weight(qc, "lm_head", _rand(rngs, (h, v), dtype, std),
+                                ax.TOP_AXES["lm_head"]))
         self.final_norm = _param(jnp.ones((h,), dtype), ax.TOP_AXES["final_norm"])
         self.layers = DecoderStack(cfg, rngs=rngs, dtype=dtype, stacked=stacked, std=std)
         n = cfg.num_mtp_layers if num_mtp is None else num_mtp
@@ -411,7 +422,7 @@ class LlamaForCausalLM(nnx.Module):
             raise ValueError(f"params: unknown entries {sorted(extra)}")
         n = int(params["mtp"]["enorm"].shape[0]) if "mtp" in params else 0
         stacked = not isinstance(params["layers"], (list, tuple))
-        dtype = params["embed"].dtype
+        dtype = llama.param_dtype(params)
         model = nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), dtype=dtype, num_mtp=n,
                                            stacked=stacked, lm_head="lm_head" in params))
         bufs = ("draft_vocab", "draft_ids", "draft_head", "k_shift")

@@ -198,7 +198,8 @@ def attach_mtp_head(cfg: ModelConfig, params: dict, path: str) -> tuple[ModelCon
         kind is the file's (``cfg.moe.mtp_moe``).
     """
     meta = check_head_fits(cfg, path)
-    mtp = load_mtp_head(path, dtype=params["embed"].dtype)
+    from jmtp.model.llama import param_dtype
+    mtp = load_mtp_head(path, dtype=param_dtype(params))
     ranking = load_draft_ranking(path)
     params = dict(params, mtp=mtp)
     if ranking is not None:

@@ -18,8 +18,11 @@ per entry. Two layouts are used:
 Which parameters are 8-bit is static (:class:`QuantConfig`, part of
 :class:`~jmtp.model.config.ModelConfig`): the decoder blocks' linear weights (attention
 projections including MLA's, the dense MLP, routed and shared experts) of the target and of the
-MTP layer; embeddings, LM head, norms, routers, biases and, unless a checkpoint ships it in fp8,
-the MTP ``eh_proj`` stay in the model dtype (:mod:`jmtp.model.quant_params`).
+MTP layer, and with ``"int8"`` the token embedding (one scale per vocabulary row, block ``(1, H)``
+of ``embed f[V, H]``: :func:`embedding` gathers rows, :func:`logits_from_rows` is the tied LM
+head) and an untied LM head (per output channel); norms, routers, biases and, unless a
+checkpoint ships it in fp8, the MTP ``eh_proj`` stay in the model dtype
+(:mod:`jmtp.model.quant_params`).
 
 The matmuls read the 8-bit values and the scales inside the step (no dequantised copy of the
 parameters exists): :func:`matmul` (``x @ w``), :func:`expert_matmul` (every routed expert,
@@ -74,6 +77,11 @@ QUANTIZABLE = ("wq", "wk", "wv", "wo", "wg", "wq_a", "wq_b", "wkv_a", "wkv_b",
                "shared_gate", "shared_up", "shared_down")
 #: MTP projections that may be 8-bit when a checkpoint ships them so (never quantised by jmtp).
 MTP_PROJECTIONS = ("eh_proj",)
+#: Top-level tables ``quantization="int8"`` makes 8-bit too: the token embedding ``embed f[V, H]``
+#: (one scale per vocabulary row, block ``(1, H)``: a tied embedding's int8 table serves the
+#: gather and the LM head, whose output channels are its rows) and an untied ``lm_head f[H, V]``
+#: (per output channel). FP8 checkpoints keep them in BF16, as published.
+EMBEDDINGS = ("embed", "lm_head")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +119,9 @@ class QuantConfig:
                                  f"got {list(b)}")
             object.__setattr__(self, "weight_block_size", (int(b[0]), int(b[1])))
         for p in self.quantized:
-            if p.rsplit(".", 1)[-1] not in QUANTIZABLE + MTP_PROJECTIONS:
+            if p not in EMBEDDINGS and p.rsplit(".", 1)[-1] not in QUANTIZABLE + MTP_PROJECTIONS:
                 raise ValueError(f"QuantConfig.quantized: {p!r} is not a quantisable parameter "
-                                 f"(one of {QUANTIZABLE + MTP_PROJECTIONS})")
+                                 f"(one of {EMBEDDINGS + QUANTIZABLE + MTP_PROJECTIONS})")
         object.__setattr__(self, "quantized", tuple(sorted(set(self.quantized))))
 
     @property
@@ -131,6 +139,14 @@ class QuantConfig:
             return k, 1
         bn, bk = self.weight_block_size
         return bk, bn
+
+    def block_for(self, path: str, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The block of parameter ``path`` of ``shape``: one scale per vocabulary row
+        ``(1, H)`` for the embedding ``embed f[V, H]`` (per output channel of the tied LM head),
+        else :meth:`block` of its last two axes."""
+        if path == "embed":
+            return 1, shape[-1]
+        return self.block(*shape[-2:])
 
     def describe(self) -> str:
         layout = ("per output channel" if self.weight_block_size is None
@@ -316,13 +332,47 @@ def ragged_dot(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
     return acc.astype(x.dtype)
 
 
+def embedding(table, ids: jax.Array, dtype) -> jax.Array:
+    """Rows ``f[T, H]`` (``dtype``) of the embedding ``table``, an array ``f[V, H]`` or a
+    per-row :class:`QuantizedWeight` (``value i8[V, H]``, ``scale f32[V, 1]``), for token ids
+    ``ids i32[T]``: ``value[ids] · scale[ids]``, only the gathered rows dequantised."""
+    if not is_quantized(table):
+        return table[ids]
+    return (table.value[ids].astype(jnp.float32) * table.scale[ids]).astype(dtype)
+
+
+def logits_from_rows(h: jax.Array, table) -> jax.Array:
+    """``f32[T, N]`` scores ``h @ table.T`` of hidden rows ``h f[T, H]`` against the rows of
+    ``table`` (``f[N, H]``, the tied LM head, or a per-row :class:`QuantizedWeight`): the dot
+    with the table's values (contracted on ``H`` directly, never a transposed copy), then, per
+    output channel ``n``, times row ``n``'s scale (exact: the scale is constant along ``H``)."""
+    dims = (((1,), (1,)), ((), ()))
+    if not is_quantized(table):
+        return jax.lax.dot_general(h, table, dims,
+                                   preferred_element_type=jnp.float32).astype(jnp.float32)
+    if table.block != (1, table.shape[-1]):
+        raise ValueError(f"a quantised embedding table must have one scale per row, block "
+                         f"(1, {table.shape[-1]}); got {table.block}")
+    y = jax.lax.dot_general(h, table.value.astype(h.dtype), dims,
+                            preferred_element_type=jnp.float32)
+    return y * table.scale[:, 0]
+
+
+def take_rows(table, ids):
+    """Rows ``ids`` of an embedding table (array ``f[V, H]`` or per-row :class:`QuantizedWeight`,
+    whose rows keep their values and scales)."""
+    if not is_quantized(table):
+        return table[ids]
+    return QuantizedWeight(table.value[ids], table.scale[ids], table.block)
+
+
 def check_quantized(cfg, params: dict, source: str = "params") -> None:
     """Raise ``ValueError`` naming the tensor when ``params``' 8-bit leaves disagree with
     ``cfg.quantization`` (``cfg`` a :class:`~jmtp.model.config.ModelConfig`): a covered weight
     in float (or an 8-bit one not covered), another storage dtype, block or scale shape."""
     q = cfg.quantization
     layers = params.get("layers", {})
-    items = []
+    items = [(k, k, params[k]) for k in EMBEDDINGS if k in params]
     for i, d in enumerate(layers if isinstance(layers, (list, tuple)) else (layers,)):
         name = f"layers[{i}]" if isinstance(layers, (list, tuple)) else "layers"
         items += [(f"layers.{k}", f"{name}.{k}", v) for k, v in d.items()]
@@ -341,7 +391,7 @@ def check_quantized(cfg, params: dict, source: str = "params") -> None:
                 "differently from its configuration")
         if not covered:
             continue
-        blk = q.block(*v.shape[-2:])
+        blk = q.block_for(path, v.shape)
         if jnp.dtype(v.dtype) != q.storage_dtype or tuple(v.block) != blk:
             raise ValueError(f"{source}: tensor {name!r} is {jnp.dtype(v.dtype).name} in blocks "
                              f"{tuple(v.block)}, expected {q.storage_dtype.name} in {blk} "
@@ -357,6 +407,7 @@ def leaf_bytes(a) -> int:
 
 
 __all__ = ["QUANT_METHODS", "STORAGE_DTYPES", "QMAX", "SCALE_DTYPE", "DEFAULT_FP8_BLOCK",
-           "QUANTIZABLE", "MTP_PROJECTIONS", "QuantConfig", "QuantizedWeight", "is_quantized",
-           "scale_shape", "quantize", "dequantize", "matmul", "expert_matmul", "ragged_dot",
-           "check_quantized", "leaf_bytes"]
+           "QUANTIZABLE", "MTP_PROJECTIONS", "EMBEDDINGS", "QuantConfig", "QuantizedWeight",
+           "is_quantized", "scale_shape", "quantize", "dequantize", "matmul", "expert_matmul",
+           "ragged_dot", "embedding", "logits_from_rows", "take_rows", "check_quantized",
+           "leaf_bytes"]

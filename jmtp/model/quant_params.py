@@ -3,10 +3,13 @@ the abstract (shape-only) form for ahead-of-time compiles, the checks, and the b
 
 Paths name a parameter of every layer that has it: ``"layers.wq"`` (target layers, stacked or
 not), ``"mtp.layer.w_up"`` (the MTP modules' block), ``"mtp.eh_proj"``
-(:class:`jmtp.model.quant.QuantConfig`). ``LLM(quantization="int8" | "fp8")`` quantises the
-decoder-block linears (:data:`~jmtp.model.quant.QUANTIZABLE`) of the target and of the MTP
-layer; the embeddings, the LM head (tied or not), norms, routers, biases, the MTP ``eh_proj``
-and gated-DeltaNet projections stay in the model dtype (the published FP8 checkpoints keep the
+(:class:`jmtp.model.quant.QuantConfig`), ``"embed"`` / ``"lm_head"`` the top-level tables.
+``LLM(quantization="int8" | "fp8")`` quantises the decoder-block linears
+(:data:`~jmtp.model.quant.QUANTIZABLE`) of the target and of the MTP layer; ``"int8"`` also the
+token embedding (one scale per vocabulary row: a tied embedding's one int8 table serves the
+gather and the LM head) and an untied LM head (per output channel), which the MTP layer shares.
+Norms, routers, biases, the MTP ``eh_proj`` and gated-DeltaNet projections stay in the model
+dtype, and with ``"fp8"`` the embedding and LM head too (the published FP8 checkpoints keep the
 same set in BF16, DeepSeek-V3's ``eh_proj`` included).
 """
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.params import layer_kinds, layer_shapes
-from jmtp.model.quant import (DEFAULT_FP8_BLOCK, MTP_PROJECTIONS, QUANT_METHODS, QUANTIZABLE,
+from jmtp.model.quant import (DEFAULT_FP8_BLOCK, EMBEDDINGS, MTP_PROJECTIONS, QUANT_METHODS, QUANTIZABLE,
                               QuantConfig, QuantizedWeight, dequantize, is_quantized, leaf_bytes,
                               quantize, scale_shape)
 
@@ -36,16 +39,18 @@ def quantized_paths(params: dict) -> tuple[str, ...]:
     """The paths whose leaves are :class:`~jmtp.model.quant.QuantizedWeight` s."""
     out = {f"{pre}.{k}" for pre, d in _layer_dicts(params) for k, v in d.items()
            if is_quantized(v)}
+    out |= {k for k in EMBEDDINGS if is_quantized(params.get(k))}
     if "mtp" in params:
         out |= {f"mtp.{k}" for k in MTP_PROJECTIONS if is_quantized(params["mtp"].get(k))}
     return tuple(sorted(out))
 
 
-def default_paths(params: dict) -> tuple[str, ...]:
-    """Paths ``quantization="int8"/"fp8"`` quantises: every decoder-block linear of the target and
-    the MTP block present in ``params``."""
+def default_paths(params: dict, method: str = "fp8") -> tuple[str, ...]:
+    """Paths ``quantization=method`` quantises: every decoder-block linear of the target and
+    the MTP block present in ``params``, and with ``"int8"`` the embedding and LM head."""
+    tables = {k for k in EMBEDDINGS if k in params} if method == "int8" else set()
     return tuple(sorted({f"{pre}.{k}" for pre, d in _layer_dicts(params) for k in d
-                         if k in QUANTIZABLE}))
+                         if k in QUANTIZABLE} | tables))
 
 
 def _check_uniform(params: dict) -> None:
@@ -81,11 +86,12 @@ def config_from_params(cfg: ModelConfig, params: dict, method: str,
                                                 activation_scheme))
 
 
-def _convert(w, method: str, block_hf: tuple[int, int] | None):
+def _convert(w, method: str, block_hf: tuple[int, int] | None, per_row: bool = False):
     """One weight in ``method``'s 8 bits: a float array quantised; an 8-bit weight of the same
-    method and blocks kept; another 8-bit weight dequantised (f32) and quantised again."""
+    method and blocks kept; another 8-bit weight dequantised (f32) and quantised again.
+    ``per_row``: one scale per row ``(1, N)`` (the embedding table)."""
     k, n = w.shape[-2:]
-    block = None if block_hf is None else (block_hf[1], block_hf[0])
+    block = (1, n) if per_row else None if block_hf is None else (block_hf[1], block_hf[0])
     want = block or (k, 1)
     if is_quantized(w):
         if w.dtype == jnp.dtype(QuantConfig(method).storage_dtype) and w.block == want:
@@ -97,11 +103,13 @@ def _convert(w, method: str, block_hf: tuple[int, int] | None):
 def quantize_params(cfg: ModelConfig, params: dict, method: str,
                     weight_block_size: tuple[int, int] | None = None) -> tuple[ModelConfig, dict]:
     """Every decoder-block linear of the target and the MTP block (:func:`default_paths`) in
-    ``method``'s 8 bits; the other parameters unchanged.
+    ``method``'s 8 bits, with ``"int8"`` also the embedding ``embed`` (one scale per vocabulary
+    row) and an untied ``lm_head`` (per output channel); the other parameters unchanged.
 
     Args:
       method: ``"int8"`` (default: one scale per output channel) or ``"fp8"`` (default: the
-        checkpoint's blocks when it has 8-bit weights already, else 128×128).
+        checkpoint's blocks when it has 8-bit weights already, else 128×128; the embedding and
+        LM head stay as they are, as the published FP8 checkpoints keep them).
       weight_block_size: ``(out, in)`` block (HF order), or None for the default above.
 
     Returns:
@@ -123,6 +131,11 @@ def quantize_params(cfg: ModelConfig, params: dict, method: str,
                 for k, v in d.items()}
 
     out = dict(params)
+    if method == "int8":
+        if "embed" in params:
+            out["embed"] = _convert(params["embed"], method, None, per_row=True)
+        if "lm_head" in params:
+            out["lm_head"] = _convert(params["lm_head"], method, None)
     ls = params["layers"]
     out["layers"] = tuple(layer(d) for d in ls) if isinstance(ls, (list, tuple)) else layer(ls)
     if "mtp" in params:
@@ -173,8 +186,9 @@ def abstract_quantized(cfg: ModelConfig, params: dict) -> dict:
     def one(pre: str, d: dict) -> dict:
         out = {}
         for k, v in d.items():
-            if q.covers(f"{pre}.{k}"):
-                blk = q.block(*v.shape[-2:])
+            path = f"{pre}.{k}" if pre else k
+            if q.covers(path) and not is_quantized(v):
+                blk = q.block_for(path, v.shape)
                 v = QuantizedWeight(jax.ShapeDtypeStruct(v.shape, q.storage_dtype),
                                     jax.ShapeDtypeStruct(scale_shape(v.shape, blk), jnp.float32),
                                     blk)
@@ -182,6 +196,7 @@ def abstract_quantized(cfg: ModelConfig, params: dict) -> dict:
         return out
 
     out = dict(params)
+    out.update(one("", {k: params[k] for k in EMBEDDINGS if k in params}))
     ls = params["layers"]
     out["layers"] = (tuple(one("layers", d) for d in ls) if isinstance(ls, (list, tuple))
                      else one("layers", ls))
@@ -209,13 +224,17 @@ def param_bytes(params: dict) -> dict[str, int]:
                 total=values + scales + other, quantized_elements=elements)
 
 
-def config_paths(cfg: ModelConfig) -> tuple[str, ...]:
-    """The paths ``quantization="int8"/"fp8"`` (or a published FP8 config) makes 8-bit, from the
-    config alone: every decoder-block linear of the target layers and of an MTP block."""
+def config_paths(cfg: ModelConfig, method: str = "fp8") -> tuple[str, ...]:
+    """The paths ``quantization=method`` (or a published FP8 config) makes 8-bit, from the
+    config alone: every decoder-block linear of the target layers and of an MTP block, and with
+    ``"int8"`` the embedding and an untied LM head."""
     names = {k for kind in layer_kinds(cfg) for k in layer_shapes(cfg, *kind)}
     mtp = set(layer_shapes(cfg, cfg.mtp_is_moe))
+    tables = set()
+    if method == "int8":
+        tables = {"embed"} | (set() if cfg.tie_word_embeddings else {"lm_head"})
     return tuple(sorted({f"layers.{k}" for k in names if k in QUANTIZABLE}
-                        | {f"mtp.layer.{k}" for k in mtp if k in QUANTIZABLE}))
+                        | {f"mtp.layer.{k}" for k in mtp if k in QUANTIZABLE} | tables))
 
 
 def config_quantization(cfg: ModelConfig, quantization: str | None,
@@ -238,7 +257,7 @@ def config_quantization(cfg: ModelConfig, quantization: str | None,
     if method == "fp8":
         block = checkpoint_quant.weight_block_size if checkpoint_quant else DEFAULT_FP8_BLOCK
     scheme = checkpoint_quant.activation_scheme if checkpoint_quant else "dynamic"
-    return cfg.replace(quantization=QuantConfig(method, block, config_paths(cfg), scheme))
+    return cfg.replace(quantization=QuantConfig(method, block, config_paths(cfg, method), scheme))
 
 
 __all__ = ["quantized_paths", "default_paths", "config_from_params", "quantize_params",

@@ -49,13 +49,13 @@ def normal(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
 def weight(quantization: QuantConfig | None, path: str, value: jax.Array, names,
            stacked: bool = False):
     """A linear weight of a module: ``param(value, names, stacked)``, or, when ``quantization``
-    covers ``path`` (``"layers.wq"``, ``"mtp.layer.w_up"``, ...), ``value`` quantised to a
+    covers ``path`` (``"layers.wq"``, ``"mtp.layer.w_up"``, ``"embed"``, ...), ``value`` quantised to a
     :class:`~jmtp.model.quant.QuantizedWeight` whose ``value`` Param has the weight's logical
     axes and whose ``scale`` Param has them too, except an axis of one scale (per-channel
     scales' input axis), which is unnamed (replicated). Assign the result with ``nnx.data``."""
     if quantization is None or not quantization.covers(path):
         return param(value, names, stacked)
-    q = quantize(value, quantization.method, quantization.block(*value.shape[-2:]))
+    q = quantize(value, quantization.method, quantization.block_for(path, value.shape))
     names = tuple(names)
     scale_names = names[:-2] + tuple(n if size > 1 else None
                                      for n, size in zip(names[-2:], q.scale.shape[-2:]))

@@ -20,10 +20,10 @@ from jmtp.core.platform import host_platform, platform_of
 from jmtp.model.config import ALL2ALL_BACKENDS, MOE_IMPLEMENTATIONS, ModelConfig
 from jmtp.model.expert_parallel import check_expert_parallel, resolve_all2all_backend
 from jmtp.model.kv_shift import with_k_shift
-from jmtp.model.llama import unstack_layers
+from jmtp.model.llama import param_dtype, unstack_layers
 from jmtp.model.moe import resolve_implementation as resolve_moe
 from jmtp.model.params import replicate_kv_heads
-from jmtp.model.quant import QUANT_METHODS
+from jmtp.model.quant import QUANT_METHODS, dequantize, take_rows
 from jmtp.pallas.kv_quant import check_kv_cache_dtype
 from jmtp.pallas.ragged_paged_attention import IMPLEMENTATIONS
 from jmtp.runtime import compile as jc
@@ -107,7 +107,10 @@ def with_draft_vocab(cfg: ModelConfig, params: dict, draft_vocab_size: int | Non
         raise ValueError(f"SpeculativeConfig.draft_vocab_size={n} exceeds the {len(ranking)} ranked "
                          "ids of params['draft_vocab']")
     ids = jnp.asarray(np.asarray(ranking)[:n], jnp.int32)
-    head = params["embed"][ids] if "lm_head" not in params else params["lm_head"][:, ids].T
+    if "lm_head" not in params:     # the tied table's rows (an int8 table's values and scales)
+        head = take_rows(params["embed"], ids)
+    else:
+        head = dequantize(params["lm_head"], param_dtype(params))[:, ids].T
     return dict(params, draft_ids=ids, draft_head=head), n
 
 

@@ -169,3 +169,7 @@ def test_int8_kv_head_replication_and_scale_shardings():
     wo = specs["layers"]["layers"]["attn"]["wo"]
     assert tuple(wo["value"].get_value().spec) == (None, "model", None)
     assert tuple(wo["scale"].get_value().spec) == (None, None, None)
+    # the int8 embedding's per-row scales split over the vocabulary with its rows
+    emb = specs["embed"]
+    assert tuple(emb["value"].get_value().spec) == ("model", None)
+    assert tuple(emb["scale"].get_value().spec) == ("model", None)

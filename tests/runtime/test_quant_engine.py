@@ -17,7 +17,9 @@ from tests.runtime.conftest import TINY_MOE, reference_greedy, tiny_model
 
 def _expected_bytes(cfg, params) -> dict:
     """Hand count: every decoder-block linear (target and MTP) one byte per weight plus one f32
-    scale per output channel; everything else f32."""
+    scale per output channel; the embedding one byte per weight plus one f32 scale per vocabulary
+    row, an untied LM head one plus one per output channel (also a vocabulary entry); everything
+    else f32."""
     linear = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "experts_gate", "experts_up",
               "experts_down", "shared_gate", "shared_up", "shared_down"}
     values = scales = other = 0
@@ -29,7 +31,12 @@ def _expected_bytes(cfg, params) -> dict:
                 scales += 4 * int(np.prod(a.shape[:-2])) * a.shape[-1]
             else:
                 other += a.nbytes
-    other += sum(a.nbytes for k, a in params.items() if k not in ("layers", "mtp"))
+    for k in ("embed", "lm_head"):
+        if k in params:
+            values += params[k].size
+            scales += 4 * cfg.vocab_size
+    other += sum(a.nbytes for k, a in params.items() if k not in ("layers", "mtp", "embed",
+                                                                  "lm_head"))
     other += sum(a.nbytes for k, a in params["mtp"].items() if k != "layer")
     return dict(quantized_values=values, scales=scales, unquantized=other,
                 total=values + scales + other, quantized_elements=values)
