@@ -62,16 +62,16 @@ def run_engine(dp: int, tp: int, k: int) -> dict:
     spec = SpeculativeConfig("mtp", k) if k else None
     llm = LLM(model_config=cfg, params=params, speculative_config=spec,
               max_num_batched_tokens=MAX_NUM_SEQS * (k + 1), tensor_parallel_size=tp,
-              data_parallel_size=dp, **ENGINE)
+              data_parallel_size=dp, async_scheduling=True, **ENGINE)   # (off by default on CPU)
     out = {name: [o.outputs[0].token_ids for o in llm.generate(prompts, sps, use_tqdm=False)]
            for name, (prompts, sps) in cases().items()}
     eng = llm.llm_engine
     if jax.process_count() > 1:     # the same cases with the synchronous loop (issue 50)
-        out["_async_default"], eng.async_scheduling = eng.async_scheduling, False
+        out["_async_on"], eng.async_scheduling = eng.async_scheduling, False
         out["_sync"] = {name: [o.outputs[0].token_ids for o in llm.generate(prompts, sps,
                                                                            use_tqdm=False)]
                         for name, (prompts, sps) in cases().items()}
-        eng.async_scheduling = out["_async_default"]
+        eng.async_scheduling = out["_async_on"]
     embed = eng.params["embed"][...]
     out["_engine"] = {
         "step_executables": engine_of(eng).runner.jitted_step._cache_size(),

@@ -62,8 +62,11 @@ def make_llm(dp: int, tp: int, k: int, heads: str = "8/8", kv: str | None = None
              moe: bool = False) -> LLM:
     cfg, params = model(heads, moe)
     spec = SpeculativeConfig("mtp", k) if k else None
+    # async scheduling on (the default for GPU/TPU, off on CPU): the mesh cases run the
+    # overlapped loop and the (2, 2) ones compare it with the synchronous loop
     return LLM(model_config=cfg, params=params, speculative_config=spec, kv_cache_dtype=kv,
-               data_parallel_size=dp, tensor_parallel_size=tp, **engine_sizes(dp))
+               data_parallel_size=dp, tensor_parallel_size=tp, async_scheduling=True,
+               **engine_sizes(dp))
 
 
 def param_bytes(llm) -> list:
@@ -125,7 +128,7 @@ def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8",
            "free_blocks": eng.get_stats()["num_free_blocks"],
            "num_blocks": eng.engine_config.num_blocks}
     if (dp, tp) == (2, 2):      # the same requests with the synchronous loop (issue 50)
-        out["async_default"] = eng.async_scheduling
+        out["async_on"] = eng.async_scheduling
         eng.async_scheduling = False
         out["sync_tokens"] = [o.outputs[0].token_ids for o in llm.generate(
             PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)]
@@ -306,7 +309,7 @@ def structured_case():
     llm = LLM(model_config=cfg, params=params, tokenizer=tiny_tokenizer(),
               speculative_config=SpeculativeConfig("mtp", 3, 3), data_parallel_size=2,
               tensor_parallel_size=2, max_num_seqs=4, max_model_len=64, block_size=4,
-              max_num_batched_tokens=16, compile="lazy")
+              max_num_batched_tokens=16, compile="lazy", async_scheduling=True)
     sp = SamplingParams(max_tokens=24, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     outs = llm.generate(STRUCTURED_PROMPTS, sp, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -323,13 +326,13 @@ def hybrid_case():
     cfg, params = tiny_model(0, **TINY_HYBRID)
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
               data_parallel_size=2, tensor_parallel_size=2, max_num_seqs=4, max_model_len=32,
-              block_size=4, max_num_batched_tokens=12, compile="lazy")
+              block_size=4, max_num_batched_tokens=12, compile="lazy", async_scheduling=True)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
     rec = engine_of(llm).runner.cache.linear.recurrent
     out = {"tokens": [o.outputs[0].token_ids for o in outs],
            "spec": [str(a) for a in rec.sharding.spec], "shape": list(rec.shape),
            "local": list(rec.addressable_shards[0].data.shape)}
-    out["async_default"], llm.llm_engine.async_scheduling = llm.llm_engine.async_scheduling, False
+    out["async_on"], llm.llm_engine.async_scheduling = llm.llm_engine.async_scheduling, False
     out["sync_tokens"] = [o.outputs[0].token_ids for o in llm.generate(
         PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)]
     # the hand-off carries the recurrent state between this (data, model) = (2, 2) engine and a

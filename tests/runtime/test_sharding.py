@@ -119,11 +119,12 @@ def test_sharded_seeded_sampling_equals_one_device(results, dp, tp, k):
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("dp=2,tp=2,")] + ["hybrid"])
 def test_async_scheduling_on_a_2x2_mesh_equals_the_synchronous_loop(results, case):
     """On a (data, model) = (2, 2) mesh (plain, MTP with an int8 cache, the MoE target, the
-    gated-DeltaNet target with MTP) asynchronous scheduling is on by default and its greedy and
-    seeded sampled tokens equal the synchronous loop's (run by the worker on the same engine)."""
+    gated-DeltaNet target with MTP) the engine runs with asynchronous scheduling on (the default
+    for GPU/TPU; off on CPU, so the worker sets it) and its greedy and seeded sampled tokens equal
+    the synchronous loop's (run by the worker on the same engine)."""
     res = results[case]
     assert "error" not in res, res.get("error")
-    assert res["async_default"] is True
+    assert res["async_on"] is True
     assert res["tokens"] == res["sync_tokens"]
     if "sampled" in res:
         assert res["sampled"] == res["sync_sampled"]
