@@ -140,10 +140,10 @@ def default_async_scheduling(ec: EngineConfig) -> bool:
     drafts: its windows are often shorter than their budget, so a step planned for the budget
     runs rows the synchronous loop would not), or suffix decoding drafts (the host drafts from
     each step's tokens: the engine reads every step before the next). Off on CPU: XLA:CPU's
-    "device" is the host's own cores, so the overlapped host work slows the step it overlaps;
-    measured on a 2-core VM, SmolLM2 with MTP runs 0.96-0.98x the synchronous loop (async wins
-    only where host work is a large share of a step: 1.26x for a tiny model at batch 64;
-    ``docs/async_scheduling.md``, ``scripts/bench_async.py``)."""
+    "device" is the host's own cores and the step uses all of them, so the overlapped host work
+    slows the step it overlaps; measured on a 2-core VM: 0.92-1.04x the synchronous loop, even
+    for a tiny model at batch 64 whose host work is a third of a step
+    (``docs/async_scheduling.md``, ``scripts/bench_async.py``)."""
     spec = ec.spec
     if ec.platform == "cpu":
         return False
