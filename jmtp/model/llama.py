@@ -482,9 +482,8 @@ def compute_logits(params: dict, h: jax.Array, batch_invariant: bool = False) ->
         return invariant.row_tiled(lambda t: compute_logits(params, t), h)
     if "lm_head" in params:
         w = params["lm_head"]
-        if quant.is_quantized(w):    # int8 per output channel: (h @ values) · scales
-            y = jnp.dot(h, w.value.astype(h.dtype), preferred_element_type=jnp.float32)
-            return y * w.scale[0]
+        if quant.is_quantized(w):    # int8 per output channel: (h @ values) · scales, in f32
+            return quant.matmul(h, w, out_dtype=jnp.float32)
         return jnp.dot(h, w, preferred_element_type=jnp.float32).astype(jnp.float32)
     # Contract with the [V, H] table directly: ``h @ embed.T`` makes XLA:CPU materialise the
     # transposed table (a 113 MB copy per step for SmolLM2) when T = 1. An int8 table: the dot

@@ -246,27 +246,29 @@ def dequantize(w, dtype=jnp.float32):
     return (w.value.astype(jnp.float32) * s).astype(dtype)
 
 
-def matmul(x: jax.Array, w) -> jax.Array:
+def matmul(x: jax.Array, w, out_dtype=None) -> jax.Array:
     """``x @ w`` for ``x f[..., K]`` and ``w`` an array ``f[K, N]`` or a 2-D
-    :class:`QuantizedWeight` (module docstring); the result has ``x``'s dtype.
+    :class:`QuantizedWeight` (module docstring); the result has ``out_dtype`` (default ``x``'s
+    dtype; the products accumulate in f32 for a quantised ``w``).
 
     A block size that does not tile K (never so in the published checkpoints) falls back to
     ``x @ dequantize(w)``."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     if not is_quantized(w):
-        return x @ w
+        return (x @ w).astype(out_dtype)
     k, n = w.shape
     bk, bn = w.block
     nk = -(-k // bk)
     if nk > 1 and k % bk:
-        return x @ dequantize(w, x.dtype)
+        return (x @ dequantize(w, x.dtype)).astype(out_dtype)
     v = w.value.astype(x.dtype)
     if nk == 1:        # one scale per output column (block): scale the product
         y = jnp.dot(x, v, preferred_element_type=jnp.float32)
-        return (y * _expand(w.scale[0], bn, n, -1)).astype(x.dtype)
+        return (y * _expand(w.scale[0], bn, n, -1)).astype(out_dtype)
     lead = x.shape[:-1]
     p = jnp.einsum("...bk,bkn->...bn", x.reshape(lead + (nk, bk)), v.reshape(nk, bk, n),
                    preferred_element_type=jnp.float32)
-    return (p * _expand(w.scale, bn, n, -1)).sum(-2).astype(x.dtype)
+    return (p * _expand(w.scale, bn, n, -1)).sum(-2).astype(out_dtype)
 
 
 def expert_matmul(x: jax.Array, w) -> jax.Array:
