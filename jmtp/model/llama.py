@@ -45,6 +45,7 @@ from jmtp.model import moe
 from jmtp.model import gated_deltanet as gdn
 from jmtp.model import invariant
 from jmtp.model import quant
+from jmtp.model.quant import param_dtype
 from jmtp.model.gated_deltanet import LinearState
 from jmtp.model.metadata import AttentionMetadata
 from jmtp.pallas import kv_quant
@@ -461,13 +462,6 @@ def forward(
     x, cache = _run_layers(cfg, params["layers"], x, positions, meta, cache, attention_impl,
                            params.get("k_shift"))
     return (x if pre_norm else final_norm(cfg, params, x)), cache
-
-
-def param_dtype(params: dict):
-    """The model's float dtype: the embedding's, or the final norm's when the embedding is 8-bit
-    (``quantization="int8"``)."""
-    e = params["embed"]
-    return params["final_norm"].dtype if quant.is_quantized(e) else e.dtype
 
 
 def final_norm(cfg: ModelConfig, params: dict, x: jax.Array) -> jax.Array:

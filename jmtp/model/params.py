@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.quant import QuantizedWeight, check_quantized, is_quantized
+from jmtp.model.quant import QuantizedWeight, check_quantized, is_quantized, param_dtype
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +146,7 @@ def init_mtp_params(cfg: ModelConfig, params: dict, key: jax.Array, dtype=None) 
     """
     n = max(cfg.num_mtp_layers, 1)
     h = cfg.hidden_size
-    emb = params["embed"]      # an int8 embedding: the model dtype is the norms'
-    dtype = dtype or (params["final_norm"] if is_quantized(emb) else emb).dtype
+    dtype = dtype or param_dtype(params)
     # Built in numpy: a handful of host ops instead of dozens of tiny XLA compiles at load time.
     seed = int(np.asarray(jax.random.key_data(key)).ravel()[-1]) if hasattr(key, "dtype") else 0
     rng = np.random.default_rng(seed)

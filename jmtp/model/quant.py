@@ -368,6 +368,13 @@ def take_rows(table, ids):
     return QuantizedWeight(table.value[ids], table.scale[ids], table.block)
 
 
+def param_dtype(params: dict):
+    """The model's float dtype from its parameter dict: the embedding's, or the final norm's
+    when the embedding is 8-bit (``quantization="int8"``)."""
+    e = params["embed"]
+    return params["final_norm"].dtype if is_quantized(e) else e.dtype
+
+
 def check_quantized(cfg, params: dict, source: str = "params") -> None:
     """Raise ``ValueError`` naming the tensor when ``params``' 8-bit leaves disagree with
     ``cfg.quantization`` (``cfg`` a :class:`~jmtp.model.config.ModelConfig`): a covered weight
@@ -411,5 +418,6 @@ def leaf_bytes(a) -> int:
 __all__ = ["QUANT_METHODS", "STORAGE_DTYPES", "QMAX", "SCALE_DTYPE", "DEFAULT_FP8_BLOCK",
            "QUANTIZABLE", "MTP_PROJECTIONS", "EMBEDDINGS", "QuantConfig", "QuantizedWeight",
            "is_quantized", "scale_shape", "quantize", "dequantize", "matmul", "expert_matmul",
-           "ragged_dot", "embedding", "logits_from_rows", "take_rows", "check_quantized",
+           "ragged_dot", "embedding", "logits_from_rows", "take_rows", "param_dtype",
+           "check_quantized",
            "leaf_bytes"]
