@@ -504,7 +504,7 @@ def add_compile_args(p) -> None:
 
 def run_compile(args) -> int:
     """``jmtp compile``: compile the engine for each topology; print the markdown table."""
-    from jmtp.model.loader import load_config
+    from jmtp.model.checkpoints.loader import load_config
     from jmtp.runtime.config import SpeculativeConfig
     from jmtp.runtime.engine_args import EngineArgs
     cfg = load_config(args.model, None if args.quantization == "auto" else args.quantization)

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     import optax
 
     from jmtp.model.llama import rms_norm
-    from jmtp.model.loader import load_checkpoint
+    from jmtp.model.checkpoints.loader import load_checkpoint
     from jmtp.model.params import init_mtp_params
     from jmtp.train.capture import capture_hidden
     from jmtp.train.config import TrainConfig

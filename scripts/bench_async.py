@@ -56,8 +56,8 @@ def parse_args(argv=None):
 
 
 def general_prompts(tok, n: int):
-    from jmtp.model.loader import resolve_checkpoint, shipped_head_path
-    from jmtp.model.mtp_head import head_metadata
+    from jmtp.model.checkpoints.loader import resolve_checkpoint, shipped_head_path
+    from jmtp.model.checkpoints.mtp_head import head_metadata
     from jmtp.train.prompts import encode_chat, load_prompts, split_prompts
 
     meta = head_metadata(str(shipped_head_path(resolve_checkpoint(None)[0])))

@@ -53,7 +53,7 @@ def write_checkpoint(d: Path, hidden: int, layers: int) -> Path:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from jmtp.model.loader import load_tokenizer
+    from jmtp.model.checkpoints.loader import load_tokenizer
     from tests.model.hybrid_fixtures import mtp_tensors, save_checkpoint
     if (d / "config.json").is_file():
         return d

@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jmtp.model import axes as ax
+
+    from jmtp.model import schema
     from jmtp.model import moe as moe_mod
     from jmtp.model.config import ModelConfig, MoEConfig
     from jmtp.model.params import init_params
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
             fns, info = {}, {}
             for name, (ep, a2a) in placements.items():
                 rules = shd.mesh_rules(ep)
-                shardings = {k: NamedSharding(mesh, shd.logical_spec(ax.LAYER_AXES[k], v.shape,
+                shardings = {k: NamedSharding(mesh, shd.logical_spec(schema.LAYER_AXES[k], v.shape,
                                                                      mesh, k, rules))
                              for k, v in p.items()}
                 placed = jax.device_put(p, shardings)

@@ -33,8 +33,8 @@ def us(xs) -> str:
 
 
 def main():
-    from jmtp.model.loader import smollm2_path
-    from jmtp.model.tokenizer import tokenizer_from_gguf
+    from jmtp.model.checkpoints.loader import smollm2_path
+    from jmtp.model.checkpoints.tokenizer import tokenizer_from_gguf
     from jmtp.runtime.structured import StructuredOutputsParams
     from jmtp.runtime.structured.grammar import GrammarCompiler
 

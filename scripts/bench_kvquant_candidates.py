@@ -144,8 +144,8 @@ def main(argv=None) -> int:
     pad = lambda ids: jnp.asarray(list(ids) + [0] * (-len(ids) % 128), jnp.int32)  # noqa: E731
 
     # Calibration statistics (training prompts, not evaluation ones).
-    from jmtp.model.loader import resolve_checkpoint, shipped_head_path
-    from jmtp.model.mtp_head import head_metadata
+    from jmtp.model.checkpoints.loader import resolve_checkpoint, shipped_head_path
+    from jmtp.model.checkpoints.mtp_head import head_metadata
     from jmtp.train.prompts import encode_chat, load_prompts, split_prompts
     meta = head_metadata(str(shipped_head_path(resolve_checkpoint(None)[0])))
     train, _ = split_prompts(load_prompts(), float(meta.get("eval_frac", 0.1)),

@@ -45,7 +45,7 @@ def parse_args(argv=None):
 def checkpoint(path):
     import jax.numpy as jnp
 
-    from jmtp.model.hf_loader import load_hf
+    from jmtp.model.checkpoints.hf_loader import load_hf
     if path is None:
         from pathlib import Path
 

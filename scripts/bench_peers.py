@@ -90,8 +90,8 @@ class Row:
 
 # ---------------------------------------------------------------------------------- prompts
 def load_sets(args, tok) -> dict[str, list[list[int]]]:
-    from jmtp.model.loader import resolve_checkpoint, shipped_head_path
-    from jmtp.model.mtp_head import head_metadata
+    from jmtp.model.checkpoints.loader import resolve_checkpoint, shipped_head_path
+    from jmtp.model.checkpoints.mtp_head import head_metadata
     from jmtp.train.prompts import encode_chat, load_prompts, split_prompts
 
     sets: dict[str, list[list[int]]] = {}
@@ -380,7 +380,7 @@ def report(rows: list[Row], sets: dict, head: str, args, out: Path) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from jmtp.model import load_checkpoint, load_tokenizer
-    from jmtp.model.loader import resolve_checkpoint
+    from jmtp.model.checkpoints.loader import resolve_checkpoint
 
     gguf_path = str(resolve_checkpoint(None)[0])
     cfg, params = load_checkpoint(None)

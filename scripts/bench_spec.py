@@ -134,8 +134,8 @@ def empty_suffix_cache(llm) -> None:
 
 
 def prompt_sets(tok, names, n):
-    from jmtp.model.loader import resolve_checkpoint, shipped_head_path
-    from jmtp.model.mtp_head import head_metadata
+    from jmtp.model.checkpoints.loader import resolve_checkpoint, shipped_head_path
+    from jmtp.model.checkpoints.mtp_head import head_metadata
     from jmtp.train.prompts import encode_chat, load_prompts, split_prompts
     import importlib.resources
     import json as _json

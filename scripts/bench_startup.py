@@ -210,7 +210,7 @@ def plot(rows: dict[str, dict], path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from jmtp.model.loader import smollm2_path
+    from jmtp.model.checkpoints.loader import smollm2_path
 
     gguf = smollm2_path()
     Path(gguf).read_bytes()               # the same warm page cache for every row

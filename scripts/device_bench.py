@@ -190,7 +190,7 @@ def shape_configs(tiny: bool):
     """``{name: ModelConfig}``: SmolLM2-135M- and Llama-3-8B-shaped targets (tiny: two small
     stand-ins with the same structure)."""
     from jmtp.model.config import ModelConfig
-    from jmtp.model.hf_config import hf_config
+    from jmtp.model.checkpoints.hf_config import hf_config
     if tiny:
         return {"SmolLM2-shaped (tiny)": ModelConfig(vocab_size=512, hidden_size=64,
                                                      intermediate_size=128, num_layers=2,
@@ -346,8 +346,8 @@ def cmd_speedup(a) -> int:
     and n-gram at each batch size; outputs must be identical to plain."""
     from jmtp import LLM, SamplingParams, SpeculativeConfig
     from jmtp.model import load_checkpoint, load_tokenizer
-    from jmtp.model.loader import resolve_checkpoint, shipped_head_path
-    from jmtp.model.mtp_head import head_metadata
+    from jmtp.model.checkpoints.loader import resolve_checkpoint, shipped_head_path
+    from jmtp.model.checkpoints.mtp_head import head_metadata
     from jmtp.runtime.outputs import SpecDecodeMetrics
     sys.path.insert(0, HERE)
     from eval_acceptance import eval_prompts

@@ -147,7 +147,7 @@ def make_plan(wheels_dir: str, weights_dir: str, gguf: str | None, reserve_mib: 
     1: the wheels and part 1; call i: part i). Every call keeps ``reserve_mib`` spare."""
     if gguf is None:
         sys.path.insert(0, ROOT)
-        from jmtp.model.loader import smollm2_path
+        from jmtp.model.checkpoints.loader import smollm2_path
         gguf = str(smollm2_path())
     wheels = sorted(f for f in os.listdir(os.path.join(ROOT, wheels_dir)) if f.endswith(".whl"))
     wrec = [{"file": f, "size": os.path.getsize(os.path.join(ROOT, wheels_dir, f)),
@@ -250,8 +250,8 @@ def make_tiny_gguf(out: str, tokenizer_from: str | None, seed: int = 0) -> str:
     import gguf
     import numpy as np
 
-    from jmtp.model.gguf_loader import gguf_tokenizer_data
-    from jmtp.model.loader import smollm2_path
+    from jmtp.model.checkpoints.gguf_loader import gguf_tokenizer_data
+    from jmtp.model.checkpoints.loader import smollm2_path
     tk = gguf_tokenizer_data(tokenizer_from or smollm2_path())
     v, h, inter, nq, nkv, d, layers = len(tk["tokens"]), 32, 64, 4, 2, 8, 2
     rng = np.random.default_rng(seed)

@@ -69,8 +69,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from jmtp import LLM, SamplingParams, SpeculativeConfig
     from jmtp.model import load_checkpoint, load_tokenizer
-    from jmtp.model.loader import shipped_head_path, resolve_checkpoint
-    from jmtp.model.mtp_head import head_metadata
+    from jmtp.model.checkpoints.loader import shipped_head_path, resolve_checkpoint
+    from jmtp.model.checkpoints.mtp_head import head_metadata
     from jmtp.runtime.outputs import SpecDecodeMetrics
 
     head = args.mtp_head if args.mtp_head != "auto" else shipped_head_path(

@@ -75,8 +75,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from jmtp import LLM, SamplingParams, SpeculativeConfig
     from jmtp.model import load_checkpoint, load_tokenizer
-    from jmtp.model.loader import resolve_checkpoint, shipped_head_path
-    from jmtp.model.mtp_head import head_metadata
+    from jmtp.model.checkpoints.loader import resolve_checkpoint, shipped_head_path
+    from jmtp.model.checkpoints.mtp_head import head_metadata
     from jmtp.model.quant_params import quantize_params
     from jmtp.runtime.outputs import SpecDecodeMetrics
     from jmtp.train.prompts import encode_chat, load_prompts, split_prompts

@@ -233,8 +233,8 @@ def model_digest(path) -> str:
     import hashlib
     from pathlib import Path
 
-    from jmtp.model.loader import resolve_checkpoint
-    from jmtp.model.weights_cache import file_digest
+    from jmtp.model.checkpoints.loader import resolve_checkpoint
+    from jmtp.model.checkpoints.weights_cache import file_digest
     p, _ = resolve_checkpoint(path)
     if Path(p).is_file():
         return file_digest(p)
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from jmtp.model.loader import load_checkpoint, load_tokenizer
+    from jmtp.model.checkpoints.loader import load_checkpoint, load_tokenizer
     from jmtp.model.params import init_mtp_params
     from jmtp.train.data import MTPData, token_frequencies
     from jmtp.train import corpus as C

@@ -19,7 +19,7 @@ os.environ.setdefault("JMTP_COMPILE", "lazy")
 # deserialize, with jax 0.10.2); tests/runtime/test_compile.py covers the cache with its own
 # folders, one process at a time.
 os.environ["JMTP_CACHE_DIR"] = "off"
-# Converted GGUF weights (jmtp.model.weights_cache): one fresh folder per test process, so each
+# Converted GGUF weights (jmtp.model.checkpoints.weights_cache): one fresh folder per test process, so each
 # worker converts SmolLM2 once and loads it from disk after that, and no test reads an entry an
 # earlier run wrote (conversion warnings are logged by the converting load only).
 _WEIGHTS = tempfile.mkdtemp(prefix="jmtp-test-weights-")

@@ -131,7 +131,7 @@ def moe_ffn(moe: MoEConfig, p: dict, x: jax.Array, *, route, experts, shared) ->
 
     Args:
       moe: the layer's configuration (``all2all_backend`` resolved, not ``"auto"``).
-      p: the layer dict (keys of :func:`jmtp.model.moe.moe_shapes`); ``experts_*`` placed by
+      p: the layer dict (keys of :func:`jmtp.model.schema.moe_shapes`); ``experts_*`` placed by
         :data:`~jmtp.core.mesh.EXPERT_PARALLEL_RULES` (inside the data-parallel ``shard_map``:
         this data shard's ``E/DP`` experts, split over ``model``).
       x: f[T, H] post-norm rows (this data shard's; replicated over ``model``).

@@ -544,16 +544,3 @@ def linear_attention_sequence(cfg: ModelConfig, p: dict, h: jax.Array, conv_stat
     else:
         o, s = chunk_gated_delta_rule(q, k, v.astype(jnp.float32), g, beta, rec_state, chunk_size)
     return _output(cfg, p, o, z, h.dtype), new_conv, s
-
-
-def linear_layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of a linear-attention layer's token-mixer parameters (no layer axis):
-    ``lin_q, lin_k f[H, Hk·Dk]``, ``lin_v, lin_z f[H, Hv·Dv]``, ``lin_a, lin_b f[H, Hv]``,
-    ``conv_q, conv_k f[Kc, Hk·Dk]``, ``conv_v f[Kc, Hv·Dv]``, ``dt_bias, a_log f[Hv]``,
-    ``lin_norm f[Dv]``, ``lin_out f[Hv·Dv, H]``."""
-    lc, hs = cfg.linear, cfg.hidden_size
-    kd, vd, hv, kc = lc.key_dim, lc.value_dim, lc.num_value_heads, lc.conv_kernel_dim
-    return {"lin_q": (hs, kd), "lin_k": (hs, kd), "lin_v": (hs, vd), "lin_z": (hs, vd),
-            "lin_a": (hs, hv), "lin_b": (hs, hv), "conv_q": (kc, kd), "conv_k": (kc, kd),
-            "conv_v": (kc, vd), "dt_bias": (hv,), "a_log": (hv,), "lin_norm": (lc.value_head_dim,),
-            "lin_out": (vd, hs)}

@@ -16,7 +16,7 @@ leading layer axis L so that the layers run under one ``lax.scan``)::
                mlp_norm f[L,H]  w_gate,w_up f[L,H,I]  w_down f[L,I,H]
                (MoE layers instead: router, [router_bias], experts_*, [shared_*],
                see jmtp.model.moe; a model mixing dense and MoE layers holds ``layers`` as a
-               tuple of L per-layer dicts, jmtp.model.params.layers_stacked)
+               tuple of L per-layer dicts, jmtp.model.schema.layers_stacked)
   mtp:         enorm,hnorm f[N,H]  eh_proj f[N,2H,H]  final_norm f[N,H]  layer: {as `layers`, N stacked}
   [k_shift     f32[L,Nkv,D]]        (int8 KV caches only: key shift, jmtp.model.kv_shift)
 

@@ -51,25 +51,6 @@ from jmtp.pallas.ragged_paged_attention import ragged_paged_attention
 LATENT_NORM_EPS = 1e-6  # HF DeepseekV3RMSNorm default, used by q_a_layernorm / kv_a_layernorm
 
 
-def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one layer's MLA attention parameters (``[in, out]`` weights)::
-
-      [wq_a f[H, Rq], q_a_norm f[Rq], wq_b f[Rq, Nq*(dn+dr)]]   (q_lora_rank = Rq)
-      [wq f[H, Nq*(dn+dr)]]                                       (q_lora_rank None)
-      wkv_a f[H, C+dr]  kv_a_norm f[C]  wkv_b f[C, Nq*(dn+dv)]  wo f[Nq*dv, H]
-    """
-    h, nq, c = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
-    qd = nq * cfg.qk_head_dim
-    shapes = {"wkv_a": (h, c + cfg.qk_rope_head_dim), "kv_a_norm": (c,),
-              "wkv_b": (c, nq * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
-              "wo": (nq * cfg.v_head_dim, h)}
-    if cfg.q_lora_rank is None:
-        shapes["wq"] = (h, qd)
-    else:
-        shapes.update(wq_a=(h, cfg.q_lora_rank), q_a_norm=(cfg.q_lora_rank,), wq_b=(cfg.q_lora_rank, qd))
-    return shapes
-
-
 def softmax_scale(cfg: ModelConfig) -> float:
     """``(dn + dr)^-0.5``, times ``mscale^2`` for a YaRN scaling with ``mscale_all_dim`` (HF
     ``yarn_get_mscale``: ``0.1 * mscale_all_dim * ln(factor) + 1`` when factor > 1)."""

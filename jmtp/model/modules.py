@@ -19,17 +19,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmtp.model import axes as ax
-from jmtp.model import llama
+from jmtp.model import llama, schema
 from jmtp.model.config import ModelConfig
 from jmtp.model.metadata import AttentionMetadata
 from jmtp.model.quant import QuantizedWeight, logits_from_rows
 # Buffer and the Param constructors live in jmtp.model.variables (shared with jmtp.model.moe).
 from jmtp.model.variables import Buffer  # noqa: F401
 from jmtp.model.variables import buffer as _buffer
-from jmtp.model.variables import normal as _rand
-from jmtp.model.variables import own_variables
-from jmtp.model.variables import param as _param
-from jmtp.model.variables import weight as _weight
+from jmtp.model.variables import new_weight, own_variables
 
 
 def _values(tree):
@@ -68,7 +65,7 @@ def _fill(variables, arrays, where: str) -> None:
 
 
 class Attention(nnx.Module):
-    """Attention projections (MLA ones, :func:`jmtp.model.mla.layer_shapes`, when
+    """Attention projections (MLA ones, :func:`jmtp.model.schema.attention_shapes`, when
     ``cfg.attention_type == "mla"``). GQA: ``wq f[H, Nq·D]``, ``wk, wv f[H, Nkv·D]``, ``wo f[Nq·D, H]``,
     Qwen2 biases ``bq, bk, bv`` when ``cfg.attention_bias``, Qwen3 ``q_norm, k_norm f[D]`` when
     ``cfg.qk_norm``; each with a leading ``layers`` axis of size ``num_stacked`` if given. The
@@ -77,30 +74,9 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  num_stacked: int | None = None, std: float = 0.02, prefix: str = "layers"):
-        lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
-        h, q, kv, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
-        qc = cfg.quantization
-        if cfg.is_mla:  # DeepSeek multi-head latent attention (jmtp.model.mla)
-            from jmtp.model import mla
-            for name, shape in mla.layer_shapes(cfg).items():
-                if name.endswith("norm"):
-                    var = _param(jnp.ones(lead + shape, dtype), ax.LAYER_AXES[name], st)
-                else:
-                    var = _weight(qc, f"{prefix}.{name}", _rand(rngs, lead + shape, dtype, std),
-                                  ax.LAYER_AXES[name], st)
-                setattr(self, name, var)
-            return
-        shapes = {"wq": (h, q), "wk": (h, kv), "wv": (h, kv), "wo": (q, h)}
-        if cfg.attention_bias:
-            shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
-        if cfg.attn_output_gate:    # gated attention (Qwen3-Next / Qwen3.5)
-            shapes.update(wg=(h, q))
-        for name, shape in shapes.items():
-            value = _rand(rngs, lead + shape, dtype, std)
-            setattr(self, name, _weight(qc, f"{prefix}.{name}", value, ax.LAYER_AXES[name], st))
-        if cfg.qk_norm:
-            self.q_norm = _param(jnp.ones(lead + (d,), dtype), ax.LAYER_AXES["q_norm"], st)
-            self.k_norm = _param(jnp.ones(lead + (d,), dtype), ax.LAYER_AXES["k_norm"], st)
+        for name, shape in schema.attention_shapes(cfg).items():
+            setattr(self, name, new_weight(cfg, name, shape, rngs=rngs, dtype=dtype, std=std,
+                                           num_stacked=num_stacked, prefix=prefix))
 
     def variables(self) -> dict:
         """``{name: nnx.Param or QuantizedWeight}`` under the names of :mod:`jmtp.model.llama`'s
@@ -111,22 +87,15 @@ class Attention(nnx.Module):
 class GatedDeltaNet(nnx.Module):
     """The gated-DeltaNet token mixer of a hybrid model's linear-attention layer
     (:mod:`jmtp.model.gated_deltanet`; names and shapes in
-    :func:`~jmtp.model.gated_deltanet.linear_layer_shapes`), with a leading ``layers`` axis of
+    :func:`~jmtp.model.schema.linear_attention_shapes`), with a leading ``layers`` axis of
     size ``num_stacked`` if given. Initialised as transformers does up to ``A``'s range:
     ``A_log = 0``, ``dt_bias = 1``, norm weight 1."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
-                 num_stacked: int | None = None, std: float = 0.02):
-        from jmtp.model.gated_deltanet import linear_layer_shapes
-        lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
-        for name, shape in linear_layer_shapes(cfg).items():
-            if name in ("lin_norm", "dt_bias"):
-                value = jnp.ones(lead + shape, dtype)
-            elif name == "a_log":
-                value = jnp.zeros(lead + shape, dtype)
-            else:
-                value = _rand(rngs, lead + shape, dtype, 0.5 if name.startswith("conv_") else std)
-            setattr(self, name, _param(value, ax.LAYER_AXES[name], st))
+                 num_stacked: int | None = None, std: float = 0.02, prefix: str = "layers"):
+        for name, shape in schema.linear_attention_shapes(cfg).items():
+            setattr(self, name, new_weight(cfg, name, shape, rngs=rngs, dtype=dtype, std=std,
+                                           num_stacked=num_stacked, prefix=prefix))
 
     def variables(self) -> dict:
         return own_variables(self)
@@ -138,12 +107,9 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  num_stacked: int | None = None, std: float = 0.02, prefix: str = "layers"):
-        lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
-        h, i = cfg.hidden_size, cfg.intermediate_size
-        for name, shape in {"w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}.items():
-            setattr(self, name, _weight(cfg.quantization, f"{prefix}.{name}",
-                                        _rand(rngs, lead + shape, dtype, std), ax.LAYER_AXES[name],
-                                        st))
+        for name, shape in schema.mlp_shapes(cfg).items():
+            setattr(self, name, new_weight(cfg, name, shape, rngs=rngs, dtype=dtype, std=std,
+                                           num_stacked=num_stacked, prefix=prefix))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``f[T, H] -> f[T, H]`` (unstacked MLP only)."""
@@ -165,16 +131,12 @@ class DecoderLayer(nnx.Module):
                  num_stacked: int | None = None, std: float = 0.02, moe: bool = False,
                  linear: bool = False, prefix: str = "layers"):
         from jmtp.model.moe import MoE
-        lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
-        h = cfg.hidden_size
+        shapes = schema.layer_shapes(cfg, moe, linear)
+        kw = dict(rngs=rngs, dtype=dtype, std=std, num_stacked=num_stacked, prefix=prefix)
         self.num_stacked = num_stacked
-        self.attn_norm = _param(jnp.ones(lead + (h,), dtype), ax.LAYER_AXES["attn_norm"], st)
-        if linear:
-            self.attn = GatedDeltaNet(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked, std=std)
-        else:
-            self.attn = Attention(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked, std=std,
-                                  prefix=prefix)
-        self.mlp_norm = _param(jnp.ones(lead + (h,), dtype), ax.LAYER_AXES["mlp_norm"], st)
+        self.attn_norm = new_weight(cfg, "attn_norm", shapes["attn_norm"], **kw)
+        self.attn = (GatedDeltaNet if linear else Attention)(cfg, **kw)
+        self.mlp_norm = new_weight(cfg, "mlp_norm", shapes["mlp_norm"], **kw)
         self.mlp = (MoE if moe else MLP)(cfg, rngs=rngs, dtype=dtype, num_stacked=num_stacked,
                                          std=std, prefix=prefix)
 
@@ -199,9 +161,8 @@ class DecoderStack(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  stacked: bool = True, std: float = 0.02):
-        from jmtp.model.params import layer_kinds
         self.stacked = stacked
-        kinds = layer_kinds(cfg)
+        kinds = schema.layer_kinds(cfg)
         if stacked:
             if len(set(kinds)) > 1:
                 raise ValueError("a model mixing dense and MoE layers, or attention and linear-"
@@ -230,13 +191,10 @@ class MTPHead(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, num_modules: int, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  std: float = 0.02):
-        n, h = num_modules, cfg.hidden_size
-        self.enorm = _param(jnp.ones((n, h), dtype), ax.MTP_AXES["enorm"], True)
-        self.hnorm = _param(jnp.ones((n, h), dtype), ax.MTP_AXES["hnorm"], True)
-        self.eh_proj = _weight(cfg.quantization, "mtp.eh_proj",
-                               _rand(rngs, (n, 2 * h, h), dtype, (2 * h) ** -0.5),
-                               ax.MTP_AXES["eh_proj"], True)
-        self.final_norm = _param(jnp.ones((n, h), dtype), ax.MTP_AXES["final_norm"], True)
+        kw = dict(rngs=rngs, dtype=dtype, std=std, num_stacked=num_modules, prefix="mtp")
+        for name, shape in schema.mtp_shapes(cfg).items():   # enorm, hnorm, eh_proj, final_norm
+            setattr(self, name, new_weight(cfg, name, shape, **kw))
+        n = num_modules
         self.layer = DecoderLayer(cfg, rngs=rngs, dtype=dtype, num_stacked=n, std=std,
                                   moe=cfg.mtp_is_moe, prefix="mtp.layer")
 
@@ -253,7 +211,7 @@ class MTPHead(nnx.Module):
     @classmethod
     def from_params(cls, cfg: ModelConfig, mtp: dict) -> "MTPHead":
         """A head holding the arrays of ``mtp`` (``params["mtp"]``, as :meth:`to_params` returns
-        it, e.g. from :func:`jmtp.model.mtp_head.load_mtp_head`), without random initialisation.
+        it, e.g. from :func:`jmtp.model.checkpoints.mtp_head.load_mtp_head`), without random initialisation.
 
         N comes from ``mtp["enorm"].shape[0]``, the dtype from ``mtp["enorm"]`` (arrays keep
         their own dtype); ``cfg`` decides which layer tensors exist (biases, q/k norms).
@@ -298,13 +256,13 @@ class DraftHead(nnx.Module):
         if weight.ndim != 2 or weight.shape[0] != token_ids.shape[0]:
             raise ValueError(f"DraftHead.weight must be [N={token_ids.shape[0]}, H], got "
                              f"{list(weight.shape)}")
-        self.token_ids = _buffer(token_ids, ax.TOP_AXES["draft_ids"])
+        self.token_ids = _buffer(token_ids, schema.TOP_AXES["draft_ids"])
         if isinstance(weight, QuantizedWeight):
             self.weight = nnx.data(QuantizedWeight(
-                _buffer(weight.value, ax.TOP_AXES["draft_head"]),
-                _buffer(weight.scale, (ax.TOP_AXES["draft_head"][0], None)), weight.block))
+                _buffer(weight.value, schema.TOP_AXES["draft_head"]),
+                _buffer(weight.scale, (schema.TOP_AXES["draft_head"][0], None)), weight.block))
         else:
-            self.weight = _buffer(weight, ax.TOP_AXES["draft_head"])
+            self.weight = _buffer(weight, schema.TOP_AXES["draft_head"])
 
     def __call__(self, h: jax.Array) -> jax.Array:
         """``f32[T, N]`` draft-vocabulary logits of post-norm hidden rows ``h f[T, H]``."""
@@ -354,13 +312,13 @@ class LlamaForCausalLM(nnx.Module):
                  std: float = 0.02):
         self.cfg = cfg
         lm_head = not cfg.tie_word_embeddings if lm_head is None else lm_head
-        v, h = cfg.vocab_size, cfg.hidden_size
-        qc = cfg.quantization     # int8: embed per vocabulary row, lm_head per output channel
-        self.embed = _weight(qc, "embed", _rand(rngs, (v, h), dtype, std), ax.TOP_AXES["embed"])
-        self.lm_head = (nnx.data(None) if not lm_head else
-                        _weight(qc, "lm_head", _rand(rngs, (h, v), dtype, std),
-                                ax.TOP_AXES["lm_head"]))
-        self.final_norm = _param(jnp.ones((h,), dtype), ax.TOP_AXES["final_norm"])
+        # int8: embed per vocabulary row, lm_head per output channel (cfg.quantization)
+        shapes = schema.top_shapes(cfg.replace(tie_word_embeddings=not lm_head))
+        kw = dict(rngs=rngs, dtype=dtype, std=std, prefix="")
+        self.embed = new_weight(cfg, "embed", shapes["embed"], **kw)
+        self.lm_head = (new_weight(cfg, "lm_head", shapes["lm_head"], **kw) if lm_head
+                        else nnx.data(None))
+        self.final_norm = new_weight(cfg, "final_norm", shapes["final_norm"], **kw)
         self.layers = DecoderStack(cfg, rngs=rngs, dtype=dtype, stacked=stacked, std=std)
         n = cfg.num_mtp_layers if num_mtp is None else num_mtp
         self.mtp = nnx.data(MTPHead(cfg, n, rngs=rngs, dtype=dtype, std=std) if n else None)
@@ -397,7 +355,7 @@ class LlamaForCausalLM(nnx.Module):
         :mod:`jmtp.model.kv_shift`). Raises ``ValueError`` for another name."""
         if name not in ("draft_vocab", "k_shift"):
             raise ValueError(f"unknown buffer {name!r} (draft_ids / draft_head: set_draft_head)")
-        setattr(self, name, nnx.data(None if value is None else _buffer(value, ax.TOP_AXES[name])))
+        setattr(self, name, nnx.data(None if value is None else _buffer(value, schema.TOP_AXES[name])))
 
     def set_draft_head(self, token_ids: jax.Array | None, weight: jax.Array | None = None) -> None:
         """Set the FR-Spec :class:`DraftHead` (``token_ids i32[N]``, ``weight f[N, H]``), or with

@@ -40,37 +40,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmtp.core.platform import host_platform
-from jmtp.model import axes as ax
 from jmtp.model import expert_parallel
 from jmtp.model import quant
 from jmtp.model.config import ModelConfig, MoEConfig
 from jmtp.model.invariant import row_tiled
-from jmtp.model.variables import normal, own_variables, param, weight
+from jmtp.model import schema
+from jmtp.model.variables import new_weight, own_variables
 
 DENSE_FFN_KEYS = ("w_gate", "w_up", "w_down")
 MOE_KEYS = ("router", "router_bias", "experts_gate", "experts_up", "experts_down",
             "shared_gate", "shared_up", "shared_down")
-
-
-def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of one MoE layer's FFN parameters (no leading layer axis).
-
-    Raises:
-      ValueError: ``cfg.moe`` is None."""
-    m = cfg.moe
-    if m is None:
-        raise ValueError("moe_shapes: ModelConfig.moe is None (a dense model)")
-    h, e, i = cfg.hidden_size, m.num_experts, m.moe_intermediate_size
-    shapes = {"router": (h, e), "experts_gate": (e, h, i), "experts_up": (e, h, i),
-              "experts_down": (e, i, h)}
-    if m.score_bias:
-        shapes["router_bias"] = (e,)
-    if m.shared_intermediate_size:
-        s = m.shared_intermediate_size
-        shapes.update(shared_gate=(h, s), shared_up=(h, s), shared_down=(s, h))
-        if m.shared_expert_gate:
-            shapes["shared_expert_gate"] = (h, 1)
-    return shapes
 
 
 def is_moe(p: dict) -> bool:
@@ -247,14 +226,9 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
                  num_stacked: int | None = None, std: float = 0.02, prefix: str = "layers"):
         self.moe = cfg.moe
-        lead, st = ((num_stacked,) if num_stacked else ()), bool(num_stacked)
-        for name, shape in moe_shapes(cfg).items():
-            if name == "router_bias":
-                var = param(jnp.zeros(lead + shape, jnp.float32), ax.LAYER_AXES[name], st)
-            else:   # 8-bit where cfg.quantization covers it (jmtp.model.variables.weight)
-                var = weight(cfg.quantization, f"{prefix}.{name}",
-                             normal(rngs, lead + shape, dtype, std), ax.LAYER_AXES[name], st)
-            setattr(self, name, var)
+        for name, shape in schema.moe_shapes(cfg).items():   # 8-bit where cfg.quantization says
+            setattr(self, name, new_weight(cfg, name, shape, rngs=rngs, dtype=dtype, std=std,
+                                           num_stacked=num_stacked, prefix=prefix))
 
     def __call__(self, x: jax.Array, implementation: str | None = None) -> jax.Array:
         """``f[T, H] -> f[T, H]`` (unstacked module only); see :func:`moe_ffn`."""

@@ -1,4 +1,5 @@
-"""Parameter pytrees: random initialisation (tests, fresh MTP heads) and validation."""
+"""Parameter pytrees: random initialisation (tests, fresh MTP heads), kv-head replication and
+validation, all following the schema of :mod:`jmtp.model.schema`."""
 from __future__ import annotations
 
 import logging
@@ -7,120 +8,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmtp.model import schema
 from jmtp.model.config import ModelConfig
+from jmtp.model.schema import layer_kinds, layer_shapes, layers_stacked, param_shapes
 from jmtp.model.quant import QuantizedWeight, check_quantized, is_quantized, param_dtype
 
 log = logging.getLogger(__name__)
 
 
-def layer_shapes(cfg: ModelConfig, moe: bool = False,
-                 linear: bool = False) -> dict[str, tuple[int, ...]]:
-    """Shapes of one decoder layer's parameters (without the leading layer axis); with ``moe``
-    the FFN is the MoE block of ``cfg.moe`` (:func:`jmtp.model.moe.moe_shapes`) instead of the
-    dense ``w_gate/w_up/w_down``; with ``linear`` the token mixer is gated DeltaNet
-    (:func:`jmtp.model.gated_deltanet.linear_layer_shapes`) instead of attention."""
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    if linear:
-        from jmtp.model.gated_deltanet import linear_layer_shapes
-        shapes = {"attn_norm": (h,), **linear_layer_shapes(cfg), "mlp_norm": (h,)}
-        if moe:
-            from jmtp.model.moe import moe_shapes
-            shapes.update(moe_shapes(cfg))
-        else:
-            shapes.update(w_gate=(h, i), w_up=(h, i), w_down=(i, h))
-        return shapes
-    if cfg.is_mla:  # DeepSeek multi-head latent attention
-        from jmtp.model import mla
-        shapes = {"attn_norm": (h,), **mla.layer_shapes(cfg), "mlp_norm": (h,)}
-    else:
-        shapes = {
-            "attn_norm": (h,), "wq": (h, cfg.q_size), "wk": (h, cfg.kv_size),
-            "wv": (h, cfg.kv_size), "wo": (cfg.q_size, h), "mlp_norm": (h,),
-        }
-    if moe:
-        from jmtp.model.moe import moe_shapes
-        shapes.update(moe_shapes(cfg))
-    else:
-        shapes.update(w_gate=(h, i), w_up=(h, i), w_down=(i, h))
-    if cfg.attention_bias:
-        shapes.update(bq=(cfg.q_size,), bk=(cfg.kv_size,), bv=(cfg.kv_size,))
-    if cfg.qk_norm:
-        shapes.update(q_norm=(d,), k_norm=(d,))
-    if cfg.attn_output_gate:
-        shapes.update(wg=(h, cfg.q_size))
-    return shapes
-
-
-def layer_kinds(cfg: ModelConfig) -> tuple[tuple[bool, bool], ...]:
-    """``(moe, linear)`` of every target layer (the arguments of :func:`layer_shapes`)."""
-    return tuple((m, cfg.layer_type(i) == "linear_attention")
-                 for i, m in enumerate(cfg.moe_layer_kinds))
-
-
-def layers_stacked(cfg: ModelConfig) -> bool:
-    """Whether the target's layers are one stack (``params["layers"]`` a dict of ``f[L, ...]``,
-    run under one ``lax.scan``): every layer has the same FFN kind. A model mixing dense and MoE
-    layers (dense-first layers) holds a tuple of L per-layer dicts, run as an unrolled loop."""
-    return len(set(layer_kinds(cfg))) == 1
-
-
-def param_shapes(cfg: ModelConfig) -> dict:
-    """Expected shape of every leaf of the parameter pytree (see :mod:`jmtp.model.llama`);
-    ``"layers"`` is a dict of stacked shapes, or a tuple of per-layer dicts when
-    :func:`layers_stacked` is false."""
-    h, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_mtp_layers
-    kinds = layer_kinds(cfg)
-    if layers_stacked(cfg):
-        layers = {k: (cfg.num_layers,) + s for k, s in layer_shapes(cfg, *kinds[0]).items()}
-    else:
-        layers = tuple(layer_shapes(cfg, *m) for m in kinds)
-    shapes = {"embed": (v, h), "final_norm": (h,), "layers": layers}
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (h, v)
-    if n:
-        shapes["mtp"] = {
-            "enorm": (n, h), "hnorm": (n, h), "eh_proj": (n, 2 * h, h), "final_norm": (n, h),
-            "layer": {k: (n,) + s for k, s in layer_shapes(cfg, cfg.mtp_is_moe).items()},
-        }
-    return shapes
-
-
-def _is_norm(name: str) -> bool:
-    return name.endswith("norm")
-
-
 def init_layers(cfg: ModelConfig, key: jax.Array, num: int, dtype, std: float = 0.02,
                 moe: bool = False, linear: bool = False) -> dict:
-    """Random stacked layers: norms = 1, biases = small normal, matrices = N(0, std²) (MoE
-    score-correction biases zero, f32; gated-DeltaNet convolution taps N(0, 0.25),
-    ``a_log`` = 0, ``dt_bias`` = 1, as transformers initialises them up to A's range)."""
-    out = {}
-    for idx, (name, shape) in enumerate(sorted(layer_shapes(cfg, moe, linear).items())):
-        k = jax.random.fold_in(key, idx)
-        if _is_norm(name):
-            out[name] = jnp.ones((num,) + shape, dtype)
-        elif name in ("router_bias", "a_log"):
-            out[name] = jnp.zeros((num,) + shape, jnp.float32 if name == "router_bias" else dtype)
-        elif name == "dt_bias":
-            out[name] = jnp.ones((num,) + shape, dtype)
-        elif name.startswith("conv_"):
-            out[name] = (0.5 * jax.random.normal(k, (num,) + shape, jnp.float32)).astype(dtype)
-        else:
-            out[name] = (std * jax.random.normal(k, (num,) + shape, jnp.float32)).astype(dtype)
-    return out
+    """Random stacked layers ``f[num, ...]``, each parameter by its schema rule
+    (:func:`jmtp.model.schema.initial_value`: norms 1, matrices and biases N(0, std²), MoE
+    score-correction biases 0 in f32, ...); parameter ``i`` of the sorted names draws from
+    ``fold_in(key, i)``."""
+    return {name: schema.initial_value(name, (num,) + shape, dtype, std, jax.random.fold_in(key, i))
+            for i, (name, shape) in enumerate(sorted(layer_shapes(cfg, moe, linear).items()))}
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> dict:
     """Random parameters for ``cfg`` (tiny test models). Includes an MTP head if num_mtp_layers > 0."""
     k_emb, k_layers, k_head, k_mtp = jax.random.split(key, 4)
-    params = {
-        "embed": (std * jax.random.normal(k_emb, (cfg.vocab_size, cfg.hidden_size))).astype(dtype),
-        "final_norm": jnp.ones((cfg.hidden_size,), dtype),
-        "layers": _init_target_layers(cfg, k_layers, dtype, std),
-    }
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = (std * jax.random.normal(
-            k_head, (cfg.hidden_size, cfg.vocab_size))).astype(dtype)
+    keys = {"embed": k_emb, "lm_head": k_head}
+    params = {name: schema.initial_value(name, shape, dtype, std, keys.get(name))
+              for name, shape in schema.top_shapes(cfg).items()}
+    params["layers"] = _init_target_layers(cfg, k_layers, dtype, std)
     if cfg.num_mtp_layers:
         params["mtp"] = init_mtp_params(cfg, params, k_mtp, dtype)
     return params
@@ -162,7 +74,7 @@ def init_mtp_params(cfg: ModelConfig, params: dict, key: jax.Array, dtype=None) 
             return QuantizedWeight(jnp.repeat(a.value[None], n, 0),
                                    jnp.repeat(a.scale[None], n, 0), a.block)
         return jnp.asarray(np.repeat(np.asarray(a, np.float32)[None], n, 0),
-                           jnp.float32 if k == "router_bias" else dtype)
+                           schema.leaf_dtype(k, dtype))
     last = {k: repeat(k, a) for k, a in last_layer.items()}
     eh = rng.standard_normal((n, 2 * h, h), np.float32) / np.sqrt(2 * h)
     return {

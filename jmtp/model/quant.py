@@ -71,7 +71,7 @@ SCALE_DTYPE = jnp.float32
 #: Default ``weight_block_size`` (HF order ``[out, in]``) of ``quantization="fp8"`` on a float
 #: checkpoint: the published FP8 checkpoints' 128×128.
 DEFAULT_FP8_BLOCK = (128, 128)
-#: The decoder-block weights that can be 8-bit (names of :func:`jmtp.model.params.layer_shapes`).
+#: The decoder-block weights that can be 8-bit (names of :func:`jmtp.model.schema.layer_shapes`).
 QUANTIZABLE = ("wq", "wk", "wv", "wo", "wg", "wq_a", "wq_b", "wkv_a", "wkv_b",
                "w_gate", "w_up", "w_down", "experts_gate", "experts_up", "experts_down",
                "shared_gate", "shared_up", "shared_down")

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.params import layer_kinds, layer_shapes
+from jmtp.model.schema import layer_kinds, layer_shapes
 from jmtp.model.quant import (DEFAULT_FP8_BLOCK, EMBEDDINGS, MTP_PROJECTIONS, QUANT_METHODS, QUANTIZABLE,
                               QuantConfig, QuantizedWeight, dequantize, is_quantized, leaf_bytes,
                               quantize, scale_shape)
@@ -241,7 +241,7 @@ def config_quantization(cfg: ModelConfig, quantization: str | None,
                         checkpoint_quant=None) -> ModelConfig:
     """``cfg`` with the ``quantization`` an engine built from it alone (no weights: ``jmtp
     compile``) would have: None keeps a checkpoint's own FP8 ``quantization_config``
-    (``checkpoint_quant``, :class:`~jmtp.model.fp8_checkpoint.CheckpointQuant`) or none;
+    (``checkpoint_quant``, :class:`~jmtp.model.checkpoints.fp8_checkpoint.CheckpointQuant`) or none;
     ``"int8"`` / ``"fp8"`` as :func:`quantize_params` (:func:`config_paths`).
 
     Raises:

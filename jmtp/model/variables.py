@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmtp.model import axes as ax
+from jmtp.model import schema
 from jmtp.model.quant import QuantConfig, QuantizedWeight, quantize
 
 
@@ -61,6 +62,20 @@ def weight(quantization: QuantConfig | None, path: str, value: jax.Array, names,
                                      for n, size in zip(names[-2:], q.scale.shape[-2:]))
     return nnx.data(QuantizedWeight(param(q.value, names, stacked),
                                     param(q.scale, scale_names, stacked), q.block))
+
+
+def new_weight(cfg, name: str, shape: tuple[int, ...], *, rngs: nnx.Rngs, dtype, std: float,
+               num_stacked: int | None = None, prefix: str = "layers"):
+    """A fresh parameter ``name`` of ``shape`` (without the stack axis) as the schema
+    (:mod:`jmtp.model.schema`) says: its initial value (``rngs.params()`` drawn only for random
+    ones), its logical axes, ``layers`` first with ``num_stacked`` (the leading axis's size),
+    8-bit where ``cfg.quantization`` covers ``prefix.name`` (:func:`weight`). Assign the result
+    to the module's attribute ``name``."""
+    lead = (num_stacked,) if num_stacked else ()
+    key = rngs.params() if schema.needs_key(name) else None
+    value = schema.initial_value(name, lead + tuple(shape), dtype, std, key)
+    path = f"{prefix}.{name}" if prefix else name
+    return weight(cfg.quantization, path, value, schema.LEAVES[name].axes, bool(num_stacked))
 
 
 def own_variables(module) -> dict:

@@ -25,7 +25,7 @@ class IncrementalDetokenizer:
 
     Args:
       tokenizer: anything with ``decode(ids, skip_special_tokens=...) -> str``
-        (:class:`jmtp.model.tokenizer.Tokenizer`).
+        (:class:`jmtp.model.checkpoints.tokenizer.Tokenizer`).
       skip_special_tokens: passed to ``decode`` (special tokens such as EOS decode to "").
 
     Attributes:

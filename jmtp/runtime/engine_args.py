@@ -148,7 +148,7 @@ class EngineArgs:
       seed: seeds the per-request seeds of requests whose ``SamplingParams.seed`` is None.
       model_config / params / tokenizer: pass an already-built model instead of ``model``.
       mtp_head: with ``model``: ``"auto"``, ``None`` or a head file
-        (:func:`jmtp.model.loader.load_checkpoint`).
+        (:func:`jmtp.model.checkpoints.loader.load_checkpoint`).
       compile: ``"eager"``: compile the step for every bucket of
         :func:`~jmtp.runtime.buckets.step_buckets` (and the request insert/release) here, with a
         progress bar, so no step compiles later; ``"lazy"``: compile each bucket on its first use.
@@ -292,14 +292,14 @@ class EngineArgs:
         if a.abstract:
             if model_config is None:
                 raise ValueError("abstract=True needs model_config (the engine is built from "
-                                 "shapes; jmtp.model.loader.load_config reads one from a model file)")
+                                 "shapes; jmtp.model.checkpoints.loader.load_config reads one from a model file)")
             if a.quantization is not None:
                 from jmtp.model.quant_params import config_quantization
                 model_config = config_quantization(model_config, a.quantization)
             params = params if params is not None else abstract_params(
                 model_config, dtype, spec.method == "mtp", a.kv_cache_dtype)
         elif params is None:
-            from jmtp.model.loader import load_checkpoint, load_tokenizer
+            from jmtp.model.checkpoints.loader import load_checkpoint, load_tokenizer
             model_config, params = load_checkpoint(a.model, dtype=dtype, mtp_head=a.mtp_head,
                                                    quantization=a.quantization)
             if tokenizer is None:
@@ -426,18 +426,11 @@ def abstract_params(cfg: ModelConfig, dtype, with_mtp: bool, kv_cache_dtype: str
     target, the MTP head when ``with_mtp`` (``cfg.num_mtp_layers`` modules, at least one) and the
     int8 cache's key shift; the weights ``cfg.quantization`` covers as 8-bit
     :class:`~jmtp.model.quant.QuantizedWeight` s (values and f32 scales)."""
-    from jmtp.model.params import param_shapes
     from jmtp.model.quant_params import abstract_quantized
+    from jmtp.model.schema import abstract_params as float_params
     c = (cfg.replace(num_mtp_layers=max(cfg.num_mtp_layers, 1)) if with_mtp
          else cfg.replace(num_mtp_layers=0))
-
-    def sds(tree, name=""):   # shape tuples -> ShapeDtypeStructs (router biases stay f32)
-        if isinstance(tree, dict):
-            return {k: sds(v, k) for k, v in tree.items()}
-        if tree and isinstance(tree[0], dict):
-            return tuple(sds(v) for v in tree)
-        return jax.ShapeDtypeStruct(tuple(tree), jnp.float32 if name == "router_bias" else dtype)
-    params = abstract_quantized(c, sds(param_shapes(c)))
+    params = abstract_quantized(c, float_params(c, dtype))
     if kv_cache_dtype == "int8" and not cfg.is_mla:
         params["k_shift"] = jax.ShapeDtypeStruct(
             (cfg.num_kv_layers, cfg.num_kv_heads, cfg.head_dim), jnp.float32)

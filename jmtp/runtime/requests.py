@@ -114,7 +114,7 @@ class RequestTable:
 
     Args:
       model_config / engine_config: the engine's (vocabulary, EOS ids, capacities).
-      tokenizer: a :class:`~jmtp.model.tokenizer.Tokenizer` or None (token-id prompts only).
+      tokenizer: a :class:`~jmtp.model.checkpoints.tokenizer.Tokenizer` or None (token-id prompts only).
       seed: seeds the per-sample seeds of requests whose ``SamplingParams.seed`` is None.
       prompt_logprobs: the runner returns prompt logprobs (one device; a mesh refuses
         ``SamplingParams.prompt_logprobs``).

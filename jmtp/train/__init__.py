@@ -24,7 +24,7 @@ Training:
 
 CLI: ``scripts/train_mtp.py``.
 """
-from jmtp.model.mtp_head import load_mtp_head_module
+from jmtp.model.checkpoints.mtp_head import load_mtp_head_module
 from jmtp.train.config import TrainConfig
 from jmtp.train.data import MTPData, build_dataset, make_batch, pack_rows, target_top1, token_frequencies
 from jmtp.train.dense import dense_mtp_forward

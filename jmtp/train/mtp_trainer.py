@@ -26,7 +26,7 @@ from flax import nnx
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.modules import MTPHead
-from jmtp.model.mtp_head import (HEAD_FORMAT, export_mtp_head, head_metadata, load_draft_vocab,
+from jmtp.model.checkpoints.mtp_head import (HEAD_FORMAT, export_mtp_head, head_metadata, load_draft_vocab,
                                  load_mtp_head, save_token_freq)
 from jmtp.model.params import init_mtp_params
 from jmtp.train.config import TrainConfig

@@ -130,7 +130,7 @@ def encode_chat(tokenizer, text: str, system: str | None = None) -> list[int]:
     """Token ids of a one-turn chat prompt ending with the assistant header (generation prompt).
 
     ``tokenizer`` needs ``apply_chat_template(messages, add_generation_prompt=True)`` returning the
-    rendered text (:class:`jmtp.model.tokenizer.Tokenizer`) or ids (transformers with
+    rendered text (:class:`jmtp.model.checkpoints.tokenizer.Tokenizer`) or ids (transformers with
     ``tokenize=True``), and ``encode(text, add_special_tokens=False)``.
 
     Raises:

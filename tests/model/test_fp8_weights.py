@@ -116,7 +116,7 @@ def test_parameter_bytes_are_one_per_weight_plus_scales(ckpt):
     """From the device arrays: 8-bit values = one byte per quantised weight of the file, scales =
     4 bytes per block, everything else as the fp32 twin holds it; ``jmtp compile``'s abstract
     parameters (config.json alone) have the same bytes."""
-    from jmtp.model.loader import load_config
+    from jmtp.model.checkpoints.loader import load_config
     from jmtp.runtime.engine_args import abstract_params
     _, info, (cfg, params), (_, ref) = ckpt
     _, files = read_all(info["fp8"])

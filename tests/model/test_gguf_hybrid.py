@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from jmtp.model import forward_logits, load_checkpoint
-from jmtp.model.loader import load_config
+from jmtp.model.checkpoints.loader import load_config
 
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)

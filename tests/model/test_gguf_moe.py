@@ -172,7 +172,7 @@ def test_unknown_tensors_are_reported(tmp_path, caplog):
     an output-projection bias, which jmtp's block lacks, is refused."""
     src = FIXTURES / "qwen3moe" / "model.gguf"
     path = _rewrite(src, tmp_path / "u.gguf", add={"blk.0.ffn_gate_inp_shexp.weight": np.ones(32)})
-    with caplog.at_level("WARNING", logger="jmtp.model.gguf_loader"):
+    with caplog.at_level("WARNING", logger="jmtp.model.checkpoints.gguf_loader"):
         load_checkpoint(path, dtype=jnp.float32)
     assert "u.gguf: 1 GGUF tensor(s) not used, e.g. blk.0.ffn_gate_inp_shexp.weight" in caplog.text
     path = _rewrite(src, tmp_path / "o.gguf", add={"blk.1.attn_output.bias": np.ones(32)})

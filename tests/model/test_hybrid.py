@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp.model import forward_logits
 from jmtp.model import gated_deltanet as gd
-from jmtp.model.hf_loader import load_hf
+from jmtp.model.checkpoints.hf_loader import load_hf
 from jmtp.model.llama import forward, init_model_cache, mtp_forward
 from jmtp.model.metadata import ragged_batch
 
@@ -366,7 +366,7 @@ def test_load_config_reads_generation_config_eos(tmp_path):
 
     from transformers import LlamaConfig
 
-    from jmtp.model.loader import load_config
+    from jmtp.model.checkpoints.loader import load_config
     hybrid = hx.hf_model("qwen3_5").config
     dense = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=2, num_key_value_heads=1, eos_token_id=2)

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from jmtp.model import (LlamaForCausalLM, ModelConfig, MTPHead, init_params, load_checkpoint,
                         load_model, load_mtp_head, load_mtp_head_module)
 from jmtp.model import axes as ax
-from jmtp.model.mtp_head import export_mtp_head
+from jmtp.model.checkpoints.mtp_head import export_mtp_head
 
 V, H, I, L, NQ, NKV, D = 48, 32, 40, 2, 4, 2, 8
 

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jmtp.model import load_checkpoint, load_tokenizer
-from jmtp.model import loader as loader_mod
+from jmtp.model.checkpoints import loader as loader_mod
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType

@@ -180,7 +180,7 @@ def test_mtp_head_file_round_trip_sets_the_head_kind(tmp_path):
     ``cfg.moe.mtp_moe`` follows the file (MoE head onto a config that said dense); a MoE head
     onto a dense model is refused."""
     from jmtp.model import init_params
-    from jmtp.model.mtp_head import attach_mtp_head, export_mtp_head
+    from jmtp.model.checkpoints.mtp_head import attach_mtp_head, export_mtp_head
     from tests.runtime.conftest import TINY, TINY_MOE
     cfg = TINY.replace(**TINY_MOE)
     params = init_params(cfg, jax.random.key(0), std=0.3)

@@ -1,5 +1,5 @@
 """The 8-bit weight primitives (jmtp.model.quant) against numpy on the dequantised weights, the
-host-side FP8 array the loaders rearrange (jmtp.model.fp8_checkpoint.QArray) and the checks of
+host-side FP8 array the loaders rearrange (jmtp.model.checkpoints.fp8_checkpoint.QArray) and the checks of
 ``quantization_config``."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jmtp.model import quant
-from jmtp.model.fp8_checkpoint import QArray, expected_fp8, parse_quantization_config
+from jmtp.model.checkpoints.fp8_checkpoint import QArray, expected_fp8, parse_quantization_config
 
 RNG = np.random.default_rng(0)
 

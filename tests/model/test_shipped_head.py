@@ -6,8 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from jmtp.model.loader import SHIPPED_HEADS, shipped_head_path
-from jmtp.model.mtp_head import head_metadata, load_draft_ranking, load_mtp_head
+from jmtp.model.checkpoints.loader import SHIPPED_HEADS, shipped_head_path
+from jmtp.model.checkpoints.mtp_head import head_metadata, load_draft_ranking, load_mtp_head
 
 
 def test_shipped_head_file_is_small_and_complete(smollm2_gguf):

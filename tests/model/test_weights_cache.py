@@ -1,4 +1,4 @@
-"""The converted-weights cache (:mod:`jmtp.model.weights_cache`): a second load of a GGUF file
+"""The converted-weights cache (:mod:`jmtp.model.checkpoints.weights_cache`): a second load of a GGUF file
 reads the cache instead of converting, and gives exactly the first load's config, parameters and
 tokenizer; the key follows the file's bytes, the dtype and the conversion code; a broken or
 unwritable cache never breaks loading."""
@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmtp.model import weights_cache as wc
+from jmtp.model.checkpoints import weights_cache as wc
 from jmtp.model.config import ModelConfig, MoEConfig, RopeScaling
-from jmtp.model.gguf_loader import load_gguf
-from jmtp.model.loader import load_checkpoint, load_tokenizer
-from jmtp.model.tokenizer import tokenizer_from_gguf
+from jmtp.model.checkpoints.gguf_loader import load_gguf
+from jmtp.model.checkpoints.loader import load_checkpoint, load_tokenizer
+from jmtp.model.checkpoints.tokenizer import tokenizer_from_gguf
 
 FIXTURES = Path(__file__).parent / "fixtures" / "gguf_moe"
 # MoE with tuple fields (qwen3moe); MLA with YaRN rope scaling (deepseek2)
@@ -84,7 +84,7 @@ def test_a_broken_entry_is_converted_again(tmp_path, caplog):
     wc.load_params_cached(path, jnp.float32, convert, cache_dir=str(tmp_path))
     (entry,) = tmp_path.iterdir()
     (entry / "params.safetensors").write_bytes(b"not a safetensors file")
-    with caplog.at_level(logging.WARNING, logger="jmtp.model.weights_cache"):
+    with caplog.at_level(logging.WARNING, logger="jmtp.model.checkpoints.weights_cache"):
         got = wc.load_params_cached(path, jnp.float32, convert, cache_dir=str(tmp_path))
     assert len(calls) == 2 and "unreadable" in caplog.text
     _assert_same(got, load_gguf(path, jnp.float32))
@@ -94,7 +94,7 @@ def test_an_unwritable_cache_only_warns(tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("a file where the cache folder should be")
     convert, calls = _counting(FILES[0], jnp.float32)
-    with caplog.at_level(logging.WARNING, logger="jmtp.model.weights_cache"):
+    with caplog.at_level(logging.WARNING, logger="jmtp.model.checkpoints.weights_cache"):
         got = wc.load_params_cached(FILES[0], jnp.float32, convert, cache_dir=str(blocker / "c"))
     assert len(calls) == 1 and "could not write" in caplog.text
     _assert_same(got, load_gguf(FILES[0], jnp.float32))
@@ -125,7 +125,7 @@ def test_config_round_trip_with_nested_configs():
 
 def test_load_checkpoint_uses_the_cache(monkeypatch, tmp_path):
     """load_checkpoint converts a GGUF file once; the second load reads the entry."""
-    import jmtp.model.gguf_loader as gl
+    import jmtp.model.checkpoints.gguf_loader as gl
     calls = []
     real = gl.load_gguf
     monkeypatch.setattr(gl, "load_gguf", lambda *a, **k: calls.append(1) or real(*a, **k))

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
 from jmtp.model import gated_deltanet as gd
+from jmtp.model import schema
 from jmtp.pallas import gated_delta_rule as gdr
 
 ATOL = 1e-5
@@ -197,7 +198,7 @@ def test_as_rule_of_linear_attention_packed():
                       layer_types=("linear_attention", "full_attention"), linear=lc)
     rng = np.random.default_rng(3)
     p = {name: jnp.asarray(rng.normal(size=shape) * 0.3, jnp.float32)
-         for name, shape in gd.linear_layer_shapes(cfg).items()}
+         for name, shape in schema.linear_attention_shapes(cfg).items()}
     b, w, t = 3, 3, 12
     cu = jnp.asarray([0, 6, 9, 9], jnp.int32)
     positions = jnp.asarray(list(range(6)) + [20, 21, 22] + [0, 0, 0], jnp.int32)

@@ -186,6 +186,8 @@ def _layer_meshes(name, cfg, p, meshes):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jmtp.model import axes as ax
+
+    from jmtp.model import schema
     from jmtp.model import moe as moe_mod
     from jmtp.runtime import sharding as shd
     rows, out = 5, {}
@@ -194,7 +196,7 @@ def _layer_meshes(name, cfg, p, meshes):
         want = np.asarray(moe_mod.moe_ffn(cfg.moe, p, x, "dense"))
         mesh = shd.make_mesh(tp, dp)
         shardings = {k: NamedSharding(mesh, shd.logical_spec(
-            ax.LAYER_AXES[k], v.shape, mesh, k, shd.mesh_rules(True))) for k, v in p.items()}
+            schema.LAYER_AXES[k], v.shape, mesh, k, shd.mesh_rules(True))) for k, v in p.items()}
         placed = jax.device_put(p, shardings)
         specs = dict(zip(shardings, shd.data_specs(list(shardings.values()))))
         for a2a in ("allgather_reducescatter", "ragged_all_to_all"):

@@ -13,7 +13,7 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from jmtp.model import forward_logits
-from jmtp.model.tokenizer import Tokenizer
+from jmtp.model.checkpoints.tokenizer import Tokenizer
 from jmtp.runtime.structured.grammar import GrammarCompiler, unpack_row
 
 VOCAB_SIZE = 128
@@ -24,7 +24,7 @@ MERGES = ['{"', '":', '",', '"}', 'ab', 'ba', 'na', 'me', 'ag', 'ge', 'tr', 'ue'
 
 @functools.lru_cache(maxsize=None)
 def tiny_tokenizer() -> Tokenizer:
-    """A jmtp :class:`~jmtp.model.tokenizer.Tokenizer` over the 128-id byte-level BPE."""
+    """A jmtp :class:`~jmtp.model.checkpoints.tokenizer.Tokenizer` over the 128-id byte-level BPE."""
     bl = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
 
     def enc(s):

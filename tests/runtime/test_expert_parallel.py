@@ -198,6 +198,8 @@ def test_expert_parallel_rules_and_data_specs():
     from jax.sharding import PartitionSpec as P
 
     from jmtp.model import axes as ax
+
+    from jmtp.model import schema
     from jmtp.runtime import sharding as shd
 
     class FakeMesh:                   # logical_spec only reads the axis sizes
@@ -205,7 +207,7 @@ def test_expert_parallel_rules_and_data_specs():
             self.shape = {shd.DATA: dp, shd.MODEL: tp}
     rules = shd.mesh_rules(True)
     assert shd.mesh_rules(False) is shd.LOGICAL_TO_MESH
-    names = (ax.LAYERS,) + ax.LAYER_AXES["experts_gate"]
+    names = (ax.LAYERS,) + schema.LAYER_AXES["experts_gate"]
     assert shd.logical_spec(names, (2, 16, 32, 8), FakeMesh(2, 4), rules=rules) == P(
         None, (shd.DATA, shd.MODEL), None, None)
     assert shd.logical_spec(names, (2, 16, 32, 8), FakeMesh(1, 8), rules=rules) == P(
@@ -217,7 +219,7 @@ def test_expert_parallel_rules_and_data_specs():
     # without expert parallelism: each expert's width over model
     assert shd.logical_spec(names, (2, 16, 32, 8), FakeMesh(2, 4)) == P(
         None, None, None, shd.MODEL)
-    assert shd.logical_spec(ax.LAYER_AXES["router"], (32, 16), FakeMesh(2, 4), rules=rules) == P(
+    assert shd.logical_spec(schema.LAYER_AXES["router"], (32, 16), FakeMesh(2, 4), rules=rules) == P(
         None, None)
     mesh = shd.make_mesh(1, 1)
     from jax.sharding import NamedSharding

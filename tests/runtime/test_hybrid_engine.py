@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmtp.model.hf_loader import load_hf
+from jmtp.model.checkpoints.hf_loader import load_hf
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 

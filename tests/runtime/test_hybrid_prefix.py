@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from jmtp import LLMEngine
-from jmtp.model.hf_loader import load_hf
+from jmtp.model.checkpoints.hf_loader import load_hf
 from jmtp.model.state_checkpoints import boundary_captured
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import SamplingParams

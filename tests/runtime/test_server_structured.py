@@ -55,7 +55,7 @@ def _tokenizer():
     """A byte-level tokenizer (one id per byte) with :data:`TEMPLATE` as its chat template."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-    from jmtp.model.tokenizer import Tokenizer
+    from jmtp.model.checkpoints.tokenizer import Tokenizer
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     backend = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))

@@ -390,7 +390,7 @@ def test_export_and_load_head_roundtrip(tmp_path):
 def test_head_file_with_ranking_attaches_to_a_model(tmp_path):
     """A head exported with its token ranking attaches as params['mtp'] + params['draft_vocab'] and
     sets cfg.draft_vocab_size; the engine then drafts over that vocabulary by default."""
-    from jmtp.model.mtp_head import attach_mtp_head
+    from jmtp.model.checkpoints.mtp_head import attach_mtp_head
     from jmtp.runtime.engine import LLM
     from jmtp.runtime.config import SpeculativeConfig
 

@@ -65,7 +65,7 @@ class GrammarCompiler:
     """Compiles structured-output constraints for one tokenizer and model vocabulary.
 
     Args:
-      tokenizer: a :class:`~jmtp.model.tokenizer.Tokenizer` (its ``backend`` is a Hugging Face
+      tokenizer: a :class:`~jmtp.model.checkpoints.tokenizer.Tokenizer` (its ``backend`` is a Hugging Face
         ``tokenizers.Tokenizer``; llguidance reads its JSON).
       vocab_size: the model's vocabulary ``V`` (bitmask rows cover ``V`` ids; ids the tokenizer
         cannot produce are never allowed).

@@ -30,7 +30,7 @@ class StructuredOutputs:
     """Compiles constraints and builds the per-step grammar inputs of one engine.
 
     Args:
-      tokenizer: the engine's :class:`~jmtp.model.tokenizer.Tokenizer` (None: constrained
+      tokenizer: the engine's :class:`~jmtp.model.checkpoints.tokenizer.Tokenizer` (None: constrained
         requests are refused).
       vocab_size: the model's vocabulary. eos_token_ids: the model's EOS ids.
       window: ``K + 1``. draft_sampling: drafts carry a sampled distribution

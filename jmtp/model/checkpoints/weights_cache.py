@@ -69,8 +69,9 @@ def code_digest() -> str:
     import importlib.metadata
 
     h = hashlib.sha256()
-    for f in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    model_dir = Path(__file__).parents[1]       # jmtp/model, checkpoints/ included
+    for f in sorted(model_dir.rglob("*.py")):
+        h.update(f.relative_to(model_dir).as_posix().encode() + b"\0" + f.read_bytes())
     for name in VERSIONED_PACKAGES:
         try:
             h.update(f"{name}={importlib.metadata.version(name)}".encode())
@@ -252,12 +253,12 @@ def load_params_cached(path: str | os.PathLike, dtype, convert: Callable[[], tup
 
 def load_tokenizer_cached(path: str | os.PathLike, build: Callable[[], Any],
                           cache_dir: str | None = "auto"):
-    """``build()``'s :class:`~jmtp.model.tokenizer.Tokenizer` for the file ``path``, from the
+    """``build()``'s :class:`~jmtp.model.checkpoints.tokenizer.Tokenizer` for the file ``path``, from the
     cache when an entry for the file's content exists, else built and stored (see
     :func:`load_params_cached` for ``cache_dir``)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from jmtp.model.tokenizer import Tokenizer
+    from jmtp.model.checkpoints.tokenizer import Tokenizer
 
     def read(entry: Path):
         meta = json.loads((entry / "meta.json").read_text())

@@ -31,7 +31,7 @@ per-architecture graphs ``src/models/*.cpp``; transformers ``modeling_gguf_pytor
   ``attention.recurrent_layers`` / ``full_attention_interval`` for the layer pattern,
   ``nextn_predict_layers`` MTP layers counted in ``block_count``, llama.cpp's MoE rules).
 
-The tensors themselves are read by :mod:`jmtp.model.gguf_loader`.
+The tensors themselves are read by :mod:`jmtp.model.checkpoints.gguf_loader`.
 """
 from __future__ import annotations
 
@@ -64,21 +64,21 @@ GGUF_ARCHITECTURES = {
     "qwen35moe": ("Qwen3_5MoeForCausalLM", False),
 }
 # The hybrid gated-DeltaNet architectures (hybrid_gguf_config; tensors read by
-# jmtp.model.gguf_hybrid.HybridGGUFSource into jmtp.model.hf_qwen3_next's builder), and those of
+# jmtp.model.checkpoints.gguf_hybrid.HybridGGUFSource into jmtp.model.checkpoints.hf_qwen3_next's builder), and those of
 # them whose every layer is MoE with a gated shared expert.
 HYBRID_GGUF_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
 HYBRID_MOE_GGUF_ARCHITECTURES = ("qwen3next", "qwen35moe")
 MOE_GGUF_ARCHITECTURES = ("qwen3moe", "deepseek2", "glm4moe", "ernie4_5-moe")
 # architectures whose RoPE may rotate only the first rope.dimension_count dims of a head
 PARTIAL_ROTARY_GGUF_ARCHITECTURES = ("glm4moe",)
-# Metadata arrays read only on demand (large): see jmtp.model.gguf_loader.gguf_array().
+# Metadata arrays read only on demand (large): see jmtp.model.checkpoints.gguf_loader.gguf_array().
 _LAZY_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.scores")
 
 
 def gguf_metadata(reader) -> dict[str, Any]:
     """Scalar and small-array metadata ``{key: value}`` (tokenizer vocab arrays excluded; see
-    :func:`jmtp.model.gguf_loader.gguf_array`)."""
+    :func:`jmtp.model.checkpoints.gguf_loader.gguf_array`)."""
     out = {}
     for key, field in reader.fields.items():
         if key in _LAZY_ARRAYS or key.startswith("GGUF."):
@@ -314,7 +314,7 @@ def _moe_config(meta: dict, arch: str, num_layers: int, need, where: str,
 
 def hybrid_gguf_config(reader, meta: dict[str, Any], where: str) -> ModelConfig:
     """:class:`ModelConfig` of a ``qwen3next`` / ``qwen35`` / ``qwen35moe`` file, the same as
-    :func:`jmtp.model.hf_qwen3_next.hybrid_config` gives for the transformers checkpoint it was
+    :func:`jmtp.model.checkpoints.hf_qwen3_next.hybrid_config` gives for the transformers checkpoint it was
     converted from (llama.cpp ``convert_hf_to_gguf.py``, classes ``Qwen3NextModel``,
     ``Qwen3_5TextModel``, ``Qwen3_5MoeTextModel``; graphs ``src/models/qwen3next.cpp``,
     ``qwen35.cpp``, ``qwen35moe.cpp``):

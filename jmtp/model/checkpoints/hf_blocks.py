@@ -1,5 +1,5 @@
 """One decoder layer's HF-named tensors → jmtp's layer dict (names of
-:func:`jmtp.model.params.layer_shapes`, ``[in, out]`` weights), and the layers stacked.
+:func:`jmtp.model.schema.layer_shapes`, ``[in, out]`` weights), and the layers stacked.
 
 Every supported architecture uses transformers' Llama tensor names under a layer prefix
 (``input_layernorm``, ``post_attention_layernorm``, ``self_attn.{q,k,v,o}_proj``,
@@ -10,7 +10,7 @@ asks for them: q/k/v biases, ``self_attn.{q,k}_norm``, fused ``qkv_proj`` / ``up
 latent attention (:func:`_read_mla_attention`). Torch Linear weights are ``[out, in]``, Paddle ones
 ``[in, out]`` (``paddle``). Checkpoints whose attention uses interleaved RoPE pairs get their q/k
 output rows permuted (:func:`deinterleave_rows`), after which jmtp's rotate-half forward is exact.
-A block-scaled FP8 tensor arrives as a :class:`~jmtp.model.fp8_checkpoint.QArray` and goes
+A block-scaled FP8 tensor arrives as a :class:`~jmtp.model.checkpoints.fp8_checkpoint.QArray` and goes
 through the same transposes, slices, row permutations and stacks (the permutations stay inside
 the scale blocks) to the device as a :class:`~jmtp.model.quant.QuantizedWeight`
 (:func:`device_array`).
@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.fp8_checkpoint import QArray, is_qarray, to_quantized
-from jmtp.model.params import layer_shapes
-from jmtp.model.safetensors_io import TensorSource
+from jmtp.model.checkpoints.fp8_checkpoint import QArray, is_qarray, to_quantized
+from jmtp.model.schema import layer_shapes, leaf_dtype
+from jmtp.model.checkpoints.safetensors_io import TensorSource
 
 
 def deinterleave_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -214,7 +214,7 @@ def _deinterleave_tail(w: np.ndarray, groups: int, tail: int) -> np.ndarray:
 def _read_mla_attention(rd: TensorReader, p: str, cfg: ModelConfig, *,
                         interleaved: bool) -> dict[str, np.ndarray]:
     """DeepSeek-V3 MLA tensors under ``p + "self_attn."`` in jmtp names and ``[in, out]`` layout
-    (:func:`jmtp.model.mla.layer_shapes`). ``interleaved`` (HF ``rope_interleave``): the rotary
+    (:func:`jmtp.model.schema.attention_shapes`). ``interleaved`` (HF ``rope_interleave``): the rotary
     output rows of the query and ``kv_a_proj_with_mqa`` are de-interleaved per head."""
     h, nq, c = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
     dn, dr, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -252,7 +252,7 @@ def stack_layers(blocks: list[dict[str, np.ndarray]], cfg: ModelConfig, dtype,
         if any(is_qarray(b[name]) for b in blocks):
             out[name] = device_array(np.stack([b[name] for b in blocks]), dtype, name)
             continue
-        buf = np.empty((len(blocks),) + shape, np.float32 if name == "router_bias" else dtype)
+        buf = np.empty((len(blocks),) + shape, leaf_dtype(name, dtype))
         for j, b in enumerate(blocks):
             buf[j] = b[name]
         out[name] = jnp.asarray(buf)
@@ -261,11 +261,11 @@ def stack_layers(blocks: list[dict[str, np.ndarray]], cfg: ModelConfig, dtype,
 
 def device_array(x, dtype, name: str = ""):
     """A loaded tensor on the device: a float array in ``dtype`` (the MoE score-correction bias
-    in f32), or a :class:`~jmtp.model.fp8_checkpoint.QArray` as an 8-bit
+    in f32), or a :class:`~jmtp.model.checkpoints.fp8_checkpoint.QArray` as an 8-bit
     :class:`~jmtp.model.quant.QuantizedWeight` (its values and scales as they are)."""
     if isinstance(x, QArray):
         return to_quantized(x)
-    return jnp.asarray(np.asarray(x, np.float32 if name == "router_bias" else dtype))
+    return jnp.asarray(np.asarray(x, leaf_dtype(name, dtype)))
 
 
 def np_dtype(dtype) -> np.dtype:

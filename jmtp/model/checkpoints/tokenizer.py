@@ -160,7 +160,7 @@ def tokenizer_from_gguf(path: str | os.PathLike) -> Tokenizer:
       ValueError: naming the field for a non-BPE vocabulary (``tokenizer.ggml.model`` != ``gpt2``),
         missing merges, or an unknown ``tokenizer.ggml.pre``.
     """
-    from jmtp.model.gguf_loader import gguf_tokenizer_data
+    from jmtp.model.checkpoints.gguf_loader import gguf_tokenizer_data
 
     where = os.fspath(path)
     data = gguf_tokenizer_data(where)

@@ -1,9 +1,9 @@
 """GGUF checkpoints of the hybrid gated-DeltaNet family (llama.cpp's ``qwen3next``, ``qwen35``,
 ``qwen35moe``): the tensors under transformers' names with every transform of llama.cpp's converter
 undone (:class:`HybridGGUFSource`), their checks, and the load through
-:func:`jmtp.model.hf_qwen3_next.build_hybrid_params`. :func:`jmtp.model.gguf_loader.load_gguf`
+:func:`jmtp.model.checkpoints.hf_qwen3_next.build_hybrid_params`. :func:`jmtp.model.checkpoints.gguf_loader.load_gguf`
 dispatches here; the facts shared with the other GGUF architectures are in
-:mod:`jmtp.model.gguf_loader` and :mod:`jmtp.model.gguf_config`."""
+:mod:`jmtp.model.checkpoints.gguf_loader` and :mod:`jmtp.model.checkpoints.gguf_config`."""
 from __future__ import annotations
 
 import functools
@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.gguf_config import GGUF_IGNORED, SUPPORTED_GGUF_TYPES
+from jmtp.model.checkpoints.gguf_config import GGUF_IGNORED, SUPPORTED_GGUF_TYPES
 
 __all__ = ["HybridGGUFSource", "check_hybrid_tensors", "load_hybrid"]
 
@@ -35,7 +35,7 @@ class HybridGGUFSource:
     names and layouts (``model.layers.{i}.linear_attn.in_proj_qkv.weight`` ..., ``mtp.*``), with
     every transform of llama.cpp's converter (``convert_hf_to_gguf.py``: ``Qwen3NextModel``,
     ``_LinearAttentionVReorderBase``, ``_QwenMtpMixin``) undone, for
-    :func:`jmtp.model.hf_qwen3_next.build_hybrid_params`:
+    :func:`jmtp.model.checkpoints.hf_qwen3_next.build_hybrid_params`:
 
     * zero-centred RMSNorms (decoder ``attn_norm`` / ``post_attention_norm``, ``attn_q_norm`` /
       ``attn_k_norm``, ``output_norm``, the MTP ``nextn.enorm`` / ``hnorm`` /
@@ -283,7 +283,7 @@ def check_hybrid_tensors(reader, cfg: ModelConfig, arch: str, where: str, nextn:
 
 
 def load_hybrid(reader, cfg: ModelConfig, arch: str, where: str, nextn: int, dtype):
-    from jmtp.model.hf_qwen3_next import build_hybrid_params
+    from jmtp.model.checkpoints.hf_qwen3_next import build_hybrid_params
 
     check_hybrid_tensors(reader, cfg, arch, where, nextn)
     src = HybridGGUFSource(reader, where, cfg, arch, nextn)

@@ -4,7 +4,7 @@ A head file (``jmtp-mtp-head-v1``) holds the MTP module's tensors under flat nam
 ``mtp.layer.wq``, ...), optionally the FR-Spec token ranking ``draft_vocab i32[V]`` (token ids by
 descending frequency in the head's training data), and string metadata: format, hidden/vocab size,
 MTP layout, the draft vocabulary size the head was trained for, training facts. Written by
-:mod:`jmtp.train` (``scripts/train_mtp.py``); read by :func:`jmtp.model.loader.load_checkpoint`, which
+:mod:`jmtp.train` (``scripts/train_mtp.py``); read by :func:`jmtp.model.checkpoints.loader.load_checkpoint`, which
 attaches the head shipped in ``jmtp/data`` to the default model, as a dict by :func:`load_mtp_head`
 and as an :class:`~jmtp.model.modules.MTPHead` module by :func:`load_mtp_head_module`.
 """

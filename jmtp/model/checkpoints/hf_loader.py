@@ -1,9 +1,9 @@
 """Hugging Face checkpoint directories (``config.json`` + ``*.safetensors``) → jmtp parameters.
 
-The job is split by module: :mod:`jmtp.model.hf_config` maps ``config.json`` to
+The job is split by module: :mod:`jmtp.model.checkpoints.hf_config` maps ``config.json`` to
 :class:`~jmtp.model.config.ModelConfig` through its table of architectures
-(:data:`~jmtp.model.hf_config.ARCHITECTURES`, which lists what is supported);
-:mod:`jmtp.model.safetensors_io` reads the tensors; :mod:`jmtp.model.hf_blocks` turns one decoder
+(:data:`~jmtp.model.checkpoints.hf_config.ARCHITECTURES`, which lists what is supported);
+:mod:`jmtp.model.checkpoints.safetensors_io` reads the tensors; :mod:`jmtp.model.checkpoints.hf_blocks` turns one decoder
 layer's tensors into jmtp's layer dict; this module finds the MTP modules (:data:`MTP_LAYOUTS`),
 assembles the parameter pytree (:func:`build_params`, also used by the GGUF loader) and loads a
 directory (:func:`load_hf`).
@@ -39,7 +39,7 @@ model, ``ernie4_5_mtp.py``):
 A checkpoint without MTP tensors gets a fresh head from :func:`jmtp.model.params.init_mtp_params`.
 MTP tensors are also looked for in an ``mtp/`` sub-directory (where ERNIE ships them).
 
-Block-scaled FP8 checkpoints (``quantization_config``, :mod:`jmtp.model.fp8_checkpoint`) load
+Block-scaled FP8 checkpoints (``quantization_config``, :mod:`jmtp.model.checkpoints.fp8_checkpoint`) load
 without dequantising: their FP8 weights become :class:`~jmtp.model.quant.QuantizedWeight` s and
 ``ModelConfig.quantization`` records which; every tensor, the MTP layer's included, is checked
 against the config as it is read.
@@ -59,13 +59,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.fp8_checkpoint import CheckpointQuant, parse_quantization_config
-from jmtp.model.hf_blocks import (TensorReader, deinterleave_rows, device_array, np_dtype,
+from jmtp.model.checkpoints.fp8_checkpoint import CheckpointQuant, parse_quantization_config
+from jmtp.model.checkpoints.hf_blocks import (TensorReader, deinterleave_rows, device_array, np_dtype,
                                   read_block, stack_layers)
-from jmtp.model.hf_config import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture, hf_config
-from jmtp.model.params import (check_params, init_mtp_params, layer_shapes, layers_stacked,
-                               mtp_moe_of_fresh_head)
-from jmtp.model.safetensors_io import (SafetensorsFile, SafetensorsSource, TensorSource,
+from jmtp.model.checkpoints.hf_config import ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture, hf_config
+from jmtp.model.params import check_params, init_mtp_params, mtp_moe_of_fresh_head
+from jmtp.model.schema import layer_shapes, layers_stacked
+from jmtp.model.checkpoints.safetensors_io import (SafetensorsFile, SafetensorsSource, TensorSource,
                                        dequantize_block_fp8)
 
 __all__ = ["ARCHITECTURES", "MTP_LAYOUTS", "MTPLayout", "SUPPORTED_ARCHITECTURES",
@@ -220,7 +220,7 @@ def build_params(cfg: ModelConfig, src: TensorSource, where: str, dtype, *,
                           moe=kinds[i]) for i in range(cfg.num_layers)]
     if layers_stacked(cfg):
         params["layers"] = stack_layers(blocks, cfg, np_dt, kinds[0])
-    else:   # dense and MoE layers mixed: one dict per layer (jmtp.model.params.layers_stacked)
+    else:   # dense and MoE layers mixed: one dict per layer (jmtp.model.schema.layers_stacked)
         params["layers"] = tuple({k: device_array(b[k], np_dt, k) for k in layer_shapes(cfg, m)}
                                  for b, m in zip(blocks, kinds))
     del blocks
@@ -288,7 +288,7 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$|_scale_inv$|\.(embed_tokens|shared
 
 def load_hf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
     """Load a transformers checkpoint directory (architectures:
-    :data:`jmtp.model.hf_config.ARCHITECTURES`; MTP layouts: :data:`MTP_LAYOUTS`).
+    :data:`jmtp.model.checkpoints.hf_config.ARCHITECTURES`; MTP layouts: :data:`MTP_LAYOUTS`).
 
     Raises:
       ValueError: if ``config.json`` is missing or unreadable, the architecture is unknown, or a
@@ -304,7 +304,7 @@ def load_hf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
         raise ValueError(f"{cfg_path}: invalid JSON ({e})") from None
     gen_path = d / "generation_config.json"
     gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    from jmtp.model import hf_qwen3_next as hybrid
+    from jmtp.model.checkpoints import hf_qwen3_next as hybrid
     if (hf.get("architectures") or [None])[0] in hybrid.HYBRID_ARCHITECTURES:
         if (hf.get("quantization_config") or {}):
             raise ValueError(f"{cfg_path}: quantised hybrid checkpoints (field "

@@ -3,11 +3,11 @@ README: 8-byte little-endian header length, JSON header, raw little-endian data)
 ``np.memmap``, so bf16/fp8 tensors need no torch.
 
 :class:`SafetensorsSource` is one checkpoint directory's tensors in HF naming and torch
-(``[out, in]``) layout, the :class:`TensorSource` the HF loader (:mod:`jmtp.model.hf_loader`)
+(``[out, in]``) layout, the :class:`TensorSource` the HF loader (:mod:`jmtp.model.checkpoints.hf_loader`)
 reads. Block-scaled FP8 weights (DeepSeek-V3/R1, GLM-4.5-FP8, Qwen3-FP8) come out 8-bit, as
-:class:`~jmtp.model.fp8_checkpoint.QArray` s (values and their ``weight_scale_inv`` grid), each
+:class:`~jmtp.model.checkpoints.fp8_checkpoint.QArray` s (values and their ``weight_scale_inv`` grid), each
 tensor checked against the config's ``quantization_config``
-(:func:`jmtp.model.fp8_checkpoint.check_tensor`); :func:`dequantize_block_fp8` is the numpy
+(:func:`jmtp.model.checkpoints.fp8_checkpoint.check_tensor`); :func:`dequantize_block_fp8` is the numpy
 dequantisation (``w · scale_inv`` per block) the tests compare with.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Protocol
 import ml_dtypes
 import numpy as np
 
-from jmtp.model.fp8_checkpoint import CheckpointQuant, QArray, check_tensor
+from jmtp.model.checkpoints.fp8_checkpoint import CheckpointQuant, QArray, check_tensor
 
 
 class TensorSource(Protocol):
@@ -184,7 +184,7 @@ class SafetensorsSource:
 
         Raises:
           ValueError: naming the tensor: its storage disagrees with ``quantization_config``
-            (:func:`~jmtp.model.fp8_checkpoint.check_tensor`), an FP8 weight without (or a float
+            (:func:`~jmtp.model.checkpoints.fp8_checkpoint.check_tensor`), an FP8 weight without (or a float
             one with) a ``_scale_inv``, a scale grid that does not fit the weight, an unsupported
             dtype.
         """

@@ -2,7 +2,7 @@
 
 Reading uses the ``gguf`` package (``gguf.GGUFReader`` for the file, ``gguf.quants.dequantize``
 for block formats); the metadata → :class:`ModelConfig` mapping (hyper-parameter keys, MoE routing
-rules, MLA widths, rope scaling) is :mod:`jmtp.model.gguf_config`. Tensor facts used (GGUF spec in
+rules, MLA widths, rope scaling) is :mod:`jmtp.model.checkpoints.gguf_config`. Tensor facts used (GGUF spec in
 ggml's ``docs/gguf.md``; llama.cpp ``convert_hf_to_gguf.py``; transformers
 ``modeling_gguf_pytorch_utils.py``):
 
@@ -10,7 +10,7 @@ ggml's ``docs/gguf.md``; llama.cpp ``convert_hf_to_gguf.py``; transformers
   array ``GGUFReader`` exposes is ``[out, in]`` — the torch ``nn.Linear`` layout;
 * for ``general.architecture == "llama"`` llama.cpp permutes the rows of ``attn_q``/``attn_k`` per
   head so that its interleaved ("normal") RoPE sees HF's rotate-half pairs; we undo it with
-  :func:`jmtp.model.hf_loader.deinterleave_rows` (heads = ``head_count`` for q, ``head_count_kv``
+  :func:`jmtp.model.checkpoints.hf_loader.deinterleave_rows` (heads = ``head_count`` for q, ``head_count_kv``
   for k). ``qwen2``/``qwen3`` files use NEOX RoPE and are not permuted;
 * a missing ``output.weight`` means the LM head is tied to ``token_embd.weight``;
 * mixture-of-experts architectures (``qwen3moe``, ``deepseek2``, ``glm4moe``, ``ernie4_5-moe``):
@@ -31,8 +31,8 @@ ggml's ``docs/gguf.md``; llama.cpp ``convert_hf_to_gguf.py``; transformers
   become jmtp's DeepSeek-layout MTP module; the post-attention norm is
   ``post_attention_norm.weight`` (``ffn_norm`` elsewhere);
 * the hybrid gated-DeltaNet family (``qwen3next``, ``qwen35``, ``qwen35moe``):
-  :class:`jmtp.model.gguf_hybrid.HybridGGUFSource` undoes the converter's transforms and hands transformers' names to
-  :func:`jmtp.model.hf_qwen3_next.build_hybrid_params`, so a file loads exactly as the
+  :class:`jmtp.model.checkpoints.gguf_hybrid.HybridGGUFSource` undoes the converter's transforms and hands transformers' names to
+  :func:`jmtp.model.checkpoints.hf_qwen3_next.build_hybrid_params`, so a file loads exactly as the
   checkpoint it was converted from (its MTP layer included).
 
 Tensor types accepted: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
@@ -50,9 +50,9 @@ from typing import Any
 import numpy as np
 
 from jmtp.model.config import ModelConfig
-from jmtp.model.gguf_config import (GGUF_ARCHITECTURES, GGUF_IGNORED, HYBRID_GGUF_ARCHITECTURES,
+from jmtp.model.checkpoints.gguf_config import (GGUF_ARCHITECTURES, GGUF_IGNORED, HYBRID_GGUF_ARCHITECTURES,
                                     SUPPORTED_GGUF_TYPES, gguf_config, gguf_metadata)
-from jmtp.model.hf_loader import build_params, deinterleave_rows
+from jmtp.model.checkpoints.hf_loader import build_params, deinterleave_rows
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUFSource", "HYBRID_GGUF_ARCHITECTURES",
            "INTERLEAVED_GGUF_ARCHITECTURES", "SUPPORTED_GGUF_TYPES", "check_layer_tensors",
@@ -341,7 +341,7 @@ def load_gguf(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
     arch = meta["general.architecture"]
     nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0)
     if arch in HYBRID_GGUF_ARCHITECTURES:
-        from jmtp.model.gguf_hybrid import load_hybrid
+        from jmtp.model.checkpoints.gguf_hybrid import load_hybrid
         return load_hybrid(reader, cfg, arch, where, nextn, dtype)
     check_layer_tensors(reader, cfg, arch, where, nextn)
     src = GGUFSource(reader, where, cfg, permuted, arch, nextn)

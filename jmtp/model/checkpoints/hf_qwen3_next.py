@@ -33,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.model.config import LinearAttentionConfig, ModelConfig, MoEConfig
-from jmtp.model.hf_blocks import TensorReader, _read_swiglu, np_dtype, read_routed_experts
-from jmtp.model.params import check_params, layer_kinds, layer_shapes
+from jmtp.model.checkpoints.hf_blocks import TensorReader, _read_swiglu, np_dtype, read_routed_experts
+from jmtp.model.params import check_params
+from jmtp.model.schema import layer_kinds, layer_shapes
 
 log = logging.getLogger(__name__)
 
-from jmtp.model.hf_config import HYBRID_ARCHITECTURES  # noqa: E402,F401
+from jmtp.model.checkpoints.hf_config import HYBRID_ARCHITECTURES  # noqa: E402,F401
 
 
 def text_config(hf: dict) -> dict:
@@ -56,7 +57,7 @@ def hybrid_config(hf: dict, where: str, generation_config: dict | None = None) -
 
     Raises:
       ValueError: naming the field, for a missing required field or an unsupported feature."""
-    from jmtp.model.hf_config import _eos_ids
+    from jmtp.model.checkpoints.hf_config import _eos_ids
     arch = hf["architectures"][0]
     t = text_config(hf)
 
@@ -202,7 +203,7 @@ def _ffn(rd: TensorReader, p: str, cfg: ModelConfig, moe: bool) -> dict:
 
 def read_hybrid_block(rd: TensorReader, p: str, cfg: ModelConfig, moe: bool,
                       linear: bool) -> dict:
-    """One decoder layer under ``p`` in jmtp names (:func:`jmtp.model.params.layer_shapes`)."""
+    """One decoder layer under ``p`` in jmtp names (:func:`jmtp.model.schema.layer_shapes`)."""
     h = cfg.hidden_size
     out = {"attn_norm": _norm(rd, p + "input_layernorm.weight", h),
            "mlp_norm": _norm(rd, p + "post_attention_layernorm.weight", h)}

@@ -14,7 +14,7 @@ routers (``mlp.gate``), biases and the MTP ``eh_proj`` are BF16 in those checkpo
 :class:`QArray` is one such tensor on the host (numpy ``float8_e4m3fn`` values and their scale
 grid) supporting exactly the layout operations the HF readers apply (transpose, block-aligned
 slices, row permutations inside blocks, ``np.stack`` / ``np.concatenate``), so the readers of
-:mod:`jmtp.model.hf_blocks` work unchanged and the weight reaches the device as a
+:mod:`jmtp.model.checkpoints.hf_blocks` work unchanged and the weight reaches the device as a
 :class:`~jmtp.model.quant.QuantizedWeight`. Converting it to a float array raises: nothing
 dequantises by accident.
 
