@@ -48,7 +48,11 @@ class SpeculativeConfig:
         steps, re-timed now and then while drafting); 0 where speculation cannot pay). Limits are a data input of the jitted step, so changing them never recompiles.
         Default ``"fixed"``: output and speed are then reproducible run to run, and with a good
         drafter fixed K is what FastDeploy and vLLM do; choose ``"dynamic"`` for loaded servers
-        or weak drafters.
+        or weak drafters. With ``method="suffix"`` the drafts come from the host, and
+        ``"dynamic"`` cuts them jointly over the batch each step: the tokens the suffix trees
+        rate likeliest are kept while the expected tokens per second of the step (the trees'
+        probabilities over the step's measured time in its bucket) grows
+        (:mod:`jmtp.runtime.suffix_decoding`).
       drafter: for ``method="custom"``: a hashable callable ``(state) -> i32[B, K]`` returning draft
         tokens (-1 = none) from the post-update :class:`~jmtp.runtime.state.EngineState`.
       verify_strategy: ``"auto"`` (greedy rows for temperature 0, rejection sampling otherwise;
@@ -82,7 +86,8 @@ class SpeculativeConfig:
 
     Raises:
       ValueError: unknown method or strategy, K < 1, M outside ``[1, K]``, custom method without
-        drafter, a suffix knob out of range, suffix decoding with the dynamic policy.
+        drafter, a suffix knob out of range, ``mtp_strategy="with_suffix"`` with the dynamic
+        policy.
     """
 
     method: str | None = "mtp"
@@ -131,10 +136,10 @@ class SpeculativeConfig:
         if self.mtp_strategy != "default" and self.method != "mtp":
             raise ValueError(f"SpeculativeConfig.mtp_strategy={self.mtp_strategy!r} needs "
                              "method='mtp'")
-        if self.uses_suffix and self.speculation_policy != "fixed":
+        if self.mtp_strategy == "with_suffix" and self.speculation_policy != "fixed":
             raise ValueError("SpeculativeConfig.speculation_policy='dynamic' is not supported "
-                             "with suffix decoding (its drafts adapt per request already); use "
-                             "'fixed'")
+                             "with mtp_strategy='with_suffix'; use 'fixed' (or method='suffix' "
+                             "with 'dynamic')")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"SpeculativeConfig.num_speculative_tokens must be an int >= 1, got {k!r}")

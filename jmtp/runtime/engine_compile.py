@@ -56,7 +56,8 @@ class CompileAPI:
     def calibrate_speculation(self, repeats: int = 3) -> dict[StepBucket, float]:
         """Time every decode step bucket on the idle engine (fastest of ``repeats`` runs after
         one untimed) and seed the dynamic speculation policy's cost table with the times
-        (:meth:`DynamicSpeculation.seed_costs`); returns them, ``{StepBucket: seconds}``. Called
+        (:meth:`DynamicSpeculation.seed_costs`; with suffix decoding, the table its draft cuts
+        are priced by); returns them, ``{StepBucket: seconds}``. Called
         by the constructor with ``speculation_policy="dynamic"`` and ``compile="eager"``. An idle
         step changes no cache or request state; the policy rescales the seeds by what it
         measures live (``docs/architecture.md``).
@@ -65,7 +66,9 @@ class CompileAPI:
           ValueError: no dynamic policy, or ``repeats < 1``.
           RuntimeError: requests are in the engine.
         """
-        if self.spec_policy is None:
+        costs = (self.spec_policy.costs if self.spec_policy is not None else
+                 getattr(self.suffix, "costs", None))
+        if costs is None:
             raise ValueError("calibrate_speculation needs SpeculativeConfig(speculation_policy="
                              "'dynamic')")
         if repeats < 1:
@@ -73,7 +76,7 @@ class CompileAPI:
         if self.has_unfinished_requests() or self.scheduler.num_running:
             raise RuntimeError("calibrate_speculation runs on an idle engine only")
         seconds = self.runner.time_decode_buckets(repeats)
-        self.spec_policy.seed_costs(seconds)
+        costs.seed(seconds)
         return seconds
 
 

@@ -95,7 +95,7 @@ class LLMEngine(CompileAPI, HandOffAPI):
             self.compile_seconds = self.runner.compile_buckets(progress=True)
             self.compile_seconds.update(self.runner.compile_slot_ops(
                 self.requests.sampling_row(SamplingParams(), [0], [], 0)))
-            if self.spec_policy is not None:
+            if self.spec_policy is not None or getattr(self.suffix, "costs", None) is not None:
                 self.calibrate_speculation()
 
     @classmethod
@@ -125,13 +125,14 @@ class LLMEngine(CompileAPI, HandOffAPI):
             run.kv_cache_bytes()["prefix_state_entry"] if states else 0, ec.window)
             if ec.enable_prefix_caching else None)
         self.handoff = HandOff(run, self.requests, built.draft_vocab_size)
-        self.spec_policy = None
-        if ec.spec.enabled and ec.spec.speculation_policy == "dynamic":
-            self.spec_policy = DynamicSpeculation(   # rows spread over the data shards
-                ec.max_num_seqs, ec.k, lambda rows, n: choose_bucket(
-                    sec, min(-(-rows // dp), sec.max_num_batched_tokens),
-                    min(-(-n // dp), sec.max_num_seqs), has_prefill=False))
-        self.suffix = SuffixDecoding(ec.spec, ec.max_num_seqs) if ec.spec.uses_suffix else None
+        def bucket_of(rows, n):   # a decode step's bucket, rows spread over the data shards
+            return choose_bucket(sec, min(-(-rows // dp), sec.max_num_batched_tokens),
+                                 min(-(-n // dp), sec.max_num_seqs), has_prefill=False)
+        self.suffix = (SuffixDecoding(ec.spec, ec.max_num_seqs, bucket_of)
+                       if ec.spec.uses_suffix else None)   # its own dynamic policy: cut drafts
+        self.spec_policy = (DynamicSpeculation(ec.max_num_seqs, ec.k, bucket_of)
+                            if ec.spec.enabled and ec.spec.speculation_policy == "dynamic"
+                            and self.suffix is None else None)
         self.num_steps = 0
         self.closed = False
         self._pending_drafts = None   # i32[B, K] drafts of the pending windows (last StepOutput)
@@ -386,6 +387,8 @@ class LLMEngine(CompileAPI, HandOffAPI):
                         depth=int(rec.limits.max()), timed=not rec.chunks.any(),
                         num_tokens=out.num_tokens, num_allowed=out.num_allowed, plan=rec.policy)
             self.policy_seconds += rec.plan_seconds + time.perf_counter() - t_obs
+        elif self.suffix is not None:
+            self.suffix.observe(rec.bucket, seconds, not rec.chunks.any(), out.num_accepted)
         self.num_steps += 1
         valid = rec.valid(sch.slots, sch.tickets)
         following = self._inflight if self._inflight is not rec else None
@@ -579,17 +582,12 @@ class LLMEngine(CompileAPI, HandOffAPI):
             num_blocks=self.engine_config.num_blocks,
             num_steps=self.num_steps, last_step_seconds=self.last_step_seconds,
             num_preemptions=self.scheduler.num_preemptions)
-        if self.prefix_caches is not None:
-            stats.update(self.prefix_caches.stats())
-        if self.suffix is not None:
-            stats.update(self.suffix.stats())
-        if self.timeline.enabled or self.timeline.steps:
-            stats.update(self.timeline.stats())
-        pol = self.spec_policy
-        if pol is not None:
-            stats.update(spec_policy_plans=pol.num_plans,
+        for part in (self.prefix_caches, self.suffix):
+            stats.update(part.stats() if part is not None else {})
+        stats.update(self.timeline.stats() if self.timeline.enabled or self.timeline.steps else {})
+        if (pol := self.spec_policy) is not None:
+            stats.update(spec_policy_plans=pol.num_plans, spec_policy_holds=pol.num_holds,
                          spec_policy_drafting_plans=pol.num_drafting_plans,
-                         spec_policy_holds=pol.num_holds,
                          spec_policy_host_seconds=self.policy_seconds)
         return stats
 

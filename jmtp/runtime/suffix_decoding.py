@@ -45,10 +45,17 @@ import time
 
 import numpy as np
 
+from jmtp.runtime.spec_policy.costs import CostTable
+from jmtp.runtime.spec_policy.planner import PLAN_RTOL
 from jmtp.runtime.structured.grammar import KEEP_DRAFT, NO_DRAFT
 from jmtp.runtime.suffix_tree import EMPTY_DRAFT, SuffixDraft, SuffixTree
 
 __all__ = ["SuffixCache", "SuffixDecoding", "merge_overrides"]
+
+#: Equal probability bins over which the dynamic policy calibrates the trees' draft probabilities.
+CALIBRATION_BINS = 10
+#: Pseudo-trials of a bin at the trees' own probability before its measured share takes over.
+CALIBRATION_PRIOR = 8.0
 
 
 class SuffixCache:
@@ -191,22 +198,40 @@ class SuffixDecoding:
     Args:
       spec: the engine's :class:`~jmtp.runtime.config.SpeculativeConfig` (``uses_suffix``).
       num_slots: ``max_num_seqs``.
+      bucket_of: ``(rows, n) -> StepBucket`` of a decode step (the engine's
+        ``choose_bucket``); needed with ``speculation_policy="dynamic"``.
 
     Attributes: ``cache`` (:class:`SuffixCache`), ``mtp_off`` (``bool[B]``: slots whose MTP
-    drafts are held off in the coming step), counters for ``get_stats``: ``host_seconds``,
-    ``num_windows`` (windows drafted from the trees), ``num_drafts`` (their tokens),
-    ``num_mtp_windows`` (hybrid: windows left to the MTP head).
+    drafts are held off in the coming step), ``costs`` (the step-time
+    :class:`~jmtp.runtime.spec_policy.costs.CostTable` of the dynamic policy, else None),
+    counters for ``get_stats``: ``host_seconds``, ``num_windows`` (windows drafted from the
+    trees), ``num_drafts`` (their tokens), ``num_mtp_windows`` (hybrid: windows left to the MTP
+    head), ``num_cut`` (draft tokens the dynamic policy cut).
+
+    Raises:
+      ValueError: the dynamic policy without ``bucket_of``.
     """
 
-    def __init__(self, spec, num_slots: int):
+    def __init__(self, spec, num_slots: int, bucket_of=None):
         self.spec, self.k = spec, spec.k
         self.mtp_drafts = spec.m if spec.method == "mtp" else 0
         self.cache = SuffixCache(spec.suffix_decoding_max_tree_depth,
                                  spec.suffix_decoding_max_cached_requests,
                                  spec.suffix_decoding_corpus_tokens)
         self.mtp_off = np.zeros((num_slots,), bool)
+        self.costs = None
+        if spec.speculation_policy == "dynamic":
+            if bucket_of is None:
+                raise ValueError("SuffixDecoding: the dynamic policy needs bucket_of")
+            self.costs = CostTable(self.k, bucket_of, refresh_every=0)
+        self.num_observed = 0
+        # the dynamic policy's calibration of the trees' probabilities: per probability bin,
+        # draft tokens verified and accepted (a tree's counts can under- or over-rate a match)
+        self.calib_trials = np.zeros((CALIBRATION_BINS,))
+        self.calib_accepted = np.zeros((CALIBRATION_BINS,))
+        self._verifying: dict[int, tuple[float, ...]] = {}   # slot -> probs of its drafts
         self.host_seconds = 0.0
-        self.num_windows = self.num_drafts = self.num_mtp_windows = 0
+        self.num_windows = self.num_drafts = self.num_mtp_windows = self.num_cut = 0
 
     @staticmethod
     def key(seq) -> tuple:
@@ -261,13 +286,18 @@ class SuffixDecoding:
         t0 = time.perf_counter()
         B, K, M = len(slots), self.k, self.mtp_drafts
         override, off = None, np.zeros((B,), bool)
+        drafts = {}
         for b, seq in enumerate(slots):
             if seq is None or seq.prefilling or not seq.output_ids:
                 continue
             out = seq.output_ids
             limit = min(K, seq.params.max_tokens - len(out) - 1,
                         max_model_len - len(seq.prompt_ids) - len(out) - 1)
-            d = self.draft(seq, limit)
+            drafts[b] = self.draft(seq, limit)
+        if self.costs is not None and not any(s is not None and s.prefilling for s in slots):
+            drafts = self.cut(drafts)
+        self._verifying = {b: d.probs for b, d in drafts.items() if d.probs}
+        for b, d in drafts.items():
             if M and d.score < M and not self.mtp_off[b]:
                 self.num_mtp_windows += int(next_drafts[b] > 0)
                 continue            # the MTP drafts stay
@@ -290,6 +320,72 @@ class SuffixDecoding:
         self.host_seconds += time.perf_counter() - t0
         return override, pending
 
+    def cut(self, drafts: dict[int, SuffixDraft]) -> dict[int, SuffixDraft]:
+        """The dynamic policy: ``drafts`` (slot -> draft of a decode step over those ``n``
+        slots) cut jointly to the plan with the most expected tokens per second.
+
+        Every draft token is a candidate worth its probability (the tree's estimate that it and
+        the draft tokens before it are accepted, :meth:`calibrated` by what was accepted so
+        far; non-increasing along a draft). Ranked by
+        falling probability (ties: earlier position, lower slot), every prefix of the ranking
+        keeps a prefix of each draft; a prefix of ``r`` tokens is worth ``n + sum of their
+        probabilities`` tokens for a step of ``n + r`` rows, priced by the cost table
+        (:meth:`~jmtp.runtime.spec_policy.costs.Prices.step_time` at depth 0: the bucket's
+        measured time; every bucket the same before anything is timed, so nothing is cut then).
+        The best rate wins; near-ties (within :data:`PLAN_RTOL`) the fewest tokens."""
+        n = len(drafts)
+        prob = [self.calibrated(d.probs) for d in drafts.values()]
+        if not n or not sum(len(p) for p in prob):
+            return drafts
+        slots = list(drafts)
+        gain = np.concatenate(prob)
+        pos = np.concatenate([np.arange(len(p)) for p in prob])
+        slot = np.concatenate([np.full(len(p), i) for i, p in enumerate(prob)])
+        order = np.lexsort((slot, pos, -gain))
+        prices = self.costs.prices(self.num_observed)
+        tokens = n + np.concatenate([[0.0], np.cumsum(gain[order])])
+        rate = tokens / np.array([prices.step_time(n + r, n, 0) for r in range(len(gain) + 1)])
+        keep = int(np.nonzero(rate * (1 + PLAN_RTOL) >= rate.max())[0][0])
+        counts = np.bincount(slot[order[:keep]], minlength=n)
+        out = {}
+        for i, b in enumerate(slots):
+            d, c = drafts[b], int(counts[i])
+            self.num_cut += len(d.token_ids) - c
+            out[b] = d if c == len(d.token_ids) else SuffixDraft(
+                d.token_ids[:c], d.probs[:c], float(sum(d.probs[:c])), d.match_len if c else 0)
+        return out
+
+    def calibrated(self, probs) -> np.ndarray:
+        """f64[n]: the probabilities ``probs`` (a draft's, from the trees) as measured: each is
+        replaced by the accepted share of the verified draft tokens rated in its bin
+        (:data:`CALIBRATION_BINS` equal bins of [0, 1]), with :data:`CALIBRATION_PRIOR`
+        pseudo-trials at the tree's own value; kept non-increasing along the draft."""
+        p = np.asarray(probs, np.float64)
+        if not len(p):
+            return p
+        i = np.minimum((p * CALIBRATION_BINS).astype(np.int64), CALIBRATION_BINS - 1)
+        est = ((self.calib_accepted[i] + CALIBRATION_PRIOR * p)
+               / (self.calib_trials[i] + CALIBRATION_PRIOR))
+        return np.minimum.accumulate(est)
+
+    def observe(self, bucket, seconds: float, timed: bool, accepted: np.ndarray | None = None
+                ) -> None:
+        """A step ran ``seconds`` in ``bucket`` (``timed=False``: a step with a prefill chunk,
+        not a decode step's price) and accepted ``accepted`` (i32[B]) of the drafts
+        :meth:`prepare` gave it: the dynamic policy's cost table and calibration keep them."""
+        if self.costs is None:
+            return
+        self.costs.record(bucket, seconds, 0, timed, self.num_observed)
+        self.num_observed += 1
+        if accepted is None:
+            return
+        for b, probs in self._verifying.items():
+            p = np.asarray(probs, np.float64)
+            i = np.minimum((p * CALIBRATION_BINS).astype(np.int64), CALIBRATION_BINS - 1)
+            np.add.at(self.calib_trials, i, 1.0)
+            np.add.at(self.calib_accepted, i, (np.arange(len(p)) < int(accepted[b])))
+        self._verifying = {}
+
     def mtp_limits(self, limits: np.ndarray) -> np.ndarray:
         """The step's draft limits with the MTP held off where a slot follows a suffix match."""
         return np.where(self.mtp_off, 0, limits).astype(np.int32) if self.mtp_off.any() else limits
@@ -298,4 +394,5 @@ class SuffixDecoding:
         """``suffix_*`` counters for ``LLMEngine.get_stats``."""
         return dict(suffix_host_seconds=self.host_seconds, suffix_windows=self.num_windows,
                     suffix_draft_tokens=self.num_drafts, suffix_mtp_windows=self.num_mtp_windows,
+                    suffix_cut_tokens=self.num_cut,
                     **self.cache.stats())

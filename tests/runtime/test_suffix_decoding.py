@@ -18,6 +18,7 @@ from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.engine import LLM, SamplingParams
 from jmtp.runtime.llm_engine import LLMEngine
 from jmtp.runtime.structured.grammar import KEEP_DRAFT
+from jmtp.runtime.suffix_tree import SuffixDraft
 from tests.runtime.conftest import free_blocks, reference_greedy, tiny_model
 from tests.runtime.fake_runner import FakeRunner, reference
 from tests.runtime.test_host_logic import drive
@@ -68,6 +69,78 @@ def test_a_repeated_request_drafts_the_earlier_output():
     assert stats["suffix_running_requests"] == 0 and stats["suffix_cached_requests"] == 3
     assert stats["suffix_draft_tokens"] == stats["num_draft_tokens"]
     assert stats["suffix_host_seconds"] > 0
+
+
+DYNAMIC = SpeculativeConfig("suffix", 3, speculation_policy="dynamic")
+
+
+def _draft(*probs):
+    return SuffixDraft(tuple(range(10, 10 + len(probs))), probs, float(sum(probs)), 4)
+
+
+def test_dynamic_policy_cuts_to_the_best_rate_by_hand():
+    """Two decoding slots (buckets of 2, 4 and 8 rows at 1.0, 1.2 and 3.0 s), drafts rated
+    [0.9, 0.8, 0.1] and [0.5]. Ranked 0.9, 0.8, 0.5, 0.1, the prefixes of r tokens give
+    (2 + gains) / price: r=0 2/1.0 = 2.0, r=1 2.9/1.2 = 2.42, r=2 3.7/1.2 = 3.08, r=3 4.2/3.0 =
+    1.4, r=4 4.3/3.0 = 1.43, so slot 0 keeps two drafts and slot 5 none. With every bucket at
+    the same price (or nothing timed yet) nothing is cut."""
+    from jmtp.runtime.buckets import StepBucket
+    from jmtp.runtime.suffix_decoding import SuffixDecoding
+
+    def bucket_of(rows, n):
+        assert n == 2
+        return StepBucket(min(t for t in (2, 4, 8) if t >= rows), 2)
+
+    sd = SuffixDecoding(DYNAMIC, 8, bucket_of)
+    drafts = {0: _draft(0.9, 0.8, 0.1), 5: _draft(0.5)}
+    assert sd.cut(drafts) == drafts and sd.num_cut == 0          # nothing timed: no cut
+    sd.costs.seed({StepBucket(2, 2): 1.0, StepBucket(4, 2): 1.2, StepBucket(8, 2): 3.0})
+    cut = sd.cut(drafts)
+    assert cut[0].token_ids == (10, 11) and cut[0].probs == (0.9, 0.8)
+    assert cut[0].score == pytest.approx(1.7) and cut[5].token_ids == () and sd.num_cut == 2
+    flat = SuffixDecoding(DYNAMIC, 8, bucket_of)
+    flat.costs.seed({StepBucket(t, 2): 1.0 for t in (2, 4, 8)})
+    assert flat.cut(drafts) == drafts
+    with pytest.raises(ValueError, match="bucket_of"):
+        SuffixDecoding(DYNAMIC, 8)
+
+
+def test_dynamic_policy_calibrates_the_trees_probabilities_by_hand():
+    """Before any verification a draft is worth the trees' probabilities. Two tokens rated
+    0.15 and 0.12 (both in the bin [0.1, 0.2)) verified with one accepted: that bin holds 2
+    trials and 1 success, so 0.15 becomes (1 + 8·0.15) / (2 + 8) = 0.22; a token after it
+    rated 0.95 (an empty bin: its own 0.95) is held to 0.22, as acceptance cannot rise along
+    a draft."""
+    from jmtp.runtime.buckets import StepBucket
+    from jmtp.runtime.suffix_decoding import SuffixDecoding
+    sd = SuffixDecoding(DYNAMIC, 2, lambda rows, n: StepBucket(4, 2))
+    np.testing.assert_allclose(sd.calibrated((0.6, 0.15)), [0.6, 0.15])
+    sd._verifying = {1: (0.15, 0.12)}        # what prepare() hands the step
+    sd.observe(StepBucket(4, 2), 0.1, True, np.array([0, 1]))
+    np.testing.assert_allclose(sd.calibrated((0.15, 0.95)), [0.22, 0.22])
+    np.testing.assert_allclose(sd.calibrated((0.6,)), [0.6])
+
+
+@pytest.mark.parametrize("price", ["rows", "flat"])
+def test_dynamic_policy_in_the_engine_stays_exact(price):
+    """The engine under the dynamic suffix policy, its cost table seeded with step times: a
+    step priced by its rows (drafting never pays at these acceptance rates) cuts every draft,
+    one price for every bucket keeps them all; either way the output is plain decoding's, and
+    the live steps are recorded into the table."""
+    from jmtp.runtime.buckets import step_buckets
+    eng, runner = fake_engine(DYNAMIC, max_num_seqs=2, max_model_len=64)
+    eng.suffix.costs.seed({bk: float(bk.num_tokens) if price == "rows" else 1.0
+                           for bk in step_buckets(runner.shard_config)})
+    for rid in ("r0", "r1"):
+        eng.add_request(rid, PROMPT, SamplingParams(max_tokens=30, ignore_eos=True))
+        finals, _ = drive(eng, runner)
+        assert finals[rid].outputs[0].token_ids == reference(PROMPT, 30, stop_ids=())
+    stats = eng.get_stats()
+    if price == "rows":
+        assert stats["suffix_cut_tokens"] > 0 and stats["num_draft_tokens"] == 0
+    else:
+        assert stats["suffix_cut_tokens"] == 0 and stats["num_draft_tokens"] > 0
+    assert eng.suffix.costs.step_seconds and eng.suffix.num_observed > 0
 
 
 @pytest.mark.parametrize("spec", [SUFFIX, HYBRID], ids=["suffix", "mtp-with-suffix"])
@@ -158,7 +231,6 @@ def test_config_names_the_field():
                       (dict(suffix_decoding_corpus_tokens=0), "corpus_tokens"),
                       (dict(suffix_decoding_max_spec_factor=-0.5), "max_spec_factor"),
                       (dict(suffix_decoding_min_token_prob=1.5), "min_token_prob"),
-                      (dict(speculation_policy="dynamic"), "speculation_policy"),
                       (dict(mtp_strategy="with_suffix"), "mtp_strategy")]:
         with pytest.raises(ValueError, match=field):
             SpeculativeConfig("suffix", 3, **kw)
