@@ -20,7 +20,8 @@ For each batch size (``--batches``; batch B runs the prompts with ``max_num_seqs
 requests are in flight) every variant's engine is built and warmed once (compilation, reported
 separately), then the timed runs interleave the variants ``--rounds`` times (A, B, C, A, B, C ...)
 and each variant's tokens/s is total tokens / total seconds over its rounds. Printed per row:
-tok/s, ratio to plain, mean acceptance length, whether every output equals plain decoding, and
+tok/s, ratio to plain, mean acceptance length, whether every output equals plain decoding (without
+``plain`` among the variants: the first variant's outputs), and
 for dynamic variants the share of steps whose limits allowed a draft and how often the guard held
 drafting off (each hold is one losing window; see :mod:`jmtp.runtime.spec_policy`); for suffix
 variants the host time in the suffix trees per step and its share of the wall time.
@@ -242,8 +243,8 @@ def main(argv=None) -> int:
                 a = acc[name]
                 rate = a["tok"] / a["sec"]
                 ratio = rate / (base["tok"] / base["sec"]) if base else float("nan")
-                same = base is None or all(x.token_ids == y.token_ids
-                                           for x, y in zip(base["outs"], a["outs"]))
+                ref = base or acc[args.variants[0]]   # without plain: the first variant's
+                same = all(x.token_ids == y.token_ids for x, y in zip(ref["outs"], a["outs"]))
                 mal = a["m"].mean_acceptance_length
                 mn = min(len(o.token_ids) for o in a["outs"])
                 pol = ({key: a["pol"][key] for key in ("steps", "drafting", "holds")}
