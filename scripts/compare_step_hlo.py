@@ -27,7 +27,10 @@ CHILD = r"""
 import hashlib, json, sys
 import numpy as np, jax.numpy as jnp
 from jmtp import LLM, SpeculativeConfig
-from jmtp.runtime.buckets import step_buckets
+try:                                    # module layout of issue 46 (runtime/device/)
+    from jmtp.runtime.device.buckets import step_buckets
+except ImportError:                     # older checkouts
+    from jmtp.runtime.buckets import step_buckets      # rewrite-imports: keep
 out = {}
 for k, B, loop in json.loads(sys.argv[1]):
     llm = LLM(None, speculative_config=SpeculativeConfig("mtp", k) if k else None,
@@ -41,10 +44,13 @@ for k, B, loop in json.loads(sys.argv[1]):
     bks = step_buckets(sec)
     zeros = jnp.asarray(np.zeros((sec.max_num_seqs,), np.int32))
     for bk in (bks[0], bks[len(bks) // 2], bks[-1]):
-        args = (e.graphdef, sec, e.speculative_config.drafter, bk, e.attention_backend, e.params,
-                e.state, e.cache, e.mtp_cache, zeros, zeros)
-        if run is not None and hasattr(run, "neutral_guide"):   # structured-output inputs
-            args += run.neutral_guide()
+        if run is not None and hasattr(run, "step_args"):      # the one argument builder
+            args = run.step_args(bk)
+        else:
+            args = (e.graphdef, sec, e.speculative_config.drafter, bk, e.attention_backend,
+                    e.params, e.state, e.cache, e.mtp_cache, zeros, zeros)
+            if run is not None and hasattr(run, "neutral_guide"):   # structured-output inputs
+                args += run.neutral_guide()
         text = step.lower(*args).as_text()
         out[f"K={k} B={B} {loop} T={bk.num_tokens} A={bk.num_slots}"] = hashlib.sha256(
             text.encode()).hexdigest()[:16]

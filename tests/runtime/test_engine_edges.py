@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jmtp.model.llama import KVCache
-from jmtp.runtime.buckets import step_buckets
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.device.buckets import step_buckets
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks, engine_of
 
 K = 3

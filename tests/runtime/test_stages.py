@@ -1,5 +1,5 @@
-"""Each stage of the engine step (``jmtp.runtime.target_stages``, ``draft_stages``, ``slots``,
-wired by ``jmtp.runtime.step``) on its own: hand-worked cases, numpy references, hypothesis
+"""Each stage of the engine step (``jmtp.runtime.device.target_stages``, ``draft_stages``, ``slots``,
+wired by ``jmtp.runtime.device.step``) on its own: hand-worked cases, numpy references, hypothesis
 properties, and ``chex.assert_max_traces`` (a stage, and the whole step per bucket, trace once)."""
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from jmtp.model.metadata import packed_row_seq, ragged_batch
 from jmtp.model.modules import LlamaForCausalLM
 from jmtp.pallas import block_allocator as ba
 from jmtp.pallas.block_allocator import BlockAllocatorState, blocks_needed
-from jmtp.runtime import draft_stages as drs, slots, step as stp, target_stages as tgs
-from jmtp.runtime.buckets import StepBucket, step_buckets
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
-from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, init_state
+from jmtp.runtime.device import draft_stages as drs, slots, step as stp, target_stages as tgs
+from jmtp.runtime.device.buckets import StepBucket, step_buckets
+from jmtp.runtime.device.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, init_state
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model, engine_of
 
 B, K, M, BS, MAX_LEN = 3, 2, 2, 4, 32

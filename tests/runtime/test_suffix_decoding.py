@@ -1,4 +1,4 @@
-"""Suffix decoding through the engine (``jmtp/runtime/suffix_decoding.py``).
+"""Suffix decoding through the engine (``jmtp/runtime/host/suffix_decoding.py``).
 
 The host wiring runs over the numpy double of the runner (``tests/runtime/fake_runner.py``: a
 ``draft_override`` window's drafts are accepted where they equal the fake target's tokens), so
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
-from jmtp.runtime.llm_engine import LLMEngine
-from jmtp.runtime.structured.grammar import KEEP_DRAFT
+from jmtp.runtime.device.bitmask import KEEP_DRAFT
+from jmtp.runtime.host.llm import LLM, SamplingParams
+from jmtp.runtime.host.llm_engine import LLMEngine
 from tests.runtime.conftest import free_blocks, reference_greedy, tiny_model
 from tests.runtime.fake_runner import FakeRunner, reference
 from tests.runtime.test_host_logic import drive
@@ -242,7 +242,7 @@ def test_constrained_requests_with_suffix_drafts_equal_the_masked_reference():
     prompts (so the trees draft), greedy: constrained greedy decoding's tokens."""
     import jax.numpy as jnp
 
-    from jmtp.runtime.structured import StructuredOutputsParams as SOP
+    from jmtp.runtime.host.structured import StructuredOutputsParams as SOP
     from tests.runtime.structured_fixtures import (SCHEMA, VOCAB_SIZE,
                                                    reference_constrained_greedy, tiny_tokenizer)
     cfg, params = tiny_model(0, vocab_size=VOCAB_SIZE)
