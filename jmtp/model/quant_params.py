@@ -20,9 +20,9 @@ import numpy as np
 
 from jmtp.model.config import ModelConfig
 from jmtp.model.params import layer_kinds, layer_shapes
-from jmtp.model.quant import (DEFAULT_FP8_BLOCK, EMBEDDINGS, MTP_PROJECTIONS, QUANT_METHODS,
-                              QUANTIZABLE, QuantConfig, QuantizedWeight, dequantize, is_quantized,
-                              leaf_bytes, quantize, scale_shape)
+from jmtp.model.quant import (DEFAULT_FP8_BLOCK, EMBEDDINGS, MTP_PROJECTIONS, QUANT_METHODS, QUANTIZABLE,
+                              QuantConfig, QuantizedWeight, dequantize, is_quantized, leaf_bytes,
+                              quantize, scale_shape)
 
 
 def _layer_dicts(params: dict):

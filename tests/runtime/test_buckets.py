@@ -110,7 +110,7 @@ def _spy_buckets(llm):
     seen, real = [], engine_of(llm).runner.jitted_step
 
     def step(*a):
-        seen.append(a[3])
+        seen.append(a[0].bucket)
         return real(*a)
 
     engine_of(llm).runner.jitted_step = step

@@ -220,11 +220,10 @@ def test_no_recompiles_when_limits_change_and_windows_report_their_budget():
             for _ in range(4)]
     refs = [[o.token_ids for o in engine(None).generate(p, sp, use_tqdm=False)] for p, sp in work]
     ec = llm.engine_config
-    zeros = jnp.zeros((ec.max_num_seqs,), jnp.int32)
+    run = engine_of(llm).runner
     for bucket in step_buckets(ec):   # warm every step shape on the idle state (a no-op step)
-        llm.state, llm.cache, llm.mtp_cache, _ = engine_of(llm).runner.jitted_step(
-            llm.graphdef, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache, zeros,
-            zeros, *engine_of(llm).runner.neutral_guide())
+        run.state, caches, _ = run.jitted_step(*run.step_args(bucket))
+        run.cache, run.mtp_cache = caches.target, caches.mtp
     compiled = engine_of(llm).runner.jitted_step._cache_size()
     seen = set()
     policy = llm.spec_policy

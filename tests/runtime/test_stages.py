@@ -457,14 +457,14 @@ def test_engine_step_traces_once_per_bucket(tiny):
     eng = llm.llm_engine
     ec = eng.engine_config
     buckets = step_buckets(ec)
-    engine_of(eng).runner.jitted_step = jax.jit(chex.assert_max_traces(stp.engine_step, n=len(buckets)),
-                        static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
+    run = engine_of(eng).runner
+    run.jitted_step = jax.jit(chex.assert_max_traces(stp.engine_step, n=len(buckets)),
+                              static_argnums=0, donate_argnums=(2, 3))   # spec; state, caches
     for _ in range(2):                  # every bucket twice on the idle state
         for bucket in buckets:
-            eng.state, eng.cache, eng.mtp_cache, _ = engine_of(eng).runner.jitted_step(
-                eng.graphdef, ec, None, bucket, None, eng.params, eng.state, eng.cache, eng.mtp_cache,
-                jnp.zeros((B,), jnp.int32), jnp.full((B,), K, jnp.int32),
-                *engine_of(eng).runner.neutral_guide())
+            run.state, caches, _ = run.jitted_step(
+                *run.step_args(bucket, limits=np.full((B,), K, np.int32)))
+            run.cache, run.mtp_cache = caches.target, caches.mtp
     assert engine_of(eng).runner.jitted_step._cache_size() == len(buckets)
     rng = np.random.default_rng(1)      # traffic: any retrace would raise in assert_max_traces
     prompts = [list(rng.integers(2, 64, rng.integers(1, 20))) for _ in range(5)]

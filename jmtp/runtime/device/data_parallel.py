@@ -46,6 +46,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.device.handoff_ops import gather_slot, import_slot
 from jmtp.runtime.device.sharding import DATA
+from jmtp.runtime.device.spec import Caches, StepInputs, StepSpec
 from jmtp.runtime.device.state import insert_request
 from jmtp.runtime.device.step import (engine_step, push_free_blocks, release_slot, retire_slot,
                                       set_slot_state_of)
@@ -105,47 +106,44 @@ def _on_shard(mesh: Mesh, body, in_specs, out_specs):
                          axis_names={DATA}, check_vma=False)
 
 
-def data_parallel_step(mesh: Mesh, graphdef, ec: EngineConfig, drafter, bucket, attention_impl,
-                       model_state, state, cache, mtp_cache, prefill_chunk, draft_limit,
-                       token_bitmask, draft_override, *, param_specs=None):
+def data_parallel_step(mesh: Mesh, spec: StepSpec, model_state, state, caches: Caches,
+                       inputs: StepInputs, *, param_specs=None):
     """:func:`~jmtp.runtime.device.step.engine_step` on every data shard at once.
 
     Args:
-      mesh: the engine's mesh (static).
-      graphdef, drafter, bucket, attention_impl, model_state: as for ``engine_step``
-        (``model_state`` replicated over ``data``, except under expert parallelism the routed
-        experts, split over ``data`` too).
+      mesh: the engine's mesh (bound before jitting).
+      spec: as for ``engine_step``, static; ``spec.engine`` is the *shard's* config
+        (:func:`shard_config`).
+      model_state: as for ``engine_step``, replicated over ``data``, except under expert
+        parallelism the routed experts, split over ``data`` too.
+      state, caches: stacked (module docstring).
+      inputs: :class:`~jmtp.runtime.device.spec.StepInputs` stacked per shard: ``prefill_chunk``,
+        ``draft_limit`` i32[D, B/D]; ``token_bitmask`` i32[D, B/D, K+1, NW]; ``draft_override``
+        i32[D, B/D, K].
       param_specs: the ``data`` part of each leaf of ``model_state``'s placement, in leaf order
         (:func:`jmtp.runtime.device.sharding.data_specs`); None: every parameter replicated over
         ``data``.
-      ec: the *shard's* config (:func:`shard_config`), static.
-      state, cache, mtp_cache: stacked (module docstring).
-      prefill_chunk, draft_limit: i32[D, B/D]; token_bitmask: i32[D, B/D, K+1, NW];
-        draft_override: i32[D, B/D, K] (as for ``engine_step``, per shard).
 
     Returns:
-      ``(state, cache, mtp_cache, StepOutput)``, all stacked: ``StepOutput`` fields are
-      ``[D, B/D, ...]`` and ``free_count`` is ``i32[D]``.
+      ``(state, caches, StepOutput)``, all stacked: ``StepOutput`` fields are ``[D, B/D, ...]``
+      and ``free_count`` is ``i32[D]``.
     """
     leaves, treedef = jax.tree_util.tree_flatten(model_state)
     specs = tuple(param_specs) if param_specs is not None else (P(),) * len(leaves)
     if len(specs) != len(leaves):
         raise ValueError(f"param_specs has {len(specs)} entries for {len(leaves)} parameters")
 
-    def body(leaves, state, cache, mtp_cache, chunk, limit, bitmask, override):
-        state, cache, mtp_cache, out = engine_step(
-            graphdef, ec, drafter, bucket, attention_impl,
-            jax.tree_util.tree_unflatten(treedef, leaves), _squeeze(state), _squeeze(cache),
-            _squeeze(mtp_cache), chunk[0], limit[0], bitmask[0], override[0])
+    def body(leaves, state, caches, inputs):
+        state, caches, out = engine_step(
+            spec, jax.tree_util.tree_unflatten(treedef, leaves), _squeeze(state),
+            _squeeze(caches), _squeeze(inputs))
         # prompt logprobs are per packed row of a shard: not served on a mesh (refused at intake)
         out = dataclasses.replace(out, prompt_logprobs=None, prompt_top_ids=None,
                                   prompt_top_logprobs=None, prompt_row_start=None)
-        return _expand((state, cache, mtp_cache, out))
+        return _expand((state, caches, out))
 
     d = P(DATA)
-    return _on_shard(mesh, body, (list(specs), d, d, d, d, d, d, d), d)(
-        list(leaves), state, cache, mtp_cache, prefill_chunk, draft_limit, token_bitmask,
-        draft_override)
+    return _on_shard(mesh, body, (list(specs), d, d, d), d)(list(leaves), state, caches, inputs)
 
 
 def data_parallel_insert(mesh: Mesh, state, shard, slot, prompt, prompt_len, max_dec_len,

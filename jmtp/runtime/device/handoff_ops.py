@@ -62,7 +62,6 @@ def row_keys(state: EngineState) -> set[str]:
     return set(_row_arrays(state))
 
 
-@jax.jit
 def gather_slot(state: EngineState, cache: KVCache, mtp_cache: KVCache | None, slot: jax.Array,
                 page_ids: jax.Array) -> tuple[dict, dict]:
     """The row of ``slot`` (i32[]) of every per-slot field of ``state`` and the KV pages

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,13 +20,78 @@ from jmtp.model.llama import cache_row_width, init_kv_cache, init_model_cache
 from jmtp.runtime.device import data_parallel as dpar, sharding as shd
 from jmtp.runtime.device.executables import engine_function
 from jmtp.runtime.device.handoff_ops import gather_slot, import_slot
+from jmtp.runtime.device.spec import Caches
 from jmtp.runtime.device.state import init_state, insert_request
 from jmtp.runtime.device.step import (engine_step, push_free_blocks, release_slot, retire_slot,
                                       set_slot_state_of)
 from jmtp.runtime.process import multihost as mh
 
-STEP_STATICS = (0, 1, 2, 3, 4)      # graphdef, EngineConfig, drafter, StepBucket, attention impl
-STEP_DONATED = (6, 7, 8)            # state, cache, mtp_cache
+
+@dataclasses.dataclass(frozen=True)
+class DeviceOp:
+    """One device operation of the runner, declared once; :class:`OneDevice` and :class:`OnMesh`
+    jit every entry of :data:`DEVICE_OPS` from it.
+
+    Attributes:
+      single: the single-shard function (:mod:`~jmtp.runtime.device.step`,
+        :mod:`~jmtp.runtime.device.state`, :mod:`~jmtp.runtime.device.slots`,
+        :mod:`~jmtp.runtime.device.handoff_ops`): what runs on one device, and on each data shard.
+      sharded: its data-parallel form (:mod:`~jmtp.runtime.device.data_parallel`), called with
+        the mesh first (unless ``mesh_arg`` is False).
+      donate: the donated arguments: positions, or names (the step).
+      static: static argument names (the step's ``spec``).
+      config: the shard's :class:`~jmtp.runtime.config.EngineConfig` is bound as the first
+        argument (after the mesh).
+      free: the operation changes the free KV blocks: on one device the new count is returned as
+        one more output (the data-parallel forms return it already).
+      outputs: each output's placement on a mesh: ``state`` (stacked state), ``target`` /
+        ``mtp`` (stacked caches), ``caches`` (both), ``rep`` (replicated: the host reads it).
+      first_call_key: on a multi-process mesh, the compiled shape of a call's positional
+        arguments (:class:`~jmtp.runtime.process.multihost.SyncFirstCall`); None: one shape.
+      mesh_arg: ``sharded`` takes the mesh as its first argument.
+      param_specs: ``sharded`` takes the parameters' ``data`` placement (the step).
+    """
+
+    single: Callable
+    sharded: Callable
+    donate: tuple = (0,)
+    static: tuple[str, ...] = ()
+    config: bool = False
+    free: bool = False
+    outputs: tuple[str, ...] = ("state",)
+    first_call_key: Callable | None = None
+    mesh_arg: bool = True
+    param_specs: bool = False
+
+
+#: The runner's device operations (``OneDevice`` / ``OnMesh`` attribute ``<name>_fn``; the step
+#: also as ``step``). Arguments after the bound mesh / config, as the single-shard function takes
+#: them, except that a mesh call names a slot by ``(shard, row)`` (``slot_args``).
+DEVICE_OPS: dict[str, DeviceOp] = {
+    "step": DeviceOp(engine_step, dpar.data_parallel_step, donate=("state", "caches"),
+                     static=("spec",), outputs=("state", "caches", "rep"),
+                     first_call_key=lambda a: a[0].bucket, param_specs=True),
+    "insert": DeviceOp(insert_request, dpar.data_parallel_insert),
+    "release": DeviceOp(release_slot, dpar.data_parallel_release, config=True, free=True,
+                        outputs=("state", "rep")),
+    "retire": DeviceOp(retire_slot, dpar.data_parallel_retire, config=True, free=True,
+                       outputs=("state", "rep", "rep")),
+    "push_free": DeviceOp(push_free_blocks, dpar.data_parallel_push_free, free=True,
+                          outputs=("state", "rep")),
+    "import": DeviceOp(import_slot, dpar.data_parallel_import, donate=(0, 1, 2), config=True,
+                       outputs=("state", "target", "mtp", "rep", "rep"),
+                       first_call_key=lambda a: tuple(v.shape for v in a[6].values())),
+    "gather": DeviceOp(gather_slot, dpar.shard_gather, donate=(), outputs=("rep",),
+                       first_call_key=lambda a: a[5].shape, mesh_arg=False),
+    "slot_state": DeviceOp(set_slot_state_of, dpar.data_parallel_set_slot_state,
+                           outputs=("target",)),
+}
+
+
+def _jit(fn, op: DeviceOp, **kw):
+    donate = ({"donate_argnames": op.donate} if op.donate and isinstance(op.donate[0], str)
+              else {"donate_argnums": op.donate})
+    return jax.jit(fn, static_argnames=op.static or None, **donate, **kw)
 
 
 class OneDevice:
@@ -55,17 +121,12 @@ class OneDevice:
                 runner.params = jax.device_put(runner.params, dev)
         runner.state, runner.cache, runner.mtp_cache = trees
         # function objects per engine configuration: its executables go when its engines do
-        key = (runner.graphdef, runner.shard_config, runner.drafter, runner.attention, dev)
-        self.step = jax.jit(engine_function(engine_step, key), static_argnums=STEP_STATICS,
-                            donate_argnums=STEP_DONATED)
-        self.insert_fn = jax.jit(engine_function(insert_request, key), donate_argnums=0)
-        self.release_fn = jax.jit(_with_free(functools.partial(release_slot, ec)),
-                                  donate_argnums=0)
-        self.retire_fn = jax.jit(_with_free(functools.partial(retire_slot, ec)),
-                                 donate_argnums=0)
-        self.push_free_fn = jax.jit(_with_free(push_free_blocks), donate_argnums=0)
-        self.import_fn = jax.jit(functools.partial(import_slot, ec), donate_argnums=(0, 1, 2))
-        self.slot_state_fn = jax.jit(set_slot_state_of, donate_argnums=0)
+        key = (runner.graphdef, runner.shard_config, runner.attention, dev)
+        for name, op in DEVICE_OPS.items():
+            fn = (functools.partial(op.single, runner.shard_config) if op.config
+                  else engine_function(op.single, key))
+            setattr(self, f"{name}_fn", _jit(_with_free(fn) if op.free else fn, op))
+        self.step = self.step_fn
 
     @staticmethod
     def host_lanes(x: np.ndarray):
@@ -102,7 +163,8 @@ class OneDevice:
         return np.asarray(state.block_tables[b])[:int(state.num_owned[b])]
 
     def gather(self, state, cache, mtp_cache, b, ids):
-        return jax.device_get(gather_slot(state, cache, mtp_cache, jnp.int32(b), jnp.asarray(ids)))
+        return jax.device_get(self.gather_fn(state, cache, mtp_cache, jnp.int32(b),
+                                             jnp.asarray(ids)))
 
     def import_(self, state, cache, mtp_cache, b, row, kv, n):
         state, cache, mtp_cache, ok = self.import_fn(state, cache, mtp_cache, jnp.int32(b), row,
@@ -157,36 +219,24 @@ class OnMesh:
             make = lambda n: init_kv(n)()
         runner.mtp_cache = make(num_mtp_cache_layers) if num_mtp_cache_layers else None
         mkv = kv if runner.mtp_cache is not None else None
-        self.step = jax.jit(functools.partial(dpar.data_parallel_step, mesh,
-                                              param_specs=shd.data_specs(pshard)),
-                            static_argnums=STEP_STATICS, donate_argnums=STEP_DONATED,
-                            out_shardings=(st, tkv, mkv, rep))
-        self.insert_fn = jax.jit(functools.partial(dpar.data_parallel_insert, mesh),
-                                 donate_argnums=0, out_shardings=st)
-        self.release_fn = jax.jit(functools.partial(dpar.data_parallel_release, mesh, sec),
-                                  donate_argnums=0, out_shardings=(st, rep))
-        self.retire_fn = jax.jit(functools.partial(dpar.data_parallel_retire, mesh, sec),
-                                 donate_argnums=0, out_shardings=(st, rep, rep))
-        self.push_free_fn = jax.jit(functools.partial(dpar.data_parallel_push_free, mesh),
-                                    donate_argnums=0, out_shardings=(st, rep))
-        self.import_fn = jax.jit(functools.partial(dpar.data_parallel_import, mesh, sec),
-                                 donate_argnums=(0, 1, 2), out_shardings=(st, tkv, mkv, rep, rep))
-        self.gather_fn = jax.jit(dpar.shard_gather, out_shardings=rep)
-        self.slot_state_fn = jax.jit(functools.partial(dpar.data_parallel_set_slot_state, mesh),
-                                     donate_argnums=0, out_shardings=tkv)
+        placed = {"state": st, "target": tkv, "mtp": mkv, "caches": Caches(tkv, mkv), "rep": rep}
+        sync = jax.process_count() > 1
+        for name, op in DEVICE_OPS.items():
+            bound = ((mesh,) if op.mesh_arg else ()) + ((sec,) if op.config else ())
+            extra = {"param_specs": shd.data_specs(pshard)} if op.param_specs else {}
+            outs = tuple(placed[k] for k in op.outputs)
+            fn = _jit(functools.partial(op.sharded, *bound, **extra), op,
+                      out_shardings=outs if len(outs) > 1 else outs[0])
+            if sync:
+                # the first run of each step bucket (and of each slot operation) waits until
+                # every process has compiled it (jmtp.runtime.process.multihost.SyncFirstCall)
+                fn = mh.SyncFirstCall(fn, key=op.first_call_key, name=name)
+            setattr(self, f"{name}_fn", fn)
+        self.step = self.step_fn
         self.owned_fn = jax.jit(lambda s, d, r: (s.num_owned[d, r], s.block_tables[d, r]),
                                 out_shardings=rep)
-        if jax.process_count() > 1:
-            # the first run of each step bucket (and of each slot operation) waits until every
-            # process has compiled it (jmtp.runtime.process.multihost.SyncFirstCall)
-            self.step = mh.SyncFirstCall(self.step, key=lambda a: a[3], name="step")
-            keys = {"import": lambda a: tuple(v.shape for v in a[6].values()),   # page bucket
-                    "gather": lambda a: a[5].shape}
-            for name in ("insert", "release", "retire", "push_free", "import", "gather", "owned",
-                         "slot_state"):
-                attr = f"{name}_fn"
-                setattr(self, attr, mh.SyncFirstCall(getattr(self, attr), key=keys.get(name),
-                                                     name=name))
+        if sync:
+            self.owned_fn = mh.SyncFirstCall(self.owned_fn, name="owned")
 
     def host_lanes(self, x: np.ndarray):
         return x.reshape((self.num_shards, self.Bl) + x.shape[1:])
@@ -258,4 +308,4 @@ def abstract_on(tree, shardings):
 
 
 
-__all__ = ["OneDevice", "OnMesh", "abstract_on", "STEP_STATICS", "STEP_DONATED"]
+__all__ = ["DEVICE_OPS", "DeviceOp", "OneDevice", "OnMesh", "abstract_on"]

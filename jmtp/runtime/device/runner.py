@@ -33,6 +33,7 @@ from jmtp.runtime.device.bitmask import neutral_inputs
 from jmtp.runtime.device.buckets import StepBucket, decode_buckets, slot_buckets, step_buckets
 from jmtp.runtime.device.handoff_ops import LINEAR_PREFIX, page_bucket, row_keys
 from jmtp.runtime.device.placement import OneDevice, OnMesh, abstract_on
+from jmtp.runtime.device.spec import Caches, StepInputs, StepSpec
 from jmtp.runtime.process.host_maps import MapBudget
 
 
@@ -84,9 +85,8 @@ class DeviceRunner:
         self.model_config, self.engine_config, self.mesh = model_config, engine_config, mesh
         self.attention_backend, self.compile_mode = attention_backend, compile_mode
         self.device, self.abstract = device, abstract
-        # what the step resolves attention_backend to (engine_step does it, from ec.platform)
+        # the step's attention backend, resolved once (StepSpec.attention)
         self.attention = resolve_backend(attention_backend, engine_config.platform)
-        self.drafter = engine_config.spec.drafter
         self.num_shards = shd.mesh_sizes(mesh)[0] if mesh is not None else 1
         self.tensor_parallel_size = shd.mesh_sizes(mesh)[1] if mesh is not None else 1
         self.shard_config = dpar.shard_config(engine_config, self.num_shards)
@@ -154,14 +154,27 @@ class DeviceRunner:
         if bucket not in self._compiled and jax.process_count() == 1:
             self.map_budget.check(bucket.label)
 
-    def step_args(self, bucket: StepBucket) -> tuple:
-        """The jitted step's arguments for ``bucket`` with all-zero chunks and limits and no
-        structured-output constraint."""
-        zeros = self.lift(self.placement.host_lanes(
-            np.zeros((self.engine_config.max_num_seqs,), np.int32)))
-        return (self.graphdef, self.shard_config, self.drafter, bucket, self.attention_backend,
-                self.params, self.state, self.cache, self.mtp_cache, zeros, zeros,
-                *self.neutral_guide())
+    def step_spec(self, bucket: StepBucket) -> StepSpec:
+        """The step's static :class:`~jmtp.runtime.device.spec.StepSpec` for ``bucket``."""
+        return StepSpec(self.graphdef, self.shard_config, bucket, self.attention)
+
+    def step_args(self, bucket: StepBucket, chunks: np.ndarray | None = None,
+                  limits: np.ndarray | None = None,
+                  guide: tuple[np.ndarray | None, np.ndarray | None] | None = None) -> tuple:
+        """The jitted step's positional arguments ``(spec, model_state, state, caches, inputs)``
+        for ``bucket``: the one place that builds them (the runner's own calls, compiles, AOT,
+        scripts and tests). ``chunks`` / ``limits`` ``i32[B]`` default to zeros; ``guide`` as
+        for :meth:`run_step` (None: no structured-output constraint)."""
+        p = self.placement
+        lanes = lambda x: self.lift(p.host_lanes(x))
+        zeros = np.zeros((self.engine_config.max_num_seqs,), np.int32)
+        neutral = self.neutral_guide()
+        bitmask, override = (neutral if guide is None else
+                             (n if x is None else lanes(x) for x, n in zip(guide, neutral)))
+        inputs = StepInputs(lanes(zeros if chunks is None else chunks),
+                            lanes(zeros if limits is None else limits), bitmask, override)
+        return (self.step_spec(bucket), self.params, self.state,
+                Caches(self.cache, self.mtp_cache), inputs)
 
     def neutral_guide(self) -> tuple:
         """The step's ``token_bitmask`` / ``draft_override`` arguments that constrain nothing,
@@ -311,15 +324,10 @@ class DeviceRunner:
         if first:
             self.map_budget.start()
         t0 = time.perf_counter()
-        p = self.placement
         with self.context():
-            self.state, self.cache, self.mtp_cache, out = self.jitted_step(
-                self.graphdef, self.shard_config, self.drafter, bucket, self.attention_backend,
-                self.params, self.state, self.cache, self.mtp_cache,
-                self.lift(p.host_lanes(chunks)), self.lift(p.host_lanes(limits)),
-                *(self.neutral_guide() if guide is None else
-                  (n if x is None else self.lift(p.host_lanes(x))
-                   for x, n in zip(guide, self.neutral_guide()))))
+            self.state, caches, out = self.jitted_step(
+                *self.step_args(bucket, chunks, limits, guide))
+        self.cache, self.mtp_cache = caches.target, caches.mtp
         seconds = time.perf_counter() - t0
         if first:
             self.map_budget.stop()

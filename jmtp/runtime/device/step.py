@@ -75,23 +75,20 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmtp.model.gated_deltanet import next_checkpoint
-from jmtp.model.llama import KVCache
 from jmtp.model.state_checkpoints import capture_boundary_states
-from jmtp.pallas.ragged_paged_attention import AttentionBackend, resolve_backend
-from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.device.bitmask import KEEP_DRAFT, override_drafts
-from jmtp.runtime.device.buckets import StepBucket
 from jmtp.runtime.device.draft_stages import draft_model_postprocess
 from jmtp.runtime.device.prompt_logprobs import prompt_logprobs
 from jmtp.runtime.device.proposers import propose
 from jmtp.runtime.device.sharding import uniform_any
 from jmtp.runtime.device.slots import (push_free_blocks, release_finished, release_slot,
                                        retire_slot, set_slot_state_of)
+from jmtp.runtime.device.spec import Caches, StepInputs, StepSpec
 from jmtp.runtime.device.state import EngineState, effective_block_tables
 from jmtp.runtime.device.target_stages import (allocate_blocks, schedule, speculate_update,
                                                speculate_verify, target_forward)
 
-__all__ = ["StepOutput", "engine_step", "push_free_blocks", "release_slot", "retire_slot",
+__all__ = ["Caches", "StepInputs", "StepOutput", "StepSpec", "engine_step", "push_free_blocks", "release_slot", "retire_slot",
            "set_slot_state_of"]
 
 
@@ -146,70 +143,40 @@ class StepOutput:
     prompt_row_start: jax.Array | None = None
 
 
-def engine_step(
-    graphdef: nnx.GraphDef,     # static: the LlamaForCausalLM's graph definition (nnx.split)
-    ec: EngineConfig,
-    drafter,                    # None (MTP head / no speculation) or callable(state) -> i32[B, K]
-    bucket: StepBucket | int,   # static (T, A) bucket; an int T means A = max_num_seqs
-    attention_impl,             # static: str | None | AttentionBackend
-    model_state: nnx.State,     # the model's arrays (nnx.split)
-    state: EngineState,
-    cache: KVCache,             # target cache (L layers)
-    mtp_cache: KVCache | None,  # MTP cache (num_mtp_layers), None without MTP
-    prefill_chunk: jax.Array,   # i32[B] prompt tokens each prefilling slot processes this step
-    draft_limit: jax.Array | None = None,  # i32[B] max drafts proposed for the next step
-    token_bitmask: jax.Array | None = None,   # i32[B, K+1, ceil(V/32)] allowed tokens per row
-    draft_override: jax.Array | None = None,  # i32[B, K] forced / cut drafts of this window
-):
+def engine_step(spec: StepSpec, model_state: nnx.State, state: EngineState, caches: Caches,
+                inputs: StepInputs) -> tuple[EngineState, Caches, StepOutput]:
     """One engine step: the stages of the module docstring, in order.
 
-    The model comes as ``nnx.split``'s pure pair: ``graphdef`` (static, hashable; its
+    The model comes as ``nnx.split``'s pure pair: ``spec.graphdef`` (static, hashable; its
     :class:`~jmtp.model.config.ModelConfig` included) and ``model_state`` (traced arrays), merged
     back into a :class:`~jmtp.model.modules.LlamaForCausalLM` inside the trace; the stages call
-    its methods. :class:`~jmtp.runtime.host.llm_engine.LLMEngine` splits the model once at load.
+    its methods. :class:`~jmtp.runtime.device.runner.DeviceRunner` splits the model once at load
+    and builds every call's arguments (:meth:`~jmtp.runtime.device.runner.DeviceRunner.step_args`).
 
     Args:
-      graphdef, ec, drafter, bucket, attention_impl: static (hashable) arguments. ``bucket`` is
-        the :class:`~jmtp.runtime.device.buckets.StepBucket` ``(T, A)`` the host picked
-        (:func:`~jmtp.runtime.device.buckets.choose_bucket`): T token rows, at least
-        ``sum(seq_lens_this_time)``, and A slot rows, at least the number of slots with work; the
-        window logits, verification and MTP substeps run over those A compacted slots only. An int
-        is taken as T with ``A = max_num_seqs``. ``attention_impl``: an attention implementation
-        name, None (the best for ``ec.platform``) or a resolved
-        :class:`~jmtp.pallas.ragged_paged_attention.AttentionBackend`; either way the kernels'
-        interpret mode follows ``ec.platform``, not the host.
+      spec: the static :class:`~jmtp.runtime.device.spec.StepSpec` (graph definition, the shard's
+        :class:`~jmtp.runtime.config.EngineConfig`, the
+        :class:`~jmtp.runtime.device.buckets.StepBucket` ``(T, A)`` and the resolved attention
+        backend; the drafter is ``spec.engine.spec.drafter``). The window logits, verification
+        and MTP substeps run over the bucket's A compacted slots only.
       model_state: the model's ``nnx.State`` (with an MTP head when drafting with it).
-      state, cache, mtp_cache: donated by :class:`~jmtp.runtime.host.llm_engine.LLMEngine`; returned
-        updated.
-      prefill_chunk: i32[B] prompt tokens each prefilling slot processes this step (clipped to
-        what is left of its prompt; ignored for decoding and idle slots).
-      draft_limit: i32[B] or None: at most this many drafts are proposed per slot for the next
-        step (the dynamic speculation policy's choice, :mod:`jmtp.runtime.host.spec_policy`); data,
-        so new limits never recompile. None = K.
-      token_bitmask: i32[B, K+1, ceil(V/32)] or None: the structured-output constraint of every
-        verify-window row (row 0 also for the token that ends a prefill); the target's window
-        logits are masked before verification, so greedy and rejection-sampled outputs follow
-        the constrained distribution exactly (:mod:`jmtp.runtime.device.bitmask`). All ones
-        (or None) constrains nothing.
-      draft_override: i32[B, K] or None: the host's repair of this step's windows before they
-        are scheduled (forced tokens with one-hot q, cut windows;
-        :func:`~jmtp.runtime.device.bitmask.override_drafts`).
+      state: the :class:`EngineState` (donated; returned updated).
+      caches: the target and MTP :class:`~jmtp.runtime.device.spec.Caches` (donated; returned
+        updated).
+      inputs: the per-step :class:`~jmtp.runtime.device.spec.StepInputs` (``prefill_chunk
+        i32[B]``, ``draft_limit i32[B]`` or None = K, ``token_bitmask i32[B, K+1, ceil(V/32)]``
+        or None, ``draft_override i32[B, K]`` or None; see there). The target's window logits
+        are masked by the bitmask before verification, so greedy and rejection-sampled outputs
+        follow the constrained distribution exactly (:mod:`jmtp.runtime.device.bitmask`).
 
     Returns:
-      ``(state, cache, mtp_cache, StepOutput)``.
-
-    Raises:
-      ValueError: at trace time, if ``bucket.num_slots`` is outside ``[1, max_num_seqs]``.
+      ``(state, caches, StepOutput)``.
     """
-    B = ec.max_num_seqs
-    if not isinstance(bucket, StepBucket):
-        bucket = StepBucket(int(bucket), B)
-    if not 1 <= bucket.num_slots <= B:
-        raise ValueError(f"StepBucket.num_slots={bucket.num_slots} must lie in "
-                         f"[1, max_num_seqs={B}]")
-    if not isinstance(attention_impl, AttentionBackend):
-        attention_impl = resolve_backend(attention_impl, ec.platform)
-    model = nnx.merge(graphdef, model_state)
+    ec, bucket, attention_impl, drafter = spec.engine, spec.bucket, spec.attention, spec.drafter
+    cache, mtp_cache = caches.target, caches.mtp
+    prefill_chunk, draft_limit = inputs.prefill_chunk, inputs.draft_limit
+    token_bitmask, draft_override = inputs.token_bitmask, inputs.draft_override
+    model = nnx.merge(spec.graphdef, model_state)
     if draft_override is not None and ec.window > 1:
         def repair(state):
             tokens, probs = override_drafts(state.draft_tokens, state.draft_probs, draft_override)
@@ -263,4 +230,4 @@ def engine_step(
     if plp is not None:
         out = dataclasses.replace(out, prompt_logprobs=plp.token, prompt_top_ids=plp.top_ids,
                                   prompt_top_logprobs=plp.top, prompt_row_start=plp.row_start)
-    return state, cache, mtp_cache, out
+    return state, Caches(cache, mtp_cache), out
