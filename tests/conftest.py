@@ -99,7 +99,7 @@ def _release_compiled_executables():
     accumulates thousands of XLA:CPU executables (every test engine compiles its own step
     buckets), and long-lived workers crashed inside XLA compile / cache calls (abort, segfault):
     each compiled kernel holds memory mappings of its own, and XLA aborts past the kernel's
-    ``vm.max_map_count`` (see jmtp/runtime/host_maps.py, which now refuses such a compile)."""
+    ``vm.max_map_count`` (see jmtp/runtime/process/host_maps.py, which now refuses such a compile)."""
     yield
     import gc
 

@@ -10,10 +10,10 @@ import time
 import pytest
 
 import jmtp
-from jmtp.runtime.async_engine import AsyncLLMEngine, EngineDeadError
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM
-from jmtp.runtime.sampling import SamplingParams
+from jmtp.runtime.host.llm import LLM
+from jmtp.runtime.host.sampling_params import SamplingParams
+from jmtp.runtime.serve.async_engine import AsyncLLMEngine, EngineDeadError
 
 from tests.runtime.conftest import reference_greedy
 
@@ -344,7 +344,7 @@ def test_busy_seconds_and_health_follow_a_stuck_step(llm):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from jmtp.runtime.server import ServerMetrics, ServerOptions, build_app
+    from jmtp.runtime.serve.server import ServerMetrics, ServerOptions, build_app
 
     blocking = BlockingEngine(llm.llm_engine)
     eng = AsyncLLMEngine(blocking, start=False)

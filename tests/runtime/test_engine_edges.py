@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jmtp.model.llama import KVCache
-from jmtp.runtime.buckets import step_buckets
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.device.buckets import step_buckets
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks, engine_of
 
 K = 3
@@ -218,29 +218,24 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny, model):
     rng = np.random.default_rng(0)
     batch = lambda n: [list(rng.integers(2, 64, rng.integers(1, 30))) for _ in range(n)]
     before = engine_of(llm).runner.jitted_step._cache_size()  # the jit cache is shared with other engines of the process
+    run = engine_of(llm).runner
     for bucket in step_buckets(ec):   # idle state: every step is a no-op
-        llm.state, llm.cache, llm.mtp_cache, _ = engine_of(llm).runner.jitted_step(
-            llm.graphdef, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache,
-            jnp.zeros((ec.max_num_seqs,), jnp.int32), jnp.zeros((ec.max_num_seqs,), jnp.int32),
-            *engine_of(llm).runner.neutral_guide())
+        run.state, caches, _ = run.jitted_step(*run.step_args(bucket))
+        run.cache, run.mtp_cache = caches.target, caches.mtp
     compiled = engine_of(llm).runner.jitted_step._cache_size()
     # 4 slots: decode (T, A): (1|2|3, 1), (2|4|6, 2), (4|8|12, 4); prefill (3|6|12|16|32, 4)
     assert compiled - before == len(step_buckets(ec))
     assert slots != 4 or len(step_buckets(ec)) == 13
     steps, seen = 0, set()
     real = engine_of(llm).runner.jitted_step
-    engine_of(llm).runner.jitted_step = lambda *a: (seen.add(a[3]), real(*a))[1]
+    engine_of(llm).runner.jitted_step = lambda *a: (seen.add(a[0].bucket), real(*a))[1]
     while steps < (100 if slots == 4 else 40):
         llm.generate(batch(int(rng.integers(1, 7))),
                      SamplingParams(max_tokens=int(rng.integers(1, 12))), use_tqdm=False)
         steps += llm.last_run_stats["steps"]
     assert real._cache_size() == compiled
     assert {b.num_slots for b in seen} >= {1, 2, 4} - {4 if slots == 2 else 0}, seen  # narrow ones
-    hlo = jax.jit(real.__wrapped__ if hasattr(real, "__wrapped__") else real,
-                  static_argnums=(0, 1, 2, 3, 4)).lower(
-        llm.graphdef, ec, None, step_buckets(ec)[0], None, llm.params, llm.state, llm.cache,
-        llm.mtp_cache,
-        jnp.zeros((ec.max_num_seqs,), jnp.int32)).as_text()
+    hlo = real.lower(*run.step_args(step_buckets(ec)[0])).as_text()
     assert "callback" not in hlo.lower()
 
 

@@ -1,4 +1,4 @@
-"""Tensor parallel serving over a device mesh (:mod:`jmtp.runtime.sharding`).
+"""Tensor parallel serving over a device mesh (:mod:`jmtp.runtime.device.sharding`).
 
 The multi-device checks run once, in a subprocess with 8 CPU devices
 (``tests/runtime/sharding_worker.py``; ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must
@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jmtp.model import axes as ax
-from jmtp.runtime import sharding as shd
+from jmtp.runtime.device import sharding as shd
 from tests.runtime import sharding_worker as worker
 from tests.runtime.conftest import reference_greedy, tiny_model
 
@@ -300,7 +300,7 @@ def test_rules_table_and_logical_spec():
 
 
 def test_one_device_engine_is_unchanged(tiny):
-    from jmtp.runtime.llm_engine import LLMEngine
+    from jmtp.runtime.host.llm_engine import LLMEngine
     cfg, params = tiny
     eng = LLMEngine(model_config=cfg, params=params, max_num_seqs=1, max_model_len=16,
                     block_size=4, max_num_batched_tokens=4, compile="lazy",
@@ -350,7 +350,7 @@ def test_structured_outputs_on_a_mesh_equal_the_masked_reference(results):
     from tests.runtime.sharding_worker import MODEL, STRUCTURED_PROMPTS
     from tests.runtime.structured_fixtures import (SCHEMA, VOCAB_SIZE, reference_constrained_greedy,
                                                    tiny_tokenizer)
-    from jmtp.runtime.structured import StructuredOutputsParams
+    from jmtp.runtime.host.structured import StructuredOutputsParams
     res = results["structured"]
     assert "error" not in res, res
     cfg, params = tiny_model(0, vocab_size=VOCAB_SIZE, **MODEL)
