@@ -93,19 +93,58 @@ def pytest_xdist_make_scheduler(config, log):
     return GroupsFirst(config, log)
 
 
+#: JAX's caches are kept from one test module to the next while this process holds fewer than this
+#: share of its ``vm.max_map_count`` memory mappings (at the stock 65,530: about 21,800), and
+#: cleared after a module that ends above it. ``JMTP_TEST_JIT_CACHE=module`` clears after every
+#: module (the policy before), ``=keep`` never. See ``_release_compiled_executables``.
+KEEP_CACHES_BELOW = 1 / 3
+
+
+def _clear_after_module(used: int | None, limit: int | None, policy: str) -> bool:
+    """Whether to drop JAX's caches after a module that leaves ``used`` mappings of ``limit``:
+    always under policy ``module``, never under ``keep``; by default when either count is
+    unknown (no ``/proc``: the safe old behaviour) or ``used`` is past
+    :data:`KEEP_CACHES_BELOW` of ``limit``."""
+    if policy in ("module", "keep"):
+        return policy == "module"
+    return used is None or limit is None or used > KEEP_CACHES_BELOW * limit
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_executables():
-    """Drop JAX's compiled executables after each test module. A pytest-xdist worker otherwise
-    accumulates thousands of XLA:CPU executables (every test engine compiles its own step
-    buckets), and long-lived workers crashed inside XLA compile / cache calls (abort, segfault):
-    each compiled kernel holds memory mappings of its own, and XLA aborts past the kernel's
-    ``vm.max_map_count`` (see jmtp/runtime/host_maps.py, which now refuses such a compile)."""
+def _release_compiled_executables(request):
+    """Drop JAX's compiled executables after a test module when the process's memory mappings
+    run high. Each compiled XLA:CPU kernel holds memory mappings of its own, and a pytest-xdist
+    worker that never dropped them crashed inside XLA compile / cache calls (abort, segfault)
+    past the kernel's ``vm.max_map_count`` (see jmtp/runtime/host_maps.py, which now refuses
+    such a compile). An engine's step programs already go when the engine is closed or
+    collected (jmtp/runtime/executables.py); what outlives the module is what module-level
+    jitted functions compiled (the reference forward of ``reference_greedy`` for each tiny
+    model, JAX's eager primitives) and the step programs of engines something still holds.
+    Those are compiled again by every module when the caches are cleared after each one (the
+    policy until issue 46), so they are kept while the process holds fewer than
+    :data:`KEEP_CACHES_BELOW` of its limit (measured after the module's engines are collected),
+    leaving the next module two thirds of the limit, more than any module's engines take
+    (the largest, SmolLM2 engines, hold ~9,500-15,300 mappings each); past that, or where the
+    mappings cannot be counted, they are cleared as before. Engines a module keeps in its own
+    ``functools.lru_cache`` functions (one engine per configuration, shared by its tests) are
+    let go when the module ends, so that their step programs go too."""
     yield
     import gc
 
     import jax
-    jax.clear_caches()
+
+    from jmtp.runtime import host_maps
+    module = request.module
+    for obj in list(vars(module).values()):
+        if callable(getattr(obj, "cache_clear", None)) and \
+                getattr(obj, "__module__", None) == module.__name__:
+            obj.cache_clear()
     gc.collect()
+    if _clear_after_module(host_maps.map_count(), host_maps.map_limit(),
+                           os.environ.get("JMTP_TEST_JIT_CACHE", "auto")):
+        jax.clear_caches()
+        gc.collect()
+
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
