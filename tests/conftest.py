@@ -54,11 +54,38 @@ for _flag in _FLAGS:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
 
+def _xla_cache_wanted() -> bool:
+    return os.environ.get("JMTP_TEST_XLA_CACHE", "1") != "0"
+
+
 def pytest_configure(config):
     """This process's persistent compilation cache (see ``_XLA_CACHE`` above)."""
-    if os.environ.get("JMTP_TEST_XLA_CACHE", "1") != "0":
+    if _xla_cache_wanted():
         from jmtp.runtime.compile import setup_compilation_cache
         setup_compilation_cache(_XLA_CACHE)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_xla_cache_for_the_real_model(request):
+    """No persistent compilation cache in a module whose tests use the real SmolLM2 (a fixture
+    named ``smollm2*``): its step programs are large, each is built once, and writing them
+    (serialized, compressed) cost more than the cache gave back (test_engine_smollm2 +
+    test_gguf_smollm2, -n 0 on the loaded 2-core VM: 210 s without the cache, 237 s and 238 s
+    with it; test_gguf_smollm2 73 s with it, 42 s with this fixture; noisy figures)."""
+    real = _xla_cache_wanted() and any(
+        item.module is request.module and any(f.startswith("smollm2") for f in item.fixturenames)
+        for item in request.session.items)
+    if not real:
+        yield
+        return
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    from jmtp.runtime.compile import setup_compilation_cache
+    jax.config.update("jax_compilation_cache_dir", None)
+    cc.reset_cache()
+    yield
+    setup_compilation_cache(_XLA_CACHE)
 
 
 @pytest.hookimpl(trylast=True)

@@ -101,8 +101,9 @@ def results_sharding_b(tmp_path_factory):
 @pytest.fixture
 def results(request):
     """The results of the worker part named by the test's ``xdist_group`` mark (A or B)."""
-    group = request.node.get_closest_marker("xdist_group").args[0]
-    return request.getfixturevalue(f"results_{group}")
+    mark = request.node.get_closest_marker("xdist_group")
+    assert mark and mark.args[0] in PARTS, f"{request.node.name} needs the mark A or B"
+    return request.getfixturevalue(f"results_{mark.args[0]}")
 
 
 def _case(results, tp, k, dp=1):
