@@ -10,8 +10,8 @@ import pytest
 
 from jmtp.model.llama import KVCache
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.device.buckets import step_buckets
 from jmtp.runtime.host.llm import LLM, SamplingParams
+from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks, engine_of
 
 K = 3
@@ -143,11 +143,10 @@ def test_prompt_near_max_model_len_finishes_with_length(room):
     assert len(o.prompt_token_ids) + len(o.token_ids) == MAX_LEN
 
 
-@pytest.mark.xdist_group("edges_mtp2_2slots")    # one configuration, compiled once
+@GROUPS["mtp2"]            # the canonical MTP K=2 shape (tests/engines.py), compiled once
 def test_one_token_prompt_with_mtp(tiny, kept_engines):
     cfg, params = tiny
-    llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
-              max_num_seqs=2, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+    llm = tiny_llm("mtp2")
     kept_engines.append(llm)
     (o,) = llm.generate([[7]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert o.token_ids == reference_greedy(cfg, params, [7], 6, stop_ids=())
@@ -241,8 +240,7 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny, model):
 
 def test_bad_input_raises_before_running(tiny):
     cfg, params = tiny
-    llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
-              max_num_seqs=2, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+    llm = tiny_llm("mtp2")
     calls = []
     engine_of(llm).runner.jitted_step = lambda *a: calls.append(a)
     with pytest.raises(ValueError, match="empty"):
@@ -272,7 +270,7 @@ def test_bad_input_raises_before_running(tiny):
     assert not calls  # nothing ran
 
 
-@pytest.mark.xdist_group("edges_mtp2_2slots")    # test_one_token_prompt_with_mtp's configuration
+@GROUPS["mtp2"]            # the canonical MTP K=2 shape (tests/engines.py), compiled once
 @pytest.mark.parametrize("fail_in", ["insert", "release"])
 def test_failing_device_call_loses_no_request(tiny, fail_in, kept_engines):
     """A device call that raises (the request insert while admitting, or the slot release while
@@ -281,8 +279,7 @@ def test_failing_device_call_loses_no_request(tiny, fail_in, kept_engines):
     failure left ``seq.slot`` set on an unrecorded slot, so the abort in ``LLM.generate`` died in
     ``list.remove`` and hid the real error.)"""
     cfg, params = tiny
-    llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
-              max_num_seqs=2, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+    llm = tiny_llm("mtp2")
     kept_engines.append(llm)
     eng = llm.llm_engine
     real = getattr(eng.runner, fail_in)

@@ -443,9 +443,11 @@ SERVER_ARGS = ["--max-num-seqs", "2", "--max-model-len", "512", "--num-speculati
 
 
 def e2e(test):
-    """The marks of test_server.py's real-model server tests: ``slow``, and the ``server``
-    xdist group (one worker runs the servers, one after the other)."""
-    return pytest.mark.slow(pytest.mark.xdist_group("server")(test))
+    """The marks of the real-model server tests: ``slow``, and an xdist group of their own, so
+    one worker starts this module's server once (test_server.py's server, in the ``server``
+    group, can run on the other worker at the same time; both were one group, run one after
+    the other on one worker: the suite's longest group)."""
+    return pytest.mark.slow(pytest.mark.xdist_group("server_structured")(test))
 
 
 @pytest.fixture(scope="module")
