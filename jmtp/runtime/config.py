@@ -288,8 +288,10 @@ class EngineConfig:
         return self.spec.k
 
     @property
-    def m(self) -> int:
-        """MTP substeps M per step (0 unless the MTP head drafts; a custom drafter has none)."""
+    def mtp_substeps(self) -> int:
+        """MTP substeps M the step runs (0 unless the MTP head drafts: an n-gram, suffix or
+        custom drafter has none). Not :attr:`SpeculativeConfig.m`, the drafts asked of the
+        drafter per step, which is K for a drafter without M."""
         return self.spec.m if self.spec.method == "mtp" else 0
 
     @property
@@ -300,7 +302,7 @@ class EngineConfig:
     @property
     def pages_per_seq(self) -> int:
         """Block-table width: covers max_model_len plus the speculative overhang K+M."""
-        return blocks_needed(self.max_model_len + self.k + self.m, self.block_size)
+        return blocks_needed(self.max_model_len + self.k + self.mtp_substeps, self.block_size)
 
     @property
     def seq_buffer_len(self) -> int:

@@ -277,7 +277,7 @@ class FakeRunner:
         for b, s in enumerate(self.slots):
             if not rows[b]:
                 continue
-            need = (blocks_needed(s.computed + int(rows[b]) + max(ec.m - 1, 0), bs) - s.shared
+            need = (blocks_needed(s.computed + int(rows[b]) + max(ec.mtp_substeps - 1, 0), bs) - s.shared
                     - len(s.owned))
             d = self.shard(b)
             if need > len(self.free[d]):

@@ -198,7 +198,7 @@ def test_ngram_needs_no_mtp_weights():
     llm = LLM(model_config=cfg.replace(num_mtp_layers=0), params=no_mtp,
               speculative_config=SpeculativeConfig("ngram", 2), max_num_seqs=2,
               max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
-    assert llm.engine_config.m == 0 and llm.mtp_cache is None
+    assert llm.engine_config.mtp_substeps == 0 and llm.mtp_cache is None
     ref = engine(None).generate([[3, 4, 3, 4, 3]], SamplingParams(max_tokens=10), use_tqdm=False)
     out = llm.generate([[3, 4, 3, 4, 3]], SamplingParams(max_tokens=10), use_tqdm=False)
     assert out[0].token_ids == ref[0].token_ids

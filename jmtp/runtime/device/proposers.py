@@ -45,7 +45,7 @@ class ProposeInputs:
     """What a proposer may read (a plain bundle for the Python call, not a pytree).
 
     Attributes:
-      ec: the engine (shard) config; ``ec.k`` drafts per window, ``ec.m`` MTP substeps.
+      ec: the engine (shard) config; ``ec.k`` drafts per window, ``ec.mtp_substeps`` MTP substeps.
       drafter: the custom drafter or None.
       num_tokens: the step bucket's token rows ``T`` (static).
       attention_impl: the attention implementation (static).
@@ -75,7 +75,7 @@ def _no_drafts(x: ProposeInputs) -> jax.Array:
 
 def propose_mtp(x: ProposeInputs):
     """The MTP head's M substeps (and the n-gram extension of ``with_ngram``)."""
-    ec, B, K, M = x.ec, x.ec.max_num_seqs, x.ec.k, x.ec.m
+    ec, B, K, M = x.ec, x.ec.max_num_seqs, x.ec.k, x.ec.mtp_substeps
     ngram_min, ngram_max = ec.spec.ngram_sizes
     ctx, batch = draft_model_preprocess(x.model.cfg, ec, x.num_tokens, x.state,
                                         x.prev_seq_lens_decoder, x.target, x.draft_budget)
@@ -106,7 +106,7 @@ def propose_mtp(x: ProposeInputs):
                                       ngram_max, ngram_min),
             lambda: mtp_drafts)
         if draft_probs is not None:   # n-gram drafts are deterministic: one-hot q
-            from_ngram = (jnp.arange(K)[None] >= ec.m) & (drafts >= 0)
+            from_ngram = (jnp.arange(K)[None] >= ec.mtp_substeps) & (drafts >= 0)
             one_hot = jax.nn.one_hot(jnp.maximum(drafts, 0), draft_probs.shape[-1],
                                      dtype=draft_probs.dtype)
             draft_probs = jnp.where(from_ngram[..., None], one_hot, draft_probs)
@@ -157,7 +157,7 @@ def propose(ec: EngineConfig, drafter, num_tokens: int, attention_impl: str | No
     """
     x = ProposeInputs(ec, drafter, num_tokens, attention_impl, model, state,
                       prev_seq_lens_decoder, target, draft_budget, mtp_cache)
-    method = ec.spec.method if ec.m > 0 or ec.spec.method != "mtp" else None
+    method = ec.spec.method if ec.mtp_substeps > 0 or ec.spec.method != "mtp" else None
     return PROPOSERS[method](x)
 
 

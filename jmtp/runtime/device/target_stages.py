@@ -208,7 +208,7 @@ def allocate_blocks(ec: EngineConfig, blocks: BlockAllocatorState, sched: Schedu
     """
     B = sched.seq_lens_this_time.shape[0]
     query_lens = sched.seq_lens_this_time
-    overhang = max(ec.m - 1, 0)
+    overhang = max(ec.mtp_substeps - 1, 0)
     need = jnp.where(query_lens > 0,
                      blocks_needed(seq_lens_decoder + query_lens + overhang, ec.block_size), 0)
     if num_shared is not None:

@@ -260,7 +260,7 @@ def engine_fingerprint(model_config, ec: EngineConfig, draft_vocab_size: int, ca
     return dict(
         model=model,
         params=params_digest(params),
-        spec=dict(method=spec.method, k=ec.k, m=ec.m, draft_sampling=spec.draft_sampling,
+        spec=dict(method=spec.method, k=ec.k, m=ec.mtp_substeps, draft_sampling=spec.draft_sampling,
                   draft_temperature=spec.draft_temperature, draft_top_p=spec.draft_top_p,
                   draft_top_k=spec.draft_top_k, verify_strategy=spec.verify_strategy,
                   max_candidate_len=spec.max_candidate_len, verify_window=spec.verify_window,

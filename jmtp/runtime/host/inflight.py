@@ -93,7 +93,7 @@ def max_window_drafts(ec: EngineConfig) -> int:
     K otherwise (n-gram, hybrid, custom drafter)."""
     spec = ec.spec
     if spec.enabled and spec.method == "mtp" and spec.ngram_sizes == (0, 0):
-        return ec.m
+        return ec.mtp_substeps
     return ec.k
 
 

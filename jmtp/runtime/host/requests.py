@@ -225,7 +225,7 @@ class RequestTable:
         if bad:
             raise InvalidRequestError(f"{where}: token id {bad[0]} outside [0, vocab_size="
                                       f"{mc.vocab_size})", "prompt")
-        need = blocks_needed(min(len(prompt_ids) + sp.max_tokens, ec.max_model_len) + ec.k + ec.m,
+        need = blocks_needed(min(len(prompt_ids) + sp.max_tokens, ec.max_model_len) + ec.k + ec.mtp_substeps,
                              ec.block_size)
         if need > ec.num_blocks:
             raise InvalidRequestError(

@@ -118,7 +118,7 @@ class Scheduler:
         if seq.handoff is not None:
             return seq.handoff.num_pages
         first = min(len(seq.context_ids), self.shard_config.max_num_batched_tokens)
-        return blocks_needed(first + self.engine_config.m, self.engine_config.block_size)
+        return blocks_needed(first + self.engine_config.mtp_substeps, self.engine_config.block_size)
 
     # ------------------------------------------------------------------ admission
     def admit_waiting(self, waiting, free: list[int], admit: Callable[[int, Sequence], None]
@@ -239,7 +239,7 @@ class Scheduler:
                 continue
             rows = int(chunks[b]) if self.prefill_left(b) else 1 + int(self.next_drafts[b])
             if rows:
-                total += blocks_needed(rows + max(ec.m - 1, 0), ec.block_size) + 1
+                total += blocks_needed(rows + max(ec.mtp_substeps - 1, 0), ec.block_size) + 1
         return total
 
     def after_step(self, out, chunks: np.ndarray, valid: np.ndarray | None = None,
