@@ -15,19 +15,19 @@ Public API::
                                  topology="v5e:2x2")
 
 ``import jmtp`` changes nothing process-wide; what building an engine or the command line changes
-(malloc settings on the CPU, JAX's compilation cache) is listed in :mod:`jmtp.runtime.process`.
+(malloc settings on the CPU, JAX's compilation cache) is listed in :mod:`jmtp.runtime.process.settings`.
 """
 from jmtp.aot import AotReport, compile_engine
 from jmtp.core.errors import InvalidRequestError, RequestFailedError
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
-from jmtp.runtime.engine import LLM
-from jmtp.runtime.engine_args import EngineArgs
-from jmtp.runtime.handoff import RequestState
-from jmtp.runtime.host_maps import MapLimitError
-from jmtp.runtime.llm_engine import LLMEngine
-from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetrics
-from jmtp.runtime.sampling import SamplingParams
-from jmtp.runtime.structured import StructuredOutputsParams
+from jmtp.runtime.host.engine_args import EngineArgs
+from jmtp.runtime.host.handoff import RequestState
+from jmtp.runtime.host.llm import LLM
+from jmtp.runtime.host.llm_engine import LLMEngine
+from jmtp.runtime.host.outputs import CompletionOutput, RequestOutput, SpecDecodeMetrics
+from jmtp.runtime.host.sampling_params import SamplingParams
+from jmtp.runtime.host.structured import StructuredOutputsParams
+from jmtp.runtime.process.host_maps import MapLimitError
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "SpeculativeConfig", "EngineConfig",

@@ -3,7 +3,7 @@
 ``libtpu`` (installed by ``scripts/setup_env.sh``) carries the real TPU compiler, Mosaic
 included. ``jax.experimental.topologies`` describes a TPU slice (``"v5e:2x2"``, ``"v6e:2x4"``,
 ``"v5p:2x2x1"``, ``"v4:2x2x1"``, multi-host ones such as ``"v5e:16x16"``) as *compile-only*
-devices; an engine built abstractly on them (:class:`~jmtp.runtime.engine_args.EngineArgs` with
+devices; an engine built abstractly on them (:class:`~jmtp.runtime.host.engine_args.EngineArgs` with
 ``abstract=True``: shapes and shardings, no weights, no arrays) compiles every step bucket and
 slot operation for that slice with ``jit(...).trace(...).lower().compile()``, the same calls a
 TPU host makes. What the compiler reports per device (arguments, outputs, temporaries, code) is
@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from jmtp.runtime import sharding as shd
+from jmtp.runtime.device import sharding as shd
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ class AotReport:
       topology, device_kind, num_devices, mesh (``{"data": DP, "model": TP}``), platform.
       config: the engine sizes compiled (``max_num_seqs``, ``num_blocks``, ...).
       predicted: jmtp's own per-device bytes: ``params``, ``kv_cache``, ``state`` and their
-        ``total`` (from shapes and shardings, :func:`jmtp.runtime.sharding.per_device_bytes`).
+        ``total`` (from shapes and shardings, :func:`jmtp.runtime.device.sharding.per_device_bytes`).
       executables: one :class:`ExecutableReport` per step bucket and slot operation.
       hbm_bytes: one device's HBM.
       memory_fraction: the share of HBM the engine may use.
@@ -264,7 +264,7 @@ MAX_FIT_HALVINGS = 6
 def compile_engine(args, *, topology: str | None = None, name: str = "model", buckets: str = "all",
                    slot_ops: bool = True, memory_fraction: float = 0.9, fit: bool = False,
                    serialize_dir: str | None = None, progress: bool = False) -> AotReport:
-    """Build ``args`` (an :class:`~jmtp.runtime.engine_args.EngineArgs`) abstractly and compile
+    """Build ``args`` (an :class:`~jmtp.runtime.host.engine_args.EngineArgs`) abstractly and compile
     its step buckets and slot operations; the per-device report.
 
     When the TPU compiler finds that the engine does not fit the chip's HBM
@@ -328,8 +328,9 @@ def _compile_engine(args, *, topology: str | None = None, name: str = "model",
                     fit: bool = False, serialize_dir: str | None = None,
                     progress: bool = False) -> AotReport:
     """One compile of ``args`` (no retry): :func:`compile_engine`."""
-    from jmtp.runtime.buckets import StepBucket, decode_buckets, slot_buckets
-    from jmtp.runtime.sampling import SamplingParams, make_row
+    from jmtp.runtime.device.buckets import StepBucket, decode_buckets, slot_buckets
+    from jmtp.runtime.host.sampling_params import SamplingParams
+    from jmtp.runtime.host.sampling_rows import make_row
     if buckets not in ("all", "largest", "decode", "none"):
         raise ValueError(f"buckets must be 'all', 'largest', 'decode' or 'none', got {buckets!r}")
     if not 0 < memory_fraction <= 1:
@@ -506,7 +507,7 @@ def run_compile(args) -> int:
     """``jmtp compile``: compile the engine for each topology; print the markdown table."""
     from jmtp.model.checkpoints.loader import load_config
     from jmtp.runtime.config import SpeculativeConfig
-    from jmtp.runtime.engine_args import EngineArgs
+    from jmtp.runtime.host.engine_args import EngineArgs
     cfg = load_config(args.model, None if args.quantization == "auto" else args.quantization)
     spec = (None if args.speculative_method == "none" else
             SpeculativeConfig(args.speculative_method, args.num_speculative_tokens))

@@ -30,8 +30,8 @@ import threading
 import time
 from typing import Any, Callable, TextIO
 
-from jmtp.runtime.engine import FirstTokenClock
-from jmtp.runtime.sampling import SamplingParams
+from jmtp.runtime.host.llm import FirstTokenClock
+from jmtp.runtime.host.sampling_params import SamplingParams
 
 COMMANDS = ("/reset", "/stats", "/help", "/exit", "/quit")
 HELP = ("commands: /reset (forget the conversation), /stats (engine counters), /exit or /quit "

@@ -16,7 +16,7 @@ DEFAULT_MAX_NUM_SEQS = 8
 def build_llm(args):
     """The :class:`jmtp.LLM` described by the engine options of :func:`add_engine_args`."""
     from jmtp.runtime.config import SpeculativeConfig
-    from jmtp.runtime.engine import LLM
+    from jmtp.runtime.host.llm import LLM
 
     spec = None
     if not args.no_spec:
@@ -167,11 +167,11 @@ def _process_seconds() -> float | None:
 def _start_up_defaults(args) -> None:
     """Start-up settings of ``generate`` and ``chat`` (where start-up dominates), before anything
     starts a JAX backend: XLA:CPU's faster compiles for scanned layers
-    (:func:`jmtp.runtime.compile.use_fast_cpu_compiles`), and lazy compiles unless ``--compile``
+    (:func:`jmtp.runtime.process.compile.use_fast_cpu_compiles`), and lazy compiles unless ``--compile``
     or ``$JMTP_COMPILE`` say otherwise (a one-shot run compiles only the buckets its prompts use;
     a chat compiles the rest in idle time)."""
     if args.layer_loop == "scan":
-        from jmtp.runtime.compile import use_fast_cpu_compiles
+        from jmtp.runtime.process.compile import use_fast_cpu_compiles
         use_fast_cpu_compiles()
     if args.compile is None and not os.environ.get("JMTP_COMPILE"):
         args.compile = "lazy"
@@ -190,9 +190,9 @@ def _build_timed(args):
 
 
 def _generate(args) -> int:
-    from jmtp.runtime import distributed as dist
-    from jmtp.runtime.outputs import SpecDecodeMetrics
-    from jmtp.runtime.sampling import SamplingParams
+    from jmtp.runtime.process import distributed as dist
+    from jmtp.runtime.host.outputs import SpecDecodeMetrics
+    from jmtp.runtime.host.sampling_params import SamplingParams
 
     _start_up_defaults(args)
     # One process of a multi-process job (jmtp launch sets the variables): join it before
@@ -279,15 +279,15 @@ def _generate(args) -> int:
 
 def _chat(args) -> int:
     from jmtp.chat import ChatSession, run_repl
-    from jmtp.runtime import distributed as dist
-    from jmtp.runtime.sampling import SamplingParams
+    from jmtp.runtime.process import distributed as dist
+    from jmtp.runtime.host.sampling_params import SamplingParams
 
     if dist.env_requested():
         raise ValueError("jmtp chat runs as one process; unset "
                          f"{', '.join(dist.ENV_VARS)}")
     _start_up_defaults(args)
     # prefix caching keeps the engine warm between turns (hybrid linear-attention models too:
-    # their state at the last block boundary of a turn is kept, jmtp.runtime.prefix_states)
+    # their state at the last block boundary of a turn is kept, jmtp.runtime.host.prefix_states)
     args.enable_prefix_caching = True
     if args.max_num_seqs is None:
         args.max_num_seqs = 1
@@ -305,18 +305,18 @@ def _chat(args) -> int:
 
 def _serve(args) -> int:
     """``jmtp serve``; under ``jmtp launch`` (a multi-process mesh) process 0 serves HTTP and the
-    others replay its engine calls (:mod:`jmtp.runtime.mirror`)."""
+    others replay its engine calls (:mod:`jmtp.runtime.host.mirror`)."""
     import logging
 
-    from jmtp.runtime import distributed as dist
-    from jmtp.runtime.server import serve
+    from jmtp.runtime.process import distributed as dist
+    from jmtp.runtime.serve.server import serve
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dist.initialize_from_env()       # before anything touches a device
     name = args.served_model_name or (
         "SmolLM2-135M-Instruct" if args.model is None
         else os.path.basename(os.path.normpath(args.model)))
-    from jmtp.runtime.server import ServerOptions
+    from jmtp.runtime.serve.server import ServerOptions
     options = ServerOptions(max_n=args.max_n, max_request_bytes=args.max_request_bytes,
                             ignore_unknown_fields=args.ignore_unknown_fields,
                             engine_stall_seconds=args.engine_stall_seconds)
@@ -325,7 +325,7 @@ def _serve(args) -> int:
     if jax.process_count() == 1:
         return serve(llm, model_name=name, host=args.host, port=args.port,
                      log_level=args.log_level, options=options)
-    from jmtp.runtime.mirror import MirroredEngine, follow
+    from jmtp.runtime.host.mirror import MirroredEngine, follow
     if not dist.is_main_process():
         return follow(llm.llm_engine)
     engine = MirroredEngine(llm.llm_engine)
@@ -400,8 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from jmtp.runtime.process import tune_malloc
-    tune_malloc()      # before any JAX backend starts (jmtp.runtime.process)
+    from jmtp.runtime.process.settings import tune_malloc
+    tune_malloc()      # before any JAX backend starts (jmtp.runtime.process.settings)
     try:
         if args.cmd == "launch":
             from jmtp.launch import run_launch

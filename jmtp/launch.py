@@ -1,12 +1,12 @@
 """``jmtp launch``: start N jmtp processes on this host as one ``jax.distributed`` job.
 
 ``jmtp launch -n 2 --devices-per-process 2 -- generate --tensor-parallel-size 4 --prompt Hi``
-starts ``python -m jmtp generate ...`` twice, each with :data:`~jmtp.runtime.distributed.ENV_VARS`
+starts ``python -m jmtp generate ...`` twice, each with :data:`~jmtp.runtime.process.distributed.ENV_VARS`
 set (coordinator ``127.0.0.1:PORT``, served by process 0; ``JMTP_NUM_PROCESSES=N``;
 ``JMTP_PROCESS_ID=i``), and with ``--devices-per-process M`` also
 ``XLA_FLAGS=--xla_force_host_platform_device_count=M`` (M CPU devices per process; the flag
 touches only the host platform). ``--exec`` runs any command instead of a jmtp subcommand (a
-script that calls :func:`jmtp.runtime.distributed.initialize` itself).
+script that calls :func:`jmtp.runtime.process.distributed.initialize` itself).
 
 Every line a process writes (stdout and stderr, merged) is printed with a ``[pI]`` prefix
 (``--output 0``: process 0's only). The launcher waits for all of them. When one exits with a
@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Sequence
 
-from jmtp.runtime import distributed as dist
+from jmtp.runtime.process import distributed as dist
 
 #: Exit code of the launcher when ``--timeout`` expires (as coreutils ``timeout``).
 EXIT_TIMEOUT = 124

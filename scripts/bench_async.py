@@ -5,7 +5,7 @@ Every engine is built and warmed by one untimed run of each loop (``compile="laz
 compiles the buckets the loop uses; its time is reported separately); then its timed runs
 alternate the loop (``LLMEngine.async_scheduling`` off, on, off, on ...) on the
 same engine, ``--rounds`` times each. Per row: tokens/s of each loop and their ratio, whether
-every output is identical, and from the engine's step timeline (:mod:`jmtp.runtime.timeline`)
+every output is identical, and from the engine's step timeline (:mod:`jmtp.runtime.host.timeline`)
 the device idle time between consecutive steps as a share of the device's step time
 (``device_idle_share``), and the host's time per step.
 
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
                     speculative_config=SpeculativeConfig("mtp", 3, speculation_policy="dynamic"),
                     max_num_seqs=8, max_model_len=512)
         # every decode bucket ahead (the policy may plan any), then seed its cost table
-        from jmtp.runtime.buckets import decode_buckets, slot_buckets, StepBucket
+        from jmtp.runtime.device.buckets import decode_buckets, slot_buckets, StepBucket
         ec = llm.engine_config
         t0 = time.perf_counter()
         llm.llm_engine.compile_buckets([StepBucket(t, a) for a in slot_buckets(ec)

@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     from jmtp.model import moe as moe_mod
     from jmtp.model.config import ModelConfig, MoEConfig
     from jmtp.model.params import init_params
-    from jmtp.runtime import sharding as shd
+    from jmtp.runtime.device import sharding as shd
 
     moe = MoEConfig(args.experts, args.top_k, args.expert_width, layers=(0,),
                     scoring="sigmoid", norm_topk_prob=True, score_bias=True,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jmtp import LLM, SamplingParams, SpeculativeConfig
 from jmtp.model import load_checkpoint, load_tokenizer
-from jmtp.runtime.outputs import SpecDecodeMetrics
+from jmtp.runtime.host.outputs import SpecDecodeMetrics
 
 QUESTIONS = [
     "Write a Python function that checks whether a string is a palindrome.",

@@ -35,8 +35,8 @@ def us(xs) -> str:
 def main():
     from jmtp.model.checkpoints.loader import smollm2_path
     from jmtp.model.checkpoints.tokenizer import tokenizer_from_gguf
-    from jmtp.runtime.structured import StructuredOutputsParams
-    from jmtp.runtime.structured.grammar import GrammarCompiler
+    from jmtp.runtime.host.structured import StructuredOutputsParams
+    from jmtp.runtime.host.structured.grammar import GrammarCompiler
 
     tok = tokenizer_from_gguf(smollm2_path())
     V = tok.vocab_size

@@ -208,7 +208,7 @@ def main(argv=None) -> int:
 
     from jmtp import LLM, SamplingParams, SpeculativeConfig
     from jmtp.model import load_checkpoint, load_tokenizer
-    from jmtp.runtime.outputs import SpecDecodeMetrics
+    from jmtp.runtime.host.outputs import SpecDecodeMetrics
 
     cfg, params = load_checkpoint(None)
     tok = load_tokenizer(None)

@@ -8,7 +8,7 @@ Three measurements in one run, batch 1, greedy, chat template, on the prompt set
    ``--rounds`` times; end-to-end tok/s (prefill included) and the median time of the decode
    steps of each token bucket T (a T-row verify step; the plain engine's T = 1).
 2. **Simulated acceptance** on the plain greedy outputs, for each K in ``--ks``: jmtp's own rule
-   (:func:`jmtp.runtime.ngram.ngram_match`, n = 5..1, earliest match) and an *oracle* lookup
+   (:func:`jmtp.runtime.device.ngram.ngram_match`, n = 5..1, earliest match) and an *oracle* lookup
    drafter: of every earlier occurrence of the last token, the one whose continuation matches
    the true next tokens longest (it sees the future, so it never drafts a rejected token: no
    lookup drafter can accept more). Both drafts are verified as the engine would (greedy), so
@@ -68,7 +68,7 @@ def simulate(prompts, outputs, k: int, drafter: str, max_tokens: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from jmtp.runtime.ngram import ngram_match
+    from jmtp.runtime.device.ngram import ngram_match
 
     tokens = steps = 0
     rows = []

@@ -151,7 +151,7 @@ class Runner:
 def jmtp_runners(args, cfg, params, tok, sets, rows) -> list[Runner]:
     """Build every jmtp engine (``compile="eager"``: no timed pass compiles)."""
     from jmtp import LLM, SamplingParams
-    from jmtp.runtime.outputs import SpecDecodeMetrics
+    from jmtp.runtime.host.outputs import SpecDecodeMetrics
 
     longest = max(len(p) for ps in sets.values() for p in ps)
     # Rounded up so that runs over other prompt subsets reuse the persistent compilation cache.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Host time of the dynamic speculation policy per decode step (jmtp issue 11).
 
-The policy (:class:`jmtp.runtime.spec_policy.DynamicSpeculation`) plans each step's draft limits
+The policy (:class:`jmtp.runtime.host.spec_policy.DynamicSpeculation`) plans each step's draft limits
 on the host, outside the jitted step, so its time adds to every step. This times
 ``draft_limits`` (the plan) and ``observe`` (the bookkeeping) on synthetic steps: per-slot
 acceptance drawn at random, step costs growing with the rows, and the engine's own step buckets
@@ -31,9 +31,9 @@ import numpy as np
 
 
 def main(argv=None) -> int:
-    from jmtp.runtime.buckets import choose_bucket
+    from jmtp.runtime.device.buckets import choose_bucket
     from jmtp.runtime.config import EngineConfig, SpeculativeConfig
-    from jmtp.runtime.spec_policy import DynamicSpeculation
+    from jmtp.runtime.host.spec_policy import DynamicSpeculation
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--slots", default="8,64,256,1024")

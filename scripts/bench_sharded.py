@@ -109,7 +109,7 @@ def make_prompts(args, cfg, tok) -> list[list[int]]:
 def run_one(args, cfg, params, tok, prompts, dp: int, tp: int, k: int) -> dict:
     """Build the engine for one mesh and setting, time it, return its row (or ``{"na": why}``)."""
     from jmtp import LLM, SamplingParams, SpeculativeConfig
-    from jmtp.runtime.outputs import SpecDecodeMetrics
+    from jmtp.runtime.host.outputs import SpecDecodeMetrics
 
     spec = SpeculativeConfig("mtp", k) if k else None
     try:

@@ -19,7 +19,7 @@ import jax
 
 from jmtp import LLM, SamplingParams, SpeculativeConfig
 from jmtp.model import load_checkpoint, load_tokenizer
-from jmtp.runtime.buckets import step_buckets
+from jmtp.runtime.device.buckets import step_buckets
 
 PROMPT = "Explain what a hash map is and when to use one, in a few sentences."
 

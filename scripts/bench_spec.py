@@ -23,11 +23,11 @@ and each variant's tokens/s is total tokens / total seconds over its rounds. Pri
 tok/s, ratio to plain, mean acceptance length, whether every output equals plain decoding (without
 ``plain`` among the variants: the first variant's outputs), and
 for dynamic variants the share of steps whose limits allowed a draft and how often the guard held
-drafting off (each hold is one losing window; see :mod:`jmtp.runtime.spec_policy`); for suffix
+drafting off (each hold is one losing window; see :mod:`jmtp.runtime.host.spec_policy`); for suffix
 variants the host time in the suffix trees per step and its share of the wall time.
 
 Engines are built with ``compile="eager"`` (every step bucket compiled at construction, see
-:mod:`jmtp.runtime.compile`), so no timed run compiles.
+:mod:`jmtp.runtime.process.compile`), so no timed run compiles.
 
     python scripts/bench_spec.py --batches 1,8 --num-prompts 8 --max-tokens 64
     python scripts/bench_spec.py --batches 1,8 --sets general,agentic \
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from jmtp import SamplingParams
     from jmtp.model import load_checkpoint, load_tokenizer
-    from jmtp.runtime.outputs import SpecDecodeMetrics
+    from jmtp.runtime.host.outputs import SpecDecodeMetrics
 
     cfg, params = load_checkpoint(None)
     tok = load_tokenizer(None)

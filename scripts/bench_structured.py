@@ -74,7 +74,7 @@ def main(argv=None):
     import jsonschema
 
     from jmtp import LLM, SamplingParams, SpeculativeConfig
-    from jmtp.runtime.structured import StructuredOutputsParams
+    from jmtp.runtime.host.structured import StructuredOutputsParams
 
     prompts = (PROMPTS * 4)[:args.num_prompts]
     constrained = SamplingParams(max_tokens=args.max_tokens,

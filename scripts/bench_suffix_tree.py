@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Host cost per committed token of suffix decoding's trees (``jmtp.runtime.suffix_decoding``).
+"""Host cost per committed token of suffix decoding's trees (``jmtp.runtime.host.suffix_decoding``).
 
 For each of ``--requests`` requests: a random prompt, then ``--tokens`` output tokens, each one
 drafted for (:meth:`SuffixCache.speculate` over the local and the global tree) and then appended
@@ -16,7 +16,7 @@ import argparse
 import random
 import time
 
-from jmtp.runtime.suffix_decoding import SuffixCache
+from jmtp.runtime.host.suffix_decoding import SuffixCache
 
 
 def run(kind: str, a) -> dict:

@@ -87,7 +87,7 @@ def cmd_kernels(a) -> int:
 
     from jmtp.pallas.block_allocator import allocate_blocks, init_allocator_state
     from jmtp.pallas.ragged_paged_attention import ragged_paged_attention
-    from jmtp.runtime.roofline import H200, H200_DATASHEET_BW
+    from jmtp.runtime.host.roofline import H200, H200_DATASHEET_BW
 
     out = {"device": device_info(), "datasheet_bytes_per_s": H200_DATASHEET_BW, "rows": []}
     t_end = time.perf_counter() + a.seconds
@@ -166,7 +166,7 @@ def cmd_kernels(a) -> int:
 class FixedDepth:
     """A stand-in for the engine's dynamic policy that lets every slot draft ``depth`` tokens
     (so a K-draft engine runs its steps in the bucket of ``1 + depth`` rows per slot); the
-    engine asks only what :class:`jmtp.runtime.spec_policy.DynamicSpeculation` answers."""
+    engine asks only what :class:`jmtp.runtime.host.spec_policy.DynamicSpeculation` answers."""
 
     num_plans = num_drafting_plans = num_holds = 0
 
@@ -271,7 +271,7 @@ def cmd_rows(a) -> int:
 
     from jmtp import SpeculativeConfig
     from jmtp.model.params import init_mtp_params, init_params
-    from jmtp.runtime.roofline import H200, step_cost
+    from jmtp.runtime.host.roofline import H200, step_cost
 
     deadline = time.perf_counter() + a.seconds
     dtype = jnp.float32 if a.tiny else jnp.bfloat16
@@ -348,7 +348,7 @@ def cmd_speedup(a) -> int:
     from jmtp.model import load_checkpoint, load_tokenizer
     from jmtp.model.checkpoints.loader import resolve_checkpoint, shipped_head_path
     from jmtp.model.checkpoints.mtp_head import head_metadata
-    from jmtp.runtime.outputs import SpecDecodeMetrics
+    from jmtp.runtime.host.outputs import SpecDecodeMetrics
     sys.path.insert(0, HERE)
     from eval_acceptance import eval_prompts
 

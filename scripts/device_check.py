@@ -427,13 +427,13 @@ PREDICTION_CONTEXT = {"SmolLM2-135M": 200, "Llama-3-8B-shaped": 512}
 
 def make_prediction(acceptance: dict | None = None, source: str = "") -> dict:
     """The roofline's predicted decode speed-ups and step times on one H200
-    (:mod:`jmtp.runtime.roofline`, its ``H200`` figures), written before any device run."""
+    (:mod:`jmtp.runtime.host.roofline`, its ``H200`` figures), written before any device run."""
     sys.path.insert(0, ROOT)
     import dataclasses
     import datetime
 
     from device_bench import shape_configs
-    from jmtp.runtime.roofline import H200, speculative_speedup, step_cost
+    from jmtp.runtime.host.roofline import H200, speculative_speedup, step_cost
     acc = dict(CPU_ACCEPTANCE, **(acceptance or {}))
     shapes = shape_configs(tiny=False)
     models = {"SmolLM2-135M": shapes["SmolLM2-shaped"], "Llama-3-8B-shaped": shapes["Llama-3-8B-shaped"]}
@@ -496,7 +496,7 @@ def refit_lines(sp: dict, pred: dict) -> list[str]:
         return []
     sys.path.insert(0, ROOT)
     from device_bench import shape_configs
-    from jmtp.runtime.roofline import DeviceModel, fit_gap, speculative_speedup
+    from jmtp.runtime.host.roofline import DeviceModel, fit_gap, speculative_speedup
     cfg = shape_configs(tiny=False)["SmolLM2-shaped"]
     ctx = pred.get("context", {}).get("SmolLM2-135M", 200)
     plain = {r["batch"]: r for r in sp["rows"] if r["method"] == "plain"}

@@ -163,7 +163,7 @@ PYEOF
   "$PY" - "$RES/env.json" "$DRY" <<'PYEOF' || return 1
 import importlib.metadata as md, json, sys
 import jax
-import jmtp.runtime.engine, jmtp.train.selfgen, jmtp.runtime.structured.params  # noqa: F401
+import jmtp.runtime.host.llm, jmtp.train.selfgen, jmtp.runtime.host.structured.params  # noqa: F401
 import gguf, jsonschema, llguidance  # noqa: F401  (what the wheels bring)
 d = jax.devices()[0]
 vers = {}

@@ -2,14 +2,14 @@
 """Build default engines one after another in one process, closing each, and check that the
 process's memory mappings stay within a stock machine's ``vm.max_map_count`` (65,530).
 
-XLA:CPU maps every compiled kernel on its own (``jmtp/runtime/host_maps.py``); an unrolled default
+XLA:CPU maps every compiled kernel on its own (``jmtp/runtime/process/host_maps.py``); an unrolled default
 SmolLM2 engine holds ~18,000 mappings (15 step buckets, measured with jaxlib 0.10.2), so four of
 them alive at once cross 65,530. ``LLM.close()`` releases an engine's executables and mappings
-(``jmtp/runtime/executables.py``). The default run is the issue's A/B: plain decoding and MTP K=3,
+(``jmtp/runtime/device/executables.py``). The default run is the issue's A/B: plain decoding and MTP K=3,
 at ``max_num_seqs`` 8 and 1, each the default ``LLM(...)`` otherwise (eager compiles, the
 ``"auto"`` layer loop), each generating a few tokens before it is closed. It prints the mappings
 held after each build and after each close, and exits 1 if the peak plus
-``jmtp.runtime.host_maps.RESERVE`` would not fit under ``--limit``.
+``jmtp.runtime.process.host_maps.RESERVE`` would not fit under ``--limit``.
 
     python scripts/engine_loop_maps.py                    # 4 engines, limit 65530
     nice python scripts/engine_loop_maps.py --no-close    # the same without close(): fails
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jmtp
-    from jmtp.runtime.host_maps import RESERVE, map_count, map_limit
+    from jmtp.runtime.process.host_maps import RESERVE, map_count, map_limit
 
     def maps() -> int:
         gc.collect()

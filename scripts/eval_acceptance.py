@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     from jmtp.model import load_checkpoint, load_tokenizer
     from jmtp.model.checkpoints.loader import shipped_head_path, resolve_checkpoint
     from jmtp.model.checkpoints.mtp_head import head_metadata
-    from jmtp.runtime.outputs import SpecDecodeMetrics
+    from jmtp.runtime.host.outputs import SpecDecodeMetrics
 
     head = args.mtp_head if args.mtp_head != "auto" else shipped_head_path(
         resolve_checkpoint(args.model)[0])

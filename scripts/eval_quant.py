@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     from jmtp.model.checkpoints.loader import resolve_checkpoint, shipped_head_path
     from jmtp.model.checkpoints.mtp_head import head_metadata
     from jmtp.model.quant_params import quantize_params
-    from jmtp.runtime.outputs import SpecDecodeMetrics
+    from jmtp.runtime.host.outputs import SpecDecodeMetrics
     from jmtp.train.prompts import encode_chat, load_prompts, split_prompts
 
     head = shipped_head_path(resolve_checkpoint(args.model)[0])

@@ -278,9 +278,9 @@ def fault_check(model_dir: str, port: int) -> tuple[list[str], list]:
     import uvicorn
 
     import jmtp
-    from jmtp.runtime.async_engine import AsyncLLMEngine
-    from jmtp.runtime.server.app import build_app
-    from jmtp.runtime.server.metrics import ServerMetrics
+    from jmtp.runtime.serve.async_engine import AsyncLLMEngine
+    from jmtp.runtime.serve.server.app import build_app
+    from jmtp.runtime.serve.server.metrics import ServerMetrics
 
     bad = []
     llm = jmtp.LLM(model_dir, max_num_seqs=2, max_model_len=128, compile="lazy",

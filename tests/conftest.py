@@ -14,11 +14,19 @@ import pytest
 # Engines in tests compile each token bucket on first use (jmtp's default compiles them all at
 # LLM(...)); tests/runtime/test_compile.py covers the eager mode explicitly.
 os.environ.setdefault("JMTP_COMPILE", "lazy")
-# No persistent compilation cache in tests: two pytest-xdist workers sharing one cache folder
-# crashed XLA:CPU reading and writing entries (an abort in executable.serialize(), a segfault in
-# deserialize, with jax 0.10.2); tests/runtime/test_compile.py covers the cache with its own
-# folders, one process at a time.
+# The persistent compilation cache: one fresh folder per test process (the pytest process, or
+# each pytest-xdist worker), never shared. Two workers sharing one folder crashed XLA:CPU reading
+# and writing entries (an abort in executable.serialize(), a segfault in deserialize, with jax
+# 0.10.2). A folder of its own lets a process load what it compiled before instead of compiling
+# it again: an engine configuration built again after its first engine was collected, or after
+# JAX's caches were cleared (measured on 7 engine modules in one process: 246 s without, 157 s
+# with). It is set in JAX's own configuration (see pytest_configure), which jmtp's "auto" keeps;
+# the environment says "off", so the servers and workers the tests start compile for themselves
+# (or use the folders their tests give them); tests/runtime/test_compile.py covers the cache
+# with folders of its own. JMTP_TEST_XLA_CACHE=0 turns it off.
 os.environ["JMTP_CACHE_DIR"] = "off"
+_XLA_CACHE = tempfile.mkdtemp(prefix="jmtp-test-xla-")
+atexit.register(shutil.rmtree, _XLA_CACHE, True)
 # Converted GGUF weights (jmtp.model.checkpoints.weights_cache): one fresh folder per test process, so each
 # worker converts SmolLM2 once and loads it from disk after that, and no test reads an entry an
 # earlier run wrote (conversion warnings are logged by the converting load only).
@@ -44,6 +52,40 @@ if _jaxlib == (0, 10) and os.environ.get("JMTP_TEST_DEFAULT_EMITTERS") != "1":
 for _flag in _FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+
+def _xla_cache_wanted() -> bool:
+    return os.environ.get("JMTP_TEST_XLA_CACHE", "1") != "0"
+
+
+def pytest_configure(config):
+    """This process's persistent compilation cache (see ``_XLA_CACHE`` above)."""
+    if _xla_cache_wanted():
+        from jmtp.runtime.process.compile import setup_compilation_cache
+        setup_compilation_cache(_XLA_CACHE)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_xla_cache_for_the_real_model(request):
+    """No persistent compilation cache in a module whose tests use the real SmolLM2 (a fixture
+    named ``smollm2*``): its step programs are large, each is built once, and writing them
+    (serialized, compressed) cost more than the cache gave back (test_engine_smollm2 +
+    test_gguf_smollm2, -n 0 on the loaded 2-core VM: 210 s without the cache, 237 s and 238 s
+    with it; test_gguf_smollm2 73 s with it, 42 s with this fixture; noisy figures)."""
+    real = _xla_cache_wanted() and any(
+        item.module is request.module and any(f.startswith("smollm2") for f in item.fixturenames)
+        for item in request.session.items)
+    if not real:
+        yield
+        return
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    from jmtp.runtime.process.compile import setup_compilation_cache
+    jax.config.update("jax_compilation_cache_dir", None)
+    cc.reset_cache()
+    yield
+    setup_compilation_cache(_XLA_CACHE)
 
 
 @pytest.hookimpl(trylast=True)
@@ -93,19 +135,58 @@ def pytest_xdist_make_scheduler(config, log):
     return GroupsFirst(config, log)
 
 
+#: JAX's caches are kept from one test module to the next while this process holds fewer than this
+#: share of its ``vm.max_map_count`` memory mappings (at the stock 65,530: about 21,800), and
+#: cleared after a module that ends above it. ``JMTP_TEST_JIT_CACHE=module`` clears after every
+#: module (the policy before), ``=keep`` never. See ``_release_compiled_executables``.
+KEEP_CACHES_BELOW = 1 / 3
+
+
+def _clear_after_module(used: int | None, limit: int | None, policy: str) -> bool:
+    """Whether to drop JAX's caches after a module that leaves ``used`` mappings of ``limit``:
+    always under policy ``module``, never under ``keep``; by default when either count is
+    unknown (no ``/proc``: the safe old behaviour) or ``used`` is past
+    :data:`KEEP_CACHES_BELOW` of ``limit``."""
+    if policy in ("module", "keep"):
+        return policy == "module"
+    return used is None or limit is None or used > KEEP_CACHES_BELOW * limit
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _release_compiled_executables():
-    """Drop JAX's compiled executables after each test module. A pytest-xdist worker otherwise
-    accumulates thousands of XLA:CPU executables (every test engine compiles its own step
-    buckets), and long-lived workers crashed inside XLA compile / cache calls (abort, segfault):
-    each compiled kernel holds memory mappings of its own, and XLA aborts past the kernel's
-    ``vm.max_map_count`` (see jmtp/runtime/host_maps.py, which now refuses such a compile)."""
+def _release_compiled_executables(request):
+    """Drop JAX's compiled executables after a test module when the process's memory mappings
+    run high. Each compiled XLA:CPU kernel holds memory mappings of its own, and a pytest-xdist
+    worker that never dropped them crashed inside XLA compile / cache calls (abort, segfault)
+    past the kernel's ``vm.max_map_count`` (see jmtp/runtime/process/host_maps.py, which now refuses
+    such a compile). An engine's step programs already go when the engine is closed or
+    collected (jmtp/runtime/device/executables.py); what outlives the module is what module-level
+    jitted functions compiled (the reference forward of ``reference_greedy`` for each tiny
+    model, JAX's eager primitives) and the step programs of engines something still holds.
+    Those are compiled again by every module when the caches are cleared after each one (the
+    policy until issue 46), so they are kept while the process holds fewer than
+    :data:`KEEP_CACHES_BELOW` of its limit (measured after the module's engines are collected),
+    leaving the next module two thirds of the limit, more than any module's engines take
+    (the largest, SmolLM2 engines, hold ~9,500-15,300 mappings each); past that, or where the
+    mappings cannot be counted, they are cleared as before. Engines a module keeps in its own
+    ``functools.lru_cache`` functions (one engine per configuration, shared by its tests) are
+    let go when the module ends, so that their step programs go too."""
     yield
     import gc
 
     import jax
-    jax.clear_caches()
+
+    from jmtp.runtime.process import host_maps
+    module = request.module
+    for obj in list(vars(module).values()):
+        if callable(getattr(obj, "cache_clear", None)) and \
+                getattr(obj, "__module__", None) == module.__name__:
+            obj.cache_clear()
     gc.collect()
+    if _clear_after_module(host_maps.map_count(), host_maps.map_limit(),
+                           os.environ.get("JMTP_TEST_JIT_CACHE", "auto")):
+        jax.clear_caches()
+        gc.collect()
+
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -17,7 +17,7 @@ import pytest
 from jmtp import aot
 from jmtp.model.config import ModelConfig
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine_args import EngineArgs
+from jmtp.runtime.host.engine_args import EngineArgs
 
 pytestmark = pytest.mark.xdist_group("aot")
 
@@ -113,7 +113,7 @@ def test_int8_cache(caplog):
                            topology="v5e:1x1", buckets="largest", slot_ops=False)
     assert all(e.mosaic_kernels == expected_kernels(K) for e in r.step_reports)
     assert r.config["kv_cache_dtype"] == "int8"
-    with caplog.at_level(logging.WARNING, logger="jmtp.runtime.engine_args"):
+    with caplog.at_level(logging.WARNING, logger="jmtp.runtime.host.engine_args"):
         r16 = aot.compile_engine(args(kv_cache_dtype="int8"), topology="v6e:1x1",
                                  buckets="largest", slot_ops=False)
     assert "attention runs the 'xla' implementation" in caplog.text
@@ -200,7 +200,7 @@ def test_handoff_fingerprint_covers_the_row_layout():
     per different shard counts at the same width (2 heads of 96 lanes: one 256-lane row at TP 1,
     two 128-lane halves at TP 2), must not exchange requests."""
     from jmtp.runtime.config import EngineConfig
-    from jmtp.runtime.handoff import engine_fingerprint, fingerprint_hash
+    from jmtp.runtime.host.handoff import engine_fingerprint, fingerprint_hash
     ec = EngineConfig(max_num_seqs=2, max_model_len=64, num_blocks=16, max_num_batched_tokens=16)
     fp = lambda w, g: fingerprint_hash(engine_fingerprint(CFG, ec, 0, "bfloat16", {}, w, g))
     assert fp(256, 1) != fp(256, 2) != fp(384, 2)
@@ -243,7 +243,7 @@ def test_expert_parallel_compiles_with_its_dispatch(a2a):
     into an all-reduce and a slice; the step's plain all-to-alls belong to the sampler's sort
     over the vocabulary-sharded logits)."""
     from jmtp.model.config import MoEConfig
-    from jmtp.runtime import sharding as shd
+    from jmtp.runtime.device import sharding as shd
     moe = MoEConfig(8, 2, 128, layers=(0, 1), mtp_moe=True, shared_intermediate_size=128)
     rep = aot.compile_engine(args(model_config=CFG.replace(moe=moe), data_parallel_size=2,
                                   tensor_parallel_size=2, enable_expert_parallel=True,

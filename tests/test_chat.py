@@ -13,7 +13,7 @@ import pytest
 
 from jmtp.chat import ChatSession, run_repl
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model
 
 pytestmark = pytest.mark.xdist_group("chat")   # one worker builds the shared engines once

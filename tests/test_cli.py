@@ -44,7 +44,7 @@ def test_expert_parallel_switches_on_every_engine_command(monkeypatch):
     compile, and reach the engine's keywords (``LLM`` is replaced by a recorder)."""
     import pytest
 
-    import jmtp.runtime.engine as engine
+    import jmtp.runtime.host.llm as engine
     from jmtp.cli import build_llm
     p = build_parser()
     for cmd in (["generate"], ["chat"], ["serve"], ["compile", "--topology", "v5e:2x2"]):
@@ -66,7 +66,7 @@ def test_serve_limits_default_to_openai_and_reject_nonsense():
     60 s stall bound; ServerOptions refuses limits below 1 by name."""
     import pytest
 
-    from jmtp.runtime.server.intake import ServerOptions
+    from jmtp.runtime.serve.server.intake import ServerOptions
 
     p = build_parser()
     a = p.parse_args(["serve"])
@@ -85,7 +85,7 @@ def test_serve_limits_default_to_openai_and_reject_nonsense():
 def test_suffix_decoding_options_reach_the_speculative_config(monkeypatch):
     """``--speculative-method suffix`` and ``--mtp-strategy with_suffix`` build the
     SpeculativeConfig suffix decoding runs with (the LLM itself is not built here)."""
-    import jmtp.runtime.engine as engine_mod
+    import jmtp.runtime.host.llm as engine_mod
     from jmtp.cli import build_llm
 
     built = {}

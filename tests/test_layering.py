@@ -2,7 +2,12 @@
 
 Every ``import`` / ``from ... import`` in ``jmtp/`` is read from the source (function-level
 imports included, so a circle cannot hide inside a function), and each module is placed in a
-layer. A module may import its own layer and the layers below it, and the graph has no cycle."""
+layer. A module may import its own layer and the layers below it, and the graph has no cycle.
+
+Inside ``jmtp/runtime/`` code is split by where it runs (``config.py`` at the root, shared):
+``process`` ← ``device`` ← ``host`` ← ``serve``. Traced code (``device/``) never reaches host
+state; the host reaches the device only through the runner and the step's public types
+(:data:`HOST_MAY_IMPORT`); the server is a client of the host."""
 from __future__ import annotations
 
 import ast
@@ -114,3 +119,70 @@ def test_the_checker_sees_function_level_imports(tmp_path):
     found = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert [n.module for n in found] == ["jmtp.runtime"]
     assert "jmtp.core.mesh" in _graph()["jmtp.pallas.ragged_paged_attention"]
+
+
+# ---------------------------------------------------------------- runtime/: where code runs
+SIDES = ("device", "host", "serve", "process")
+#: The process-level modules traced code may use: the multi-process put / fetch of device values
+#: (``multihost``), ahead-of-time compiles (``compile.compile_ahead``) and the memory-map budget
+#: checked before each compile (``host_maps``). Never the process settings (``settings``: malloc,
+#: compilation-cache folder), ``host_malloc`` or ``distributed`` start-up.
+DEVICE_MAY_IMPORT = {"jmtp.runtime.process.multihost", "jmtp.runtime.process.compile",
+                     "jmtp.runtime.process.host_maps"}
+#: The device modules the host may import, and why: the runner (the seam) and the step's public
+#: types and constants. Anything else of ``device/`` is the runner's business.
+HOST_MAY_IMPORT = {
+    "jmtp.runtime.device.runner": "DeviceRunner, the host's only handle on device arrays",
+    "jmtp.runtime.device.state": "EngineState (hand-off rows) and FINISH_REASONS",
+    "jmtp.runtime.device.buckets": "StepBucket and the bucket tables the scheduler plans in",
+    "jmtp.runtime.device.sampling.arrays": "SamplingArrays (the rows the host fills), GREEDY_EPS",
+    "jmtp.runtime.device.bitmask": "the step's draft-override sentinels and bitmask row width",
+    "jmtp.runtime.device.handoff_ops": "the hand-off row layout (ROW_FIELDS, LINEAR_PREFIX)",
+    "jmtp.runtime.device.sharding": "mesh construction and its checks when the engine is built",
+}
+
+
+def _side(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["jmtp", "runtime"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+def _runtime_arrows(src_side: str) -> list[tuple[str, str]]:
+    graph = _graph()
+    arrows = [(a, b) for a, bs in graph.items() if _side(a) == src_side for b in bs
+              if b.startswith("jmtp.runtime.")]
+    assert [a for a in graph if _side(a) == src_side], f"no module in jmtp/runtime/{src_side}/"
+    return arrows
+
+
+def test_every_runtime_module_runs_on_one_side():
+    stray = [m for m in _modules() if m.startswith("jmtp.runtime.")
+             and _side(m) not in SIDES + ("config",)]
+    assert stray == [], "put each runtime module in device/, host/, serve/ or process/"
+
+
+def test_device_never_imports_host_serve_or_process_settings():
+    bad = [f"{a} -> {b}" for a, b in _runtime_arrows("device")
+           if _side(b) in ("host", "serve") or (_side(b) == "process" and b not in DEVICE_MAY_IMPORT)]
+    assert bad == []
+
+
+def test_host_imports_device_only_through_the_runner_and_the_step_types():
+    bad = [f"{a} -> {b}" for a, b in _runtime_arrows("host")
+           if _side(b) == "device" and b not in HOST_MAY_IMPORT]
+    assert bad == []
+    assert not [b for a, b in _runtime_arrows("host") if _side(b) == "serve"]
+
+
+def test_serve_imports_no_device_module():
+    bad = [f"{a} -> {b}" for a, b in _runtime_arrows("serve") if _side(b) == "device"]
+    assert bad == []
+
+
+def test_process_and_config_import_nothing_above_them():
+    bad = [f"{a} -> {b}" for a, b in _runtime_arrows("process") if _side(b) != "process"]
+    bad += [f"jmtp.runtime.config -> {b}" for b in _graph()["jmtp.runtime.config"]
+            if b.startswith("jmtp.runtime.")]
+    assert bad == []

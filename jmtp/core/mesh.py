@@ -5,7 +5,7 @@ The mesh has two axes, :data:`DATA` (request slots, data parallel) and :data:`MO
 parallel). Model code names only *logical* axes (the names below, carried by every ``nnx.Param``
 as its ``out_sharding`` metadata; :mod:`jmtp.model.axes` lists each parameter's);
 :data:`LOGICAL_TO_MESH` is the one table that maps them to mesh axes. Placement of parameters,
-caches and state on a mesh is :mod:`jmtp.runtime.sharding`'s job; this module only names things
+caches and state on a mesh is :mod:`jmtp.runtime.device.sharding`'s job; this module only names things
 and reads the current mesh, so kernels and model code can use it without importing the engine.
 """
 from __future__ import annotations

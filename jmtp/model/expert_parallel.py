@@ -11,7 +11,7 @@ width split over ``model``, as the dense MLP), attention stays as it is: split b
 ``data`` (jmtp's data-parallel step: "DP attention") and by heads over ``model``.
 
 The engine step runs under a ``shard_map`` manual over ``data``
-(:mod:`jmtp.runtime.data_parallel`), so a MoE layer sees its data shard's token rows
+(:mod:`jmtp.runtime.device.data_parallel`), so a MoE layer sees its data shard's token rows
 ``x f[T, H]``, replicated over ``model``. :func:`moe_ffn` enters a second ``shard_map`` over the
 axes still automatic (``model``), so that every collective below is explicit, and dispatches in
 one of two ways (``MoEConfig.all2all_backend``):

@@ -22,7 +22,7 @@ norm ratio 0.98) and gives about the same error reduction (teacher-forced KL 1.5
 agreement with the f32 cache did not measurably change (~89-91 % either way: its run-to-run
 spread between equally good quantisers is about as large as any difference, ``docs/kvquant.md``).
 
-Engines that hand requests to each other (:mod:`jmtp.runtime.handoff`) must store keys with the
+Engines that hand requests to each other (:mod:`jmtp.runtime.host.handoff`) must store keys with the
 same shift; the parameter digest of their fingerprint covers ``params["k_shift"]``.
 
 The shift is stored as ``params["k_shift"] f32[L, Nkv, D]`` (target layers; the MTP cache is

@@ -211,7 +211,7 @@ def param_bytes(params: dict) -> dict[str, int]:
     """Bytes of a parameter dict (the pytree of :mod:`jmtp.model.llama`, arrays or
     ``jax.ShapeDtypeStruct`` s) by kind: ``quantized_values`` (the 8-bit values), ``scales``,
     ``unquantized`` (every other leaf), ``total``, and ``quantized_elements`` (the number of 8-bit
-    weights). Whole arrays, not per device (:func:`jmtp.runtime.sharding.per_device_bytes`)."""
+    weights). Whole arrays, not per device (:func:`jmtp.runtime.device.sharding.per_device_bytes`)."""
     values = scales = other = elements = 0
     for leaf in jax.tree_util.tree_leaves(params, is_leaf=is_quantized):
         if is_quantized(leaf):

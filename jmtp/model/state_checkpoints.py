@@ -1,5 +1,5 @@
 """Recurrent-state checkpoints of a hybrid model at KV-block boundaries: what exact prefix caching
-needs beside the cached KV blocks (:mod:`jmtp.runtime.prefix_states` holds the host side).
+needs beside the cached KV blocks (:mod:`jmtp.runtime.host.prefix_states` holds the host side).
 
 A cached prefix of ``n`` full KV blocks is reusable by a hybrid (gated-DeltaNet) target only
 with the convolution and delta-rule state of every linear layer *after token ``n·bs - 1``*: the
@@ -10,7 +10,7 @@ module holds those copies on the device:
 
 * :class:`StateCheckpoints` (``LinearState.saved``): ``S`` entries of every linear layer's
   convolution and delta-rule state, and per slot the entry it *captures* into (``entry``, -1 =
-  none). The host (:class:`jmtp.runtime.prefix_states.StateCache`) decides which entry holds
+  none). The host (:class:`jmtp.runtime.host.prefix_states.StateCache`) decides which entry holds
   which boundary; entries are allocated once with the engine.
 * :func:`capture_boundary_states` (in the jitted step, after verification): each slot whose
   committed rows of this step crossed a block boundary copies its state *at the last boundary
@@ -27,9 +27,9 @@ module holds those copies on the device:
   loads it into checkpoint ``W - 1`` of its slot and continues from it; the slot gets its
   capture entry.
 * :func:`slot_state` / :func:`put_slot_state`: the slot's state at its current checkpoint, for
-  the prefill → decode hand-off (:mod:`jmtp.runtime.handoff`).
+  the prefill → decode hand-off (:mod:`jmtp.runtime.host.handoff`).
 
-Which boundaries are kept is the host's policy (:mod:`jmtp.runtime.prefix_states`): the last
+Which boundaries are kept is the host's policy (:mod:`jmtp.runtime.host.prefix_states`): the last
 boundary a request passed before its final step (a conversation's next turn continues there)
 and, for a request whose KV match reaches past every cached state, the end of that match (the
 branch point of a shared prefix).

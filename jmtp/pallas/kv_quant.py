@@ -29,7 +29,7 @@ and head. We chose this over one scale per block per head because:
 2. per-token scales lose less: ``scripts/bench_kvquant.py`` measures the reconstruction error of
    SmolLM2's real K/V under both granularities (``docs/kvquant.md``);
 3. the cost is 4 bytes per token per head per K/V, ``4 / D`` of the int8 values (6.25 % for
-   ``D = 64``), reported separately by :meth:`jmtp.runtime.llm_engine.LLMEngine.kv_cache_bytes`.
+   ``D = 64``), reported separately by :meth:`jmtp.runtime.host.llm_engine.LLMEngine.kv_cache_bytes`.
 
 Quantisation happens in the KV write (:func:`write_kv_quantized`, called where the step writes
 this step's K/V into the paged cache); every attention implementation dequantises on read

@@ -6,12 +6,13 @@ from typing import Callable
 
 from jmtp.core.checks import check_one_of
 from jmtp.core.platform import host_platform, platform_name
-from jmtp.pallas.block_allocator import CHOICES as BLOCK_ALLOCATORS
-from jmtp.pallas.block_allocator import blocks_needed
+from jmtp.pallas.block_allocator import CHOICES as BLOCK_ALLOCATORS, blocks_needed
 from jmtp.pallas.kv_quant import check_kv_cache_dtype
 
 METHODS = (None, "mtp", "ngram", "suffix", "custom")
 MTP_STRATEGIES = ("default", "with_ngram", "with_suffix")
+#: Verification strategies of the step (:mod:`jmtp.runtime.device.verify` implements them).
+VERIFY_STRATEGIES = ("auto", "greedy", "rejection", "topp", "target_match")
 SPECULATION_POLICIES = ("fixed", "dynamic")
 
 
@@ -22,9 +23,9 @@ class SpeculativeConfig:
     Attributes:
       method: ``"mtp"`` (the model's MTP head drafts), ``"ngram"`` (prompt + history n-gram
         matching inside the jitted step, FastDeploy's ``ngram_match``; no MTP weights or cache;
-        see :mod:`jmtp.runtime.ngram`), ``"suffix"`` (suffix decoding: the host drafts from
+        see :mod:`jmtp.runtime.device.ngram`), ``"suffix"`` (suffix decoding: the host drafts from
         suffix trees over each request's prompt and output and over earlier requests' outputs,
-        :mod:`jmtp.runtime.suffix_decoding`; no MTP weights or cache), ``"custom"``
+        :mod:`jmtp.runtime.host.suffix_decoding`; no MTP weights or cache), ``"custom"``
         (``drafter`` drafts; used by tests for oracle / null drafters) or ``None`` (no
         speculation).
       num_speculative_tokens: K, the verify window holds ``[last token, d1..dK]``.
@@ -37,12 +38,12 @@ class SpeculativeConfig:
         history and the tokens following the match extend the drafts up to K) or
         ``"with_suffix"`` (per slot and window, the suffix draft, up to K tokens, where its score
         reaches M, else the M MTP drafts; the MTP head rests while a slot follows a suffix match:
-        :mod:`jmtp.runtime.suffix_decoding`).
+        :mod:`jmtp.runtime.host.suffix_decoding`).
       max_ngram_size / min_ngram_size: n-gram sizes tried, longest first (``1 <= min <= max``).
         ``min_ngram_size=None`` = FastDeploy's default for the method: 1 for ``"ngram"``, 2 for
         the hybrid.
       speculation_policy: ``"fixed"`` (every slot drafts up to K each step) or ``"dynamic"``
-        (:class:`jmtp.runtime.spec_policy.DynamicSpeculation`: per slot, the host picks the draft
+        (:class:`jmtp.runtime.host.spec_policy.DynamicSpeculation`: per slot, the host picks the draft
         count 0..K that maximises expected tokens per second from the slot's measured acceptance
         (decayed counts) and the step time measured per step bucket (median of recent live
         steps, re-timed now and then while drafting); 0 where speculation cannot pay). Limits are a data input of the jitted step, so changing them never recompiles.
@@ -52,12 +53,12 @@ class SpeculativeConfig:
         ``"dynamic"`` cuts them jointly over the batch each step: the tokens the suffix trees
         rate likeliest are kept while the expected tokens per second of the step (the trees'
         probabilities over the step's measured time in its bucket) grows
-        (:mod:`jmtp.runtime.suffix_decoding`).
+        (:mod:`jmtp.runtime.host.suffix_decoding`).
       drafter: for ``method="custom"``: a hashable callable ``(state) -> i32[B, K]`` returning draft
-        tokens (-1 = none) from the post-update :class:`~jmtp.runtime.state.EngineState`.
+        tokens (-1 = none) from the post-update :class:`~jmtp.runtime.device.state.EngineState`.
       verify_strategy: ``"auto"`` (greedy rows for temperature 0, rejection sampling otherwise;
         lossless), ``"greedy"``, ``"rejection"`` (Leviathan et al. 2023), ``"target_match"``, or
-        ``"topp"`` (FastDeploy's top-p candidate rule, lossy; see :mod:`jmtp.runtime.verify`).
+        ``"topp"`` (FastDeploy's top-p candidate rule, lossy; see :mod:`jmtp.runtime.device.verify`).
       max_candidate_len / verify_window: FastDeploy ``topp`` parameters (C and W).
       draft_sampling: sample drafts instead of taking the MTP argmax; the verifier then uses the
         exact draft distribution q (rejection sampling stays lossless). Greedy requests still draft
@@ -113,8 +114,7 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self):
-        from jmtp.runtime.verify import STRATEGIES
-        check_one_of("SpeculativeConfig.verify_strategy", self.verify_strategy, STRATEGIES)
+        check_one_of("SpeculativeConfig.verify_strategy", self.verify_strategy, VERIFY_STRATEGIES)
         if self.draft_vocab_size is not None and (
                 not isinstance(self.draft_vocab_size, int) or self.draft_vocab_size < 0):
             raise ValueError(f"SpeculativeConfig.draft_vocab_size must be None or an int >= 0, got "
@@ -233,7 +233,7 @@ class EngineConfig:
       enable_prefix_caching: vLLM's option name. The state then carries each slot's read-only
         shared prefix blocks (``num_shared``, ``shared_tables``), the step reads through them and
         no longer returns a finished slot's blocks itself: the host retires the slot, keeping
-        the full blocks it caches (:mod:`jmtp.runtime.prefix_cache`).
+        the full blocks it caches (:mod:`jmtp.runtime.host.prefix_cache`).
       num_state_checkpoints: a hybrid model's block-boundary state checkpoints for prefix
         caching (entries of ``LinearState.saved``, :mod:`jmtp.model.state_checkpoints`), total
         over data shards: one per slot (the entry it captures into) plus the cached ones; 0
@@ -241,7 +241,7 @@ class EngineConfig:
       platform: the platform the step is compiled for (:data:`jmtp.core.platform.PLATFORMS`);
         ``None`` (default): the host's default backend, resolved at construction. It decides the
         ``"auto"`` allocator and whether Pallas kernels run in interpret mode
-        (:mod:`jmtp.core.platform`); :class:`~jmtp.runtime.engine_args.EngineArgs` sets it from
+        (:mod:`jmtp.core.platform`); :class:`~jmtp.runtime.host.engine_args.EngineArgs` sets it from
         the engine's devices.
 
     Raises:
@@ -288,8 +288,10 @@ class EngineConfig:
         return self.spec.k
 
     @property
-    def m(self) -> int:
-        """MTP substeps M per step (0 unless the MTP head drafts; a custom drafter has none)."""
+    def mtp_substeps(self) -> int:
+        """MTP substeps M the step runs (0 unless the MTP head drafts: an n-gram, suffix or
+        custom drafter has none). Not :attr:`SpeculativeConfig.m`, the drafts asked of the
+        drafter per step, which is K for a drafter without M."""
         return self.spec.m if self.spec.method == "mtp" else 0
 
     @property
@@ -300,7 +302,7 @@ class EngineConfig:
     @property
     def pages_per_seq(self) -> int:
         """Block-table width: covers max_model_len plus the speculative overhang K+M."""
-        return blocks_needed(self.max_model_len + self.k + self.m, self.block_size)
+        return blocks_needed(self.max_model_len + self.k + self.mtp_substeps, self.block_size)
 
     @property
     def seq_buffer_len(self) -> int:
@@ -310,7 +312,7 @@ class EngineConfig:
     def token_buckets(self) -> tuple[int, ...]:
         """Static token counts T a step may be compiled for: the decode buckets ``W, 2W, 4W, ...``
         below ``B*W`` and ``B*W`` itself (W = K+1: a decode-only step of ``a`` slots runs
-        ``a*W`` rows rounded up to a power-of-two slot count, see :mod:`jmtp.runtime.buckets`), then
+        ``a*W`` rows rounded up to a power-of-two slot count, see :mod:`jmtp.runtime.device.buckets`), then
         the powers of two from 8 above ``B*W`` and, from 48 on, the midpoints ``1.5·2^j`` (48,
         96, 192, ...) between them (not one within 1/8 below the budget), then
         ``max_num_batched_tokens``.

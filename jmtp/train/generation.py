@@ -3,7 +3,7 @@
 * :func:`generate_tokens` — a small batched generator over :func:`jmtp.model.forward` (paged cache,
   ragged prefill + decode), greedy or sampled; it can also return the target's post-norm hidden
   states of every token, captured on the way.
-* :func:`engine_generate` — the same through jmtp's own engine (``jmtp.runtime.engine.LLM``, no
+* :func:`engine_generate` — the same through jmtp's own engine (``jmtp.runtime.host.llm.LLM``, no
   speculation), when :func:`engine_available`.
 
 Both take and return token ids (prompts already chat-templated, see
@@ -181,14 +181,14 @@ def engine_generate(
     batch_size: int = 8,
     progress: bool = False,
 ) -> list[list[int]]:
-    """As :func:`generate_tokens`, through jmtp's own engine (``jmtp.runtime.engine.LLM``, no
+    """As :func:`generate_tokens`, through jmtp's own engine (``jmtp.runtime.host.llm.LLM``, no
     speculation). Request ``i`` is seeded with ``seed * 1_000_003 + i``.
 
     Raises:
       ImportError: if the engine is not available.
     """
-    from jmtp.runtime.engine import LLM
-    from jmtp.runtime.sampling import SamplingParams
+    from jmtp.runtime.host.llm import LLM
+    from jmtp.runtime.host.sampling_params import SamplingParams
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -203,10 +203,10 @@ def engine_generate(
 
 
 def engine_available() -> bool:
-    """Whether ``jmtp.runtime.engine.LLM`` can be imported."""
+    """Whether ``jmtp.runtime.host.llm.LLM`` can be imported."""
     try:
-        from jmtp.runtime.engine import LLM  # noqa: F401
-        from jmtp.runtime.sampling import SamplingParams  # noqa: F401
+        from jmtp.runtime.host.llm import LLM  # noqa: F401
+        from jmtp.runtime.host.sampling_params import SamplingParams  # noqa: F401
     except ImportError:
         return False
     return True

@@ -6,7 +6,7 @@ finished job lands in a :class:`~jmtp.train.token_cache.TokenCache`.
   job. A request's seed depends only on ``(seed, prompt id, sample index)``, so jobs are the same
   in every session and a cache already holding some of them is only topped up.
 * :class:`EngineGenerator` — one :class:`jmtp.LLM` (no speculation, lazy compiles) kept for the
-  whole run, fed through :class:`~jmtp.runtime.llm_engine.LLMEngine`'s step loop: requests of
+  whole run, fed through :class:`~jmtp.runtime.host.llm_engine.LLMEngine`'s step loop: requests of
   several jobs are in flight at once (continuous batching at ``batch_size`` slots), and a job's
   shard is written as soon as its last request finishes.
 * :meth:`EngineGenerator.fill` — runs the missing jobs of a plan until they are done or a time or
@@ -78,7 +78,7 @@ class EngineGenerator:
 
     def __init__(self, cfg: ModelConfig, params: dict, *, batch_size: int, max_model_len: int,
                  dtype=None, compile: str = "lazy", **engine_args):
-        from jmtp.runtime.engine import LLM
+        from jmtp.runtime.host.llm import LLM
         target = {k: v for k, v in params.items() if k != "mtp"}
         self.llm = LLM(model_config=cfg, params=target, max_num_seqs=batch_size,
                        max_model_len=max_model_len, dtype=dtype or params["embed"].dtype,
@@ -100,7 +100,7 @@ class EngineGenerator:
           ``{"jobs_done", "jobs_left", "sequences", "tokens", "seconds", "tokens_per_second",
           "steps"}`` of this call (tokens: generated response tokens).
         """
-        from jmtp.runtime.sampling import SamplingParams
+        from jmtp.runtime.host.sampling_params import SamplingParams
 
         todo = list({job_key(j): j for j in cache.missing(jobs)}.values())   # each job once
         eng = self.engine

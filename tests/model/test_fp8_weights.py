@@ -117,7 +117,7 @@ def test_parameter_bytes_are_one_per_weight_plus_scales(ckpt):
     4 bytes per block, everything else as the fp32 twin holds it; ``jmtp compile``'s abstract
     parameters (config.json alone) have the same bytes."""
     from jmtp.model.checkpoints.loader import load_config
-    from jmtp.runtime.engine_args import abstract_params
+    from jmtp.runtime.host.engine_args import abstract_params
     _, info, (cfg, params), (_, ref) = ckpt
     _, files = read_all(info["fp8"])
     n_weights = sum(int(np.prod(s)) for s in info["quantized"].values())

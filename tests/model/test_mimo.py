@@ -29,7 +29,7 @@ from safetensors.numpy import load_file, save_file
 from jmtp.model import init_kv_cache, load_checkpoint, load_model, mtp_forward, ragged_batch
 from jmtp.model.checkpoints.hf_loader import hf_config
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import reference_greedy, engine_of
 
 pytestmark = pytest.mark.xdist_group("mimo")   # one worker builds the shared engines once

@@ -151,7 +151,7 @@ def test_int8_kv_head_replication_and_scale_shardings():
     from jmtp.model.modules import LlamaForCausalLM
     from jmtp.model.params import replicate_kv_heads
     from jmtp.model.quant_params import quantize_params
-    from jmtp.runtime.sharding import param_shardings
+    from jmtp.runtime.device.sharding import param_shardings
     cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)
     qcfg, q = quantize_params(cfg, init_params(cfg, jax.random.key(0), std=0.3), "int8")

@@ -11,10 +11,9 @@ import pytest
 
 from jmtp.model import forward_logits
 from jmtp.model.modules import DraftHead
-from jmtp.model.quant import (check_quantized, dequantize, embedding, is_quantized,
-                              logits_from_rows)
+from jmtp.model.quant import check_quantized, dequantize, embedding, is_quantized, logits_from_rows
 from jmtp.model.quant_params import config_paths, param_bytes, quantize_params
-from jmtp.runtime.engine_args import with_draft_vocab
+from jmtp.runtime.host.engine_args import with_draft_vocab
 from tests.runtime.conftest import tiny_model
 
 

@@ -74,8 +74,8 @@ def test_abstract_engine_params_and_shardings_follow_the_schema():
     from jmtp import aot
     from jmtp.core.mesh import mesh_rules
     from jmtp.runtime.config import SpeculativeConfig
-    from jmtp.runtime.engine_args import EngineArgs
-    from jmtp.runtime.sharding import logical_spec
+    from jmtp.runtime.host.engine_args import EngineArgs
+    from jmtp.runtime.device.sharding import logical_spec
 
     runner = EngineArgs(
         model_config=MOE, max_num_seqs=4, max_model_len=256, data_parallel_size=2,

@@ -67,7 +67,7 @@ def engine_of(llm):
 def kept_engines():
     """A list whose engines stay alive until the module ends, so that later tests' fresh engines
     of the same configuration run on the step buckets these compiled, instead of compiling them
-    again (jmtp.runtime.executables: a configuration's executables live while one of its engines
+    again (jmtp.runtime.device.executables: a configuration's executables live while one of its engines
     does). Tests that share one this way carry one ``xdist_group`` mark, so they run on one
     worker; a test that counts its own compiles must not share a configuration with a kept one."""
     kept = []

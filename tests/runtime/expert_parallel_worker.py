@@ -31,7 +31,7 @@ import numpy as np
 
 from jmtp.model.config import MoEConfig, RopeScaling
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import TINY_HYBRID, engine_of, tiny_model
 
 #: (data, model) meshes of 8 devices: model-parallel attention, both, and attention data
@@ -189,7 +189,7 @@ def _layer_meshes(name, cfg, p, meshes):
 
     from jmtp.model import schema
     from jmtp.model import moe as moe_mod
-    from jmtp.runtime import sharding as shd
+    from jmtp.runtime.device import sharding as shd
     rows, out = 5, {}
     for dp, tp in meshes:
         x = jax.random.normal(jax.random.key(dp), (dp * rows, cfg.hidden_size))

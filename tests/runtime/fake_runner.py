@@ -1,8 +1,8 @@
-"""A test double of :class:`jmtp.runtime.runner.DeviceRunner`: the device simulated in numpy.
+"""A test double of :class:`jmtp.runtime.device.runner.DeviceRunner`: the device simulated in numpy.
 
 ``LLMEngine.from_runner(FakeRunner(...))`` runs the whole host side (request table, scheduler,
 prefix caching, hand-off bookkeeping, outputs) with no XLA compile. The fake keeps the device's
-contract as ``jmtp.runtime.step`` states it, with a model that is a known function:
+contract as ``jmtp.runtime.device.step`` states it, with a model that is a known function:
 
 * the target's greedy next token after a sequence is :func:`next_token` of it (a hash), so the
   reference output of any request is :func:`reference` (plain decoding);
@@ -13,14 +13,14 @@ contract as ``jmtp.runtime.step`` states it, with a model that is a known functi
   a stop cuts the window);
 * KV blocks are real ids per data shard: a step first tops every scheduled slot up to
   ``blocks_needed(seq_lens_decoder + rows + max(M - 1, 0))`` blocks
-  (:func:`jmtp.runtime.target_stages.allocate_blocks`), in slot order, all or nothing, pausing a
+  (:func:`jmtp.runtime.device.target_stages.allocate_blocks`), in slot order, all or nothing, pausing a
   slot (no work) that its shard cannot cover while later slots may still be served; at the end
   of the step finished slots push their blocks back in table order (so a block freed in a step
   is never handed out in that same step), unless prefix caching is on (then the host retires
   them);
 * a slot finishes on a stop id (the request's ``stop_token_ids`` and EOS unless ``ignore_eos``;
   not before ``min_tokens``), when ``max_tokens`` are emitted or when its sequence reaches
-  ``max_model_len`` tokens (:func:`jmtp.runtime.target_stages.truncate_at_stop`), tokens after it
+  ``max_model_len`` tokens (:func:`jmtp.runtime.device.target_stages.truncate_at_stop`), tokens after it
   cut; the next window's drafts are capped as the device caps them (``min(K, draft limit,
   max_tokens - emitted - 1, max_model_len - len(sequence) - 1)``, 0 once finished);
 * each data shard's rows must fit the bucket's ``T`` and its slots with work its ``A``;
@@ -38,12 +38,12 @@ import numpy as np
 
 from jmtp.model.config import ModelConfig
 from jmtp.pallas.block_allocator import blocks_needed
-from jmtp.runtime.buckets import StepBucket, step_buckets
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
-from jmtp.runtime.data_parallel import shard_config
-from jmtp.runtime.state import FINISH_LENGTH, FINISH_STOP
-from jmtp.runtime.step import StepOutput
-from jmtp.runtime.structured.grammar import KEEP_DRAFT, NO_DRAFT
+from jmtp.runtime.device.bitmask import KEEP_DRAFT, NO_DRAFT
+from jmtp.runtime.device.buckets import StepBucket, step_buckets
+from jmtp.runtime.device.data_parallel import shard_config
+from jmtp.runtime.device.state import FINISH_LENGTH, FINISH_STOP
+from jmtp.runtime.device.step import StepOutput
 
 FAKE_MODEL = ModelConfig(vocab_size=64, hidden_size=8, intermediate_size=16, num_layers=1,
                          num_heads=1, num_kv_heads=1, head_dim=8, eos_token_ids=(1,),
@@ -277,7 +277,7 @@ class FakeRunner:
         for b, s in enumerate(self.slots):
             if not rows[b]:
                 continue
-            need = (blocks_needed(s.computed + int(rows[b]) + max(ec.m - 1, 0), bs) - s.shared
+            need = (blocks_needed(s.computed + int(rows[b]) + max(ec.mtp_substeps - 1, 0), bs) - s.shared
                     - len(s.owned))
             d = self.shard(b)
             if need > len(self.free[d]):

@@ -2,7 +2,7 @@
 
 Run by ``jmtp launch -n P --devices-per-process M --exec -- python -m
 tests.runtime.multiprocess_worker --mesh DP,TP --out DIR``: joins the ``jax.distributed`` job
-(:func:`jmtp.runtime.distributed.initialize` from the launcher's variables), builds the tiny
+(:func:`jmtp.runtime.process.distributed.initialize` from the launcher's variables), builds the tiny
 8-kv-head model of ``sharding_worker`` on every process, serves :func:`cases` with a plain and an
 MTP (K=3) engine on the global ``(DP, TP)`` mesh and writes ``DIR/p<process>.json``: the tokens of
 every case, the mesh layout (device ids and owning process per mesh position) and what the
@@ -36,7 +36,7 @@ MAX_TOKENS = 8
 def cases():
     """``{name: (prompts, [SamplingParams per prompt])}``: greedy and seeded sampled, on a full
     batch (2 requests, 2 slots) and a padded one (1 request, 2 slots)."""
-    from jmtp.runtime.sampling import SamplingParams as SP
+    from jmtp.runtime.host.sampling_params import SamplingParams as SP
     greedy = SP(max_tokens=MAX_TOKENS)
     return {
         "greedy": (PROMPTS, [greedy] * len(PROMPTS)),
@@ -54,8 +54,8 @@ def run_engine(dp: int, tp: int, k: int) -> dict:
     import jax
 
     from jmtp.runtime.config import SpeculativeConfig
-    from jmtp.runtime.engine import LLM
-    from jmtp.runtime import sharding as shd
+    from jmtp.runtime.host.llm import LLM
+    from jmtp.runtime.device import sharding as shd
     from tests.runtime.sharding_worker import model
 
     cfg, params = model()
@@ -94,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     dp, tp = (int(x) for x in args.mesh.split(","))
     t0 = time.perf_counter()
-    from jmtp.runtime import distributed
+    from jmtp.runtime.process import distributed
     distributed.initialize()            # from JMTP_* set by jmtp launch
     import jax
     res = {"process_index": jax.process_index(), "process_count": jax.process_count(),

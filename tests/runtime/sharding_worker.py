@@ -30,8 +30,8 @@ import jax
 import numpy as np
 
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
-from jmtp.runtime import sharding as shd
+from jmtp.runtime.device import sharding as shd
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import TINY_MOE, tiny_model, engine_of
 
 # 8 kv heads and 8 query heads (head_dim 8): every TP in {2, 4, 8} splits whole heads, the
@@ -86,7 +86,7 @@ _OP = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* (all-gather|all-reduce|all-to-all|"
 def collectives(llm) -> dict:
     """Compile the engine's decode step (bucket T=1, A=1) and list its collectives
     ``[op, dtype, result shape]``, with every weight shape (stacked, and one layer's slice)."""
-    from jmtp.runtime.buckets import StepBucket
+    from jmtp.runtime.device.buckets import StepBucket
     eng = llm.llm_engine
     runner = engine_of(eng).runner
     with shd.mesh_context(eng.mesh):
@@ -103,7 +103,7 @@ def collectives(llm) -> dict:
 
 def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8",
              kv: str | None = None, moe: bool = False) -> dict:
-    from jmtp.runtime.buckets import step_buckets
+    from jmtp.runtime.device.buckets import step_buckets
     llm = make_llm(dp, tp, k, heads, kv, moe)
     eng = llm.llm_engine
     first_cache = eng.cache.k
@@ -239,9 +239,9 @@ def tie_case() -> dict:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jmtp.runtime.sampling import SamplingParams as SP
-    from jmtp.runtime.sampling.arrays import pack_sampling
-    from jmtp.runtime.verify import verify
+    from jmtp.runtime.host.sampling_params import SamplingParams as SP
+    from jmtp.runtime.host.sampling_rows import pack_sampling
+    from jmtp.runtime.device.verify import verify
 
     V, K = 64, 3
     lo, hi = 5, 40            # shard 0, and shard 1 of 2 (shard 5 of 8)
@@ -303,7 +303,7 @@ def attention_case() -> dict:
 
 def structured_case():
     """Constrained greedy tokens (the tiny JSON schema) on a (2, 2) mesh with MTP K=3."""
-    from jmtp.runtime.structured import StructuredOutputsParams
+    from jmtp.runtime.host.structured import StructuredOutputsParams
     from tests.runtime.structured_fixtures import SCHEMA, VOCAB_SIZE, tiny_tokenizer
     cfg, params = tiny_model(0, vocab_size=VOCAB_SIZE, **MODEL)
     llm = LLM(model_config=cfg, params=params, tokenizer=tiny_tokenizer(),

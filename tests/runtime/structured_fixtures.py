@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, p
 
 from jmtp.model import forward_logits
 from jmtp.model.checkpoints.tokenizer import Tokenizer
-from jmtp.runtime.structured.grammar import GrammarCompiler, unpack_row
+from jmtp.runtime.host.structured.grammar import GrammarCompiler, unpack_row
 
 VOCAB_SIZE = 128
 MERGES = ['{"', '":', '",', '"}', 'ab', 'ba', 'na', 'me', 'ag', 'ge', 'tr', 'ue', 'al', 'se',

@@ -10,14 +10,15 @@ import time
 import pytest
 
 import jmtp
-from jmtp.runtime.async_engine import AsyncLLMEngine, EngineDeadError
-from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM
-from jmtp.runtime.sampling import SamplingParams
+from jmtp.runtime.host.sampling_params import SamplingParams
+from jmtp.runtime.serve.async_engine import AsyncLLMEngine, EngineDeadError
 
+from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import reference_greedy
 
-pytestmark = pytest.mark.xdist_group("async_engine")   # one worker builds the shared engines once
+# the canonical MTP K=2 shape's group (tests/engines.py): one worker compiles it for this module
+# and test_engine_edges.py
+pytestmark = GROUPS["mtp2"]
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8], [11, 4, 6, 10, 12, 14, 2], [7, 2, 30, 31]]
 
@@ -56,9 +57,7 @@ class CountingEngine:
 
 @pytest.fixture(scope="module")
 def llm(tiny):
-    cfg, params = tiny
-    return LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2),
-               max_num_seqs=2, max_model_len=64, block_size=4, max_num_batched_tokens=32)
+    return tiny_llm("mtp2")         # over tiny_model(0), the ``tiny`` the tests compare with
 
 
 @pytest.fixture()
@@ -344,7 +343,7 @@ def test_busy_seconds_and_health_follow_a_stuck_step(llm):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from jmtp.runtime.server import ServerMetrics, ServerOptions, build_app
+    from jmtp.runtime.serve.server import ServerMetrics, ServerOptions, build_app
 
     blocking = BlockingEngine(llm.llm_engine)
     eng = AsyncLLMEngine(blocking, start=False)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 from jmtp import LLM, SamplingParams, SpeculativeConfig
-from jmtp.runtime.structured import StructuredOutputsParams as SOP
+from jmtp.runtime.host.structured import StructuredOutputsParams as SOP
 
 from conftest import tiny_model
 from structured_fixtures import VOCAB_SIZE, tiny_tokenizer

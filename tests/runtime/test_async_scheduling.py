@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp.core.errors import InvalidRequestError
-from jmtp.runtime.llm_engine import LLMEngine
-from jmtp.runtime.sampling import SamplingParams
+from jmtp.runtime.host.llm_engine import LLMEngine
+from jmtp.runtime.host.sampling_params import SamplingParams
 from tests.runtime.fake_runner import FakeRunner, reference
 from tests.runtime.test_host_logic import (TOK, Fake, accept_all, accept_none, drive, greedy,
                                            ref)
@@ -242,7 +242,7 @@ def test_timeline_records_every_step_in_order(async_scheduling, tmp_path):
 
 
 def test_free_lower_bound_by_hand():
-    from jmtp.runtime.inflight import StepRecord, drafts_bound, free_lower_bound
+    from jmtp.runtime.host.inflight import StepRecord, drafts_bound, free_lower_bound
     rec = StepRecord(0, None, None, None, None, [], np.zeros(2), bounds=[3, 5], pushed=[1, 0],
                      overlapped=True, continued=True)
     # 10 free after the last step read; 1 pushed before the step in flight, which can take 3;
@@ -260,7 +260,7 @@ def test_free_lower_bound_by_hand():
 
 def test_async_is_the_default_where_windows_are_bounded():
     from jmtp.runtime.config import EngineConfig, SpeculativeConfig
-    from jmtp.runtime.inflight import default_async_scheduling
+    from jmtp.runtime.host.inflight import default_async_scheduling
     on = [None, SpeculativeConfig("mtp", 3), SpeculativeConfig("mtp", 3, 3, mtp_strategy="with_ngram"),
           SpeculativeConfig("mtp", 3, speculation_policy="dynamic")]
     off = [SpeculativeConfig("ngram", 3), SpeculativeConfig("mtp", 3, 1, mtp_strategy="with_ngram")]

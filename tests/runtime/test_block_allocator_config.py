@@ -11,12 +11,11 @@ import jax.numpy as jnp
 import pytest
 
 from jmtp import LLMEngine
-from jmtp.pallas import block_allocator as ba
-from jmtp.pallas import block_allocator_kernel as bak
-from jmtp.runtime import slots, target_stages as tgs
+from jmtp.pallas import block_allocator as ba, block_allocator_kernel as bak
 from jmtp.runtime.config import EngineConfig
-from jmtp.runtime.engine import SamplingParams
-from jmtp.runtime.state import init_state
+from jmtp.runtime.device import slots, target_stages as tgs
+from jmtp.runtime.device.state import init_state
+from jmtp.runtime.host.llm import SamplingParams
 from tests.runtime.conftest import reference_greedy, tiny_model
 
 

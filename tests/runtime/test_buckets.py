@@ -5,8 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmtp.runtime.buckets import StepBucket, active_slots, choose_bucket, slot_buckets, step_buckets
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
+from jmtp.runtime.device.buckets import (StepBucket, active_slots, choose_bucket, slot_buckets,
+                                         step_buckets)
 from tests.runtime.conftest import engine_of
 
 B8K3 = EngineConfig(max_num_seqs=8, spec=SpeculativeConfig("mtp", 3), max_num_batched_tokens=128)
@@ -109,7 +110,7 @@ def _spy_buckets(llm):
     seen, real = [], engine_of(llm).runner.jitted_step
 
     def step(*a):
-        seen.append(a[3])
+        seen.append(a[0].bucket)
         return real(*a)
 
     engine_of(llm).runner.jitted_step = step
@@ -122,7 +123,7 @@ def test_scattered_active_slots_match_a_narrow_engine(sampled, kept_engines):
     """Slots 1, 5, 6 of an 8-slot engine keep decoding while 0, 2, 3, 4 finished at their prefill
     and 7 stays idle: compacted into A = 4 rows (one padding row), their tokens equal the same
     requests' on a 3-slot engine (and greedy equals the non-paged reference)."""
-    from jmtp.runtime.engine import LLM, SamplingParams
+    from jmtp.runtime.host.llm import LLM, SamplingParams
     from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks
     cfg, params = tiny_model(0)
     spec = SpeculativeConfig("mtp", 2, 2)

@@ -1,4 +1,4 @@
-"""Compilation out of the hot path (jmtp/runtime/compile.py): ahead-of-time bucket compiles and the
+"""Compilation out of the hot path (jmtp/runtime/process/compile.py): ahead-of-time bucket compiles and the
 persistent compilation cache. Tiny random model, one or two token buckets."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import jax
 import pytest
 
 import jmtp
-from jmtp.runtime.buckets import step_buckets
-from jmtp.runtime import compile as jc
+from jmtp.runtime.device.buckets import step_buckets
+from jmtp.runtime.process import compile as jc
 
 from tests.runtime.conftest import reference_greedy, tiny_model
 
@@ -221,7 +221,7 @@ def test_fast_cpu_compile_flag_only_before_a_backend_starts():
     jaxlib it was measured on) and changes nothing once one runs."""
     code = textwrap.dedent("""
         import os, importlib.metadata
-        from jmtp.runtime import compile as jc
+        from jmtp.runtime.process import compile as jc
         first = jc.use_fast_cpu_compiles()
         import jax
         jax.devices()

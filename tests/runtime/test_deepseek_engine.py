@@ -12,7 +12,7 @@ import pytest
 
 from jmtp.model import load_checkpoint
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import reference_greedy
 
 pytestmark = pytest.mark.xdist_group("deepseek_engine")   # one worker builds the shared engines once

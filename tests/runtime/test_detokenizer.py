@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jmtp.runtime.detokenizer import MAX_WINDOW, IncrementalDetokenizer
+from jmtp.runtime.host.detokenizer import MAX_WINDOW, IncrementalDetokenizer
 
 TEXTS = [
     "Hello world! 你好，世界。今天天气很好，我们去公园散步吧。",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import reference_greedy, tiny_model
 
 

@@ -1,5 +1,5 @@
 """``LLM.close()`` / ``with LLM(...)`` / collection release an engine's compiled executables and
-the memory mappings XLA:CPU holds for them (jmtp/runtime/executables.py), so a process can build
+the memory mappings XLA:CPU holds for them (jmtp/runtime/device/executables.py), so a process can build
 engines one after another under the default ``vm.max_map_count``; the ``"auto"`` layer loop
 degrades to the scan when the unrolled buckets would not fit (engine_args.fit_layer_loop).
 
@@ -16,9 +16,9 @@ import pytest
 
 import jmtp
 from jmtp import SamplingParams, SpeculativeConfig
-from jmtp.runtime import engine_args as ea
-from jmtp.runtime import host_maps as hm
-from jmtp.runtime.buckets import step_buckets
+from jmtp.runtime.device.buckets import step_buckets
+from jmtp.runtime.host import engine_args as ea
+from jmtp.runtime.process import host_maps as hm
 
 from tests.runtime.conftest import reference_greedy
 

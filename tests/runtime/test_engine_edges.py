@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jmtp.model.llama import KVCache
-from jmtp.runtime.buckets import step_buckets
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.host.llm import LLM, SamplingParams
+from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks, engine_of
 
 K = 3
@@ -143,11 +143,10 @@ def test_prompt_near_max_model_len_finishes_with_length(room):
     assert len(o.prompt_token_ids) + len(o.token_ids) == MAX_LEN
 
 
-@pytest.mark.xdist_group("edges_mtp2_2slots")    # one configuration, compiled once
+@GROUPS["mtp2"]            # the canonical MTP K=2 shape (tests/engines.py), compiled once
 def test_one_token_prompt_with_mtp(tiny, kept_engines):
     cfg, params = tiny
-    llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
-              max_num_seqs=2, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+    llm = tiny_llm("mtp2")
     kept_engines.append(llm)
     (o,) = llm.generate([[7]], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert o.token_ids == reference_greedy(cfg, params, [7], 6, stop_ids=())
@@ -218,36 +217,30 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny, model):
     rng = np.random.default_rng(0)
     batch = lambda n: [list(rng.integers(2, 64, rng.integers(1, 30))) for _ in range(n)]
     before = engine_of(llm).runner.jitted_step._cache_size()  # the jit cache is shared with other engines of the process
+    run = engine_of(llm).runner
     for bucket in step_buckets(ec):   # idle state: every step is a no-op
-        llm.state, llm.cache, llm.mtp_cache, _ = engine_of(llm).runner.jitted_step(
-            llm.graphdef, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache,
-            jnp.zeros((ec.max_num_seqs,), jnp.int32), jnp.zeros((ec.max_num_seqs,), jnp.int32),
-            *engine_of(llm).runner.neutral_guide())
+        run.state, caches, _ = run.jitted_step(*run.step_args(bucket))
+        run.cache, run.mtp_cache = caches.target, caches.mtp
     compiled = engine_of(llm).runner.jitted_step._cache_size()
     # 4 slots: decode (T, A): (1|2|3, 1), (2|4|6, 2), (4|8|12, 4); prefill (3|6|12|16|32, 4)
     assert compiled - before == len(step_buckets(ec))
     assert slots != 4 or len(step_buckets(ec)) == 13
     steps, seen = 0, set()
     real = engine_of(llm).runner.jitted_step
-    engine_of(llm).runner.jitted_step = lambda *a: (seen.add(a[3]), real(*a))[1]
+    engine_of(llm).runner.jitted_step = lambda *a: (seen.add(a[0].bucket), real(*a))[1]
     while steps < (100 if slots == 4 else 40):
         llm.generate(batch(int(rng.integers(1, 7))),
                      SamplingParams(max_tokens=int(rng.integers(1, 12))), use_tqdm=False)
         steps += llm.last_run_stats["steps"]
     assert real._cache_size() == compiled
     assert {b.num_slots for b in seen} >= {1, 2, 4} - {4 if slots == 2 else 0}, seen  # narrow ones
-    hlo = jax.jit(real.__wrapped__ if hasattr(real, "__wrapped__") else real,
-                  static_argnums=(0, 1, 2, 3, 4)).lower(
-        llm.graphdef, ec, None, step_buckets(ec)[0], None, llm.params, llm.state, llm.cache,
-        llm.mtp_cache,
-        jnp.zeros((ec.max_num_seqs,), jnp.int32)).as_text()
+    hlo = real.lower(*run.step_args(step_buckets(ec)[0])).as_text()
     assert "callback" not in hlo.lower()
 
 
 def test_bad_input_raises_before_running(tiny):
     cfg, params = tiny
-    llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
-              max_num_seqs=2, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+    llm = tiny_llm("mtp2")
     calls = []
     engine_of(llm).runner.jitted_step = lambda *a: calls.append(a)
     with pytest.raises(ValueError, match="empty"):
@@ -277,7 +270,7 @@ def test_bad_input_raises_before_running(tiny):
     assert not calls  # nothing ran
 
 
-@pytest.mark.xdist_group("edges_mtp2_2slots")    # test_one_token_prompt_with_mtp's configuration
+@GROUPS["mtp2"]            # the canonical MTP K=2 shape (tests/engines.py), compiled once
 @pytest.mark.parametrize("fail_in", ["insert", "release"])
 def test_failing_device_call_loses_no_request(tiny, fail_in, kept_engines):
     """A device call that raises (the request insert while admitting, or the slot release while
@@ -286,8 +279,7 @@ def test_failing_device_call_loses_no_request(tiny, fail_in, kept_engines):
     failure left ``seq.slot`` set on an unrecorded slot, so the abort in ``LLM.generate`` died in
     ``list.remove`` and hid the real error.)"""
     cfg, params = tiny
-    llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
-              max_num_seqs=2, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
+    llm = tiny_llm("mtp2")
     kept_engines.append(llm)
     eng = llm.llm_engine
     real = getattr(eng.runner, fail_in)

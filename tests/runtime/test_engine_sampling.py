@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model
 
 pytestmark = pytest.mark.xdist_group("engine_sampling")   # one worker builds the shared engines once

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM
-from jmtp.runtime.sampling import SamplingParams
+from jmtp.runtime.host.llm import LLM
+from jmtp.runtime.host.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("smollm2_engine")  # one worker runs the module-scoped fixture once
 

@@ -169,7 +169,7 @@ def test_expert_parallel_errors_and_no_ops(tiny, caplog):
     ep.check_expert_parallel(MoEConfig(8, 2, 8), 2, 4)
     with pytest.raises(ValueError, match="MoEConfig.all2all_backend must be one of"):
         MoEConfig(8, 2, 8, all2all_backend="naive")
-    from jmtp.runtime.llm_engine import LLMEngine
+    from jmtp.runtime.host.llm_engine import LLMEngine
     cfg, params = tiny
     kw = dict(model_config=cfg, params=params, max_num_seqs=1, max_model_len=16, block_size=4,
               max_num_batched_tokens=4, compile="lazy")
@@ -183,7 +183,7 @@ def test_expert_parallel_errors_and_no_ops(tiny, caplog):
 def test_one_device_expert_parallel_changes_nothing():
     """On one device ``enable_expert_parallel`` leaves the MoE config as it is (nothing to
     split): the engine is the plain one."""
-    from jmtp.runtime.llm_engine import LLMEngine
+    from jmtp.runtime.host.llm_engine import LLMEngine
     cfg, params = worker.model("qwen3_moe")
     eng = LLMEngine(model_config=cfg, params=params, enable_expert_parallel=True,
                     **worker.engine_kwargs(1))
@@ -200,7 +200,7 @@ def test_expert_parallel_rules_and_data_specs():
     from jmtp.model import axes as ax
 
     from jmtp.model import schema
-    from jmtp.runtime import sharding as shd
+    from jmtp.runtime.device import sharding as shd
 
     class FakeMesh:                   # logical_spec only reads the axis sizes
         def __init__(self, dp, tp):
@@ -231,7 +231,7 @@ def test_expert_parallel_rules_and_data_specs():
 def test_mla_tensor_parallel_splits_query_heads_only():
     """Multi-head latent attention under tensor parallelism: the query heads must split (the
     latent cache has one head, replicated), so only ``num_heads`` is checked."""
-    from jmtp.runtime import sharding as shd
+    from jmtp.runtime.device import sharding as shd
     cfg, _ = worker.model("deepseek_v3")           # 8 query heads, one latent head
     shd.check_tensor_parallel(cfg, 8)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide num_heads=8"):

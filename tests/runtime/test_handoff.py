@@ -1,4 +1,4 @@
-"""Prefill -> decode hand-off (jmtp.runtime.handoff): a request prefilled on one LLM and decoded on
+"""Prefill -> decode hand-off (jmtp.runtime.host.handoff): a request prefilled on one LLM and decoded on
 another gives the tokens and the per-position acceptance of decoding it on one LLM."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
-from jmtp.runtime.handoff import HANDOFF_VERSION, RequestState
+from jmtp.runtime.host.handoff import HANDOFF_VERSION, RequestState
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model, free_blocks
 
 pytestmark = pytest.mark.xdist_group("handoff_engines")   # one worker builds the shared engines once
@@ -229,7 +229,7 @@ def test_hand_off_between_a_scan_and_an_unrolled_engine():
     engine (stacked weights, as on TPU/GPU) decodes on an unrolled one (per-layer weights, the
     CPU default) with the one-engine tokens; the weights' digest is the same for both layouts
     and differs for other weights."""
-    from jmtp.runtime.handoff import compat_diff, params_digest
+    from jmtp.runtime.host.handoff import compat_diff, params_digest
     a = make(2, layer_loop="scan")
     b = make(2, max_num_seqs=2, num_blocks=30, layer_loop="unrolled")
     assert (a.llm_engine.layer_loop, b.llm_engine.layer_loop) == ("scan", "unrolled")

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from jmtp.core.errors import InvalidRequestError
-from jmtp.runtime.buckets import StepBucket
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.llm_engine import LLMEngine
-from jmtp.runtime.requests import Sequence, sample_seed
-from jmtp.runtime.sampling import SamplingParams
-from jmtp.runtime.scheduler import Scheduler, reuse_bucket
+from jmtp.runtime.device.buckets import StepBucket
+from jmtp.runtime.host.llm_engine import LLMEngine
+from jmtp.runtime.host.requests import Sequence, sample_seed
+from jmtp.runtime.host.sampling_params import SamplingParams
+from jmtp.runtime.host.scheduler import Scheduler, reuse_bucket
 from tests.runtime.fake_runner import FakeRunner, reference
 
 SB = StepBucket

@@ -11,12 +11,12 @@ import textwrap
 
 import pytest
 
-from jmtp.runtime import host_malloc
+from jmtp.runtime.process import host_malloc
 
 PROBE = textwrap.dedent("""
     import resource
     import jmtp
-    from jmtp.runtime.process import tune_malloc
+    from jmtp.runtime.process.settings import tune_malloc
     tune_malloc()   # applies the malloc settings unless JMTP_MALLOC_TUNING=0
     import jax, jax.numpy as jnp
     # 40 MB of scratch: the barrier materialises x * 2 (a reversed read cannot fuse with it)
@@ -28,7 +28,7 @@ PROBE = textwrap.dedent("""
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(20):
         f(x).block_until_ready()
-    print(jmtp.runtime.host_malloc.applied, temp,
+    print(jmtp.runtime.process.host_malloc.applied, temp,
           (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 20)
 """)
 
@@ -66,9 +66,9 @@ def test_scratch_above_32_mib_is_not_remapped_every_step():
 
 
 def test_import_changes_nothing_and_a_mistyped_switch_warns():
-    res = run_python("import jmtp, jmtp.runtime.host_malloc as h; print(h.applied)", "1")
+    res = run_python("import jmtp, jmtp.runtime.process.host_malloc as h; print(h.applied)", "1")
     assert res.stdout.split()[-1] == "False"       # import jmtp is side-effect free
-    res = run_python("from jmtp.runtime.process import tune_malloc; print(tune_malloc())", "yes")
+    res = run_python("from jmtp.runtime.process.settings import tune_malloc; print(tune_malloc())", "yes")
     assert res.stdout.split()[-1] == "False"
     assert "JMTP_MALLOC_TUNING='yes'" in res.stderr
 

@@ -1,4 +1,4 @@
-"""The memory-map budget (jmtp/runtime/host_maps.py): XLA:CPU maps every compiled kernel on its own
+"""The memory-map budget (jmtp/runtime/process/host_maps.py): XLA:CPU maps every compiled kernel on its own
 and aborts the process past ``vm.max_map_count``; jmtp refuses the compile before that, with a
 MapLimitError. Fake counters for the arithmetic, a tiny lazy engine for the engine path."""
 from __future__ import annotations
@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 import jmtp
-from jmtp.runtime import compile as jc
-from jmtp.runtime import host_maps as hm
-from jmtp.runtime.buckets import step_buckets
+from jmtp.runtime.device.buckets import step_buckets
+from jmtp.runtime.process import compile as jc, host_maps as hm
 
 from tests.runtime.conftest import reference_greedy, tiny_model, engine_of
 

@@ -15,7 +15,7 @@ import pytest
 
 from jmtp.model.checkpoints.hf_loader import load_hf
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.host.llm import LLM, SamplingParams
 
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
@@ -169,7 +169,7 @@ def test_unsupported_options_refused(hybrid):
 
 
 def _wire(states):
-    from jmtp.runtime.handoff import RequestState
+    from jmtp.runtime.host.handoff import RequestState
     return [RequestState.from_bytes(s.to_bytes()) for s in states]
 
 
@@ -206,7 +206,7 @@ def test_handoff_refuses_a_mismatched_state_layout(hybrid):
     refused naming the array."""
     import copy
 
-    from jmtp.runtime.handoff import fingerprint_hash
+    from jmtp.runtime.host.handoff import fingerprint_hash
     a = llm(hybrid, SpeculativeConfig("mtp", 2, 2))
     (st,) = a.prefill(PROMPTS[:1], GREEDY)
     bad = copy.deepcopy(st)
@@ -232,7 +232,7 @@ def test_state_pool_is_not_copied(hybrid):
     layers did before) and no ``copy`` of a whole pool or of its flat view."""
     import re
 
-    from jmtp.runtime.buckets import step_buckets
+    from jmtp.runtime.device.buckets import step_buckets
     run = llm(hybrid, SpeculativeConfig("mtp", 2, 2)).llm_engine.runner
     lin = run.cache.linear
     bucket = step_buckets(run.shard_config)[-1]

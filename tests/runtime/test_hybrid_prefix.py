@@ -18,8 +18,8 @@ from jmtp import LLMEngine
 from jmtp.model.checkpoints.hf_loader import load_hf
 from jmtp.model.state_checkpoints import boundary_captured
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import SamplingParams
-from jmtp.runtime.prefix_states import StateCache, longest_with_state
+from jmtp.runtime.host.llm import SamplingParams
+from jmtp.runtime.host.prefix_states import StateCache, longest_with_state
 
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
@@ -270,8 +270,8 @@ def test_capture_chunk_hand_worked():
     boundary 20; one that ends on or before it, or a short chunk (<= the window, its rows keep
     their states), is not cut; a branch point at 12 cuts first; a dense slot (no capture entry)
     is never cut."""
-    from jmtp.runtime.requests import Sequence
-    from jmtp.runtime.scheduler import capture_chunk
+    from jmtp.runtime.host.requests import Sequence
+    from jmtp.runtime.host.scheduler import capture_chunk
     seq = Sequence(None, 0, SamplingParams(), None, context_ids=list(range(23)), state_entry=0)
     assert capture_chunk(seq, 7, 7, 4, 3) == 4          # 16..23 -> 16..20
     assert capture_chunk(seq, 15, 8, 4, 3) == 8         # 8..16: ends before 20

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model, free_blocks
 
 pytestmark = pytest.mark.xdist_group("kvquant_engine")  # one worker runs the module-scoped fixture once

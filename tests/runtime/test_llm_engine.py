@@ -8,7 +8,7 @@ import pytest
 
 from jmtp import CompletionOutput, LLMEngine
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import reference_greedy, tiny_model, engine_of
 from tests.runtime.test_engine_edges import K, MAX_LEN, oracle_drafter
 
@@ -297,7 +297,7 @@ def test_auto_layer_loop_is_unrolled_on_one_cpu_device_else_scan():
     """``layer_loop="auto"`` (the default): unrolled on XLA:CPU without a mesh (the scan copies
     each layer's weights there), scan with a mesh (unrolled does not support one) and on TPU /
     GPU; explicit values are kept."""
-    from jmtp.runtime.engine_args import resolve_layer_loop
+    from jmtp.runtime.host.engine_args import resolve_layer_loop
     assert resolve_layer_loop("auto", True, "cpu") == "unrolled"
     assert resolve_layer_loop("auto", False, "cpu") == "scan"
     assert resolve_layer_loop("auto", True, "tpu") == "scan"

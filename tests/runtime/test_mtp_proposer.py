@@ -11,7 +11,7 @@ import pytest
 
 from jmtp.model import compute_logits, forward, init_kv_cache, mtp_forward, ragged_batch
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model, engine_of
 
 

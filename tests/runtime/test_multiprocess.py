@@ -23,8 +23,8 @@ import types
 
 import pytest
 
-from jmtp.runtime import distributed as dist
 from jmtp.launch import process_env
+from jmtp.runtime.process import distributed as dist
 from tests.runtime import multiprocess_worker as worker
 from tests.runtime.conftest import reference_greedy
 
@@ -216,7 +216,7 @@ def test_process_env_sets_the_job_and_replaces_the_device_count():
 def test_mesh_devices_are_balanced_and_process_major(monkeypatch):
     """2 processes × 4 devices listed interleaved: a 4-device mesh takes 2 of each, process 0's
     first; a model axis of 2 then stays inside a process; 3 devices cannot be split evenly."""
-    from jmtp.runtime import sharding as shd
+    from jmtp.runtime.device import sharding as shd
     devs = [types.SimpleNamespace(id=i + 100 * p, process_index=p, platform="cpu")
             for i in range(4) for p in (1, 0)]
     monkeypatch.setattr(shd.jax, "devices", lambda: devs)

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from jmtp.runtime import sampling as smp
-from jmtp.runtime import verify as vf
-from jmtp.runtime.buckets import step_buckets
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
-from jmtp.runtime.ngram import extend_with_ngram, ngram_match
+from jmtp.runtime.device import sampling as smp, verify as vf
+from jmtp.runtime.device.buckets import step_buckets
+from jmtp.runtime.device.ngram import extend_with_ngram, ngram_match
+from jmtp.runtime.host import sampling_rows as rows
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model, free_blocks, engine_of
 
 pytestmark = pytest.mark.xdist_group("ngram_engines")   # one worker builds the shared engines once
@@ -198,7 +198,7 @@ def test_ngram_needs_no_mtp_weights():
     llm = LLM(model_config=cfg.replace(num_mtp_layers=0), params=no_mtp,
               speculative_config=SpeculativeConfig("ngram", 2), max_num_seqs=2,
               max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
-    assert llm.engine_config.m == 0 and llm.mtp_cache is None
+    assert llm.engine_config.mtp_substeps == 0 and llm.mtp_cache is None
     ref = engine(None).generate([[3, 4, 3, 4, 3]], SamplingParams(max_tokens=10), use_tqdm=False)
     out = llm.generate([[3, 4, 3, 4, 3]], SamplingParams(max_tokens=10), use_tqdm=False)
     assert out[0].token_ids == ref[0].token_ids
@@ -220,11 +220,10 @@ def test_no_recompiles_when_limits_change_and_windows_report_their_budget():
             for _ in range(4)]
     refs = [[o.token_ids for o in engine(None).generate(p, sp, use_tqdm=False)] for p, sp in work]
     ec = llm.engine_config
-    zeros = jnp.zeros((ec.max_num_seqs,), jnp.int32)
+    run = engine_of(llm).runner
     for bucket in step_buckets(ec):   # warm every step shape on the idle state (a no-op step)
-        llm.state, llm.cache, llm.mtp_cache, _ = engine_of(llm).runner.jitted_step(
-            llm.graphdef, ec, None, bucket, None, llm.params, llm.state, llm.cache, llm.mtp_cache, zeros,
-            zeros, *engine_of(llm).runner.neutral_guide())
+        run.state, caches, _ = run.jitted_step(*run.step_args(bucket))
+        run.cache, run.mtp_cache = caches.target, caches.mtp
     compiled = engine_of(llm).runner.jitted_step._cache_size()
     seen = set()
     policy = llm.spec_policy
@@ -334,7 +333,7 @@ def simulate_ngram(a, *, mode):
 def test_ngram_sampling_is_lossless(mode, name):
     params = vd.SETTINGS[name]
     N = vd.N
-    a = smp.pack_sampling([params], 1, vd.V, prompts=[PROMPT])
+    a = rows.pack_sampling([params], 1, vd.V, prompts=[PROMPT])
     a = jax.tree.map(lambda x: x[np.zeros(N, int)], a)
     a = dataclasses.replace(a, seed=jnp.arange(N, dtype=jnp.uint32) * 7919 + 13)
     out = np.asarray(simulate_ngram(a, mode=mode))
@@ -350,7 +349,7 @@ def test_ngram_sampling_negative_control():
     """The check has power: deterministic n-gram drafts verified with a q other than one-hot."""
     params = vd.SETTINGS["t0.8_p0.9"]
     N = vd.N
-    a = smp.pack_sampling([params], 1, vd.V, prompts=[PROMPT])
+    a = rows.pack_sampling([params], 1, vd.V, prompts=[PROMPT])
     a = jax.tree.map(lambda x: x[np.zeros(N, int)], a)
     a = dataclasses.replace(a, seed=jnp.arange(N, dtype=jnp.uint32) * 7919 + 13)
     out = np.asarray(simulate_ngram(a, mode="mixed_wrong_q"))
@@ -366,7 +365,7 @@ def test_zero_q_row_means_one_hot():
     logits = jnp.asarray(rng.normal(size=(B, K + 1, V)) * 2, jnp.float32)
     d = jnp.asarray(rng.integers(0, V, (B, K)), jnp.int32)
     nd = jnp.full((B,), K, jnp.int32)
-    a = smp.pack_sampling([SamplingParams(temperature=0.9)], 1, V, prompts=[[0]])
+    a = rows.pack_sampling([SamplingParams(temperature=0.9)], 1, V, prompts=[[0]])
     a = jax.tree.map(lambda x: x[np.zeros(B, int)], a)
     a = dataclasses.replace(a, seed=jnp.arange(B, dtype=jnp.uint32))
     ng = jnp.zeros((B,), jnp.int32)

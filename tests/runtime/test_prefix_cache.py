@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp import LLMEngine
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import SamplingParams
-from jmtp.runtime.prefix_cache import PrefixCache, block_keys
+from jmtp.runtime.host.llm import SamplingParams
+from jmtp.runtime.host.prefix_cache import PrefixCache, block_keys
 from tests.runtime.conftest import reference_greedy, tiny_model, engine_of
 
 pytestmark = pytest.mark.xdist_group("prefix_cache")   # one worker builds the shared engines once
@@ -306,7 +306,7 @@ def test_failing_insert_takes_no_reference(lifecycle_engine):
 def test_prefix_caching_on_a_mesh_of_one_device():
     """A one-device mesh is one device: prefix caching is accepted there (it was refused for any
     ``mesh`` argument) and a shared prefix is served from the cache with the reference's tokens."""
-    from jmtp.runtime.sharding import make_mesh
+    from jmtp.runtime.device.sharding import make_mesh
     engine = _engine(MTP3, True, mesh=make_mesh(1, 1))
     chats = _chats()[:2]
     res, _ = _run_chats(engine, chats)

@@ -11,7 +11,7 @@ import pytest
 
 from jmtp import LLM, SamplingParams, SpeculativeConfig
 from jmtp.model.quant_params import param_bytes, quantize_params
-from jmtp.runtime.engine_args import EngineArgs
+from jmtp.runtime.host.engine_args import EngineArgs
 from tests.runtime.conftest import TINY_MOE, reference_greedy, tiny_model
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import jmtp
-from jmtp.runtime.server import param_of
+from jmtp.runtime.serve.server import param_of
 from tests.runtime.conftest import tiny_model
 
 pytestmark = pytest.mark.xdist_group("request_errors")   # one worker builds the shared engines once
@@ -65,7 +65,7 @@ def test_structured_schema_depth_is_bounded():
     recursive check runs (a 100-level schema hit Python's recursion limit in jsonschema); at
     the limit it is accepted. JSON text nested past the parser's own limit is refused too."""
     from jmtp.core.checks import json_depth
-    from jmtp.runtime.structured.params import MAX_SCHEMA_DEPTH
+    from jmtp.runtime.host.structured.params import MAX_SCHEMA_DEPTH
 
     def nested(levels):
         s = {"type": "string"}

@@ -15,7 +15,7 @@ import pytest
 import jmtp
 from jmtp import SamplingParams, SpeculativeConfig
 from jmtp.model import forward_logits
-from jmtp.runtime.sampling.rng import seed_keys
+from jmtp.runtime.device.sampling.rng import seed_keys
 
 import jax
 import jax.numpy as jnp

@@ -1,10 +1,10 @@
-"""The step cost model (jmtp.runtime.roofline) against hand-counted bytes, FLOPs and kernels."""
+"""The step cost model (jmtp.runtime.host.roofline) against hand-counted bytes, FLOPs and kernels."""
 from __future__ import annotations
 
 import pytest
 
 from jmtp.model.config import ModelConfig, MoEConfig
-from jmtp.runtime.roofline import DeviceModel, fit_gap, speculative_speedup, step_cost
+from jmtp.runtime.host.roofline import DeviceModel, fit_gap, speculative_speedup, step_cost
 
 CFG = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=16)

@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jmtp.runtime import sampling as smp
-from jmtp.runtime.sampling import SamplingArrays, SamplingParams
+from jmtp.runtime.device import sampling as smp
+from jmtp.runtime.device.sampling import SamplingArrays
+from jmtp.runtime.host import sampling_rows as rows
+from jmtp.runtime.host.sampling_params import SamplingParams
 
 # ----------------------------------------------------------------------------------------------
 # numpy reference (float64), one output position at a time
@@ -184,7 +186,7 @@ def test_set_slot_rewrites_everything_and_clear_restores_neutral(as_numpy):
     B, V = 3, 12
     base = SamplingArrays.empty(B, V, max_stop=3, max_bad_words=1, max_bad_word_len=2,
                                 as_numpy=as_numpy)
-    a = smp.set_slot(base, 1, FULL, [1, 2, 2, 9], eos_ids=[11], request_seed=3,
+    a = rows.set_slot(base, 1, FULL, [1, 2, 2, 9], eos_ids=[11], request_seed=3,
                      bad_words_ids=[[4], [7, 8]])
     a = smp.update_history(jax.tree.map(jnp.asarray, a), jnp.array([[0, 0], [3, 3], [0, 0]]),
                            jnp.array([0, 2, 0]))
@@ -199,33 +201,33 @@ def test_set_slot_rewrites_everything_and_clear_restores_neutral(as_numpy):
         assert _tree_equal(jax.tree.map(lambda x: np.asarray(x)[s], a),
                            jax.tree.map(lambda x: np.asarray(x)[s], base))
     # a new occupant with default params: nothing of the previous one survives
-    b = smp.set_slot(a, 1, SamplingParams(), [], request_seed=0)
+    b = rows.set_slot(a, 1, SamplingParams(), [], request_seed=0)
     assert _tree_equal(b, jax.tree.map(jnp.asarray, base))
-    c = smp.clear_slot(a, 1)
+    c = rows.clear_slot(a, 1)
     assert _tree_equal(c, jax.tree.map(jnp.asarray, base))
 
 
 def test_set_slot_errors_name_the_argument():
     a = SamplingArrays.empty(2, 8, max_stop=2)
     with pytest.raises(ValueError, match="slot"):
-        smp.set_slot(a, 2, SamplingParams(), [])
+        rows.set_slot(a, 2, SamplingParams(), [])
     with pytest.raises(ValueError, match="prompt_ids"):
-        smp.set_slot(a, 0, SamplingParams(), [8])
+        rows.set_slot(a, 0, SamplingParams(), [8])
     with pytest.raises(ValueError, match="stop_token_ids"):
-        smp.set_slot(a, 0, SamplingParams(stop_token_ids=(1, 2)), [], eos_ids=[3])
-    smp.set_slot(a, 0, SamplingParams(stop_token_ids=(1, 2), ignore_eos=True), [], eos_ids=[3])
+        rows.set_slot(a, 0, SamplingParams(stop_token_ids=(1, 2)), [], eos_ids=[3])
+    rows.set_slot(a, 0, SamplingParams(stop_token_ids=(1, 2), ignore_eos=True), [], eos_ids=[3])
     with pytest.raises(ValueError, match="bad_token_ids"):
-        smp.set_slot(a, 0, SamplingParams(bad_token_ids=(9,)), [])
+        rows.set_slot(a, 0, SamplingParams(bad_token_ids=(9,)), [])
     with pytest.raises(ValueError, match="bad_words_ids"):
-        smp.set_slot(a, 0, SamplingParams(), [], bad_words_ids=[[1, 2]])  # no capacity
+        rows.set_slot(a, 0, SamplingParams(), [], bad_words_ids=[[1, 2]])  # no capacity
     with pytest.raises(ValueError, match="vocab_size"):
-        smp.set_slot(a, 0, SamplingParams(), [], vocab_size=9)
+        rows.set_slot(a, 0, SamplingParams(), [], vocab_size=9)
     with pytest.raises(ValueError, match="params"):
-        smp.pack_sampling([SamplingParams()] * 3, 2, 8)
+        rows.pack_sampling([SamplingParams()] * 3, 2, 8)
 
 
 def test_seed_defaults():
-    a = smp.pack_sampling([SamplingParams(seed=5), SamplingParams()], 2, 8, seeds=[1, 9])
+    a = rows.pack_sampling([SamplingParams(seed=5), SamplingParams()], 2, 8, seeds=[1, 9])
     assert list(np.asarray(a.seed)) == [5, 9]
 
 
@@ -276,7 +278,7 @@ def arrays_with_history(B, V, slot_params, *, max_stop=4, max_bad_words=3, LW=3,
     toks = np.zeros((B, G), np.int32)
     nums = np.zeros((B,), np.int32)
     for b, (params, prompt, generated, bad_words, eos) in enumerate(slot_params):
-        a = smp.set_slot(a, b, params, prompt, bad_words_ids=bad_words, eos_ids=eos,
+        a = rows.set_slot(a, b, params, prompt, bad_words_ids=bad_words, eos_ids=eos,
                          request_seed=b)
         toks[b, :len(generated)] = generated
         nums[b] = len(generated)
@@ -319,7 +321,7 @@ def test_min_tokens_boundary_and_ignore_eos():
     lg = jnp.zeros((2, 4, V))
     params = [SamplingParams(min_tokens=4, stop_token_ids=(3,), max_tokens=9),
               SamplingParams(min_tokens=4, stop_token_ids=(3,), max_tokens=9, ignore_eos=True)]
-    a = smp.pack_sampling(params, 2, V)
+    a = rows.pack_sampling(params, 2, V)
     pen = np.asarray(jax.jit(smp.penalize)(lg, a, jnp.zeros((2, 3), jnp.int32),
                                            jnp.array([3, 3]), jnp.array([2, 2]), eos))
     # num_generated + w < 4  <=>  w < 2
@@ -439,7 +441,7 @@ def test_draft_sample_greedy_and_sampled():
     V, B = 8, 4
     rng = np.random.default_rng(1)
     lg = jnp.asarray(rng.normal(size=(B, V)), jnp.float32)
-    a = smp.pack_sampling([SamplingParams(temperature=1.0, seed=s) for s in range(3)] + [None],
+    a = rows.pack_sampling([SamplingParams(temperature=1.0, seed=s) for s in range(3)] + [None],
                           B, V)
     tok, q = _draft(lg, a)
     assert q is None and list(np.asarray(tok)) == list(np.asarray(lg).argmax(-1))
@@ -460,7 +462,7 @@ def test_draft_sample_empirical_distribution_and_batch_independence():
     V, N = 6, 8000
     lg = jnp.asarray(np.log([0.05, 0.1, 0.15, 0.2, 0.2, 0.3]), jnp.float32)
     lgs = jnp.broadcast_to(lg, (N, V))
-    a = smp.pack_sampling([SamplingParams(temperature=1.0, seed=s) for s in range(N)], N, V)
+    a = rows.pack_sampling([SamplingParams(temperature=1.0, seed=s) for s in range(N)], N, V)
     pos = jnp.asarray(np.arange(N) % 5, jnp.int32)
     tok, _ = _draft(lgs, a, pos, draft_sampling=True)
     freq = np.bincount(np.asarray(tok), minlength=V) / N

@@ -26,7 +26,7 @@ import time
 import httpx
 import pytest
 
-from jmtp.runtime import distributed as dist
+from jmtp.runtime.process import distributed as dist
 from tests.runtime.serve_process import free_port
 
 openai = pytest.importorskip("openai")
@@ -220,7 +220,7 @@ def _ppid(pid: int) -> int:
 
 _PEER = """
 import sys, time
-from jmtp.runtime import distributed
+from jmtp.runtime.process import distributed
 distributed.initialize()
 import jax
 print("ready", jax.process_index(), flush=True)

@@ -77,8 +77,8 @@ def offline(smollm2, smollm2_tokenizer):
     except ``max_logprobs``: 0 here, so the server's texts also show that serving logprobs does
     not change the tokens."""
     from jmtp.runtime.config import SpeculativeConfig
-    from jmtp.runtime.engine import LLM
-    from jmtp.runtime.sampling import SamplingParams
+    from jmtp.runtime.host.llm import LLM
+    from jmtp.runtime.host.sampling_params import SamplingParams
 
     cfg, params = smollm2
     llm = LLM(model_config=cfg, params=params, tokenizer=smollm2_tokenizer,

@@ -17,8 +17,8 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import jmtp  # noqa: E402
-from jmtp import SpeculativeConfig  # noqa: E402
-from jmtp.model import forward_logits  # noqa: E402
+from jmtp import SpeculativeConfig
+from jmtp.model import forward_logits
 
 from tests.runtime.conftest import tiny_model  # noqa: E402
 from tests.runtime.test_request_fields import biased_greedy  # noqa: E402
@@ -31,9 +31,9 @@ FILE_SEP = 5            # SmolLM2's special token "<file_sep>" (not EOS)
 
 @pytest.fixture(scope="module")
 def setup(smollm2_tokenizer):
-    from jmtp.runtime.async_engine import AsyncLLMEngine
-    from jmtp.runtime.server.app import build_app
-    from jmtp.runtime.server.metrics import ServerMetrics
+    from jmtp.runtime.serve.async_engine import AsyncLLMEngine
+    from jmtp.runtime.serve.server.app import build_app
+    from jmtp.runtime.serve.server.metrics import ServerMetrics
 
     cfg, params = tiny_model(vocab_size=49152, eos_token_ids=(2,))
     llm = jmtp.LLM(model_config=cfg, params=params, tokenizer=smollm2_tokenizer, max_num_seqs=2,

@@ -363,7 +363,7 @@ def test_6_a_500_keeps_the_connection(tmp_path):
     scripted engine that raises)."""
     import uvicorn
 
-    from jmtp.runtime.server import ServerMetrics, build_app
+    from jmtp.runtime.serve.server import ServerMetrics, build_app
     from tests.runtime.serve_process import free_port
     from tests.runtime.test_server_structured import ScriptedEngine, _tokenizer
 
@@ -449,7 +449,7 @@ def test_8_ignore_unknown_fields_option_lists_them():
     response lists them in ``Jmtp-Ignored-Fields``; wrong types are still refused."""
     from fastapi.testclient import TestClient
 
-    from jmtp.runtime.server import ServerMetrics, ServerOptions, build_app
+    from jmtp.runtime.serve.server import ServerMetrics, ServerOptions, build_app
     from tests.runtime.test_server_structured import ScriptedEngine, _tokenizer
 
     engine = ScriptedEngine()

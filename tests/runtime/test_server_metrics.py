@@ -18,7 +18,7 @@ def samples(metrics) -> dict:
 def test_dynamic_policy_counters_follow_the_engine_stats():
     """Counters advance by the change of the engine's cumulative stats between steps; stats
     without the policy's keys (a fixed-K engine) leave them at 0."""
-    from jmtp.runtime.server import ServerMetrics
+    from jmtp.runtime.serve.server import ServerMetrics
 
     m = ServerMetrics()
     m.on_step({}, [], None)
@@ -38,7 +38,7 @@ def test_dynamic_policy_counters_follow_the_engine_stats():
 def test_preemptions_and_queue_times_follow_the_engine_stats():
     """``jmtp_num_preemptions_total`` follows the engine's cumulative ``num_preemptions``;
     ``jmtp_request_queue_seconds`` observes each queue time the async engine reports once."""
-    from jmtp.runtime.server import ServerMetrics
+    from jmtp.runtime.serve.server import ServerMetrics
 
     m = ServerMetrics()
     m.on_step(dict(num_preemptions=0, queue_seconds=[0.5, 2.0]), [], 0.01)

@@ -20,8 +20,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 jsonschema = pytest.importorskip("jsonschema")
 
-from jmtp.core.errors import InvalidRequestError  # noqa: E402
-from jmtp.runtime.structured.params import StructuredOutputsParams  # noqa: E402
+from jmtp.core.errors import InvalidRequestError
+from jmtp.runtime.host.structured.params import StructuredOutputsParams
 from tests.runtime.serve_process import running_server  # noqa: E402
 
 WEATHER = {"type": "object",
@@ -97,7 +97,7 @@ class ScriptedEngine:
         return self._outputs(request_id, sp)
 
     async def _outputs(self, request_id, sp):
-        from jmtp.runtime.outputs import CompletionOutput, RequestOutput, SpecDecodeMetrics
+        from jmtp.runtime.host.outputs import CompletionOutput, RequestOutput, SpecDecodeMetrics
 
         text, k = self.reply, self.pieces
         cuts = [len(text) * i // k for i in range(k + 1)]
@@ -116,7 +116,7 @@ def app_client():
     """``(engine, http client, openai client)`` over the app with a :class:`ScriptedEngine`."""
     from fastapi.testclient import TestClient
 
-    from jmtp.runtime.server import ServerMetrics, build_app
+    from jmtp.runtime.serve.server import ServerMetrics, build_app
 
     engine = ScriptedEngine()
     app = build_app(engine, _tokenizer(), model_name="m", max_model_len=4096,
@@ -241,7 +241,7 @@ def test_tool_choice_maps_to_schemas(scripted):
 def test_required_schema_accepts_exactly_the_calls():
     """The "required" schema, checked by jsonschema: calls of the tools with valid arguments
     pass, anything else fails; a tool's local ``$ref`` still resolves inside it."""
-    from jmtp.runtime.server.tools import required_schema
+    from jmtp.runtime.serve.server.tools import required_schema
 
     point = {"type": "object", "properties": {"at": {"$ref": "#/$defs/xy"}}, "required": ["at"],
              "$defs": {"xy": {"type": "array", "items": {"type": "number"}, "minItems": 2,
@@ -443,9 +443,11 @@ SERVER_ARGS = ["--max-num-seqs", "2", "--max-model-len", "512", "--num-speculati
 
 
 def e2e(test):
-    """The marks of test_server.py's real-model server tests: ``slow``, and the ``server``
-    xdist group (one worker runs the servers, one after the other)."""
-    return pytest.mark.slow(pytest.mark.xdist_group("server")(test))
+    """The marks of the real-model server tests: ``slow``, and an xdist group of their own, so
+    one worker starts this module's server once (test_server.py's server, in the ``server``
+    group, can run on the other worker at the same time; both were one group, run one after
+    the other on one worker: the suite's longest group)."""
+    return pytest.mark.slow(pytest.mark.xdist_group("server_structured")(test))
 
 
 @pytest.fixture(scope="module")
@@ -595,6 +597,6 @@ def test_e2e_twenty_schemas_validate(client, model_id):
 def test_forbidden_tokens_logprobs_are_json_safe():
     """A constrained request's top logprobs include tokens the grammar forbids (-inf); the
     server sends vLLM's -9999.0 (JSON has no infinity; Starlette refuses NaN/inf)."""
-    from jmtp.runtime.server.serving import LOGPROB_FLOOR, OpenAIServing
+    from jmtp.runtime.serve.server.serving import LOGPROB_FLOOR, OpenAIServing
     assert OpenAIServing._lp(float("-inf")) == LOGPROB_FLOOR == -9999.0
     assert OpenAIServing._lp(-1.5) == -1.5 and OpenAIServing._lp(None) is None

@@ -1,4 +1,4 @@
-"""Tensor parallel serving over a device mesh (:mod:`jmtp.runtime.sharding`).
+"""Tensor parallel serving over a device mesh (:mod:`jmtp.runtime.device.sharding`).
 
 The multi-device checks run once, in a subprocess with 8 CPU devices
 (``tests/runtime/sharding_worker.py``; ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` must
@@ -24,11 +24,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jmtp.model import axes as ax
-from jmtp.runtime import sharding as shd
+from jmtp.runtime.device import sharding as shd
 from tests.runtime import sharding_worker as worker
 from tests.runtime.conftest import reference_greedy, tiny_model
 
-pytestmark = pytest.mark.xdist_group("sharding")  # one worker runs the module-scoped fixture once
 
 # (data, model) mesh shapes of issue 13. Each engine costs 5-25 s of compiling on 2 cores, so
 # the suite runs a subset: every kind of mesh (model only, data only, both, TP 2 and 4) with MTP
@@ -58,9 +57,24 @@ PREFIX_CASES = [f"prefix:dp={dp},tp={tp},k={k}" for dp, tp, k in (
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    """``{case: result}`` of one worker run over every case (see sharding_worker). The worker
+# The worker's cases run in two subprocesses of about equal time (measured alone on the 2-core
+# dev VM: 76 s and 80 s of a 157 s single run), each behind its own xdist group, so the two
+# pytest workers run them side by side (the single run was the suite's critical path). A test
+# carries the mark of the part holding every case it reads; ``results`` runs that part.
+# Part A: the errors, the tie and attention checks, data-parallel host admission, the MoE
+# target, structured outputs and the hybrid model (each read alone). Part B: the dense cases
+# (a sharded case is compared with the one-device case of its K), the int8 pair, the hand-off
+# between TP=2 and one device (after the TP=2 case, whose compiled steps it loads from the
+# worker's cache) and prefix caching.
+PART_A = ["errors", "tie", "attention", "dp_host", MOE_CASE, "structured", "hybrid"]
+PART_B = [c for c in CASES if c != MOE_CASE] + ["handoff", *PREFIX_CASES]
+PARTS = {"sharding_a": PART_A, "sharding_b": PART_B}
+A = pytest.mark.xdist_group("sharding_a")
+B = pytest.mark.xdist_group("sharding_b")
+
+
+def _run_worker(tmp_path_factory, cases):
+    """``{case: result}`` of one worker run over ``cases`` (see sharding_worker). The worker
     keeps a persistent compilation cache of its own, so the hand-off's engines (run after the
     cases of the same shapes) load their step programs instead of compiling them again."""
     env = dict(os.environ)
@@ -68,12 +82,28 @@ def results(tmp_path_factory):
                         " --xla_force_host_platform_device_count=8").strip()
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["JMTP_CACHE_DIR"] = str(tmp_path_factory.mktemp("sharding-xla-cache"))
-    proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", "errors", "tie",
-                           "attention", "dp_host", *CASES, "handoff", *PREFIX_CASES,
-                           "structured", "hybrid"],
+    proc = subprocess.run([sys.executable, "-m", "tests.runtime.sharding_worker", *cases],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results_sharding_a(tmp_path_factory):
+    return _run_worker(tmp_path_factory, PART_A)
+
+
+@pytest.fixture(scope="module")
+def results_sharding_b(tmp_path_factory):
+    return _run_worker(tmp_path_factory, PART_B)
+
+
+@pytest.fixture
+def results(request):
+    """The results of the worker part named by the test's ``xdist_group`` mark (A or B)."""
+    mark = request.node.get_closest_marker("xdist_group")
+    assert mark and mark.args[0] in PARTS, f"{request.node.name} needs the mark A or B"
+    return request.getfixturevalue(f"results_{mark.args[0]}")
 
 
 def _case(results, tp, k, dp=1):
@@ -92,6 +122,7 @@ def reference():
 SHARDED = [r for r in RUNS if r[:2] != (1, 1)]
 
 
+@B
 @pytest.mark.parametrize("dp,tp,k", SHARDED)
 def test_sharded_greedy_equals_one_device(results, reference, dp, tp, k):
     res = _case(results, tp, k, dp)
@@ -107,6 +138,7 @@ def test_sharded_greedy_equals_one_device(results, reference, dp, tp, k):
     assert kv_local * dp * tp == kv_total
 
 
+@B
 @pytest.mark.parametrize("dp,tp,k", SHARDED)
 def test_sharded_seeded_sampling_equals_one_device(results, dp, tp, k):
     """temperature 0.8, fixed seeds, some slots padding: the same tokens as one device (each
@@ -116,7 +148,9 @@ def test_sharded_seeded_sampling_equals_one_device(results, dp, tp, k):
     assert one["sampled"] != one["tokens"]      # really sampled (not the greedy tokens)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("dp=2,tp=2,")] + ["hybrid"])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=A if c in PART_A else B)
+                                  for c in CASES if c.startswith("dp=2,tp=2,")]
+                         + [pytest.param("hybrid", marks=A)])
 def test_async_scheduling_on_a_2x2_mesh_equals_the_synchronous_loop(results, case):
     """On a (data, model) = (2, 2) mesh (plain, MTP with an int8 cache, the MoE target, the
     gated-DeltaNet target with MTP) the engine runs with asynchronous scheduling on (the default
@@ -130,6 +164,7 @@ def test_async_scheduling_on_a_2x2_mesh_equals_the_synchronous_loop(results, cas
         assert res["sampled"] == res["sync_sampled"]
 
 
+@A
 def test_moe_target_on_a_mesh_equals_reference(results):
     """The MoE target (dense first layer, MoE layers and MTP layer; routed experts replicated,
     shared expert and attention split over ``model``) with MTP K=3 on a (2, 2) mesh: greedy
@@ -143,6 +178,7 @@ def test_moe_target_on_a_mesh_equals_reference(results):
     assert res["step_executables"] <= res["num_buckets"]
 
 
+@B
 def test_int8_kv_cache_on_a_mesh_equals_one_device(results):
     """An int8 cache on a 2x2 (data, model) mesh: values and scales stacked per data shard with
     their kv heads over ``model``; greedy and seeded sampled MTP tokens equal the one-device int8
@@ -157,6 +193,7 @@ def test_int8_kv_cache_on_a_mesh_equals_one_device(results):
     assert res["step_executables"] <= res["num_buckets"]
 
 
+@A
 def test_data_parallel_host_admission_and_preemption(results):
     """2 data shards of 2 slots and 8 blocks: requests go to the least-loaded shard (0, 1, 0, 1:
     global slots 0, 2, 1, 3), each shard preempts its own newest request when its pool runs dry,
@@ -171,6 +208,7 @@ def test_data_parallel_host_admission_and_preemption(results):
     assert res["free_per_shard"] == [8, 8] and res["free_blocks"] == res["num_blocks"] == 16
 
 
+@B
 def test_smollm2_head_counts_tp3_replicates_what_does_not_split(results):
     """9 query / 3 kv heads (SmolLM2's) on 3 devices: heads split, the vocabulary and MLP (64,
     not a multiple of 3) stay replicated; greedy MTP output equals the one-device reference."""
@@ -185,6 +223,7 @@ def test_smollm2_head_counts_tp3_replicates_what_does_not_split(results):
         assert res["memory"]["kv_cache"][0] * 3 * dp == res["memory"]["kv_cache"][1]
 
 
+@B
 def test_tensor_parallel_beyond_the_kv_heads_replicates_them(results):
     """TP=4 over 2 kv heads: the engine repeats each kv head twice
     (jmtp.model.params.replicate_kv_heads); greedy MTP output equals the one-device reference of
@@ -198,6 +237,7 @@ def test_tensor_parallel_beyond_the_kv_heads_replicates_them(results):
     assert local * 4 == total
 
 
+@B
 @pytest.mark.parametrize("dp,tp", [(dp, tp) for dp, tp, k in RUNS if k == 3 and tp > 1])
 def test_sharded_weights_hold_one_tp_th_per_device(results, dp, tp):
     res = _case(results, tp, 3, dp)
@@ -216,6 +256,7 @@ def test_sharded_weights_hold_one_tp_th_per_device(results, dp, tp):
     assert kv_local * tp * dp == kv_total
 
 
+@B
 def test_tp2_step_has_no_all_gather_of_a_weight(results):
     hlo = _case(results, 2, 3)["hlo"]
     weights = {tuple(s) for s in hlo["weight_shapes"]}
@@ -225,6 +266,7 @@ def test_tp2_step_has_no_all_gather_of_a_weight(results):
     assert any(op == "all-reduce" for op, _, _ in hlo["collectives"])
 
 
+@A
 def test_tied_maxima_on_different_vocab_shards_give_one_decision(results):
     """Greedy verification of logits sharded over the vocabulary, with two equal maxima on
     different shards (and a 1-ulp near tie): every device holds the same accepted counts and
@@ -239,6 +281,7 @@ def test_tied_maxima_on_different_vocab_shards_give_one_decision(results):
         assert all(x == one["accept_tokens"][0] for x in tie[tp]["accept_tokens"])
 
 
+@A
 def test_every_attention_implementation_under_shard_map(results):
     """reference, xla and both Pallas kernels (interpret mode) run per kv-head shard (TP 2 and 4)
     and give the one-device reference output, sharded over the heads."""
@@ -252,6 +295,7 @@ def test_every_attention_implementation_under_shard_map(results):
             assert spec == str(P(None, shd.MODEL, None))
 
 
+@A
 def test_mesh_mismatch_errors(results):
     errs = results["errors"]
     assert "tensor_parallel_size=3 must divide num_heads=8" in errs["tp3"]
@@ -300,7 +344,7 @@ def test_rules_table_and_logical_spec():
 
 
 def test_one_device_engine_is_unchanged(tiny):
-    from jmtp.runtime.llm_engine import LLMEngine
+    from jmtp.runtime.host.llm_engine import LLMEngine
     cfg, params = tiny
     eng = LLMEngine(model_config=cfg, params=params, max_num_seqs=1, max_model_len=16,
                     block_size=4, max_num_batched_tokens=4, compile="lazy",
@@ -316,6 +360,7 @@ def prefix_reference():
     return [reference_greedy(cfg, params, p, worker.MAX_TOKENS) for p in worker.PREFIX_PROMPTS]
 
 
+@B
 @pytest.mark.parametrize("case", PREFIX_CASES)
 def test_prefix_caching_on_a_mesh_equals_plain_greedy(results, prefix_reference, case):
     """Prefix caching with tensor and data parallelism (a cache per data shard): both rounds of
@@ -332,6 +377,7 @@ def test_prefix_caching_on_a_mesh_equals_plain_greedy(results, prefix_reference,
     assert res["free_plus_cached"] == res["num_blocks"]
 
 
+@B
 def test_handoff_between_tensor_parallel_and_one_device(results, reference):
     """A request prefilled on a TP=2 engine and decoded on a one-device engine (and the reverse)
     gives the tokens of one engine (the greedy reference), and both engines end with every
@@ -343,6 +389,7 @@ def test_handoff_between_tensor_parallel_and_one_device(results, reference):
         assert res[direction]["free"] == res[direction]["num_blocks"], direction
 
 
+@A
 def test_structured_outputs_on_a_mesh_equal_the_masked_reference(results):
     """The step's bitmask and draft-override inputs travel through the data-parallel shard_map:
     constrained greedy decoding with MTP on (data, model) = (2, 2) equals the one-device
@@ -350,7 +397,7 @@ def test_structured_outputs_on_a_mesh_equal_the_masked_reference(results):
     from tests.runtime.sharding_worker import MODEL, STRUCTURED_PROMPTS
     from tests.runtime.structured_fixtures import (SCHEMA, VOCAB_SIZE, reference_constrained_greedy,
                                                    tiny_tokenizer)
-    from jmtp.runtime.structured import StructuredOutputsParams
+    from jmtp.runtime.host.structured import StructuredOutputsParams
     res = results["structured"]
     assert "error" not in res, res
     cfg, params = tiny_model(0, vocab_size=VOCAB_SIZE, **MODEL)
@@ -360,6 +407,7 @@ def test_structured_outputs_on_a_mesh_equal_the_masked_reference(results):
         assert got == want, prompt
 
 
+@A
 def test_hybrid_model_on_a_mesh_equals_the_reference(results):
     """A gated-DeltaNet target with MTP K=2 on (data, model) = (2, 2): greedy tokens equal the
     one-device plain forward's; the recurrent state pool is stacked per data shard (leading axis
@@ -375,6 +423,7 @@ def test_hybrid_model_on_a_mesh_equals_the_reference(results):
     assert res["local"] == [1, 2, 2, 3, 2, 8, 8] and res["shape"] == [2, 2, 2, 3, 4, 8, 8]
 
 
+@A
 def test_hybrid_handoff_between_a_mesh_and_one_device(results):
     """A hybrid request prefilled on the (data, model) = (2, 2) engine (recurrent state sharded
     over the value heads) and decoded on a one-device engine, and the reverse: the exported state

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jmtp.runtime.buckets import StepBucket, choose_bucket
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
-from jmtp.runtime.spec_policy import PLAN_RTOL, DynamicSpeculation
+from jmtp.runtime.device.buckets import StepBucket, choose_bucket
+from jmtp.runtime.host.spec_policy import PLAN_RTOL, DynamicSpeculation
 from tests.runtime.conftest import engine_of
 
 
@@ -671,8 +671,8 @@ def test_engine_calibration_times_every_decode_bucket_and_idle_steps_change_noth
     import jax
 
     from jmtp import LLMEngine
-    from jmtp.runtime.buckets import decode_buckets, slot_buckets
-    from jmtp.runtime.engine import SamplingParams
+    from jmtp.runtime.device.buckets import decode_buckets, slot_buckets
+    from jmtp.runtime.host.llm import SamplingParams
     from tests.runtime.conftest import reference_greedy, tiny_model
 
     cfg, params = tiny_model(0)
@@ -706,7 +706,7 @@ def test_engine_asks_for_limits_of_proposing_slots_only_and_mtp_fills_them():
     whose (chunked) prefill ends in it, not one still prefilling after it. An MTP slot proposes
     its limit, also in the step that ends its prefill (far from ``max_tokens``)."""
     from jmtp import LLMEngine
-    from jmtp.runtime.engine import SamplingParams
+    from jmtp.runtime.host.llm import SamplingParams
     from tests.runtime.conftest import reference_greedy, tiny_model
 
     cfg, params = tiny_model(0)

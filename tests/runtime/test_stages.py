@@ -1,5 +1,5 @@
-"""Each stage of the engine step (``jmtp.runtime.target_stages``, ``draft_stages``, ``slots``,
-wired by ``jmtp.runtime.step``) on its own: hand-worked cases, numpy references, hypothesis
+"""Each stage of the engine step (``jmtp.runtime.device.target_stages``, ``draft_stages``, ``slots``,
+wired by ``jmtp.runtime.device.step``) on its own: hand-worked cases, numpy references, hypothesis
 properties, and ``chex.assert_max_traces`` (a stage, and the whole step per bucket, trace once)."""
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from jmtp.model.metadata import packed_row_seq, ragged_batch
 from jmtp.model.modules import LlamaForCausalLM
 from jmtp.pallas import block_allocator as ba
 from jmtp.pallas.block_allocator import BlockAllocatorState, blocks_needed
-from jmtp.runtime import draft_stages as drs, slots, step as stp, target_stages as tgs
-from jmtp.runtime.buckets import StepBucket, step_buckets
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
-from jmtp.runtime.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, init_state
+from jmtp.runtime.device import draft_stages as drs, slots, step as stp, target_stages as tgs
+from jmtp.runtime.device.buckets import StepBucket, step_buckets
+from jmtp.runtime.device.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, init_state
+from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model, engine_of
 
 B, K, M, BS, MAX_LEN = 3, 2, 2, 4, 32
@@ -457,14 +457,14 @@ def test_engine_step_traces_once_per_bucket(tiny):
     eng = llm.llm_engine
     ec = eng.engine_config
     buckets = step_buckets(ec)
-    engine_of(eng).runner.jitted_step = jax.jit(chex.assert_max_traces(stp.engine_step, n=len(buckets)),
-                        static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6, 7, 8))
+    run = engine_of(eng).runner
+    run.jitted_step = jax.jit(chex.assert_max_traces(stp.engine_step, n=len(buckets)),
+                              static_argnums=0, donate_argnums=(2, 3))   # spec; state, caches
     for _ in range(2):                  # every bucket twice on the idle state
         for bucket in buckets:
-            eng.state, eng.cache, eng.mtp_cache, _ = engine_of(eng).runner.jitted_step(
-                eng.graphdef, ec, None, bucket, None, eng.params, eng.state, eng.cache, eng.mtp_cache,
-                jnp.zeros((B,), jnp.int32), jnp.full((B,), K, jnp.int32),
-                *engine_of(eng).runner.neutral_guide())
+            run.state, caches, _ = run.jitted_step(
+                *run.step_args(bucket, limits=np.full((B,), K, np.int32)))
+            run.cache, run.mtp_cache = caches.target, caches.mtp
     assert engine_of(eng).runner.jitted_step._cache_size() == len(buckets)
     rng = np.random.default_rng(1)      # traffic: any retrace would raise in assert_max_traces
     prompts = [list(rng.integers(2, 64, rng.integers(1, 20))) for _ in range(5)]

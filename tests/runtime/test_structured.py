@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jmtp import LLM, SamplingParams, SpeculativeConfig
 from jmtp.core.errors import InvalidRequestError
 from jmtp.model import forward_logits
-from jmtp.runtime.structured import StructuredOutputsParams as SOP
-from jmtp.runtime.structured.bitmask import (KEEP_DRAFT, NO_DRAFT, apply_token_bitmask,
-                                             override_drafts, unpack_bitmask)
-from jmtp.runtime.structured.grammar import GrammarCompiler, unpack_row
+from jmtp.runtime.device.bitmask import (KEEP_DRAFT, NO_DRAFT, apply_token_bitmask, override_drafts,
+                                         unpack_bitmask)
+from jmtp.runtime.host.structured import StructuredOutputsParams as SOP
+from jmtp.runtime.host.structured.grammar import GrammarCompiler, unpack_row
 
 from conftest import tiny_model
 from structured_fixtures import (SCHEMA, VOCAB_SIZE, compiler, reference_constrained_greedy,
@@ -426,7 +426,7 @@ def test_forced_draft_into_a_dead_end_is_cut_not_swapped_back():
     """Sampled drafts (exact q): the forced token 5 replaces the draft, leads into a dead end, is
     forbidden and cut; the proposer's draft 6 must not come back in its place with an unmasked
     row after it (review of issue 37). A greedy slot keeps its valid draft 6 instead."""
-    from jmtp.runtime.structured.grammar import SequenceGrammar
+    from jmtp.runtime.host.structured.grammar import SequenceGrammar
     g = SequenceGrammar(_ForcedIntoDeadEnd(), 2, {1})
     masks = np.zeros((4, 2), np.int32)
     override = g.fill_window(masks, [6, 7, 8], 3, exact_q=True)

@@ -1,4 +1,4 @@
-"""Suffix decoding through the engine (``jmtp/runtime/suffix_decoding.py``).
+"""Suffix decoding through the engine (``jmtp/runtime/host/suffix_decoding.py``).
 
 The host wiring runs over the numpy double of the runner (``tests/runtime/fake_runner.py``: a
 ``draft_override`` window's drafts are accepted where they equal the fake target's tokens), so
@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp.runtime.config import SpeculativeConfig
-from jmtp.runtime.engine import LLM, SamplingParams
-from jmtp.runtime.llm_engine import LLMEngine
-from jmtp.runtime.structured.grammar import KEEP_DRAFT
-from jmtp.runtime.suffix_tree import SuffixDraft
+from jmtp.runtime.device.bitmask import KEEP_DRAFT
+from jmtp.runtime.host.llm import LLM, SamplingParams
+from jmtp.runtime.host.llm_engine import LLMEngine
+from jmtp.runtime.host.suffix_tree import SuffixDraft
 from tests.runtime.conftest import free_blocks, reference_greedy, tiny_model
 from tests.runtime.fake_runner import FakeRunner, reference
 from tests.runtime.test_host_logic import drive
@@ -84,8 +84,8 @@ def test_dynamic_policy_cuts_to_the_best_rate_by_hand():
     (2 + gains) / price: r=0 2/1.0 = 2.0, r=1 2.9/1.2 = 2.42, r=2 3.7/1.2 = 3.08, r=3 4.2/3.0 =
     1.4, r=4 4.3/3.0 = 1.43, so slot 0 keeps two drafts and slot 5 none. With every bucket at
     the same price (or nothing timed yet) nothing is cut."""
-    from jmtp.runtime.buckets import StepBucket
-    from jmtp.runtime.suffix_decoding import SuffixDecoding
+    from jmtp.runtime.device.buckets import StepBucket
+    from jmtp.runtime.host.suffix_decoding import SuffixDecoding
 
     def bucket_of(rows, n):
         assert n == 2
@@ -111,8 +111,8 @@ def test_dynamic_policy_calibrates_the_trees_probabilities_by_hand():
     trials and 1 success, so 0.15 becomes (1 + 8·0.15) / (2 + 8) = 0.22; a token after it
     rated 0.95 (an empty bin: its own 0.95) is held to 0.22, as acceptance cannot rise along
     a draft."""
-    from jmtp.runtime.buckets import StepBucket
-    from jmtp.runtime.suffix_decoding import SuffixDecoding
+    from jmtp.runtime.device.buckets import StepBucket
+    from jmtp.runtime.host.suffix_decoding import SuffixDecoding
     sd = SuffixDecoding(DYNAMIC, 2, lambda rows, n: StepBucket(4, 2))
     np.testing.assert_allclose(sd.calibrated((0.6, 0.15)), [0.6, 0.15])
     sd._verifying = {1: (0.15, 0.12)}        # what prepare() hands the step
@@ -127,7 +127,7 @@ def test_dynamic_policy_in_the_engine_stays_exact(price):
     step priced by its rows (drafting never pays at these acceptance rates) cuts every draft,
     one price for every bucket keeps them all; either way the output is plain decoding's, and
     the live steps are recorded into the table."""
-    from jmtp.runtime.buckets import step_buckets
+    from jmtp.runtime.device.buckets import step_buckets
     eng, runner = fake_engine(DYNAMIC, max_num_seqs=2, max_model_len=64)
     eng.suffix.costs.seed({bk: float(bk.num_tokens) if price == "rows" else 1.0
                            for bk in step_buckets(runner.shard_config)})
@@ -314,7 +314,7 @@ def test_constrained_requests_with_suffix_drafts_equal_the_masked_reference():
     prompts (so the trees draft), greedy: constrained greedy decoding's tokens."""
     import jax.numpy as jnp
 
-    from jmtp.runtime.structured import StructuredOutputsParams as SOP
+    from jmtp.runtime.host.structured import StructuredOutputsParams as SOP
     from tests.runtime.structured_fixtures import (SCHEMA, VOCAB_SIZE,
                                                    reference_constrained_greedy, tiny_tokenizer)
     cfg, params = tiny_model(0, vocab_size=VOCAB_SIZE)

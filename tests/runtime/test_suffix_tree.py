@@ -1,5 +1,5 @@
 """The suffix tree and cache of suffix decoding against a naive scan of the stored sequences
-(``jmtp/runtime/suffix_tree.py``, ``jmtp/runtime/suffix_decoding.py``): counts, children,
+(``jmtp/runtime/host/suffix_tree.py``, ``jmtp/runtime/host/suffix_decoding.py``): counts, children,
 drafts (match lengths, the length rule, the probability floor, ties), removal and the cache's
 bounds. Pure Python: no XLA."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from jmtp.runtime.structured.grammar import KEEP_DRAFT, NO_DRAFT
-from jmtp.runtime.suffix_decoding import SuffixCache, merge_overrides
-from jmtp.runtime.suffix_tree import EMPTY_DRAFT, SuffixTree
+from jmtp.runtime.device.bitmask import KEEP_DRAFT, NO_DRAFT
+from jmtp.runtime.host.suffix_decoding import SuffixCache, merge_overrides
+from jmtp.runtime.host.suffix_tree import EMPTY_DRAFT, SuffixTree
 
 
 # ---------------------------------------------------------------- the naive reference
@@ -36,7 +36,7 @@ def ref_children(seqs, s, depth) -> dict[int, int]:
 
 
 def ref_draft(seqs, context, depth, max_spec, factor, min_prob, offset=0.0):
-    """The drafting rule of jmtp.runtime.suffix_tree, over the naive counts: ``(tokens, probs,
+    """The drafting rule of jmtp.runtime.host.suffix_tree, over the naive counts: ``(tokens, probs,
     score, match_len)``."""
     ctx = list(context[-(depth - 1):]) if len(context) >= depth else list(context)
     best = ((), (), 0.0, 0)

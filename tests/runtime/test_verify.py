@@ -15,16 +15,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jmtp.runtime import sampling as smp
-from jmtp.runtime import verify as vf
-from jmtp.runtime.sampling import SamplingArrays, SamplingParams
+from jmtp.runtime.device import sampling as smp, verify as vf
+from jmtp.runtime.device.sampling import SamplingArrays
+from jmtp.runtime.host import sampling_rows as rows
+from jmtp.runtime.host.sampling_params import SamplingParams
 
 B, K, V = 4, 3, 10
 SHAPES = dict(max_stop=4, max_bad_words=2, max_bad_word_len=3)   # one SamplingArrays layout
 
 
 def pack(params, batch_size=B, vocab_size=V, **kw):
-    return smp.pack_sampling(params, batch_size, vocab_size, **SHAPES, **kw)
+    return rows.pack_sampling(params, batch_size, vocab_size, **SHAPES, **kw)
 
 _spec = importlib.util.spec_from_file_location(
     "_jmtp_sampling_ref", pathlib.Path(__file__).with_name("test_sampling.py"))
@@ -319,7 +320,7 @@ def test_speculative_greedy_equals_sequential_reference(case):
     refs = [ref_greedy_decode(t, pr, p, eos, bw, N + K + 1) for p, pr, bw, t in slots]
     a = SamplingArrays.empty(B, V, **SHAPES)
     for b, (p, pr, bw, _) in enumerate(slots):
-        a = smp.set_slot(a, b, p, pr, bad_words_ids=bw, request_seed=b)
+        a = rows.set_slot(a, b, p, pr, bad_words_ids=bw, request_seed=b)
     emitted = [[] for _ in slots]
     lps = [[] for _ in slots]
     stopped = [False] * len(slots)

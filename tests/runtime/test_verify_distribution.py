@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jmtp.runtime import sampling as smp
-from jmtp.runtime import verify as vf
-from jmtp.runtime.sampling import SamplingParams
+from jmtp.runtime.device import sampling as smp, verify as vf
+from jmtp.runtime.host import sampling_rows as rows
+from jmtp.runtime.host.sampling_params import SamplingParams
 
 _spec = importlib.util.spec_from_file_location(
     "_jmtp_sampling_ref", pathlib.Path(__file__).with_name("test_sampling.py"))
@@ -120,7 +120,7 @@ def run_tv(params, *, K, draft_sampling, strategy="rejection", distort_q=False):
 
     Returns (TV, expected TV, empirical f[V^3], exact f[V^3], greedy outputs i32[G, 3]).
     """
-    a = smp.pack_sampling([params, GREEDY], 2, V, prompts=[[X0], [X0]])
+    a = rows.pack_sampling([params, GREEDY], 2, V, prompts=[[X0], [X0]])
     a = jax.tree.map(lambda x: x[np.repeat([0, 1], [N, G])], a)
     a = dataclasses.replace(a, seed=jnp.arange(N + G, dtype=jnp.uint32) * 7919 + 13)
     out = np.asarray(simulate(a, jnp.int32(K), jnp.float32(1.0 if draft_sampling else 0.0),

@@ -17,10 +17,9 @@ import optax
 import pytest
 from flax import nnx
 
-from jmtp.model import MTPHead, ModelConfig, forward_hidden, forward_logits, init_kv_cache, init_params, mtp_forward, ragged_batch
-from jmtp.train import data as D
-from jmtp.train import generation as G
-from jmtp.train import prompts as P
+from jmtp.model import (MTPHead, ModelConfig, forward_hidden, forward_logits, init_kv_cache,
+                        init_params, mtp_forward, ragged_batch)
+from jmtp.train import data as D, generation as G, prompts as P
 from jmtp.train.config import TrainConfig
 from jmtp.train.dense import dense_mtp_forward
 from jmtp.train.mtp_trainer import (MTPTrainer, export_mtp_head, head_metadata, load_draft_vocab,
@@ -391,7 +390,7 @@ def test_head_file_with_ranking_attaches_to_a_model(tmp_path):
     """A head exported with its token ranking attaches as params['mtp'] + params['draft_vocab'] and
     sets cfg.draft_vocab_size; the engine then drafts over that vocabulary by default."""
     from jmtp.model.checkpoints.mtp_head import attach_mtp_head
-    from jmtp.runtime.engine import LLM
+    from jmtp.runtime.host.llm import LLM
     from jmtp.runtime.config import SpeculativeConfig
 
     cfg, params = TINY, _params()
