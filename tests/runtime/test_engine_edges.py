@@ -10,6 +10,7 @@ import pytest
 
 from jmtp.model.llama import KVCache
 from jmtp.runtime.config import SpeculativeConfig
+from jmtp.runtime.device.buckets import step_buckets
 from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks, engine_of
