@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmtp.model import axes as ax
 from jmtp.model import llama, schema
 from jmtp.model.config import ModelConfig
 from jmtp.model.metadata import AttentionMetadata
