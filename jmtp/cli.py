@@ -220,7 +220,7 @@ def _generate(args) -> int:
     if args.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    for p in prompts]
-    spec = llm.speculative_config
+    spec = llm.llm_engine.engine_config.spec
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     outs = llm.generate(prompts, sp, use_tqdm=len(prompts) > 1 and main_process)
     total = SpecDecodeMetrics(accepted_per_position=[0] * spec.k)
@@ -248,7 +248,8 @@ def _generate(args) -> int:
     total_s = (import_s or 0.0) + time.perf_counter() - t0
     say(f"=== start-up: import {'n/a' if import_s is None else f'{import_s:.1f}s'}, load "
         f"{load_s:.1f}s, compile or cache load {compile_s:.1f}s ({how}, cache "
-        f"{llm.compilation_cache_dir or 'off'}); generate {gen_s:.1f}s; total {total_s:.1f}s")
+        f"{llm.llm_engine.compilation_cache_dir or 'off'}); generate {gen_s:.1f}s; "
+        f"total {total_s:.1f}s")
     if args.stats_json and main_process:
         with open(args.stats_json, "w", encoding="utf-8") as f:
             json.dump({"import_s": import_s, "load_s": load_s, "compile_s": compile_s,
@@ -257,9 +258,10 @@ def _generate(args) -> int:
                        "tokens": st["generated_tokens"], "text": outs[0].text,
                        "compile_mode": "eager" if llm.compile_seconds else "lazy",
                        "layer_loop": llm.llm_engine.layer_loop}, f, indent=1)
-    if llm.mesh is not None:
+    mesh = llm.llm_engine.runner.mesh
+    if mesh is not None:
         mem = llm.llm_engine.memory_per_device()
-        say(f"=== mesh {dict(llm.mesh.shape)}: per device params "
+        say(f"=== mesh {dict(mesh.shape)}: per device params "
             f"{mem['params'][0] / 2**20:.1f} of {mem['params'][1] / 2**20:.1f} MiB, KV caches "
             f"{mem['kv_cache'][0] / 2**20:.1f} of {mem['kv_cache'][1] / 2**20:.1f} MiB")
     pb = llm.llm_engine.param_bytes()
@@ -268,7 +270,7 @@ def _generate(args) -> int:
         f"{pb['total'] / 2**20:.1f} MiB (8-bit values {pb['quantized_values'] / 2**20:.1f} MiB, "
         f"scales {pb['scales'] / 2**20:.1f} MiB, other {pb['unquantized'] / 2**20:.1f} MiB)")
     kv = llm.llm_engine.kv_cache_bytes()
-    say(f"=== KV cache ({llm.engine_config.kv_cache_dtype or 'model dtype'}): values "
+    say(f"=== KV cache ({llm.llm_engine.engine_config.kv_cache_dtype or 'model dtype'}): values "
         f"{kv['values'] / 2**20:.1f} MiB, scales {kv['scales'] / 2**20:.1f} MiB"
         + (f", recurrent state pool {kv['linear_state'] / 2**20:.1f} MiB"
            if kv.get("linear_state") else "")
@@ -296,7 +298,8 @@ def _chat(args) -> int:
            else "lazy: step buckets compile at first use and while you type")
     print(f"=== start-up: import {'n/a' if import_s is None else f'{import_s:.1f}s'}, load "
           f"{load_s:.1f}s, compile or cache load {compile_s:.1f}s ({how}, cache "
-          f"{llm.compilation_cache_dir or 'off'}); layer loop {llm.llm_engine.layer_loop}",
+          f"{llm.llm_engine.compilation_cache_dir or 'off'}); "
+          f"layer loop {llm.llm_engine.layer_loop}",
           file=sys.stderr, flush=True)
     session = ChatSession(llm, SamplingParams(max_tokens=args.max_tokens,
                                               temperature=args.temperature), system=args.system)

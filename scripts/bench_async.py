@@ -172,7 +172,7 @@ def main(argv=None) -> int:
                     max_num_seqs=8, max_model_len=512)
         # every decode bucket ahead (the policy may plan any), then seed its cost table
         from jmtp.runtime.device.buckets import decode_buckets, slot_buckets, StepBucket
-        ec = llm.engine_config
+        ec = llm.llm_engine.engine_config
         t0 = time.perf_counter()
         llm.llm_engine.compile_buckets([StepBucket(t, a) for a in slot_buckets(ec)
                                         for t in decode_buckets(ec, a)])

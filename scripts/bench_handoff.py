@@ -84,7 +84,7 @@ def main(argv=None) -> int:
                       max_model_len=args.max_model_len,
                       speculative_config=SpeculativeConfig("mtp", k, k))
         a = LLM(max_num_seqs=args.batch, **common)
-        pages = a.engine_config.pages_per_seq
+        pages = a.llm_engine.engine_config.pages_per_seq
         b = LLM(max_num_seqs=args.decode_batch,
                 num_blocks=max(args.decode_batch * pages // 2, pages), **common)
         export_t, import_t = [], []

@@ -237,7 +237,7 @@ def main(argv=None) -> int:
                       compile="lazy")
             if dt == "bf16":           # values in bfloat16, everything else unchanged
                 import jax.numpy as jnp
-                eng = llm.llm_engine
+                eng = llm.llm_engine.runner
                 to_bf16 = lambda c: None if c is None else c._replace(
                     k=c.k.astype(jnp.bfloat16), v=c.v.astype(jnp.bfloat16))
                 eng.cache, eng.mtp_cache = to_bf16(eng.cache), to_bf16(eng.mtp_cache)

@@ -56,7 +56,7 @@ def compare(name, engines, prompt, sp, rounds):
 
 def compile_all(llm):
     """AOT-compile every bucket of ``step_buckets`` and print each compile time."""
-    ec = llm.engine_config
+    ec = llm.llm_engine.engine_config
     total = 0.0
     for bucket in step_buckets(ec):
         t0 = time.perf_counter()

@@ -162,7 +162,8 @@ def warm_up(llm, prompts):
     code path once and lets a dynamic engine's policy start learning step costs)."""
     from jmtp import SamplingParams
 
-    llm.generate(prompts, SamplingParams(max_tokens=llm.engine_config.k + 2, temperature=0.0),
+    k = llm.llm_engine.engine_config.k
+    llm.generate(prompts, SamplingParams(max_tokens=k + 2, temperature=0.0),
                  use_tqdm=False)
 
 

@@ -103,7 +103,8 @@ def main(argv=None) -> int:
                 tot.merge(o.metrics)
             per_pos = [c / max(tot.num_decode_steps, 1) for c in tot.accepted_per_position]
             same = all(a.token_ids == c.token_ids for a, c in zip(plain_outs, outs))
-            row = {"batch": b, "k": k, "draft_vocab_size": llm.draft_vocab_size or cfg.vocab_size,
+            row = {"batch": b, "k": k,
+                   "draft_vocab_size": llm.llm_engine.draft_vocab_size or cfg.vocab_size,
                    "plain_tok_s": n_plain / plain_dt, "spec_tok_s": n / dt,
                    "speedup": (n / dt) / (n_plain / plain_dt),
                    "mean_acceptance_length": tot.mean_acceptance_length,

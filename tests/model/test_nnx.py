@@ -87,7 +87,7 @@ def test_from_params_round_trip_and_split_merge():
     m2 = nnx.merge(graphdef, state)
     chex.assert_trees_all_equal(m2.to_params(), params)
     chex.assert_shape(state["layers"]["layers"]["attn"]["wq"], (3, 32, 32))
-    # The state indexes like the parameter dict (what LLM.params returns).
+    # The state indexes like the parameter dict (what LLMEngine.runner.params returns).
     np.testing.assert_array_equal(np.asarray(state["embed"]), np.asarray(params["embed"]))
     unstacked = LlamaForCausalLM.from_params(CFG, llama.unstack_layers(params))
     chex.assert_trees_all_equal(unstacked.to_params(), llama.unstack_layers(params))

@@ -120,7 +120,7 @@ def _generate(llm):
 def expert_bytes(llm) -> list:
     """``[path, bytes on the first device, total bytes]`` of every routed-expert tensor."""
     out = []
-    for path, a in jax.tree_util.tree_leaves_with_path(llm.params):
+    for path, a in jax.tree_util.tree_leaves_with_path(llm.llm_engine.runner.params):
         name = jax.tree_util.keystr(path)
         if "experts_" in name:
             out.append([name, int(a.addressable_shards[0].data.nbytes), int(a.nbytes)])
@@ -136,7 +136,7 @@ def engine_case(name: str, dp: int, tp: int, a2a: str = "auto") -> dict:
     out = _generate(llm)
     out.update(experts=expert_bytes(llm), first_call_seconds=runner.first_call_seconds,
                memory=llm.llm_engine.memory_per_device(),
-               cache_spec=str(llm.llm_engine.cache.k.sharding.spec),
+               cache_spec=str(runner.cache.k.sharding.spec),
                all2all_backend=llm.model_config.moe.all2all_backend,
                expert_parallel=llm.model_config.moe.expert_parallel,
                step_executables=runner.jitted_step._cache_size() - before)

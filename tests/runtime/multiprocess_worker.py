@@ -72,7 +72,7 @@ def run_engine(dp: int, tp: int, k: int) -> dict:
                                                                            use_tqdm=False)]
                         for name, (prompts, sps) in cases().items()}
         eng.async_scheduling = out["_async_on"]
-    embed = eng.params["embed"][...]
+    embed = eng.runner.params["embed"][...]
     out["_engine"] = {
         "step_executables": engine_of(eng).runner.jitted_step._cache_size(),
         "free_blocks": eng.get_stats()["num_free_blocks"],
@@ -80,9 +80,10 @@ def run_engine(dp: int, tp: int, k: int) -> dict:
         "memory": eng.memory_per_device(),
         "params_span_processes": not embed.is_fully_addressable,
         "embed_spec": str(getattr(embed.sharding, "spec", None)),
-        "mesh": None if eng.mesh is None else [
-            [[int(d.id), int(d.process_index)] for d in row] for row in eng.mesh.devices],
-        "mesh_shape": list(shd.mesh_sizes(eng.mesh)) if eng.mesh is not None else [1, 1],
+        "mesh": None if eng.runner.mesh is None else [
+            [[int(d.id), int(d.process_index)] for d in row] for row in eng.runner.mesh.devices],
+        "mesh_shape": (list(shd.mesh_sizes(eng.runner.mesh)) if eng.runner.mesh is not None
+                       else [1, 1]),
     }
     return out
 

@@ -72,7 +72,7 @@ def make_llm(dp: int, tp: int, k: int, heads: str = "8/8", kv: str | None = None
 def param_bytes(llm) -> list:
     """``[path, bytes on device 0, total bytes, sharded]`` per parameter."""
     out = []
-    for path, a in jax.tree_util.tree_leaves_with_path(llm.params):
+    for path, a in jax.tree_util.tree_leaves_with_path(llm.llm_engine.runner.params):
         spec = a.sharding.spec if hasattr(a.sharding, "spec") else ()
         out.append([jax.tree_util.keystr(path), int(a.addressable_shards[0].data.nbytes),
                     int(a.nbytes), any(s is not None for s in spec)])
@@ -89,12 +89,12 @@ def collectives(llm) -> dict:
     from jmtp.runtime.device.buckets import StepBucket
     eng = llm.llm_engine
     runner = engine_of(eng).runner
-    with shd.mesh_context(eng.mesh):
+    with shd.mesh_context(eng.runner.mesh):
         text = runner.jitted_step.lower(*runner.step_args(StepBucket(1, 1))).compile().as_text()
     ops = [[m.group(3), m.group(1), [int(x) for x in m.group(2).split(",") if x]]
            for m in _OP.finditer(text)]
     weights = set()
-    for path, a in jax.tree_util.tree_leaves_with_path(eng.params):
+    for path, a in jax.tree_util.tree_leaves_with_path(eng.runner.params):
         weights.add(tuple(a.shape))
         if "layers" in jax.tree_util.keystr(path) or "mtp" in jax.tree_util.keystr(path):
             weights.add(tuple(a.shape[1:]))   # one layer's slice inside the scan
@@ -106,7 +106,7 @@ def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8",
     from jmtp.runtime.device.buckets import step_buckets
     llm = make_llm(dp, tp, k, heads, kv, moe)
     eng = llm.llm_engine
-    first_cache = eng.cache.k
+    first_cache = eng.runner.cache.k
     # jit objects of equal function and options share their executables: count this engine's
     compiled_before = engine_of(eng).runner.jitted_step._cache_size()
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
@@ -121,10 +121,10 @@ def run_case(dp: int, tp: int, k: int, hlo: bool = False, heads: str = "8/8",
            "num_buckets": len(step_buckets(engine_of(eng).runner.shard_config)),
            "cache_donated": first_cache.is_deleted(),
            "params": param_bytes(llm), "memory": eng.memory_per_device(),
-           "cache_spec": str(getattr(eng.cache.k.sharding, "spec", None)),
-           "scale_spec": (str(getattr(eng.cache.k_scale.sharding, "spec", None))
-                          if eng.cache.k_scale is not None else None),
-           "cache_dtype": str(eng.cache.k.dtype),
+           "cache_spec": str(getattr(eng.runner.cache.k.sharding, "spec", None)),
+           "scale_spec": (str(getattr(eng.runner.cache.k_scale.sharding, "spec", None))
+                          if eng.runner.cache.k_scale is not None else None),
+           "cache_dtype": str(eng.runner.cache.k.dtype),
            "free_blocks": eng.get_stats()["num_free_blocks"],
            "num_blocks": eng.engine_config.num_blocks}
     if (dp, tp) == (2, 2):      # the same requests with the synchronous loop (issue 50)

@@ -70,7 +70,7 @@ def test_large_config_with_tpu_allocator_falls_back_and_runs(monkeypatch, caplog
             outs += engine.step()
     assert outs[-1].finished
     assert outs[-1].outputs[0].token_ids == reference_greedy(cfg, params, prompt, 2)
-    assert int(engine.state.blocks.free_count) == ec.num_blocks      # released in its last step
+    assert int(engine.runner.state.blocks.free_count) == ec.num_blocks   # released in its last step
     msgs = [r.getMessage() for r in caplog.records if r.name == ba.__name__]
     assert len(msgs) == 1, msgs                                      # once, at the first trace
     assert "526856 bytes of SMEM" in msgs[0] and "max_num_seqs=128" in msgs[0]

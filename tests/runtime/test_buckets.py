@@ -153,4 +153,4 @@ def test_scattered_active_slots_match_a_narrow_engine(sampled, kept_engines):
     if not sampled:
         assert [o.token_ids for o in got] == [reference_greedy(cfg, params, p, 20, stop_ids=())
                                               for p in long_prompts]
-    assert free_blocks(wide) == wide.engine_config.num_blocks
+    assert free_blocks(wide) == wide.llm_engine.engine_config.num_blocks

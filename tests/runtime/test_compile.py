@@ -69,7 +69,7 @@ def _llm(compile_mode, spec=None, max_model_len=48):
 def test_eager_compile_then_generate_compiles_nothing(spec):
     with _CompileLog() as at_init:
         llm = _llm("eager", spec)
-    buckets = step_buckets(llm.engine_config)
+    buckets = step_buckets(llm.llm_engine.engine_config)
     # Hand-worked: plain (W=1): decode (1, A=1), prefill (8, 1); K=2 (W=3): decode T = 1, 2, 3,
     # prefill T = 3, 8.
     assert len(buckets) == (2 if spec is None else 4)
@@ -138,9 +138,9 @@ def test_cache_dir_option_env_and_user_setting(monkeypatch, tmp_path, jax_cache_
     llm = jmtp.LLM(model_config=cfg, params=params, max_num_seqs=1, max_model_len=44,
                    max_num_batched_tokens=8, compile="eager",
                    compilation_cache_dir=str(tmp_path / "explicit"))
-    assert llm.compilation_cache_dir == str(tmp_path / "explicit")
+    assert llm.llm_engine.compilation_cache_dir == str(tmp_path / "explicit")
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "explicit")
-    assert len(os.listdir(tmp_path / "explicit")) >= len(step_buckets(llm.engine_config))
+    assert len(os.listdir(tmp_path / "explicit")) >= len(step_buckets(llm.llm_engine.engine_config))
 
 
 _CHILD = textwrap.dedent("""

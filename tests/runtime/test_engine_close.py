@@ -98,7 +98,7 @@ def test_auto_layer_loop_degrades_to_the_scan_when_unrolled_would_not_fit(tiny, 
     params8 = tiny_model(num_layers=8)[1]
     kw = dict(model_config=cfg8, params=params8, max_num_seqs=2, max_model_len=64,
               compile="lazy")
-    ec = jmtp.LLM(**kw).engine_config
+    ec = jmtp.LLM(**kw).llm_engine.engine_config
     n = len(step_buckets(ec))
     unrolled, scan = hm.engine_maps(n, 8, True), hm.engine_maps(n, 8, False)
     assert scan < unrolled

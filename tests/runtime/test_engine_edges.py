@@ -105,7 +105,7 @@ def test_eos_inside_window_ends_output_exactly(eos_index, what):
     m = o.metrics
     assert m.num_decode_tokens == eos_index  # tokens after the prefill token, EOS included
     assert m.num_accepted_tokens == min(eos_index, K)  # only committed drafts count
-    assert free_blocks(llm) == llm.engine_config.num_blocks
+    assert free_blocks(llm) == llm.llm_engine.engine_config.num_blocks
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,21 +165,22 @@ def test_no_write_outside_own_blocks(offset, kept_engines):
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", K, K),
               max_num_seqs=2, max_model_len=MAX_LEN, block_size=bs, max_num_batched_tokens=32)
     kept_engines.append(llm)                    # a fresh engine, compiled steps shared
+    run = llm.llm_engine.runner
     nan = lambda c: KVCache(jnp.full_like(c.k, jnp.nan), jnp.full_like(c.v, jnp.nan))
-    llm.cache, llm.mtp_cache = nan(llm.cache), nan(llm.mtp_cache)
+    run.cache, run.mtp_cache = nan(run.cache), nan(run.mtp_cache)
     (o,) = llm.generate([prompt], SamplingParams(max_tokens=9, ignore_eos=True), use_tqdm=False)
     assert o.token_ids == ref
     final_len = len(prompt) + len(ref)
     # Blocks ever owned: at most those covering the last window (final_len + K + M overhang).
     max_owned = -(-(final_len + 2 * K) // bs)
-    touched = ~np.all(np.isnan(np.asarray(llm.cache.k)), axis=(0, 2, 3))
-    touched_mtp = ~np.all(np.isnan(np.asarray(llm.mtp_cache.k)), axis=(0, 2, 3))
+    touched = ~np.all(np.isnan(np.asarray(run.cache.k)), axis=(0, 2, 3))
+    touched_mtp = ~np.all(np.isnan(np.asarray(run.mtp_cache.k)), axis=(0, 2, 3))
     assert 0 < touched.sum() <= max_owned
     assert touched_mtp.sum() <= max_owned
     assert set(np.flatnonzero(touched_mtp)) <= set(np.flatnonzero(touched)) | set(
         np.flatnonzero(touched_mtp))
-    assert free_blocks(llm) == llm.engine_config.num_blocks
-    assert int(llm.state.free_count) == llm.engine_config.num_blocks
+    assert free_blocks(llm) == llm.llm_engine.engine_config.num_blocks
+    assert int(run.state.free_count) == llm.llm_engine.engine_config.num_blocks
 
 
 def test_preemption_when_blocks_run_out(tiny):
@@ -214,7 +215,7 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny, model):
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
               max_num_seqs=slots, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32,
               async_scheduling=False)
-    ec = llm.engine_config
+    ec = llm.llm_engine.engine_config
     rng = np.random.default_rng(0)
     batch = lambda n: [list(rng.integers(2, 64, rng.integers(1, 30))) for _ in range(n)]
     before = engine_of(llm).runner.jitted_step._cache_size()  # the jit cache is shared with other engines of the process
@@ -320,5 +321,5 @@ def test_failing_device_call_loses_no_request(tiny, fail_in, kept_engines):
         eng.abort_request("a")
         assert not eng.has_unfinished_requests()
         assert all(s is None for s in eng.scheduler.slots)
-    assert free_blocks(eng) == llm.engine_config.num_blocks
-    assert int(eng.state.free_count) == llm.engine_config.num_blocks
+    assert free_blocks(eng) == eng.engine_config.num_blocks
+    assert int(eng.runner.state.free_count) == eng.engine_config.num_blocks

@@ -52,7 +52,7 @@ def test_speculative_equals_plain(k, m, data):
         assert b.finish_reason == a.finish_reason
         assert len(b.token_ids) <= sp.max_tokens
         assert b.metrics.num_accepted_tokens <= b.metrics.num_draft_tokens
-    ec = engine(k, m).engine_config
+    ec = engine(k, m).llm_engine.engine_config
     assert free_blocks(engine(k, m)) == ec.num_blocks
 
 

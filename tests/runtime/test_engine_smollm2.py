@@ -64,7 +64,8 @@ def spec_llm(smollm2, tokenizer, k, m, draft_vocab_size=None):
 def test_smollm2_speculative_equals_plain(smollm2, smollm2_tokenizer, smollm2_prompts,
                                           plain_outputs, k, m, draft_vocab_size):
     llm = spec_llm(smollm2, smollm2_tokenizer, k, m, draft_vocab_size)
-    assert llm.draft_vocab_size == (0 if draft_vocab_size == 0 else smollm2[0].draft_vocab_size)
+    assert llm.llm_engine.draft_vocab_size == (0 if draft_vocab_size == 0
+                                               else smollm2[0].draft_vocab_size)
     outs = llm.generate(smollm2_prompts, SamplingParams(max_tokens=48, ignore_eos=True),
                         use_tqdm=False)
     for a, b in zip(plain_outputs, outs):

@@ -188,7 +188,7 @@ def test_one_device_expert_parallel_changes_nothing():
     eng = LLMEngine(model_config=cfg, params=params, enable_expert_parallel=True,
                     **worker.engine_kwargs(1))
     assert not eng.model_config.moe.expert_parallel
-    assert eng.mesh is None
+    assert eng.runner.mesh is None
 
 
 def test_expert_parallel_rules_and_data_specs():

@@ -58,11 +58,12 @@ def _wire(states: list[RequestState]) -> list[RequestState]:
 @pytest.mark.parametrize("k", [1, 3])
 def test_prefill_on_one_llm_decode_on_another(k):
     a, b = pair(k)
-    total_b = b.engine_config.num_blocks
+    total_b = b.llm_engine.engine_config.num_blocks
     for sp, name in ((GREEDY, "greedy"), (SAMPLED, "sampled")):
         ref = a.generate(PROMPTS, sp, use_tqdm=False)
         states = a.prefill(PROMPTS, sp)
-        assert free_blocks(a) == a.engine_config.num_blocks       # nothing stays on the exporter
+        # nothing stays on the exporter
+        assert free_blocks(a) == a.llm_engine.engine_config.num_blocks
         assert not a.llm_engine.has_unfinished_requests()
         for st, r in zip(states, ref):
             assert not st.finished and st.version == HANDOFF_VERSION
@@ -213,13 +214,13 @@ def test_failed_device_import_writes_nothing():
     a, _ = pair(1)
     st = a.prefill(PROMPTS[:1], GREEDY)[0]
     eng = make(1, max_num_seqs=2, num_blocks=30).llm_engine
-    eng.state = dataclasses.replace(eng.state, blocks=dataclasses.replace(
-        eng.state.blocks, free_count=jnp.int32(0)))
-    before = jax.device_get((eng.state, eng.cache, eng.mtp_cache))
+    eng.runner.state = dataclasses.replace(eng.runner.state, blocks=dataclasses.replace(
+        eng.runner.state.blocks, free_count=jnp.int32(0)))
+    before = jax.device_get((eng.runner.state, eng.runner.cache, eng.runner.mtp_cache))
     eng.import_request(st)
     with pytest.raises(RuntimeError, match="allocator"):
         eng.step()
-    after = jax.device_get((eng.state, eng.cache, eng.mtp_cache))
+    after = jax.device_get((eng.runner.state, eng.runner.cache, eng.runner.mtp_cache))
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(x, y)
 
@@ -233,9 +234,9 @@ def test_hand_off_between_a_scan_and_an_unrolled_engine():
     a = make(2, layer_loop="scan")
     b = make(2, max_num_seqs=2, num_blocks=30, layer_loop="unrolled")
     assert (a.llm_engine.layer_loop, b.llm_engine.layer_loop) == ("scan", "unrolled")
-    assert params_digest(a.llm_engine.params) == params_digest(b.llm_engine.params)
-    assert params_digest(make(2, seed=1, layer_loop="unrolled").llm_engine.params) != \
-        params_digest(b.llm_engine.params)
+    assert params_digest(a.llm_engine.runner.params) == params_digest(b.llm_engine.runner.params)
+    assert params_digest(make(2, seed=1, layer_loop="unrolled").llm_engine.runner.params) != \
+        params_digest(b.llm_engine.runner.params)
     ref = a.generate(PROMPTS, GREEDY, use_tqdm=False)
     states = a.prefill(PROMPTS, GREEDY)
     assert compat_diff(states[0].compat, b.llm_engine.handoff.compat()) == []

@@ -226,7 +226,7 @@ def test_captured_states_equal_a_plain_prefill(tmp):
     eng = engine("qwen3_next", 2, tmp)
     res = run_chats(eng, CHATS[:2], greedy, tag="c")
     _, cfg, params = _checkpoint("qwen3_next", tmp)
-    saved = eng.cache.linear.saved
+    saved = eng.runner.cache.linear.saved
     st, pc = eng.prefix_caches.states[0], eng.prefix_caches.caches[0]
     fwd = jax.jit(forward, static_argnums=0)
     checked = set()

@@ -41,18 +41,18 @@ def test_mtp_equals_plain_on_int8_cache(runs):
     m = [o.metrics for o in spec_outs]
     assert sum(x.num_draft_tokens for x in m) > 0          # the MTP head drafted (and was verified)
     for llm in (plain, spec):
-        assert free_blocks(llm) == llm.engine_config.num_blocks
+        assert free_blocks(llm) == llm.llm_engine.engine_config.num_blocks
     # The int8 engines run with the calibrated key shift (jmtp.model.kv_shift) of their model.
     from flax import nnx
 
     from jmtp.model.kv_shift import calibrate_k_shift
     for llm in (plain, spec):
-        model = nnx.merge(llm.graphdef, llm.params)
+        model = nnx.merge(llm.llm_engine.runner.graphdef, llm.llm_engine.runner.params)
         want = calibrate_k_shift(llm.model_config, tiny_model(0)[1])
         assert model.k_shift is not None
         assert jnp.array_equal(model.k_shift[...], want)
     # Both caches hold int8 values with f32 scales, and decoding wrote them.
-    for c in (spec.cache, spec.mtp_cache):
+    for c in (spec.llm_engine.runner.cache, spec.llm_engine.runner.mtp_cache):
         assert c.k.dtype == c.v.dtype == jnp.int8 and c.k_scale.dtype == jnp.float32
         assert float(jnp.max(c.k_scale)) > 0 and float(jnp.max(c.v_scale)) > 0
 
@@ -61,7 +61,7 @@ def test_kv_cache_bytes_hand_computed(runs):
     """TINY: 2 layers (+1 MTP layer), Nkv 2, D 8; num_blocks = SEQS * pages_per_seq. int8 values:
     1 byte (a quarter of f32's 4), scales 4 bytes per slot per head, for K and V each."""
     _, _, spec, _ = runs
-    cfg, ec = spec.model_config, spec.engine_config
+    cfg, ec = spec.model_config, spec.llm_engine.engine_config
     slots = ec.num_blocks * BS
     assert ec.num_blocks == SEQS * ec.pages_per_seq and ec.kv_cache_dtype == "int8"
     values = lambda layers: 2 * layers * slots * cfg.num_kv_heads * cfg.head_dim * 1  # noqa: E731

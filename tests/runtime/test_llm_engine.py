@@ -99,7 +99,7 @@ def test_abort_frees_blocks_waiting_prefilling_decoding():
     assert n_blocks - used < mid < n_blocks             # the prefilling request's blocks came back
     engine.abort_request(["dec", "unknown"])            # unknown ids are ignored
     st = engine.get_stats()
-    assert st["num_free_blocks"] == n_blocks == int(engine.state.free_count)
+    assert st["num_free_blocks"] == n_blocks == int(engine.runner.state.free_count)
     assert not engine.has_unfinished_requests() and engine.step() == []
     # the engine keeps serving after aborts, and a reused id is fine once the old one is gone
     engine.add_request("dec", [5, 6, 7], SamplingParams(max_tokens=5))
@@ -283,7 +283,7 @@ def test_each_layer_loop_decodes_like_the_reference(loop):
                   max_model_len=MAX_LEN, block_size=4, compile="lazy", layer_loop=loop)
         assert llm.llm_engine.layer_loop == loop
         paths = [jax.tree_util.keystr(p) for p, _ in
-                 jax.tree_util.tree_leaves_with_path(llm.llm_engine.params)]
+                 jax.tree_util.tree_leaves_with_path(llm.llm_engine.runner.params)]
         per_layer = "['layers']['layers'][1]['attn']['wq'].value" in paths
         assert per_layer == (loop == "unrolled")
         out = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True),

@@ -81,7 +81,7 @@ def test_incremental_drafts_match_from_scratch(layout, k, m, budget, draft_vocab
     llm = LLM(model_config=cfg, params=params,
               speculative_config=SpeculativeConfig("mtp", k, m, draft_vocab_size=draft_vocab),
               max_num_seqs=2, max_model_len=80, block_size=4, max_num_batched_tokens=budget)
-    assert llm.draft_vocab_size == draft_vocab
+    assert llm.llm_engine.draft_vocab_size == draft_vocab
     seen = []
     step = engine_of(llm).runner.jitted_step
 

@@ -173,8 +173,9 @@ def test_ngram_speculation_equals_plain(spec, data):
         assert b.token_ids == a.token_ids
         assert b.finish_reason == a.finish_reason
         assert b.metrics.num_accepted_tokens <= b.metrics.num_draft_tokens
-    assert free_blocks(llm) == llm.engine_config.num_blocks
-    assert llm.mtp_cache is None if spec.method == "ngram" else llm.mtp_cache is not None
+    assert free_blocks(llm) == llm.llm_engine.engine_config.num_blocks
+    mtp_cache = llm.llm_engine.runner.mtp_cache
+    assert mtp_cache is None if spec.method == "ngram" else mtp_cache is not None
 
 
 def test_ngram_drafts_get_accepted():
@@ -198,7 +199,8 @@ def test_ngram_needs_no_mtp_weights():
     llm = LLM(model_config=cfg.replace(num_mtp_layers=0), params=no_mtp,
               speculative_config=SpeculativeConfig("ngram", 2), max_num_seqs=2,
               max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32)
-    assert llm.engine_config.mtp_substeps == 0 and llm.mtp_cache is None
+    assert llm.llm_engine.engine_config.mtp_substeps == 0
+    assert llm.llm_engine.runner.mtp_cache is None
     ref = engine(None).generate([[3, 4, 3, 4, 3]], SamplingParams(max_tokens=10), use_tqdm=False)
     out = llm.generate([[3, 4, 3, 4, 3]], SamplingParams(max_tokens=10), use_tqdm=False)
     assert out[0].token_ids == ref[0].token_ids
@@ -219,14 +221,14 @@ def test_no_recompiles_when_limits_change_and_windows_report_their_budget():
     work = [(batch(int(rng.integers(1, 5))), SamplingParams(max_tokens=int(rng.integers(1, 12))))
             for _ in range(4)]
     refs = [[o.token_ids for o in engine(None).generate(p, sp, use_tqdm=False)] for p, sp in work]
-    ec = llm.engine_config
+    ec = llm.llm_engine.engine_config
     run = engine_of(llm).runner
     for bucket in step_buckets(ec):   # warm every step shape on the idle state (a no-op step)
         run.state, caches, _ = run.jitted_step(*run.step_args(bucket))
         run.cache, run.mtp_cache = caches.target, caches.mtp
     compiled = engine_of(llm).runner.jitted_step._cache_size()
     seen = set()
-    policy = llm.spec_policy
+    policy = llm.llm_engine.spec_policy
     orig = policy.draft_limits
 
     def varied(active):   # force every limit pattern through the step
@@ -239,7 +241,7 @@ def test_no_recompiles_when_limits_change_and_windows_report_their_budget():
 
     def recorded(bucket, chunks, limits):
         out = run_step(bucket, chunks, limits)
-        st = jax.device_get(eng.state)
+        st = jax.device_get(eng.runner.state)
         seq_len = st.prompt_lens + st.step_idx
         cap = np.clip(np.minimum(st.max_dec_len - st.step_idx - 1, MAX_LEN - seq_len - 1), 0, 3)
         decoding = ~st.stop_flags & (st.seq_lens_decoder >= st.prompt_lens)   # next step

@@ -61,7 +61,7 @@ def _run_chats(engine, chats, max_tokens=10, record_windows=False):
         while engine.has_unfinished_requests():
             outs = engine.step()
             if record_windows:
-                dt = np.asarray(engine.state.draft_tokens)
+                dt = np.asarray(engine.runner.state.draft_tokens)
                 for b, seq in enumerate(engine_of(engine).scheduler.slots):
                     if seq is not None and seq.prefilled >= len(seq.context_ids):
                         windows.setdefault(seq.group.request_id, []).append(dt[b].tolist())
@@ -154,7 +154,8 @@ def test_match_leaves_one_position_and_release_counts():
 # ------------------------------------------------------------------- lifecycle (hypothesis)
 def _block_contents(engine, ids):
     out = {}
-    caches = [engine.cache] + ([engine.mtp_cache] if engine.mtp_cache is not None else [])
+    run = engine.runner
+    caches = [run.cache] + ([run.mtp_cache] if run.mtp_cache is not None else [])
     arrs = [(np.asarray(c.k), np.asarray(c.v)) for c in caches]
     for i in ids:
         out[i] = [(k[:, i].copy(), v[:, i].copy()) for k, v in arrs]
@@ -163,7 +164,7 @@ def _block_contents(engine, ids):
 
 def _check_invariants(engine, snapshots):
     pc = engine.prefix_caches.caches[0]
-    s = jax.device_get(engine.state)
+    s = jax.device_get(engine.runner.state)
     fs, fc = np.asarray(s.blocks.free_stack), int(s.blocks.free_count)
     bt, no = np.asarray(s.blocks.block_tables), np.asarray(s.blocks.num_owned)
     cached = pc.cached_ids()
@@ -236,7 +237,7 @@ def test_lifecycle_refcounts_no_leak_no_write(lifecycle_engine, data):
     if data.draw(st.booleans(), label="evict_all"):
         engine.prefix_caches.ensure_free(engine.runner, 0, engine.engine_config.num_blocks)
         assert len(pc) == 0
-        assert int(engine.state.free_count) == engine.engine_config.num_blocks
+        assert int(engine.runner.state.free_count) == engine.engine_config.num_blocks
 
 
 def test_eviction_under_block_pressure(lifecycle_engine):

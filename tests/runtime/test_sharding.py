@@ -349,7 +349,7 @@ def test_one_device_engine_is_unchanged(tiny):
     eng = LLMEngine(model_config=cfg, params=params, max_num_seqs=1, max_model_len=16,
                     block_size=4, max_num_batched_tokens=4, compile="lazy",
                     tensor_parallel_size=1, mesh=None)
-    assert eng.mesh is None
+    assert eng.runner.mesh is None
     mem = eng.memory_per_device()
     assert mem["params"][0] == mem["params"][1]
 

@@ -680,14 +680,14 @@ def test_engine_calibration_times_every_decode_bucket_and_idle_steps_change_noth
     eng = LLMEngine(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=2,
                     max_model_len=32, block_size=4, compile="lazy")
     assert eng.spec_policy.step_seconds == {}                 # lazy: not calibrated yet
-    before = jax.device_get((eng.state, eng.cache, eng.mtp_cache))
+    before = jax.device_get((eng.runner.state, eng.runner.cache, eng.runner.mtp_cache))
     seconds = eng.calibrate_speculation(repeats=1)
     ec = eng.engine_config
     expected = {StepBucket(t, a) for a in slot_buckets(ec) for t in decode_buckets(ec, a)}
     assert set(seconds) == expected == {StepBucket(t, a) for a, t in
                                         [(1, 1), (1, 2), (1, 3), (2, 2), (2, 4), (2, 6)]}
     assert eng.spec_policy.seed_seconds == seconds and eng.spec_policy.step_seconds == {}
-    after = jax.device_get((eng.state, eng.cache, eng.mtp_cache))
+    after = jax.device_get((eng.runner.state, eng.runner.cache, eng.runner.mtp_cache))
     for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(x, y)
     prompt = [5, 9, 2, 7]

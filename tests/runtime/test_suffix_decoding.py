@@ -275,8 +275,8 @@ def test_greedy_equals_plain_decoding(spec, data):
     for p, o, sp in zip(prompts, outs, sps):
         assert o.token_ids == reference_greedy(cfg, params, p, sp.max_tokens, stop_ids=())
         assert o.metrics.num_accepted_tokens <= o.metrics.num_draft_tokens
-    assert free_blocks(llm) == llm.engine_config.num_blocks
-    assert (llm.mtp_cache is None) == (spec.method == "suffix")
+    assert free_blocks(llm) == llm.llm_engine.engine_config.num_blocks
+    assert (llm.llm_engine.runner.mtp_cache is None) == (spec.method == "suffix")
 
 
 def test_drafts_from_the_global_tree_are_accepted():

@@ -405,13 +405,15 @@ def test_head_file_with_ranking_attaches_to_a_model(tmp_path):
     np.testing.assert_array_equal(np.asarray(p2["mtp"]["eh_proj"]), np.asarray(params["mtp"]["eh_proj"]))
     llm = LLM(model_config=cfg2, params=p2, speculative_config=SpeculativeConfig("mtp", 2),
               max_num_seqs=1, max_model_len=32)
-    assert llm.draft_vocab_size == 16
-    assert llm.params["draft_head"]["token_ids"][...].tolist() == ranking[:16].tolist()
-    np.testing.assert_array_equal(np.asarray(llm.params["draft_head"]["weight"][...]),
+    assert llm.llm_engine.draft_vocab_size == 16
+    head = llm.llm_engine.runner.params["draft_head"]
+    assert head["token_ids"][...].tolist() == ranking[:16].tolist()
+    np.testing.assert_array_equal(np.asarray(head["weight"][...]),
                                   np.asarray(params["embed"])[ranking[:16]])
     full = LLM(model_config=cfg2, params=p2, max_num_seqs=1, max_model_len=32,
                speculative_config=SpeculativeConfig("mtp", 2, draft_vocab_size=0))
-    assert full.draft_vocab_size == 0 and "draft_head" not in full.params
+    assert full.llm_engine.draft_vocab_size == 0
+    assert "draft_head" not in full.llm_engine.runner.params
     with pytest.raises(ValueError, match="exceeds"):
         LLM(model_config=cfg2, params={**p2, "draft_vocab": ranking[:8]}, max_num_seqs=1,
             max_model_len=32, speculative_config=SpeculativeConfig("mtp", 2))

@@ -98,22 +98,12 @@ class LLM:
         self.last_run_stats: dict = {}
         self._calls = itertools.count()     # request ids of generate calls: generate-<call>-<i>
 
-    # The engine's configuration and device state, read (and, for tests, written) through.
+    # vLLM's ``LLM.model_config`` and ``get_tokenizer()`` counterparts, and ``compile_seconds``
+    # (docs/startup.md), read through; everything else is ``llm.llm_engine``'s (``engine_config``,
+    # ``spec_policy``, ...) or its runner's (``llm.llm_engine.runner.params``, ``.state``, ...).
     model_config = _engine_attr("model_config")
-    engine_config = _engine_attr("engine_config")
-    speculative_config = _engine_attr("speculative_config")
     tokenizer = _engine_attr("tokenizer")
-    params = _engine_attr("params")
-    graphdef = _engine_attr("graphdef")
-    draft_vocab_size = _engine_attr("draft_vocab_size")
-    attention_backend = _engine_attr("attention_backend")
-    state = _engine_attr("state")
-    cache = _engine_attr("cache")
-    mtp_cache = _engine_attr("mtp_cache")
     compile_seconds = _engine_attr("compile_seconds")
-    compilation_cache_dir = _engine_attr("compilation_cache_dir")
-    spec_policy = _engine_attr("spec_policy")
-    mesh = _engine_attr("mesh")
 
     def kv_cache_bytes(self) -> dict[str, int]:
         """KV-cache bytes, values and scales apart: :meth:`LLMEngine.kv_cache_bytes`."""

@@ -150,20 +150,14 @@ class LLMEngine(CompileAPI, HandOffAPI):
         self._preempted_at = [-1] * dp   # per shard: dispatch number when it last preempted
 
     # ------------------------------------------------------------------ configuration
+    # vLLM's ``LLMEngine.model_config``, the engine's configuration and ``first_call_seconds``
+    # (docs/startup.md), read through; device state is the runner's: ``engine.runner.params``,
+    # ``.graphdef``, ``.state``, ``.cache``, ``.mtp_cache``, ``.mesh``, ``.attention_backend``;
+    # the speculative config is ``engine_config.spec``.
     model_config = _runner_attr("model_config", "The target's ModelConfig.")
     engine_config = _runner_attr("engine_config", "The EngineConfig (totals over data shards).")
-    mesh = _runner_attr("mesh", "The device mesh, or None on one device.")
-    graphdef = _runner_attr("graphdef", "The model's static NNX graph definition.")
-    params = _runner_attr("params", "The parameters' nnx.State.")
-    state = _runner_attr("state", "The device EngineState.")
-    cache = _runner_attr("cache", "The target KV cache.")
-    mtp_cache = _runner_attr("mtp_cache", "The MTP KV cache, or None.")
-    attention_backend = _runner_attr("attention_backend", "The step's attention implementation.")
     first_call_seconds = _runner_attr("first_call_seconds",
                                       "{bucket label: seconds} of each bucket's first run.")
-
-    speculative_config = property(lambda self: self.runner.engine_config.spec,
-                                  doc="The engine's SpeculativeConfig (engine_config.spec).")
 
     def close(self) -> None:
         """Drop every request and release the engine's device arrays and compiled executables
