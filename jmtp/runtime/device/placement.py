@@ -24,7 +24,7 @@ from jmtp.runtime.device.spec import Caches
 from jmtp.runtime.device.state import init_state, insert_request
 from jmtp.runtime.device.step import (engine_step, push_free_blocks, release_slot, retire_slot,
                                       set_slot_state_of)
-from jmtp.runtime.process import multihost as mh
+from jmtp.core import multihost as mh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ class DeviceOp:
       outputs: each output's placement on a mesh: ``state`` (stacked state), ``target`` /
         ``mtp`` (stacked caches), ``caches`` (both), ``rep`` (replicated: the host reads it).
       first_call_key: on a multi-process mesh, the compiled shape of a call's positional
-        arguments (:class:`~jmtp.runtime.process.multihost.SyncFirstCall`); None: one shape.
+        arguments (:class:`~jmtp.core.multihost.SyncFirstCall`); None: one shape.
       mesh_arg: ``sharded`` takes the mesh as its first argument.
       param_specs: ``sharded`` takes the parameters' ``data`` placement (the step).
     """
@@ -229,7 +229,7 @@ class OnMesh:
                       out_shardings=outs if len(outs) > 1 else outs[0])
             if sync:
                 # the first run of each step bucket (and of each slot operation) waits until
-                # every process has compiled it (jmtp.runtime.process.multihost.SyncFirstCall)
+                # every process has compiled it (jmtp.core.multihost.SyncFirstCall)
                 fn = mh.SyncFirstCall(fn, key=op.first_call_key, name=name)
             setattr(self, f"{name}_fn", fn)
         self.step = self.step_fn

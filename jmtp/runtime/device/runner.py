@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Iterable
+from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +34,6 @@ from jmtp.runtime.device.buckets import StepBucket, decode_buckets, slot_buckets
 from jmtp.runtime.device.handoff_ops import LINEAR_PREFIX, page_bucket, row_keys
 from jmtp.runtime.device.placement import OneDevice, OnMesh, abstract_on
 from jmtp.runtime.device.spec import Caches, StepInputs, StepSpec
-from jmtp.runtime.process.host_maps import MapBudget
 
 
 @dataclasses.dataclass
@@ -65,6 +64,13 @@ class DeviceRunner:
       dtype: parameter and cache dtype.
       attention_backend: the step's attention implementation (static).
       num_mtp_cache_layers: layers of the MTP KV cache (0: none).
+      compile_ahead: the process's ahead-of-time compiler, called as ``compile_ahead(fn,
+        arg_lists, *, labels, desc, progress, budget, on_compiled, on_executable)`` and returning
+        ``{label: seconds}`` (the host passes
+        :func:`jmtp.runtime.process.compile.compile_ahead`).
+      map_budget: the process's memory-map budget, checked before each new step bucket's
+        compile and measuring it (``check(label, remaining=1)``, ``start()``, ``stop()``; the host
+        passes a :class:`jmtp.runtime.process.host_maps.MapBudget`); None: nothing is checked.
       compile_mode: ``"eager"`` or ``"lazy"`` (only :meth:`bucket_to_run` reads it).
       device: without a mesh, the device to run on (default: JAX's default device).
       abstract: build with ``jax.ShapeDtypeStruct``s only (``params`` may be abstract too): no
@@ -81,6 +87,7 @@ class DeviceRunner:
 
     def __init__(self, model_config: ModelConfig, params: dict, engine_config: EngineConfig, *,
                  mesh, dtype, attention_backend: str | None, num_mtp_cache_layers: int,
+                 compile_ahead: Callable[..., dict], map_budget=None,
                  compile_mode: str = "eager", device=None, abstract: bool = False):
         self.model_config, self.engine_config, self.mesh = model_config, engine_config, mesh
         self.attention_backend, self.compile_mode = attention_backend, compile_mode
@@ -102,8 +109,9 @@ class DeviceRunner:
         self._free_pending: tuple[int, object] | None = None
         self._op = 0
         # XLA:CPU maps every compiled kernel on its own and aborts the process past the map
-        # limit: each new step bucket is checked first (jmtp.runtime.process.host_maps).
-        self.map_budget = MapBudget("step bucket")
+        # limit: each new step bucket is checked first (jmtp.runtime.process.host_maps). Both
+        # are process-level services the host hands in: device code imports nothing of process/.
+        self.map_budget, self._compile_ahead = map_budget, compile_ahead
         self._compiled: set[StepBucket] = set()
         # {bucket label: seconds} of each bucket's first run (tracing, then compiling or loading
         # it from the persistent cache, then the step itself): where lazy compiles go
@@ -151,7 +159,8 @@ class DeviceRunner:
         yet and its compile would cross the process's memory-map limit. On a multi-process mesh
         nothing is checked: each process counts its own mappings, and one process refusing a
         compile the others start would leave them waiting at its barrier."""
-        if bucket not in self._compiled and jax.process_count() == 1:
+        if (bucket not in self._compiled and jax.process_count() == 1
+                and self.map_budget is not None):
             self.map_budget.check(bucket.label)
 
     def step_spec(self, bucket: StepBucket) -> StepSpec:
@@ -234,24 +243,22 @@ class DeviceRunner:
         """Compile step buckets (default: every uncompiled one) without running them;
         ``{bucket label: seconds}`` (see :meth:`LLMEngine.compile_buckets`). ``on_executable``:
         as :func:`~jmtp.runtime.process.compile.compile_ahead`."""
-        from jmtp.runtime.process.compile import compile_ahead
         todo = (list(self.uncompiled_buckets()) if buckets is None
                 else [b for b in buckets if b not in self._compiled])
         if not todo:
             return {}
         with self.context():
-            return compile_ahead(self.jitted_step, [self.step_args(b) for b in todo],
-                                 labels=[b.label for b in todo], desc="compile step buckets",
-                                 progress=progress, on_compiled=lambda i: self._compiled
-                                 .add(todo[i]), on_executable=on_executable,
-                                 budget=(self.map_budget if jax.process_count() == 1
-                                         and not self.abstract else None))
+            return self._compile_ahead(
+                self.jitted_step, [self.step_args(b) for b in todo],
+                labels=[b.label for b in todo], desc="compile step buckets", progress=progress,
+                on_compiled=lambda i: self._compiled.add(todo[i]), on_executable=on_executable,
+                budget=(self.map_budget if jax.process_count() == 1 and not self.abstract
+                        else None))
 
     def compile_slot_ops(self, sampling_row: dict, on_executable=None) -> dict[str, float]:
         """Compile the request insert and the slot release (and, with prefix caching, the slot
         retire and the free-block push) ahead; ``{label: seconds}``. ``on_executable``: as
         :func:`~jmtp.runtime.process.compile.compile_ahead`."""
-        from jmtp.runtime.process.compile import compile_ahead
         sec, p = self.shard_config, self.placement
         a = self.lift if self.abstract else jnp.asarray
         fix = (lambda args: tuple(jax.tree.map(a, args))) if self.abstract else tuple
@@ -274,8 +281,8 @@ class DeviceRunner:
         with self.context():
             for label, fn, args in ops:
                 args = (args[0],) + fix(args[1:])    # the state is abstract already
-                times.update(compile_ahead(fn, [args], labels=[label], progress=False,
-                                           on_executable=on_executable))
+                times.update(self._compile_ahead(fn, [args], labels=[label], progress=False,
+                                                 on_executable=on_executable))
         return times
 
     def time_decode_buckets(self, repeats: int) -> dict[StepBucket, float]:
@@ -321,8 +328,9 @@ class DeviceRunner:
         device call runs after it. Read its outputs with :meth:`fetch_step`."""
         self._check_concrete()
         first = bucket not in self._compiled
-        if first:
-            self.map_budget.start()
+        budget = self.map_budget if first else None
+        if budget is not None:
+            budget.start()
         t0 = time.perf_counter()
         with self.context():
             self.state, caches, out = self.jitted_step(
@@ -330,7 +338,8 @@ class DeviceRunner:
         self.cache, self.mtp_cache = caches.target, caches.mtp
         seconds = time.perf_counter() - t0
         if first:
-            self.map_budget.stop()
+            if budget is not None:
+                budget.stop()
             self._compiled.add(bucket)
             # the compile is known now (a clock reading first runs between this dispatch and the
             # fetch sees it); fetch_step adds the wait for the outputs

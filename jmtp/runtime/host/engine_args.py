@@ -30,6 +30,7 @@ from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.device import sharding as shd
 from jmtp.runtime.device.runner import DeviceRunner
 from jmtp.runtime.process import compile as jc
+from jmtp.runtime.process.host_maps import MapBudget
 from jmtp.runtime.process.settings import prepare_process
 
 log = logging.getLogger(__name__)
@@ -382,6 +383,7 @@ class EngineArgs:
                               attention_backend="xla" if a.batch_invariant else attention_fallback(
                                   a.attention_backend, platform, a.kv_cache_dtype, a.block_size),
                               num_mtp_cache_layers=num_mtp_cache_layers,
+                              compile_ahead=jc.compile_ahead, map_budget=MapBudget("step bucket"),
                               compile_mode=compile_mode, abstract=bool(a.abstract),
                               device=devices[0] if devices and mesh is None else None)
         if mesh is not None and not a.abstract:

@@ -1,7 +1,7 @@
 """Serving on several processes: process 0's engine calls, replayed on every other process.
 
 ``jmtp launch -n N -- serve ...`` starts N processes of one ``jax.distributed`` job; each builds
-the same engine on the global mesh (multi-controller JAX, :mod:`jmtp.runtime.process.multihost`). Only
+the same engine on the global mesh (multi-controller JAX, :mod:`jmtp.core.multihost`). Only
 process 0 takes HTTP requests. Its engine thread (:class:`~jmtp.runtime.serve.async_engine.
 AsyncLLMEngine`) calls a :class:`MirroredEngine`, which makes each call on the local engine and
 records the ones that change it (``add_request`` that succeeded, ``abort_request``); every
@@ -28,7 +28,7 @@ import pickle
 import jax
 
 from jmtp.runtime.host.plan_sync import KEEP_KEYS
-from jmtp.runtime.process import multihost as mh
+from jmtp.core import multihost as mh
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jmtp.runtime.device.buckets import StepBucket
-from jmtp.runtime.process import multihost as mh
+from jmtp.core import multihost as mh
 
 #: Steps a plan key is kept before process 0 deletes it.
 KEEP_KEYS = 64
@@ -34,7 +34,7 @@ class PlanSync:
 
     Args:
       timeout_s: seconds a process waits for process 0's plan (default
-        ``$JMTP_BARRIER_TIMEOUT``, as :func:`jmtp.runtime.process.multihost.barrier`).
+        ``$JMTP_BARRIER_TIMEOUT``, as :func:`jmtp.core.multihost.barrier`).
     """
 
     def __init__(self, timeout_s: float | None = None):

@@ -3,7 +3,7 @@
 jmtp serves on several processes (hosts) SPMD, multi-controller style: every process runs the same
 script, builds the same engine on the same *global* mesh (``jax.devices()`` of all processes) and
 runs the same host loop, so every process makes the same scheduling decisions and holds the full
-outputs (see :mod:`jmtp.runtime.process.multihost` for how host values enter and leave the mesh).
+outputs (see :mod:`jmtp.core.multihost` for how host values enter and leave the mesh).
 
 :func:`initialize` must run before anything else touches JAX devices. Its three values come from
 its arguments, else from the environment variables :data:`ENV_COORDINATOR` (``host:port`` of

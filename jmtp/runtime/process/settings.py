@@ -13,7 +13,7 @@ engine's, so they are made at explicit points:
   starts: :func:`tune_malloc`, and for ``generate`` / ``chat`` with scanned layers XLA:CPU's
   faster compile flag (:func:`jmtp.runtime.process.compile.use_fast_cpu_compiles`).
 * **Your call only**: ``jax.distributed`` (:func:`jmtp.runtime.process.distributed.initialize`, or
-  ``jmtp launch``) and the multi-process helpers (:mod:`jmtp.runtime.process.multihost`: barriers and
+  ``jmtp launch``) and the multi-process helpers (:mod:`jmtp.core.multihost`: barriers and
   checks over the distributed client).
 * **Read only**: the memory-map budget (:mod:`jmtp.runtime.process.host_maps` reads
   ``vm.max_map_count`` and ``/proc/self/maps``; it changes nothing, it refuses compiles that would
