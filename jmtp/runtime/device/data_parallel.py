@@ -16,10 +16,10 @@ per-slot arrays          ``[D, Bl, ...]`` (global slot ``b`` is shard ``b // Bl`
 KV caches                ``f[D, L, Nl, block_size, Nkv, head_dim]``
 =======================  ==============================================================
 
-The engine step, the request insert and the slot release run under one ``jax.shard_map`` that
-is manual over ``data`` only (``axis_names={"data"}``): inside it each shard runs the ordinary
-single-shard functions (:func:`jmtp.runtime.device.step.engine_step`,
-:func:`jmtp.runtime.device.state.insert_request`, :func:`jmtp.runtime.device.step.release_slot`) on its own
+The engine step and the slot operations (but the hand-off gather) run under one ``jax.shard_map``
+that is manual over ``data`` only (``axis_names={"data"}``): inside it each shard runs the ordinary
+single-shard functions (:func:`jmtp.runtime.device.step.engine_step`; for the slot operations
+:func:`one_shard_op`, derived from :data:`jmtp.runtime.device.placement.DEVICE_OPS`) on its own
 slots, blocks and caches with ``EngineConfig`` :func:`shard_config`, while the ``model`` axis stays
 automatic (GSPMD tensor parallelism, attention under its own ``shard_map`` over kv heads). The
 parameters enter replicated over ``data``, except the routed experts under expert parallelism:
@@ -44,12 +44,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jmtp.runtime.config import EngineConfig
-from jmtp.runtime.device.handoff_ops import gather_slot, import_slot
+from jmtp.runtime.device.handoff_ops import gather_slot
 from jmtp.runtime.device.sharding import DATA
 from jmtp.runtime.device.spec import Caches, StepInputs, StepSpec
-from jmtp.runtime.device.state import insert_request
-from jmtp.runtime.device.step import (engine_step, push_free_blocks, release_slot, retire_slot,
-                                      set_slot_state_of)
+from jmtp.runtime.device.step import engine_step, set_slot_state_of
 
 
 def shard_config(ec: EngineConfig, data_parallel_size: int) -> EngineConfig:
@@ -146,93 +144,53 @@ def data_parallel_step(mesh: Mesh, spec: StepSpec, model_state, state, caches: C
     return _on_shard(mesh, body, (list(specs), d, d, d), d)(list(leaves), state, caches, inputs)
 
 
-def data_parallel_insert(mesh: Mesh, state, shard, slot, prompt, prompt_len, max_dec_len,
-                         sampling_row, resume_token, *shared):
-    """:func:`~jmtp.runtime.device.state.insert_request` into row ``slot`` (i32[]) of data shard
-    ``shard`` (i32[]); the other shards keep their state unchanged. Other arguments as for
-    ``insert_request`` (replicated; ``shared``: the prefix-caching arguments, shard-local block
-    ids)."""
-    def body(state, shard, slot, prompt, prompt_len, max_dec_len, sampling_row, resume_token,
-             *shared):
-        local = _squeeze(state)
-        new = insert_request(local, slot, prompt, prompt_len, max_dec_len, sampling_row,
-                             resume_token, *shared)
-        mine = jax.lax.axis_index(DATA) == shard
-        return _expand(jax.tree_util.tree_map(lambda n, o: jnp.where(mine, n, o), new, local))
+def one_shard_op(mesh: Mesh, single, *args, config: EngineConfig | None = None,
+                 stacked: int = 1, pick: str = "where", idle=None, free: bool = False):
+    """A slot operation ``single`` on one data shard: the data-parallel form of every
+    :data:`~jmtp.runtime.device.placement.DEVICE_OPS` entry that declares no ``sharded`` function
+    of its own (insert, release, retire, push_free, import).
 
-    r = P()
-    return _on_shard(mesh, body, (P(DATA),) + (r,) * (7 + len(shared)), P(DATA))(
-        state, shard, slot, prompt, prompt_len, max_dec_len, sampling_row, resume_token, *shared)
+    Args:
+      mesh: the engine's mesh (bound before jitting).
+      single: the single-shard function, called ``single(*config, *local, *rest)``.
+      args: ``(*trees, shard, *rest)``: the first ``stacked`` arguments stacked per shard (the
+        state; for the import also both caches), ``shard`` i32[] the data shard that runs it,
+        ``rest`` replicated (the slot row and the operation's own arguments).
+      config: the shard's :class:`EngineConfig`, passed first to ``single`` (None: not passed).
+      stacked: how many leading arguments (and leading results) are stacked per shard.
+      pick: how the other shards keep theirs: ``"where"`` (every shard runs ``single``, and
+        ``jnp.where`` keeps the result on ``shard`` only; ``single`` returns the state alone) or
+        ``"cond"`` (``lax.cond``: only ``shard`` runs it, the others return ``idle``).
+      idle: with ``"cond"``, the others' results: ``idle(config, *local)``, shaped as
+        ``single``'s.
+      free: also return the new state's ``free_count`` per shard.
 
+    Returns:
+      ``single``'s first ``stacked`` results stacked again, each further result with a leading
+      axis of D (only row ``shard`` is meaningful), then with ``free`` ``free_count i32[D]``; a
+      lone result unwrapped.
+    """
+    cfg = () if config is None else (config,)
 
-def data_parallel_release(mesh: Mesh, ec: EngineConfig, state, shard, slot):
-    """:func:`~jmtp.runtime.device.step.release_slot` of row ``slot`` of data shard ``shard`` (preemption
-    or a stop string found on the host). Returns ``(state, free_count i32[D])``."""
-    def body(state, shard, slot):
-        local = _squeeze(state)
-        new = release_slot(ec, local, slot)
-        mine = jax.lax.axis_index(DATA) == shard
-        new = jax.tree_util.tree_map(lambda n, o: jnp.where(mine, n, o), new, local)
-        return _expand(new), new.free_count[None]
+    def body(*a):
+        local, shard, rest = tuple(_squeeze(x) for x in a[:stacked]), a[stacked], a[stacked + 1:]
+        if pick == "where":
+            new = single(*cfg, *local, *rest)
+            mine = jax.lax.axis_index(DATA) == shard
+            res = jax.tree_util.tree_map(lambda n, o: jnp.where(mine, n, o), new, local[0])
+        else:
+            ops = local[0] if stacked == 1 else local
+            unpack = (lambda o: (o,)) if stacked == 1 else tuple
+            res = jax.lax.cond(jax.lax.axis_index(DATA) == shard,
+                               lambda o: single(*cfg, *unpack(o), *rest),
+                               lambda o: idle(config, *unpack(o)), ops)
+        res = res if type(res) is tuple else (res,)
+        out = tuple(_expand(x) for x in res[:stacked]) + tuple(x[None] for x in res[stacked:])
+        out += (res[0].free_count[None],) if free else ()
+        return out if len(out) > 1 else out[0]
 
-    return _on_shard(mesh, body, (P(DATA), P(), P()), (P(DATA), P(DATA)))(state, shard, slot)
-
-
-def _on_one(shard, fn, operands):
-    """``fn(*operands)`` on data shard ``shard`` only; the other shards return ``operands``
-    unchanged (``fn`` must return a tuple whose first entries have the operands' structure)."""
-    mine = jax.lax.axis_index(DATA) == shard
-    return jax.lax.cond(mine, lambda ops: fn(*ops), lambda ops: ops, operands)
-
-
-def data_parallel_retire(mesh: Mesh, ec: EngineConfig, state, shard, slot, keep):
-    """:func:`~jmtp.runtime.device.step.retire_slot` of row ``slot`` of data shard ``shard`` (prefix
-    caching). Returns ``(state, kept i32[D, P], free_count i32[D])``; only row ``shard`` of
-    ``kept`` is meaningful (-1 elsewhere)."""
-    P_ = ec.pages_per_seq
-
-    def body(state, shard, slot, keep):
-        local = _squeeze(state)
-        idle = lambda st, _: (st, jnp.full((P_,), -1, jnp.int32))
-        new, kept = jax.lax.cond(jax.lax.axis_index(DATA) == shard,
-                                 lambda st, k: retire_slot(ec, st, slot, k), idle, local, keep)
-        return _expand(new), kept[None], new.free_count[None]
-
-    return _on_shard(mesh, body, (P(DATA), P(), P(), P()), (P(DATA),) * 3)(
-        state, shard, slot, keep)
-
-
-def data_parallel_push_free(mesh: Mesh, state, shard, ids):
-    """:func:`~jmtp.runtime.device.step.push_free_blocks` of shard-local ``ids`` on data shard
-    ``shard``. Returns ``(state, free_count i32[D])``."""
-    def body(state, shard, ids):
-        local = _squeeze(state)
-        new = jax.lax.cond(jax.lax.axis_index(DATA) == shard,
-                           lambda st: push_free_blocks(st, ids), lambda st: st, local)
-        return _expand(new), new.free_count[None]
-
-    return _on_shard(mesh, body, (P(DATA), P(), P()), (P(DATA), P(DATA)))(state, shard, ids)
-
-
-def data_parallel_import(mesh: Mesh, ec: EngineConfig, state, cache, mtp_cache, shard, slot,
-                         row, kv, num_pages):
-    """:func:`~jmtp.runtime.device.handoff_ops.import_slot` into row ``slot`` of data shard ``shard``
-    (``ec``: the shard's config; ``row`` and ``kv`` replicated, full kv heads). Returns
-    ``(state, cache, mtp_cache, ok bool[D], free_count i32[D])``; only ``ok[shard]`` is
-    meaningful (True elsewhere)."""
-    def body(state, cache, mtp_cache, shard, slot, row, kv, num_pages):
-        ops = (_squeeze(state), _squeeze(cache), _squeeze(mtp_cache))
-
-        def run(st, c, m):
-            return import_slot(ec, st, c, m, slot, row, kv, num_pages)
-
-        new, c, m, ok = jax.lax.cond(jax.lax.axis_index(DATA) == shard,
-                                     lambda o: run(*o), lambda o: (*o, jnp.bool_(True)), ops)
-        return _expand(new), _expand(c), _expand(m), ok[None], new.free_count[None]
-
-    d = P(DATA)
-    return _on_shard(mesh, body, (d, d, d, P(), P(), P(), P(), P()), (d,) * 5)(
-        state, cache, mtp_cache, shard, slot, row, kv, num_pages)
+    return _on_shard(mesh, body, (P(DATA),) * stacked + (P(),) * (len(args) - stacked),
+                     P(DATA))(*args)
 
 
 def data_parallel_set_slot_state(mesh: Mesh, cache, shard, slot, load_entry, capture_entry):
@@ -260,6 +218,5 @@ def shard_gather(state, cache, mtp_cache, shard, slot, page_ids):
     return gather_slot(pick(state), pick(cache), pick(mtp_cache), slot, page_ids)
 
 
-__all__ = ["shard_config", "stack_shards", "data_parallel_step", "data_parallel_insert",
-           "data_parallel_release", "data_parallel_retire", "data_parallel_push_free",
-           "data_parallel_import", "data_parallel_set_slot_state", "shard_gather"]
+__all__ = ["shard_config", "stack_shards", "data_parallel_step", "one_shard_op",
+           "data_parallel_set_slot_state", "shard_gather"]

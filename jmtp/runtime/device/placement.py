@@ -36,8 +36,10 @@ class DeviceOp:
       single: the single-shard function (:mod:`~jmtp.runtime.device.step`,
         :mod:`~jmtp.runtime.device.state`, :mod:`~jmtp.runtime.device.slots`,
         :mod:`~jmtp.runtime.device.handoff_ops`): what runs on one device, and on each data shard.
-      sharded: its data-parallel form (:mod:`~jmtp.runtime.device.data_parallel`), called with
-        the mesh first (unless ``mesh_arg`` is False).
+      sharded: its own data-parallel form (:mod:`~jmtp.runtime.device.data_parallel`), called
+        with the mesh first (unless ``mesh_arg`` is False); None (the slot operations that touch
+        one shard): :func:`~jmtp.runtime.device.data_parallel.one_shard_op` of ``single``, with
+        ``stacked``, ``pick`` and ``idle``.
       donate: the donated arguments: positions, or names (the step).
       static: static argument names (the step's ``spec``).
       config: the shard's :class:`~jmtp.runtime.config.EngineConfig` is bound as the first
@@ -50,10 +52,15 @@ class DeviceOp:
         arguments (:class:`~jmtp.core.multihost.SyncFirstCall`); None: one shape.
       mesh_arg: ``sharded`` takes the mesh as its first argument.
       param_specs: ``sharded`` takes the parameters' ``data`` placement (the step).
+      stacked: leading arguments (and results) stacked per data shard: the state, or the state
+        and both caches.
+      pick: how the shards other than the slot's keep their arrays (``"where"`` / ``"cond"``,
+        :func:`~jmtp.runtime.device.data_parallel.one_shard_op`).
+      idle: with ``"cond"``, their results: ``idle(shard_config, *stacked arguments)``.
     """
 
     single: Callable
-    sharded: Callable
+    sharded: Callable | None = None
     donate: tuple = (0,)
     static: tuple[str, ...] = ()
     config: bool = False
@@ -62,6 +69,9 @@ class DeviceOp:
     first_call_key: Callable | None = None
     mesh_arg: bool = True
     param_specs: bool = False
+    stacked: int = 1
+    pick: str = "where"
+    idle: Callable | None = None
 
 
 #: The runner's device operations (``OneDevice`` / ``OnMesh`` attribute ``<name>_fn``; the step
@@ -71,16 +81,17 @@ DEVICE_OPS: dict[str, DeviceOp] = {
     "step": DeviceOp(engine_step, dpar.data_parallel_step, donate=("state", "caches"),
                      static=("spec",), outputs=("state", "caches", "rep"),
                      first_call_key=lambda a: a[0].bucket, param_specs=True),
-    "insert": DeviceOp(insert_request, dpar.data_parallel_insert),
-    "release": DeviceOp(release_slot, dpar.data_parallel_release, config=True, free=True,
-                        outputs=("state", "rep")),
-    "retire": DeviceOp(retire_slot, dpar.data_parallel_retire, config=True, free=True,
-                       outputs=("state", "rep", "rep")),
-    "push_free": DeviceOp(push_free_blocks, dpar.data_parallel_push_free, free=True,
-                          outputs=("state", "rep")),
-    "import": DeviceOp(import_slot, dpar.data_parallel_import, donate=(0, 1, 2), config=True,
+    "insert": DeviceOp(insert_request),
+    "release": DeviceOp(release_slot, config=True, free=True, outputs=("state", "rep")),
+    "retire": DeviceOp(retire_slot, config=True, free=True, outputs=("state", "rep", "rep"),
+                       pick="cond", idle=lambda ec, st: (st, jnp.full((ec.pages_per_seq,), -1,
+                                                                     jnp.int32))),
+    "push_free": DeviceOp(push_free_blocks, free=True, outputs=("state", "rep"), pick="cond",
+                          idle=lambda ec, st: st),
+    "import": DeviceOp(import_slot, donate=(0, 1, 2), config=True,
                        outputs=("state", "target", "mtp", "rep", "rep"),
-                       first_call_key=lambda a: tuple(v.shape for v in a[6].values())),
+                       first_call_key=lambda a: tuple(v.shape for v in a[6].values()),
+                       stacked=3, pick="cond", idle=lambda ec, *ops: (*ops, jnp.bool_(True))),
     "gather": DeviceOp(gather_slot, dpar.shard_gather, donate=(), outputs=("rep",),
                        first_call_key=lambda a: a[5].shape, mesh_arg=False),
     "slot_state": DeviceOp(set_slot_state_of, dpar.data_parallel_set_slot_state,
@@ -222,11 +233,16 @@ class OnMesh:
         placed = {"state": st, "target": tkv, "mtp": mkv, "caches": Caches(tkv, mkv), "rep": rep}
         sync = jax.process_count() > 1
         for name, op in DEVICE_OPS.items():
-            bound = ((mesh,) if op.mesh_arg else ()) + ((sec,) if op.config else ())
-            extra = {"param_specs": shd.data_specs(pshard)} if op.param_specs else {}
+            if op.sharded is None:      # a slot operation on one shard, derived from the table
+                sharded = functools.partial(
+                    dpar.one_shard_op, mesh, op.single, config=sec if op.config else None,
+                    stacked=op.stacked, pick=op.pick, idle=op.idle, free=op.free)
+            else:
+                bound = ((mesh,) if op.mesh_arg else ()) + ((sec,) if op.config else ())
+                extra = {"param_specs": shd.data_specs(pshard)} if op.param_specs else {}
+                sharded = functools.partial(op.sharded, *bound, **extra)
             outs = tuple(placed[k] for k in op.outputs)
-            fn = _jit(functools.partial(op.sharded, *bound, **extra), op,
-                      out_shardings=outs if len(outs) > 1 else outs[0])
+            fn = _jit(sharded, op, out_shardings=outs if len(outs) > 1 else outs[0])
             if sync:
                 # the first run of each step bucket (and of each slot operation) waits until
                 # every process has compiled it (jmtp.core.multihost.SyncFirstCall)
