@@ -36,6 +36,7 @@ from jmtp.runtime.config import EngineConfig
 from jmtp.runtime.device.draft_stages import draft_model_preprocess, mtp_substep
 from jmtp.runtime.device.ngram import extend_with_ngram, ngram_match
 from jmtp.runtime.device.sharding import uniform_any
+from jmtp.runtime.device.spec import StepSpec
 from jmtp.runtime.device.state import EngineState
 from jmtp.runtime.device.target_stages import TargetOutput, scatter_slots
 
@@ -147,15 +148,18 @@ PROPOSERS: dict[str | None, Callable] = {
     None: propose_none}
 
 
-def propose(ec: EngineConfig, drafter, num_tokens: int, attention_impl: str | None,
-            model: LlamaForCausalLM, state: EngineState, prev_seq_lens_decoder: jax.Array,
-            target: TargetOutput, draft_budget: jax.Array, mtp_cache: KVCache | None):
-    """Drafts for the next windows from the proposer of ``ec.spec.method`` (:data:`PROPOSERS`).
+def propose(spec: StepSpec, model: LlamaForCausalLM, state: EngineState,
+            prev_seq_lens_decoder: jax.Array, target: TargetOutput, draft_budget: jax.Array,
+            mtp_cache: KVCache | None):
+    """Drafts for the next windows from the proposer of ``spec.engine.spec.method``
+    (:data:`PROPOSERS`); the step's static :class:`~jmtp.runtime.device.spec.StepSpec` gives
+    the shard's config, the drafter, the bucket's token rows and the attention backend.
 
     Returns:
       ``(drafts i32[B, K], draft_probs f32[B, K, V] | None, updated MTP cache)``.
     """
-    x = ProposeInputs(ec, drafter, num_tokens, attention_impl, model, state,
+    ec = spec.engine
+    x = ProposeInputs(ec, spec.drafter, spec.bucket.num_tokens, spec.attention, model, state,
                       prev_seq_lens_decoder, target, draft_budget, mtp_cache)
     method = ec.spec.method if ec.mtp_substeps > 0 or ec.spec.method != "mtp" else None
     return PROPOSERS[method](x)

@@ -172,7 +172,7 @@ def engine_step(spec: StepSpec, model_state: nnx.State, state: EngineState, cach
     Returns:
       ``(state, caches, StepOutput)``.
     """
-    ec, bucket, attention_impl, drafter = spec.engine, spec.bucket, spec.attention, spec.drafter
+    ec, bucket, attention_impl = spec.engine, spec.bucket, spec.attention
     cache, mtp_cache = caches.target, caches.mtp
     prefill_chunk, draft_limit = inputs.prefill_chunk, inputs.draft_limit
     token_bitmask, draft_override = inputs.token_bitmask, inputs.draft_override
@@ -211,8 +211,7 @@ def engine_step(spec: StepSpec, model_state: nnx.State, state: EngineState, cach
     budget = done.draft_budget
     if draft_limit is not None:
         budget = jnp.minimum(budget, jnp.maximum(draft_limit, 0))
-    drafts, draft_probs, mtp_cache = propose(ec, drafter, bucket.num_tokens, attention_impl,
-                                             model, state, prev.seq_lens_decoder, target,
+    drafts, draft_probs, mtp_cache = propose(spec, model, state, prev.seq_lens_decoder, target,
                                              budget, mtp_cache)
     state = draft_model_postprocess(ec, state, prev, drafts, draft_probs, budget)
     if not ec.enable_prefix_caching:   # with the cache the host retires slots (retire_slot)
