@@ -44,8 +44,9 @@ class DeviceOp:
       static: static argument names (the step's ``spec``).
       config: the shard's :class:`~jmtp.runtime.config.EngineConfig` is bound as the first
         argument (after the mesh).
-      free: the operation changes the free KV blocks: on one device the new count is returned as
-        one more output (the data-parallel forms return it already).
+      free: the operation changes the free KV blocks: its new count (per shard on a mesh) is
+        returned as one more output, read by the host only when it asks (the state itself is
+        donated to the next call).
       outputs: each output's placement on a mesh: ``state`` (stacked state), ``target`` /
         ``mtp`` (stacked caches), ``caches`` (both), ``rep`` (replicated: the host reads it).
       first_call_key: on a multi-process mesh, the compiled shape of a call's positional
@@ -88,7 +89,7 @@ DEVICE_OPS: dict[str, DeviceOp] = {
                                                                      jnp.int32))),
     "push_free": DeviceOp(push_free_blocks, free=True, outputs=("state", "rep"), pick="cond",
                           idle=lambda ec, st: st),
-    "import": DeviceOp(import_slot, donate=(0, 1, 2), config=True,
+    "import": DeviceOp(import_slot, donate=(0, 1, 2), config=True, free=True,
                        outputs=("state", "target", "mtp", "rep", "rep"),
                        first_call_key=lambda a: tuple(v.shape for v in a[6].values()),
                        stacked=3, pick="cond", idle=lambda ec, *ops: (*ops, jnp.bool_(True))),
@@ -178,9 +179,9 @@ class OneDevice:
                                              jnp.asarray(ids)))
 
     def import_(self, state, cache, mtp_cache, b, row, kv, n):
-        state, cache, mtp_cache, ok = self.import_fn(state, cache, mtp_cache, jnp.int32(b), row,
-                                                     kv, jnp.int32(n))
-        return state, cache, mtp_cache, bool(ok), self.free_list(state.free_count)
+        state, cache, mtp_cache, ok, free = self.import_fn(state, cache, mtp_cache,
+                                                           jnp.int32(b), row, kv, jnp.int32(n))
+        return state, cache, mtp_cache, bool(ok), self.free_list(free)
 
 
 class OnMesh:
@@ -234,9 +235,9 @@ class OnMesh:
         sync = jax.process_count() > 1
         for name, op in DEVICE_OPS.items():
             if op.sharded is None:      # a slot operation on one shard, derived from the table
-                sharded = functools.partial(
+                sharded = _named(f"data_parallel_{name}", functools.partial(
                     dpar.one_shard_op, mesh, op.single, config=sec if op.config else None,
-                    stacked=op.stacked, pick=op.pick, idle=op.idle, free=op.free)
+                    stacked=op.stacked, pick=op.pick, idle=op.idle, free=op.free))
             else:
                 bound = ((mesh,) if op.mesh_arg else ()) + ((sec,) if op.config else ())
                 extra = {"param_specs": shd.data_specs(pshard)} if op.param_specs else {}
@@ -300,6 +301,14 @@ class OnMesh:
                                                            jnp.int32(n))
         return (state, cache, mtp_cache, bool(mh.fetch(ok)[b // self.Bl]),
                 self.free_list(free))
+
+
+def _named(name: str, fn):
+    """``fn`` under ``name`` (the jitted program's name: ``jit_<name>`` in dumps and profiles)."""
+    def named(*args):
+        return fn(*args)
+    named.__name__ = named.__qualname__ = name
+    return named
 
 
 def _with_free(fn):
