@@ -111,11 +111,17 @@ def test_dynamic_policy_calibrates_the_trees_probabilities_by_hand():
     trials and 1 success, so 0.15 becomes (1 + 8·0.15) / (2 + 8) = 0.22; a token after it
     rated 0.95 (an empty bin: its own 0.95) is held to 0.22, as acceptance cannot rise along
     a draft."""
+    import types
+
     from jmtp.runtime.device.buckets import StepBucket
     from jmtp.runtime.host.suffix_decoding import SuffixDecoding
     sd = SuffixDecoding(DYNAMIC, 2, lambda rows, n: StepBucket(4, 2))
     np.testing.assert_allclose(sd.calibrated((0.6, 0.15)), [0.6, 0.15])
-    sd._verifying = {1: (0.15, 0.12)}        # what prepare() hands the step
+    sd.draft = lambda seq, limit: _draft(0.15, 0.12)     # the trees' draft for slot 1
+    seq = types.SimpleNamespace(prefilling=False, output_ids=[3], prompt_ids=[2],
+                                params=SamplingParams(max_tokens=20))
+    override, _ = sd.prepare([None, seq], np.zeros((2,), np.int32), None, 64)
+    assert list(override[1, :2]) == [10, 11]   # nothing timed yet: no cut
     sd.observe(StepBucket(4, 2), 0.1, True, np.array([0, 1]))
     np.testing.assert_allclose(sd.calibrated((0.15, 0.95)), [0.22, 0.22])
     np.testing.assert_allclose(sd.calibrated((0.6,)), [0.6])

@@ -396,7 +396,11 @@ class SuffixDecoding:
         order = np.lexsort((slot, pos, -gain))
         prices = self.costs.prices(self.num_observed)
         tokens = n + np.concatenate([[0.0], np.cumsum(gain[order])])
-        rate = tokens / np.array([prices.step_time(n + r, n, 0) for r in range(len(gain) + 1)])
+        rows = n + np.arange(len(gain) + 1)
+        ids = self.costs.bucket_table(n, rows[-1])[rows]    # one price per bucket, not per row
+        uniq, first = np.unique(ids, return_index=True)
+        price = np.array([prices.step_time(int(rows[i]), n, 0) for i in first])
+        rate = tokens / price[np.searchsorted(uniq, ids)]
         keep = int(np.nonzero(rate * (1 + PLAN_RTOL) >= rate.max())[0][0])
         counts = np.bincount(slot[order[:keep]], minlength=n)
         out = {}
@@ -432,11 +436,14 @@ class SuffixDecoding:
         self.num_observed += 1
         if accepted is None:
             return
-        for b, probs in self._verifying.items():
-            p = np.asarray(probs, np.float64)
+        if self._verifying:
+            p = np.concatenate([np.asarray(v, np.float64) for v in self._verifying.values()])
+            pos = np.concatenate([np.arange(len(v)) for v in self._verifying.values()])
+            took = np.repeat(np.asarray(accepted)[list(self._verifying)],
+                             [len(v) for v in self._verifying.values()])
             i = np.minimum((p * CALIBRATION_BINS).astype(np.int64), CALIBRATION_BINS - 1)
             np.add.at(self.calib_trials, i, 1.0)
-            np.add.at(self.calib_accepted, i, (np.arange(len(p)) < int(accepted[b])))
+            np.add.at(self.calib_accepted, i, pos < took)
         self._verifying = {}
 
     def mtp_limits(self, limits: np.ndarray) -> np.ndarray:
