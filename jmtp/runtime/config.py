@@ -53,7 +53,10 @@ class SpeculativeConfig:
         ``"dynamic"`` cuts them jointly over the batch each step: the tokens the suffix trees
         rate likeliest are kept while the expected tokens per second of the step (the trees'
         probabilities over the step's measured time in its bucket) grows
-        (:mod:`jmtp.runtime.host.suffix_decoding`).
+        (:mod:`jmtp.runtime.host.suffix_decoding`). With ``mtp_strategy="with_suffix"`` the
+        policy plans the MTP drafts only, for slots not following a suffix match, and a window
+        takes the suffix draft where its calibrated expected accepted tokens exceed the MTP
+        drafts' (the suffix drafts are not cut).
       drafter: for ``method="custom"``: a hashable callable ``(state) -> i32[B, K]`` returning draft
         tokens (-1 = none) from the post-update :class:`~jmtp.runtime.device.state.EngineState`.
       verify_strategy: ``"auto"`` (greedy rows for temperature 0, rejection sampling otherwise;
@@ -87,8 +90,7 @@ class SpeculativeConfig:
 
     Raises:
       ValueError: unknown method or strategy, K < 1, M outside ``[1, K]``, custom method without
-        drafter, a suffix knob out of range, ``mtp_strategy="with_suffix"`` with the dynamic
-        policy.
+        drafter, a suffix knob out of range.
     """
 
     method: str | None = "mtp"
@@ -136,10 +138,6 @@ class SpeculativeConfig:
         if self.mtp_strategy != "default" and self.method != "mtp":
             raise ValueError(f"SpeculativeConfig.mtp_strategy={self.mtp_strategy!r} needs "
                              "method='mtp'")
-        if self.mtp_strategy == "with_suffix" and self.speculation_policy != "fixed":
-            raise ValueError("SpeculativeConfig.speculation_policy='dynamic' is not supported "
-                             "with mtp_strategy='with_suffix'; use 'fixed' (or method='suffix' "
-                             "with 'dynamic')")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"SpeculativeConfig.num_speculative_tokens must be an int >= 1, got {k!r}")

@@ -164,6 +164,21 @@ def test_hand_worked_optimum_one_slot():
     assert p.draft_limits(np.array([True]))[0] == 1
 
 
+def test_hand_worked_optimum_over_a_base_of_other_drafts():
+    """The MTP hybrid plans slot 0's drafts in a step over 2 slots (slot 1 follows a suffix
+    match): a_i = 1/2 (gains 1/2, 1/4, 1/8), step time 1.0 s at 2 rows + 0.1 s per row.
+    Alone (no base): 2/1.0, 2.5/1.1 = 2.27, 2.75/1.2 = 2.29, 2.875/1.3 = 2.21 -> 2 drafts. Over
+    slot 1's 4 suffix rows worth 3 tokens: 5/1.4 = 3.57, 5.5/1.5 = 3.67, 5.75/1.6 = 3.59,
+    5.875/1.7 = 3.46 -> 1 draft."""
+    p = policy(2, 3, list(range(2, 10)), prior_weight=0.0, halflife=1e9)
+    p.trials[0] = [8, 4, 2]
+    p.succ[0] = [4, 2, 1]
+    p.step_seconds = by_rows({t: 1.0 + 0.1 * (t - 2) for t in range(2, 10)})
+    active = np.array([True, False])
+    np.testing.assert_array_equal(p.draft_limits(active, num_slots=2), [2, 0])
+    np.testing.assert_array_equal(p.draft_limits(active, num_slots=2, base=(3.0, 4.0)), [1, 0])
+
+
 def test_depth_caps_fill_the_bucket_with_first_drafts():
     """Slot 0 accepts 9 in 10 drafts (gains 0.9, 0.81), slot 1 3 in 10 (gains 0.3, 0.09). Rows 2 /
     4 / 6 cost 1.0 / 1.2 / 1.4 s; proposing at depth 2 costs 0.5 s more than at depth 1. Ranked in

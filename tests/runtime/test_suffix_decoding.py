@@ -111,11 +111,17 @@ def test_dynamic_policy_calibrates_the_trees_probabilities_by_hand():
     trials and 1 success, so 0.15 becomes (1 + 8·0.15) / (2 + 8) = 0.22; a token after it
     rated 0.95 (an empty bin: its own 0.95) is held to 0.22, as acceptance cannot rise along
     a draft."""
+    import types
+
     from jmtp.runtime.device.buckets import StepBucket
     from jmtp.runtime.host.suffix_decoding import SuffixDecoding
     sd = SuffixDecoding(DYNAMIC, 2, lambda rows, n: StepBucket(4, 2))
     np.testing.assert_allclose(sd.calibrated((0.6, 0.15)), [0.6, 0.15])
-    sd._verifying = {1: (0.15, 0.12)}        # what prepare() hands the step
+    sd.draft = lambda seq, limit: _draft(0.15, 0.12)     # the trees' draft for slot 1
+    seq = types.SimpleNamespace(prefilling=False, output_ids=[3], prompt_ids=[2],
+                                params=SamplingParams(max_tokens=20))
+    override, _ = sd.prepare([None, seq], np.zeros((2,), np.int32), None, 64)
+    assert list(override[1, :2]) == [10, 11]   # nothing timed yet: no cut
     sd.observe(StepBucket(4, 2), 0.1, True, np.array([0, 1]))
     np.testing.assert_allclose(sd.calibrated((0.15, 0.95)), [0.22, 0.22])
     np.testing.assert_allclose(sd.calibrated((0.6,)), [0.6])
@@ -225,6 +231,50 @@ def test_hybrid_rests_the_mtp_head_while_following_a_match():
     assert finals["r1"].metrics.num_decode_steps < 15
 
 
+HYBRID_DYNAMIC = SpeculativeConfig("mtp", 3, 2, mtp_strategy="with_suffix",
+                                   speculation_policy="dynamic")
+
+
+@pytest.mark.parametrize("mtp", ["never-accepted", "always-accepted"])
+def test_dynamic_hybrid_drafts_with_the_mtp_head_only_where_it_pays(mtp):
+    """MTP K=3, M=2 with suffix windows under the dynamic policy, each step taking 5 ms + 2 ms
+    per token row of its bucket + 2 ms per MTP substep. An MTP head whose drafts are never
+    accepted is planned out (limits 0 but for the policy's probes), one whose drafts are always
+    accepted drafts in most MTP windows (one draft for each of two slots: 4 tokens in 15 ms
+    against 2 in 9 ms); the policy counts the MTP windows alone (never accepted: not one
+    success, though the suffix drafts are accepted); outputs are plain decoding's either way."""
+    import time
+
+    from jmtp.runtime.device.buckets import step_buckets
+    accept = (lambda slot, step, d: 0) if mtp == "never-accepted" else (lambda slot, step, d: d)
+    eng, runner = fake_engine(HYBRID_DYNAMIC, max_num_seqs=2, max_model_len=64, accept=accept)
+    eng.spec_policy.seed_costs({bk: 0.005 + 0.002 * bk.num_tokens
+                                for bk in step_buckets(runner.shard_config)})
+    run = runner.run_step
+
+    def timed(bucket, chunks, limits, guide=None):
+        time.sleep(0.005 + 0.002 * bucket.num_tokens + 0.002 * int(np.max(limits)))
+        return run(bucket, chunks, limits, guide)
+    runner.run_step = timed
+    calls = record_calls(runner)
+    prompts = {"r0": PROMPT, "r1": PROMPT, "r2": [9, 3, 4], "r3": [9, 3, 4], "r4": [2, 7]}
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, SamplingParams(max_tokens=30, ignore_eos=True))
+    finals, _ = drive(eng, runner)
+    for rid, p in prompts.items():
+        assert finals[rid].outputs[0].token_ids == reference(p, 30, stop_ids=()), rid
+    stats, pol = eng.get_stats(), eng.spec_policy
+    mtp_steps = sum(bool(limits.any()) for limits, _ in calls)
+    assert stats["suffix_windows"] > 0 and pol.trials.sum() > 0
+    if mtp == "never-accepted":
+        assert pol.succ.sum() == 0
+        assert mtp_steps <= len(calls) // 4      # probes only (one per 16 planned steps)
+    else:
+        np.testing.assert_allclose(pol.succ, pol.trials)
+        assert mtp_steps >= len(calls) // 3
+        assert stats["suffix_mtp_windows"] > 0
+
+
 def test_config_names_the_field():
     for kw, field in [(dict(suffix_decoding_max_tree_depth=1), "max_tree_depth"),
                       (dict(suffix_decoding_max_cached_requests=-1), "max_cached_requests"),
@@ -234,8 +284,8 @@ def test_config_names_the_field():
                       (dict(mtp_strategy="with_suffix"), "mtp_strategy")]:
         with pytest.raises(ValueError, match=field):
             SpeculativeConfig("suffix", 3, **kw)
-    with pytest.raises(ValueError, match="speculation_policy"):
-        SpeculativeConfig("mtp", 3, 1, mtp_strategy="with_suffix", speculation_policy="dynamic")
+    assert SpeculativeConfig("mtp", 3, 1, mtp_strategy="with_suffix",
+                             speculation_policy="dynamic").uses_suffix
     assert SpeculativeConfig("suffix", 5).uses_suffix and HYBRID.uses_suffix
     assert not SpeculativeConfig("ngram", 3).uses_suffix
     assert HYBRID.ngram_sizes == (0, 0)

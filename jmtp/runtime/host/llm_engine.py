@@ -129,11 +129,11 @@ class LLMEngine(CompileAPI, HandOffAPI, StatsAPI):
         def bucket_of(rows, n):   # a decode step's bucket, rows spread over the data shards
             return choose_bucket(sec, min(-(-rows // dp), sec.max_num_batched_tokens),
                                  min(-(-n // dp), sec.max_num_seqs), has_prefill=False)
-        self.suffix = (SuffixDecoding(ec.spec, ec.max_num_seqs, bucket_of)
-                       if ec.spec.uses_suffix else None)   # its own dynamic policy: cut drafts
         self.spec_policy = (DynamicSpeculation(ec.max_num_seqs, ec.k, bucket_of)
                             if ec.spec.enabled and ec.spec.speculation_policy == "dynamic"
-                            and self.suffix is None else None)
+                            and ec.spec.method != "suffix" else None)   # (suffix: its own cut)
+        self.suffix = (SuffixDecoding(ec.spec, ec.max_num_seqs, bucket_of, self.spec_policy)
+                       if ec.spec.uses_suffix else None)
         self.num_steps = 0
         self.closed = False
         self._pending_drafts = None   # i32[B, K] drafts of the pending windows (last StepOutput)
@@ -378,11 +378,13 @@ class LLMEngine(CompileAPI, HandOffAPI, StatsAPI):
             # the proposing depth prices the drafting; a step with a prefill chunk is not timed;
             # the committed tokens feed the policy's guard on the realised rate
             t_obs = time.perf_counter()
-            pol.observe(out.num_drafts, out.num_accepted, rec.bucket, seconds,
-                        depth=int(rec.limits.max()), timed=not rec.chunks.any(),
-                        num_tokens=out.num_tokens, num_allowed=out.num_allowed, plan=rec.policy)
+            seen = (self.suffix.mtp_outcomes(out) if self.suffix is not None else dict(
+                num_drafts=out.num_drafts, num_accepted=out.num_accepted,
+                num_allowed=out.num_allowed, num_tokens=out.num_tokens))
+            pol.observe(bucket=rec.bucket, seconds=seconds, depth=int(rec.limits.max()),
+                        timed=not rec.chunks.any(), plan=rec.policy, **seen)
             self.policy_seconds += rec.plan_seconds + time.perf_counter() - t_obs
-        elif self.suffix is not None:
+        if self.suffix is not None:
             self.suffix.observe(rec.bucket, seconds, not rec.chunks.any(), out.num_accepted)
         self.num_steps += 1
         valid = rec.valid(sch.slots, sch.tickets)
@@ -437,7 +439,9 @@ class LLMEngine(CompileAPI, HandOffAPI, StatsAPI):
         if self.spec_policy is None:
             return caps.copy(), 0.0
         t = time.perf_counter()
-        if (caps[proposing] < self.engine_config.k).any():
+        if self.suffix is not None:     # the hybrid: MTP drafts beside the suffix drafts
+            limits = self.suffix.plan_mtp(proposing, caps)
+        elif (caps[proposing] < self.engine_config.k).any():
             limits = self.spec_policy.draft_limits(proposing, caps)
         else:                 # no proposing request lowered its cap
             limits = self.spec_policy.draft_limits(proposing)

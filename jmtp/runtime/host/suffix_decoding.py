@@ -13,6 +13,12 @@ Two configurations (vLLM's and FastDeploy's method name and knobs, :class:`Specu
   model's draft length). While a slot follows a suffix match the MTP head proposes nothing for
   it (its draft limit is 0, so the step skips MTP substeps 1.. when no slot needs them); the
   window after that gets the suffix draft whatever its score, and the MTP drafts again after it.
+  With ``speculation_policy="dynamic"`` the head drafts only where it pays: the MTP drafts' limits
+  are planned by :class:`~jmtp.runtime.host.spec_policy.DynamicSpeculation` (fed the MTP windows'
+  outcomes alone) for the slots not following a match, in a step priced with the suffix drafts'
+  rows and expected tokens as its base; a window takes the suffix draft where its calibrated
+  expected accepted tokens exceed the pending MTP drafts' (:meth:`SuffixDecoding.prepare`), and
+  the head rests where the match beats what M MTP drafts would bring.
 
 The trees (:class:`SuffixCache`, the ArcticInference / vLLM design): one per running sample over
 its prompt and output (the *local* tree), and one *global* tree over the outputs of the requests
@@ -199,7 +205,10 @@ class SuffixDecoding:
       spec: the engine's :class:`~jmtp.runtime.config.SpeculativeConfig` (``uses_suffix``).
       num_slots: ``max_num_seqs``.
       bucket_of: ``(rows, n) -> StepBucket`` of a decode step (the engine's
-        ``choose_bucket``); needed with ``speculation_policy="dynamic"``.
+        ``choose_bucket``); needed by ``method="suffix"`` with ``speculation_policy="dynamic"``.
+      mtp_policy: the MTP hybrid under ``speculation_policy="dynamic"``: the engine's
+        :class:`~jmtp.runtime.host.spec_policy.DynamicSpeculation`, which plans the MTP drafts
+        (:meth:`plan_mtp`, :meth:`mtp_outcomes`); the suffix drafts are not cut then.
 
     Attributes: ``cache`` (:class:`SuffixCache`), ``mtp_off`` (``bool[B]``: slots whose MTP
     drafts are held off in the coming step), ``costs`` (the step-time
@@ -209,18 +218,26 @@ class SuffixDecoding:
     head), ``num_cut`` (draft tokens the dynamic policy cut).
 
     Raises:
-      ValueError: the dynamic policy without ``bucket_of``.
+      ValueError: the dynamic policy without ``bucket_of`` (``method="suffix"``) or without
+        ``mtp_policy`` (the MTP hybrid).
     """
 
-    def __init__(self, spec, num_slots: int, bucket_of=None):
+    def __init__(self, spec, num_slots: int, bucket_of=None, mtp_policy=None):
         self.spec, self.k = spec, spec.k
         self.mtp_drafts = spec.m if spec.method == "mtp" else 0
         self.cache = SuffixCache(spec.suffix_decoding_max_tree_depth,
                                  spec.suffix_decoding_max_cached_requests,
                                  spec.suffix_decoding_corpus_tokens)
         self.mtp_off = np.zeros((num_slots,), bool)
-        self.costs = None
-        if spec.speculation_policy == "dynamic":
+        self.from_trees = np.zeros((num_slots,), bool)   # the coming window is the trees'
+        self.dynamic = spec.speculation_policy == "dynamic"
+        self.costs = self.mtp_policy = None
+        self._base = (0.0, 0.0)     # the coming step's suffix drafts: expected tokens, rows
+        if self.dynamic and self.mtp_drafts:
+            if mtp_policy is None:
+                raise ValueError("SuffixDecoding: the dynamic MTP hybrid needs mtp_policy")
+            self.mtp_policy = mtp_policy
+        elif self.dynamic:
             if bucket_of is None:
                 raise ValueError("SuffixDecoding: the dynamic policy needs bucket_of")
             self.costs = CostTable(self.k, bucket_of, refresh_every=0)
@@ -296,13 +313,22 @@ class SuffixDecoding:
             drafts[b] = self.draft(seq, limit)
         if self.costs is not None and not any(s is not None and s.prefilling for s in slots):
             drafts = self.cut(drafts)
-        self._verifying = {b: d.probs for b, d in drafts.items() if d.probs}
+        gains = self.mtp_policy.gains() if self.mtp_policy is not None else None
+        self._verifying, self.from_trees = {}, np.zeros((B,), bool)
+        base_tokens = base_rows = 0.0
         for b, d in drafts.items():
-            if M and d.score < M and not self.mtp_off[b]:
+            if gains is not None:   # dynamic hybrid: expected accepted tokens, trees vs MTP
+                score = float(self.calibrated(d.probs).sum())
+                if not score > gains[b, :next_drafts[b]].sum():
+                    self.num_mtp_windows += int(next_drafts[b] > 0)
+                    continue        # the MTP drafts stay (or neither drafts)
+                off[b] = score >= gains[b, :M].sum()
+            elif M and d.score < M and not self.mtp_off[b]:
                 self.num_mtp_windows += int(next_drafts[b] > 0)
                 continue            # the MTP drafts stay
+            else:
+                off[b] = bool(M) and d.score >= M
             n = len(d.token_ids)
-            off[b] = bool(M) and d.score >= M
             if not n and (M or not next_drafts[b]):
                 continue            # nothing to change (an MTP-held slot has no drafts)
             if override is None:
@@ -314,11 +340,37 @@ class SuffixDecoding:
             pending[b, :n] = d.token_ids
             pending[b, n:] = -1
             next_drafts[b] = n
+            self.from_trees[b] = True
+            if d.probs:
+                self._verifying[b] = d.probs
+                base_tokens += float(self.calibrated(d.probs).sum())
+                base_rows += n
             self.num_windows += bool(n)
             self.num_drafts += n
-        self.mtp_off = off
+        self.mtp_off, self._base = off, (base_tokens, base_rows)
         self.host_seconds += time.perf_counter() - t0
         return override, pending
+
+    def plan_mtp(self, proposing: np.ndarray, caps: np.ndarray) -> np.ndarray:
+        """The dynamic hybrid's MTP draft limits ``i32[B]`` for the coming step: planned by the
+        MTP policy for the ``proposing`` (bool[B]) slots not following a suffix match, each at
+        most ``min(caps, M)``, in a step over every proposing slot whose suffix drafts (as
+        :meth:`prepare` chose them) are the plan's base."""
+        active = np.asarray(proposing, bool) & ~self.mtp_off
+        return self.mtp_policy.draft_limits(active, np.minimum(caps, self.mtp_drafts),
+                                            num_slots=int(np.sum(proposing)), base=self._base)
+
+    def mtp_outcomes(self, out) -> dict:
+        """``DynamicSpeculation.observe``'s per-slot arguments from the step's ``StepOutput``
+        (``num_drafts``, ``num_accepted``, ``num_allowed``, i32[B]) with the windows drafted
+        from the trees zeroed, so the MTP policy counts the MTP head's windows alone; no
+        ``num_tokens``: the guard on the realised rate, which cannot tell the two drafters'
+        tokens apart, learns nothing."""
+        mtp = ~self.from_trees
+        return dict(num_drafts=np.where(mtp, out.num_drafts, 0),
+                    num_accepted=np.where(mtp, out.num_accepted, 0),
+                    num_allowed=(None if out.num_allowed is None
+                                 else np.where(mtp, out.num_allowed, 0)))
 
     def cut(self, drafts: dict[int, SuffixDraft]) -> dict[int, SuffixDraft]:
         """The dynamic policy: ``drafts`` (slot -> draft of a decode step over those ``n``
@@ -344,7 +396,11 @@ class SuffixDecoding:
         order = np.lexsort((slot, pos, -gain))
         prices = self.costs.prices(self.num_observed)
         tokens = n + np.concatenate([[0.0], np.cumsum(gain[order])])
-        rate = tokens / np.array([prices.step_time(n + r, n, 0) for r in range(len(gain) + 1)])
+        rows = n + np.arange(len(gain) + 1)
+        ids = self.costs.bucket_table(n, rows[-1])[rows]    # one price per bucket, not per row
+        uniq, first = np.unique(ids, return_index=True)
+        price = np.array([prices.step_time(int(rows[i]), n, 0) for i in first])
+        rate = tokens / price[np.searchsorted(uniq, ids)]
         keep = int(np.nonzero(rate * (1 + PLAN_RTOL) >= rate.max())[0][0])
         counts = np.bincount(slot[order[:keep]], minlength=n)
         out = {}
@@ -373,17 +429,21 @@ class SuffixDecoding:
         """A step ran ``seconds`` in ``bucket`` (``timed=False``: a step with a prefill chunk,
         not a decode step's price) and accepted ``accepted`` (i32[B]) of the drafts
         :meth:`prepare` gave it: the dynamic policy's cost table and calibration keep them."""
-        if self.costs is None:
+        if not self.dynamic:
             return
-        self.costs.record(bucket, seconds, 0, timed, self.num_observed)
+        if self.costs is not None:
+            self.costs.record(bucket, seconds, 0, timed, self.num_observed)
         self.num_observed += 1
         if accepted is None:
             return
-        for b, probs in self._verifying.items():
-            p = np.asarray(probs, np.float64)
+        if self._verifying:
+            p = np.concatenate([np.asarray(v, np.float64) for v in self._verifying.values()])
+            pos = np.concatenate([np.arange(len(v)) for v in self._verifying.values()])
+            took = np.repeat(np.asarray(accepted)[list(self._verifying)],
+                             [len(v) for v in self._verifying.values()])
             i = np.minimum((p * CALIBRATION_BINS).astype(np.int64), CALIBRATION_BINS - 1)
             np.add.at(self.calib_trials, i, 1.0)
-            np.add.at(self.calib_accepted, i, (np.arange(len(p)) < int(accepted[b])))
+            np.add.at(self.calib_accepted, i, pos < took)
         self._verifying = {}
 
     def mtp_limits(self, limits: np.ndarray) -> np.ndarray:

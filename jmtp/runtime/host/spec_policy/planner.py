@@ -62,12 +62,14 @@ class DraftPlanner:
         self.probe_pending = np.zeros((num_slots,), bool)   # probed, first draft not yet verified
         self.refresh_left = 0                               # no-draft steps still to run
 
-    def limits(self, active: np.ndarray, n: int, prices: Prices, caps: np.ndarray | None = None
-               ) -> tuple[np.ndarray, bool]:
-        """The draft limits of one step over the ``n`` slots in ``active`` (bool[B]), priced by
-        ``prices`` (of this step), each at most its ``caps`` (i32[B], the requests' own caps;
-        None: K): a draft past its slot's cap is no candidate and a slot capped at 0 is never
-        probed.
+    def limits(self, active: np.ndarray, n: int, prices: Prices, caps: np.ndarray | None = None,
+               base: tuple[float, float] = (0.0, 0.0)) -> tuple[np.ndarray, bool]:
+        """The draft limits of one step over ``n`` slots, those in ``active`` (bool[B]) drafting,
+        priced by ``prices`` (of this step), each at most its ``caps`` (i32[B], the requests' own
+        caps; None: K): a draft past its slot's cap is no candidate and a slot capped at 0 is
+        never probed. ``base``: ``(tokens, rows)`` the step gets beyond one per slot from
+        elsewhere (the suffix drafts of the MTP hybrid: their expected accepted tokens and their
+        rows), which every plan's drafts come on top of.
 
         Returns:
           ``(limits i32[B], planned)``: ``planned`` when the plan drafts for some slot unforced
@@ -75,7 +77,7 @@ class DraftPlanner:
         """
         limits = np.zeros((self.num_slots,), np.int32)
         rankings = self.rankings(active, caps)
-        _, plan_pos, plan_slot, _ = self.plan(rankings, n, prices)
+        _, plan_pos, plan_slot, _ = self.plan(rankings, n, prices, base=base)
         planned = bool(len(plan_pos))
         if planned and not self.refresh_left and self.costs.no_draft_stale(n, prices.step):
             self.refresh_left = 2       # verify the drafts already proposed, then time no-draft
@@ -90,7 +92,7 @@ class DraftPlanner:
             if probe.any():
                 # The probes' first drafts are forced; the plan is chosen again around them.
                 limits[:] = 0
-                _, plan_pos, plan_slot, _ = self.plan(rankings, n, prices, probe)
+                _, plan_pos, plan_slot, _ = self.plan(rankings, n, prices, probe, base)
                 np.maximum.at(limits, plan_slot, (plan_pos + 1).astype(limits.dtype))
             unforced = (limits > 0) & ~probe           # the plan drafts for them unforced
             planned = bool(unforced.any())             # (the re-plan may drop every draft)
@@ -142,9 +144,11 @@ class DraftPlanner:
         return [(gain[o], pos[o], slot[o], rows[o]) for o in orders]
 
     def plan(self, rankings: list[Candidates], n: int, prices: Prices,
-             probe: np.ndarray | None = None) -> Candidates:
+             probe: np.ndarray | None = None, base: tuple[float, float] = (0.0, 0.0)
+             ) -> Candidates:
         """The best of :meth:`best_plan` over ``rankings`` (near-ties: the fewest drafts), with
-        the first drafts of the slots in ``probe`` (bool[B]) forced."""
+        the first drafts of the slots in ``probe`` (bool[B]) forced, over ``base`` (see
+        :meth:`limits`)."""
         best = None
         for cand in rankings:
             forced = None
@@ -152,14 +156,15 @@ class DraftPlanner:
                 is_first = (cand[1] == 0) & probe[cand[2]]
                 forced = tuple(c[is_first] for c in cand)
                 cand = tuple(c[~is_first] for c in cand)
-            plan, rate = self.best_plan(cand, n, prices, forced=forced)
+            plan, rate = self.best_plan(cand, n, prices, forced=forced, base=base)
             if best is None or rate > best[1] * (1 + PLAN_RTOL) or (
                     rate * (1 + PLAN_RTOL) >= best[1] and len(plan[0]) < len(best[0][0])):
                 best = plan, rate
         return best[0]
 
     def best_plan(self, cand: Candidates, n: int, prices: Prices,
-                  forced: Candidates | None = None) -> tuple[Candidates, float]:
+                  forced: Candidates | None = None, base: tuple[float, float] = (0.0, 0.0)
+                  ) -> tuple[Candidates, float]:
         """The drafts maximising expected tokens per second of a step over ``n`` slots: the
         ``forced`` ones (probes' first drafts), then a selection of ``cand``. Candidates are
         ``(gain, position, slot, rows)`` arrays (``f64``, ``i64``, ``i64``, ``f64``; ``position``
@@ -171,7 +176,8 @@ class DraftPlanner:
         slot allowed one draft: the step runs ``n`` or ``n + 1`` rows), and with one active slot
         by the exact expectation over its rows (:meth:`one_slot_prices`). The best over all caps
         is kept, ``forced`` alone when no draft pays. Near-ties (rates within a factor ``1 +
-        PLAN_RTOL`` of the best) keep the plan with the fewest drafts.
+        PLAN_RTOL`` of the best) keep the plan with the fewest drafts. ``base = (tokens,
+        rows)``: expected tokens and whole rows every plan gets beyond ``n`` (:meth:`limits`).
 
         As the price never falls with depth, this finds the best plan over every choice of
         per-slot limits whose drafts have a positive gain when every draft is proposed (``rows``
@@ -184,9 +190,9 @@ class DraftPlanner:
         none = np.zeros((0,), np.int64)
         fg, fpos, fslot, frows = forced if forced is not None else (
             np.zeros((0,)), none, none, np.zeros((0,)))
-        tok0 = n + float(fg.sum())
+        tok0 = n + float(base[0]) + float(fg.sum())
         depth0 = int(fpos.max()) + 1 if len(fpos) else 0
-        rows0 = float(frows.sum())                   # expected draft rows of the forced drafts
+        rows0 = float(base[1]) + float(frows.sum())  # rows beyond n: the base's, the forced's
         lo0, f0 = (x.item() for x in split_rows(np.array([rows0])))
         price0 = (1 - f0) * prices.step_time(n + lo0, n, depth0) + (
             f0 * prices.step_time(n + lo0 + 1, n, depth0) if f0 else 0.0)
@@ -195,7 +201,7 @@ class DraftPlanner:
         if not len(gain):
             return (fg, fpos, fslot, frows), rate0
         # rows never exceed the drafts' count (presence <= 1): the table's largest row count
-        table = self.costs.bucket_table(n, n + len(fpos) + len(gain))
+        table = self.costs.bucket_table(n, n + int(np.ceil(base[1])) + len(fpos) + len(gain))
         # row c - 1 of each [K, m] array: the candidates a depth cap c keeps (pos < c); a prefix
         # of that ranking ends at each kept column
         keep = pos[None] < np.arange(1, self.k + 1)[:, None]
@@ -207,7 +213,7 @@ class DraftPlanner:
         count, tok, rows, depth, cap = count[keep], tok[keep], rows[keep], depth[keep], cap[keep]
         lo, frac = split_rows(rows)
         lo = n + lo                                   # rows n + r, r in [lo, lo + 1)
-        if n == 1 and min(w.min(), frows.min(initial=1.0)) < 1 - ROWS_EPS:
+        if n == 1 and not base[1] and min(w.min(), frows.min(initial=1.0)) < 1 - ROWS_EPS:
             price = self.one_slot_prices(np.concatenate([frows, w]), prices)[len(fpos) + count]
         else:
             price = self.run_prices(table, lo, depth, n, prices)

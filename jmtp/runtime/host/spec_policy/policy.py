@@ -163,7 +163,9 @@ class DynamicSpeculation:
         self.costs.seed(seconds)
 
     # ------------------------------------------------------------------ decisions
-    def draft_limits(self, active: np.ndarray, caps: np.ndarray | None = None) -> np.ndarray:
+    def draft_limits(self, active: np.ndarray, caps: np.ndarray | None = None, *,
+                     num_slots: int | None = None, base: tuple[float, float] = (0.0, 0.0)
+                     ) -> np.ndarray:
         """i32[B] drafts each slot may propose this step (0 for inactive slots).
 
         Args:
@@ -172,18 +174,24 @@ class DynamicSpeculation:
           caps: i32[B] or None: each slot's own cap (``SamplingParams.num_speculative_tokens``;
             None: K for every slot); the plan never exceeds it and never probes a slot capped
             at 0.
+          num_slots: slots the step runs, ``active`` among them (None: those in ``active``);
+            the MTP hybrid with suffix decoding plans its MTP drafts for the slots not
+            following a suffix match, in a step over all of them.
+          base: ``(tokens, rows)`` the step gets beyond one per slot from other drafts (the
+            hybrid's suffix drafts: their expected accepted tokens and their rows);
+            :meth:`DraftPlanner.limits`.
         """
         active = np.asarray(active, bool)
-        n = int(active.sum())
-        if n == 0:
+        if not active.any():
             self.guard.idle()
             return np.zeros((self.num_slots,), np.int32)
+        n = int(active.sum()) if num_slots is None else num_slots
         self.num_plans += 1
         if self.guard.begin(self.num_plans, n):
             return np.zeros((self.num_slots,), np.int32)       # held off: plain decoding
         # One memoised price view for the whole plan: the tables do not change while it is chosen.
         limits, self.guard.planned = self.planner.limits(active, n, self.costs.prices(self.num_plans),
-                                                         caps)
+                                                         caps, base)
         if caps is not None:
             limits = np.minimum(limits, caps).astype(np.int32)
         self.num_drafting_plans += bool(limits.any())
