@@ -438,8 +438,14 @@ def test_streamed_cut_tool_call_sends_its_text(scripted):
 
 
 # ------------------------------------------------------------------ end to end (SmolLM2)
-SERVER_ARGS = ["--max-num-seqs", "2", "--max-model-len", "512", "--num-speculative-tokens", "2",
-               "--layer-loop", "scan"]
+# Four slots: the twenty-schemas test sends its requests four at a time, and on XLA:CPU a step of
+# 4 SmolLM2 slots costs little more than one of 2 (MTP K=2 decode, warm, on the loaded 2-core VM:
+# 9.5 against 6.5 tok/s). The twenty schemas took 133 s with 2 slots, 100 s with 4 and 131 s
+# with 8 (the A=8 buckets compiling during the test). A 64-token step budget: four prompts
+# arriving together prefill in chunks of at most 64 rows, so the server compiles no bucket above
+# 64 rows (15 buckets in all, compiled lazily under the suite's JMTP_COMPILE=lazy, ~8 s each).
+SERVER_ARGS = ["--max-num-seqs", "4", "--max-model-len", "512", "--num-speculative-tokens", "2",
+               "--max-num-batched-tokens", "64", "--layer-loop", "scan"]
 
 
 def e2e(test):
@@ -588,7 +594,7 @@ def test_e2e_twenty_schemas_validate(client, model_id):
                                                                     "schema": s["schema"]}})
         return s, r.choices[0]
 
-    with cf.ThreadPoolExecutor(2) as pool:
+    with cf.ThreadPoolExecutor(4) as pool:       # the server's four slots
         for s, choice in pool.map(one, schemas):
             assert choice.finish_reason == "stop", (s["name"], choice.message.content)
             jsonschema.validate(json.loads(choice.message.content), s["schema"])
