@@ -18,7 +18,6 @@ import json
 import platform
 import time
 
-import numpy as np
 
 
 def parse_args(argv=None):

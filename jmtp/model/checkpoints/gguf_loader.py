@@ -44,7 +44,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import re
 from typing import Any
 
 import numpy as np

@@ -32,7 +32,7 @@ from jmtp.runtime.device import data_parallel as dpar, sharding as shd
 from jmtp.runtime.device.bitmask import neutral_inputs
 from jmtp.runtime.device.buckets import StepBucket, decode_buckets, slot_buckets, step_buckets
 from jmtp.runtime.device.handoff_ops import LINEAR_PREFIX, page_bucket, row_keys
-from jmtp.runtime.device.placement import OneDevice, OnMesh, abstract_on
+from jmtp.runtime.device.placement import OneDevice, OnMesh
 from jmtp.runtime.device.spec import Caches, StepInputs, StepSpec
 
 

@@ -11,7 +11,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jmtp.pallas.block_allocator import BlockAllocatorState
 from jmtp.runtime.config import EngineConfig

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jmtp.runtime.config import EngineConfig
-from jmtp.runtime.device.handoff_ops import LINEAR_PREFIX, ROW_FIELDS
+from jmtp.runtime.device.handoff_ops import LINEAR_PREFIX
 from jmtp.runtime.host.outputs import SpecDecodeMetrics
 from jmtp.runtime.host.sampling_params import SamplingParams
 
