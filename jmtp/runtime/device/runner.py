@@ -65,7 +65,7 @@ class DeviceRunner:
       dtype: parameter and cache dtype.
       attention_backend: the step's attention implementation (static).
       num_mtp_cache_layers: layers of the MTP KV cache (0: none).
-      compile_mode: ``"eager"`` or ``"lazy"`` (only :meth:`bucket_to_run` reads it).
+      compile_mode: ``"eager"``, ``"lazy"`` or ``"fewest"`` (only :meth:`bucket_to_run` reads it).
       device: without a mesh, the device to run on (default: JAX's default device).
       abstract: build with ``jax.ShapeDtypeStruct``s only (``params`` may be abstract too): no
         array is allocated, the devices may be compile-only (a TPU topology); the runner then
