@@ -23,7 +23,9 @@ from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import tiny_model, free_blocks, engine_of
 
-pytestmark = GROUPS["plain"]   # the plain reference is shared with other modules (tests/engines.py)
+# the plain reference is shared with other modules (tests/engines.py); outputs, not buckets:
+# each engine runs its steps in the fewest step programs (conftest.py)
+pytestmark = [GROUPS["plain"], pytest.mark.usefixtures("fewest_compiles")]
 
 MAX_LEN = 96
 
