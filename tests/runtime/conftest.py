@@ -84,7 +84,7 @@ def fewest_compiles():
     (test_engine_lossless + test_engine_sampling + test_llm_engine in one process: 91 step
     programs compiled at 9a791d5, 45 with this, docs/testing.md). For modules whose tests are about outputs, not buckets;
     bucket selection and the small buckets' programs are covered by test_buckets, test_stages,
-    test_compile, test_engine_edges and the modules left on ``"lazy"``."""
+    test_compile, test_engine_edges, test_async_engine and the modules left on ``"lazy"``."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JMTP_COMPILE", "fewest")
         yield
