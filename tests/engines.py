@@ -26,6 +26,16 @@ SHAPES = {
     # prompts of the engine-edge tests prefill in one step, two requests share a step.
     "mtp2": dict(speculative_config=SpeculativeConfig("mtp", 2, 2), max_num_seqs=2,
                  max_model_len=64, block_size=4, max_num_batched_tokens=32),
+    # The 3-slot family: 3 slots (a fourth request waits, a third joins a running batch), 96
+    # positions in blocks of 4, a 48-token step budget (a 40-token prompt prefills in one step),
+    # top-3 logprobs served (requests that ask none are unaffected). Plain, MTP K=M=3, MTP K=M=2.
+    "plain": dict(speculative_config=None, max_num_seqs=3, max_model_len=96, block_size=4,
+                  max_num_batched_tokens=48, max_logprobs=3),
+    "mtp3": dict(speculative_config=SpeculativeConfig("mtp", 3, 3), max_num_seqs=3,
+                 max_model_len=96, block_size=4, max_num_batched_tokens=48, max_logprobs=3),
+    "mtp2_3slots": dict(speculative_config=SpeculativeConfig("mtp", 2, 2), max_num_seqs=3,
+                        max_model_len=96, block_size=4, max_num_batched_tokens=48,
+                        max_logprobs=3),
 }
 
 #: shape name -> the xdist group of the tests that build it (one worker compiles it once)
@@ -49,3 +59,15 @@ def tiny_llm(shape: str, seed: int = 0, **llm_kwargs) -> LLM:
         raise ValueError(f"tiny_llm({shape!r}) sets {sorted(clash)}: add a shape instead")
     cfg, params = tiny_model(seed)
     return LLM(model_config=cfg, params=params, **SHAPES[shape], **llm_kwargs)
+
+
+def tiny_engine(shape: str, seed: int = 0, **engine_kwargs):
+    """A new ``LLMEngine`` of canonical shape ``shape`` over ``tiny_model(seed)``: the engine
+    :func:`tiny_llm` wraps, for tests of the step-level API (``add_request``, ``step``,
+    ``abort_request``). Arguments and errors as :func:`tiny_llm`."""
+    from jmtp.runtime.host.llm_engine import LLMEngine
+    clash = set(engine_kwargs) & set(SHAPES[shape])
+    if clash:
+        raise ValueError(f"tiny_engine({shape!r}) sets {sorted(clash)}: add a shape instead")
+    cfg, params = tiny_model(seed)
+    return LLMEngine(model_config=cfg, params=params, **SHAPES[shape], **engine_kwargs)

@@ -9,19 +9,23 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.host.llm import LLM, SamplingParams
+from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks
 
-pytestmark = pytest.mark.xdist_group("engine_lossless")   # one worker builds the shared engines once
+# the 3-slot canonical shapes (tests/engines.py): plain and K=M=3 are shared with other modules
+pytestmark = [GROUPS["plain"], pytest.mark.usefixtures("fewest_compiles")]
 
 MAX_LEN = 96
+CANONICAL = {(None, None): "plain", (3, 3): "mtp3"}
 
 
 @functools.lru_cache(maxsize=None)
 def engine(k: int | None, m: int | None, seed: int = 0):
-    cfg, params = tiny_model(seed)
-    spec = SpeculativeConfig("mtp", k, m) if k else None
-    return LLM(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=3,
-               max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=48)
+    if (k, m) in CANONICAL:
+        return tiny_llm(CANONICAL[k, m], seed)
+    cfg, params = tiny_model(seed)       # K=1 and M<K: shapes of this module alone
+    return LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", k, m),
+               max_num_seqs=3, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=48)
 
 
 def test_plain_engine_matches_reference_greedy():

@@ -10,17 +10,17 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.host.llm import LLM, SamplingParams
+from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import tiny_model
 
-pytestmark = pytest.mark.xdist_group("engine_sampling")   # one worker builds the shared engines once
+# the 3-slot canonical shapes (tests/engines.py), shared with other modules in group tiny_plain
+pytestmark = [GROUPS["plain"], pytest.mark.usefixtures("fewest_compiles")]
 
 
 @functools.lru_cache(maxsize=None)
 def engine(k: int | None):
-    cfg, params = tiny_model(0)
-    spec = SpeculativeConfig("mtp", k, k) if k else None
-    return LLM(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=3,
-               max_model_len=64, block_size=4, max_num_batched_tokens=32, max_logprobs=3)
+    """Plain decoding, or MTP with K = M = ``k`` (2 or 3): 3 slots, top-3 logprobs served."""
+    return tiny_llm({None: "plain", 2: "mtp2_3slots", 3: "mtp3"}[k])
 
 
 greedy_params = st.builds(

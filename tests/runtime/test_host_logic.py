@@ -406,6 +406,20 @@ def test_reuse_bucket(bucket, compiled, expected):
     assert reuse_bucket(bucket, compiled) == expected
 
 
+@pytest.mark.parametrize("bucket,compiled,fewest,lazy", [
+    (SB(3, 1), {SB(6, 4)}, SB(6, 4), SB(3, 1)),          # A 4x: held, so reused
+    (SB(1, 1), {SB(3, 1), SB(48, 3)}, SB(3, 1), SB(1, 1)),   # the smallest that holds it
+    (SB(1, 1), {SB(48, 3)}, SB(48, 3), SB(1, 1)),        # T 48x
+    (SB(4, 4), {SB(2, 4), SB(12, 2)}, SB(4, 4), SB(4, 4)),   # never smaller in T or A
+    (SB(3, 1), set(), SB(3, 1), SB(3, 1)),
+])
+def test_reuse_bucket_without_bound(bucket, compiled, fewest, lazy):
+    """``compile="fewest"`` (``max_ratio=inf``): any compiled bucket that holds the step;
+    ``"lazy"`` (the default bound, 2x) on the same cases (hand-worked)."""
+    assert reuse_bucket(bucket, compiled, float("inf")) == fewest
+    assert reuse_bucket(bucket, compiled) == lazy
+
+
 # ============================================================================ engine: admission
 def test_admission_fifo_into_slots():
     eng, run = make()

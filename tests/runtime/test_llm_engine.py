@@ -9,8 +9,12 @@ import pytest
 from jmtp import CompletionOutput, LLMEngine
 from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.host.llm import LLM, SamplingParams
+from tests.engines import GROUPS, tiny_engine
 from tests.runtime.conftest import reference_greedy, tiny_model, engine_of
 from tests.runtime.test_engine_edges import K, MAX_LEN, oracle_drafter
+
+# outputs, not buckets: each engine runs its steps in the fewest step programs (conftest.py)
+pytestmark = pytest.mark.usefixtures("fewest_compiles")
 
 PROMPTS = [[5, 6, 7], [3], list(range(2, 30)), [9] * 11]
 
@@ -45,10 +49,11 @@ def _drain(engine, outs=None):
     return outs
 
 
+@GROUPS["plain"]        # the canonical 3-slot MTP K=2 shape (tests/engines.py), compiled once
 def test_requests_added_between_steps_equal_offline_greedy():
     cfg, params = tiny_model(0)
     refs = [reference_greedy(cfg, params, p, 12) for p in PROMPTS]
-    engine = _engine(SpeculativeConfig("mtp", 2, 2))
+    engine = tiny_engine("mtp2_3slots")    # 3 slots: "c" joins the running batch, "d" waits
     sp = SamplingParams(max_tokens=12)
     outs: dict = {}
     engine.add_request("a", PROMPTS[0], sp)
@@ -186,8 +191,9 @@ def test_stop_strings_through_generate_and_streaming_holdback():
     assert out.text == full and out.finish_reason == "length" and out.stop_reason is None
 
 
+@GROUPS["plain"]
 def test_n_samples_independent_and_reproducible():
-    engine = _engine(SpeculativeConfig("mtp", 2, 2))
+    engine = tiny_engine("mtp2_3slots")
     sp = SamplingParams(max_tokens=16, temperature=1.0, seed=7, n=3, ignore_eos=True)
     engine.add_request("n", [5, 6, 7], sp)
     o1 = _drain(engine)["n"][-1]
@@ -211,8 +217,9 @@ def test_n_samples_independent_and_reproducible():
     assert st["num_free_blocks"] == st["num_blocks"]
 
 
+@GROUPS["plain"]
 def test_top_k_minus_one_equals_off():
-    engine = _engine()
+    engine = tiny_engine("plain")
     outs = []
     for k in (-1, 0, 5):
         engine.add_request(f"k{k}", [5, 6, 7], SamplingParams(max_tokens=12, temperature=1.5,

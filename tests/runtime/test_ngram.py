@@ -20,9 +20,12 @@ from jmtp.runtime.device.buckets import step_buckets
 from jmtp.runtime.device.ngram import extend_with_ngram, ngram_match
 from jmtp.runtime.host import sampling_rows as rows
 from jmtp.runtime.host.llm import LLM, SamplingParams
+from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import tiny_model, free_blocks, engine_of
 
-pytestmark = pytest.mark.xdist_group("ngram_engines")   # one worker builds the shared engines once
+# the plain reference is shared with other modules (tests/engines.py); outputs, not buckets:
+# each engine runs its steps in the fewest step programs (conftest.py)
+pytestmark = [GROUPS["plain"], pytest.mark.usefixtures("fewest_compiles")]
 
 MAX_LEN = 96
 
@@ -135,6 +138,10 @@ def test_config_validation():
 # ---------------------------------------------------------------- engine: greedy lossless
 @functools.lru_cache(maxsize=None)
 def engine(spec: SpeculativeConfig | None, batched_tokens: int = 16):
+    """The speculative engines: 3 slots, a 16-token step budget (prompts up to 40 tokens prefill
+    in chunks). Plain decoding, the reference, is the canonical 3-slot shape (tests/engines.py)."""
+    if spec is None:
+        return tiny_llm("plain")
     cfg, params = tiny_model(0)
     return LLM(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=3,
                max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=batched_tokens)

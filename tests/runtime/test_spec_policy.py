@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.device.buckets import StepBucket, choose_bucket
 from jmtp.runtime.host.spec_policy import PLAN_RTOL, DynamicSpeculation
+from tests.engines import GROUPS, SHAPES
 from tests.runtime.conftest import engine_of
 
 
@@ -678,6 +679,7 @@ def test_seeded_buckets_scale_by_the_live_to_seed_ratio():
     assert p.draft_limits(np.array([True])).tolist() == [0]
 
 
+@GROUPS["mtp2"]   # the policy is host code: its step programs are the canonical mtp2 shape's
 def test_engine_calibration_times_every_decode_bucket_and_idle_steps_change_nothing():
     """``LLMEngine.calibrate_speculation`` runs every decode bucket on the idle engine: the
     policy's cost table then holds exactly those buckets, the engine state and both KV caches are
@@ -692,8 +694,9 @@ def test_engine_calibration_times_every_decode_bucket_and_idle_steps_change_noth
 
     cfg, params = tiny_model(0)
     spec = SpeculativeConfig("mtp", num_speculative_tokens=2, speculation_policy="dynamic")
-    eng = LLMEngine(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=2,
-                    max_model_len=32, block_size=4, compile="lazy")
+    # tests/engines.py's mtp2 (K = M = 2, 2 slots) under the dynamic policy
+    eng = LLMEngine(model_config=cfg, params=params,
+                    **{**SHAPES["mtp2"], "speculative_config": spec}, compile="lazy")
     assert eng.spec_policy.step_seconds == {}                 # lazy: not calibrated yet
     before = jax.device_get((eng.runner.state, eng.runner.cache, eng.runner.mtp_cache))
     seconds = eng.calibrate_speculation(repeats=1)

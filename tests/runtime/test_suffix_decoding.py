@@ -23,7 +23,9 @@ from tests.runtime.conftest import free_blocks, reference_greedy, tiny_model
 from tests.runtime.fake_runner import FakeRunner, reference
 from tests.runtime.test_host_logic import drive
 
-pytestmark = pytest.mark.xdist_group("suffix_engines")   # one worker builds the shared engines once
+# one worker builds the shared engines once; outputs, not buckets: each engine runs its steps
+# in the fewest step programs (conftest.py)
+pytestmark = [pytest.mark.xdist_group("suffix_engines"), pytest.mark.usefixtures("fewest_compiles")]
 
 SUFFIX = SpeculativeConfig("suffix", 3)
 HYBRID = SpeculativeConfig("mtp", 3, 1, mtp_strategy="with_suffix")

@@ -71,7 +71,7 @@ class DeviceRunner:
       map_budget: the process's memory-map budget, checked before each new step bucket's
         compile and measuring it (``check(label, remaining=1)``, ``start()``, ``stop()``; the host
         passes a :class:`jmtp.runtime.process.host_maps.MapBudget`); None: nothing is checked.
-      compile_mode: ``"eager"`` or ``"lazy"`` (only :meth:`bucket_to_run` reads it).
+      compile_mode: ``"eager"``, ``"lazy"`` or ``"fewest"`` (only :meth:`bucket_to_run` reads it).
       device: without a mesh, the device to run on (default: JAX's default device).
       abstract: build with ``jax.ShapeDtypeStruct``s only (``params`` may be abstract too): no
         array is allocated, the devices may be compile-only (a TPU topology); the runner then

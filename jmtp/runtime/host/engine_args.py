@@ -152,7 +152,10 @@ class EngineArgs:
         (:func:`jmtp.model.checkpoints.loader.load_checkpoint`).
       compile: ``"eager"``: compile the step for every bucket of
         :func:`~jmtp.runtime.device.buckets.step_buckets` (and the request insert/release) here, with a
-        progress bar, so no step compiles later; ``"lazy"``: compile each bucket on its first use.
+        progress bar, so no step compiles later; ``"lazy"``: compile each bucket on its first use
+        (a step may run in a compiled bucket up to twice its size instead); ``"fewest"``: as
+        lazy, a step runs in any compiled bucket that holds it (fewest compiles, more padded
+        rows: tests on tiny models).
         ``None``: ``$JMTP_COMPILE``, default ``"eager"``. See :mod:`jmtp.runtime.process.compile`.
       compilation_cache_dir: JAX's persistent compilation cache folder. ``"auto"``: JAX's own
         setting if the user made one, else ``$JMTP_CACHE_DIR``, ``$XDG_CACHE_HOME/jmtp/xla`` or

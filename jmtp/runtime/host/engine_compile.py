@@ -25,10 +25,12 @@ class CompileAPI:
     def bucket_to_run(self, bucket: StepBucket) -> StepBucket:
         """The bucket a step sized as ``bucket`` runs in: with lazy compiles and no dynamic
         policy (which prices and times each bucket it plans for), an already compiled bucket
-        that holds it at most twice over (:func:`~jmtp.runtime.host.scheduler.reuse_bucket`)."""
-        if self.compile_mode != "lazy" or self.spec_policy is not None:
+        that holds it at most twice over (:func:`~jmtp.runtime.host.scheduler.reuse_bucket`);
+        with ``compile="fewest"``, any compiled bucket that holds it."""
+        if self.compile_mode == "eager" or self.spec_policy is not None:
             return bucket
-        return reuse_bucket(bucket, self.runner.compiled_buckets)
+        return reuse_bucket(bucket, self.runner.compiled_buckets,
+                            float("inf") if self.compile_mode == "fewest" else 2.0)
 
     def compile_buckets(self, buckets: Iterable[StepBucket] | None = None, *,
                         progress: bool = False) -> dict[str, float]:

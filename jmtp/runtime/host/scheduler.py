@@ -28,18 +28,21 @@ from jmtp.runtime.host.inflight import drafts_bound, max_window_drafts
 from jmtp.runtime.host.requests import Sequence
 
 
-def reuse_bucket(bucket: StepBucket, compiled: Iterable[StepBucket]) -> StepBucket:
-    """``bucket``, or the smallest already compiled bucket that holds its work at most twice
-    over (``T`` and ``A`` each within ``[1x, 2x]``): a compile costs seconds, padding one step to
-    twice its rows milliseconds (a one-prompt run's last, shorter windows reuse the full-window
-    bucket instead of compiling ``T=2``). Padded rows compute nothing that is kept and sampling
-    keys follow request positions, so tokens are those of the smaller bucket up to
-    floating-point rounding."""
+def reuse_bucket(bucket: StepBucket, compiled: Iterable[StepBucket],
+                 max_ratio: float = 2.0) -> StepBucket:
+    """``bucket``, or the smallest already compiled bucket that holds its work at most
+    ``max_ratio`` times over (``T`` and ``A`` each within ``[1x, max_ratio x]``): a compile costs
+    seconds, padding one step to twice its rows milliseconds (a one-prompt run's last, shorter
+    windows reuse the full-window bucket instead of compiling ``T=2``). Padded rows compute
+    nothing that is kept and sampling keys follow request positions, so tokens are those of the
+    smaller bucket up to floating-point rounding. ``max_ratio=inf`` (``compile="fewest"``):
+    any compiled bucket that holds the step."""
     compiled = set(compiled)
     if bucket in compiled:
         return bucket
-    fits = [c for c in compiled if bucket.num_tokens <= c.num_tokens <= 2 * bucket.num_tokens
-            and bucket.num_slots <= c.num_slots <= 2 * bucket.num_slots]
+    fits = [c for c in compiled
+            if bucket.num_tokens <= c.num_tokens <= max_ratio * bucket.num_tokens
+            and bucket.num_slots <= c.num_slots <= max_ratio * bucket.num_slots]
     return min(fits, default=bucket)
 
 
