@@ -11,9 +11,19 @@ import tempfile
 
 import pytest
 
-# Engines in tests compile each token bucket on first use (jmtp's default compiles them all at
-# LLM(...)); tests/runtime/test_compile.py covers the eager mode explicitly.
-os.environ.setdefault("JMTP_COMPILE", "lazy")
+# Engines in tests compile the token buckets they use, on first use, and run a step in any
+# compiled bucket that holds it (compile="fewest": a handful of step programs per engine instead
+# of one per bucket its requests reach; jmtp's default compiles them all at LLM(...)). Modules
+# whose tests are about buckets run under "lazy" (LAZY_MODULES); tests/runtime/test_compile.py
+# covers the eager mode explicitly.
+os.environ.setdefault("JMTP_COMPILE", "fewest")
+
+#: Modules about bucket choice or about rows computed in different buckets: their engines compile
+#: and run each step in the bucket picked for it (``compile="lazy"``).
+LAZY_MODULES = frozenset({
+    "test_buckets", "test_compile", "test_host_maps", "test_engine_edges", "test_batch_invariant",
+    "test_async_engine_real", "test_stages", "test_spec_policy", "test_engine_close",
+    "test_block_allocator_config", "test_step_spec"})
 # The persistent compilation cache: one fresh folder per test process (the pytest process, or
 # each pytest-xdist worker), never shared. Two workers sharing one folder crashed XLA:CPU reading
 # and writing entries (an abort in executable.serialize(), a segfault in deserialize, with jax
@@ -63,6 +73,17 @@ def pytest_configure(config):
     if _xla_cache_wanted():
         from jmtp.runtime.process.compile import setup_compilation_cache
         setup_compilation_cache(_XLA_CACHE)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _lazy_compiles_where_buckets_matter(request):
+    """``compile="lazy"`` while a module of :data:`LAZY_MODULES` runs (its subprocesses too)."""
+    if request.module.__name__.rsplit(".", 1)[-1] not in LAZY_MODULES:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JMTP_COMPILE", "lazy")
+        yield
 
 
 @pytest.fixture(autouse=True, scope="module")

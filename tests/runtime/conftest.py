@@ -76,16 +76,3 @@ def kept_engines():
         llm.close()
 
 
-@pytest.fixture(scope="module")
-def fewest_compiles():
-    """While the module runs, engines built without an explicit ``compile=`` use
-    ``compile="fewest"`` (``$JMTP_COMPILE``): a step runs in any compiled bucket that holds it, so
-    an engine compiles a handful of step programs instead of one per bucket its requests reach
-    (test_engine_lossless + test_engine_sampling + test_llm_engine in one process: 91-94 step
-    programs compiled at 9a791d5, 45 with this, docs/testing.md). For modules whose tests are
-    about outputs, not buckets;
-    bucket selection and the small buckets' programs are covered by test_buckets, test_stages,
-    test_compile, test_engine_edges, test_async_engine and the modules left on ``"lazy"``."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JMTP_COMPILE", "fewest")
-        yield

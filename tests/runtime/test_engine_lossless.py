@@ -13,7 +13,7 @@ from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks
 
 # the 3-slot canonical shapes (tests/engines.py): plain and K=M=3 are shared with other modules
-pytestmark = [GROUPS["plain"], pytest.mark.usefixtures("fewest_compiles")]
+pytestmark = GROUPS["plain"]
 
 MAX_LEN = 96
 CANONICAL = {(None, None): "plain", (3, 3): "mtp3"}

@@ -14,7 +14,7 @@ from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import tiny_model
 
 # the 3-slot canonical shapes (tests/engines.py), shared with other modules in group tiny_plain
-pytestmark = [GROUPS["plain"], pytest.mark.usefixtures("fewest_compiles")]
+pytestmark = GROUPS["plain"]
 
 
 @functools.lru_cache(maxsize=None)

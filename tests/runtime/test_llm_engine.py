@@ -14,7 +14,6 @@ from tests.runtime.conftest import reference_greedy, tiny_model, engine_of
 from tests.runtime.test_engine_edges import K, MAX_LEN, oracle_drafter
 
 # outputs, not buckets: each engine runs its steps in the fewest step programs (conftest.py)
-pytestmark = pytest.mark.usefixtures("fewest_compiles")
 
 PROMPTS = [[5, 6, 7], [3], list(range(2, 30)), [9] * 11]
 

@@ -25,7 +25,7 @@ from tests.runtime.conftest import tiny_model, free_blocks, engine_of
 
 # the plain reference is shared with other modules (tests/engines.py); outputs, not buckets:
 # each engine runs its steps in the fewest step programs (conftest.py)
-pytestmark = [GROUPS["plain"], pytest.mark.usefixtures("fewest_compiles")]
+pytestmark = GROUPS["plain"]
 
 MAX_LEN = 96
 

@@ -25,7 +25,7 @@ from tests.runtime.test_host_logic import drive
 
 # one worker builds the shared engines once; outputs, not buckets: each engine runs its steps
 # in the fewest step programs (conftest.py)
-pytestmark = [pytest.mark.xdist_group("suffix_engines"), pytest.mark.usefixtures("fewest_compiles")]
+pytestmark = pytest.mark.xdist_group("suffix_engines")
 
 SUFFIX = SpeculativeConfig("suffix", 3)
 HYBRID = SpeculativeConfig("mtp", 3, 1, mtp_strategy="with_suffix")
