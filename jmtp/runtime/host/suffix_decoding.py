@@ -53,7 +53,7 @@ import numpy as np
 
 from jmtp.runtime.device.bitmask import KEEP_DRAFT, NO_DRAFT
 from jmtp.runtime.host.spec_policy.costs import CostTable
-from jmtp.runtime.host.spec_policy.planner import PLAN_RTOL
+from jmtp.runtime.host.spec_policy.planner import PLAN_RTOL, run_prices
 from jmtp.runtime.host.suffix_tree import EMPTY_DRAFT, SuffixDraft, SuffixTree
 
 __all__ = ["SuffixCache", "SuffixDecoding", "merge_overrides"]
@@ -317,8 +317,9 @@ class SuffixDecoding:
         self._verifying, self.from_trees = {}, np.zeros((B,), bool)
         base_tokens = base_rows = 0.0
         for b, d in drafts.items():
+            worth = 0.0
             if gains is not None:   # dynamic hybrid: expected accepted tokens, trees vs MTP
-                score = float(self.calibrated(d.probs).sum())
+                worth = score = float(self.calibrated(d.probs).sum())
                 if not score > gains[b, :next_drafts[b]].sum():
                     self.num_mtp_windows += int(next_drafts[b] > 0)
                     continue        # the MTP drafts stay (or neither drafts)
@@ -343,8 +344,7 @@ class SuffixDecoding:
             self.from_trees[b] = True
             if d.probs:
                 self._verifying[b] = d.probs
-                base_tokens += float(self.calibrated(d.probs).sum())
-                base_rows += n
+                base_tokens, base_rows = base_tokens + worth, base_rows + n
             self.num_windows += bool(n)
             self.num_drafts += n
         self.mtp_off, self._base = off, (base_tokens, base_rows)
@@ -397,10 +397,8 @@ class SuffixDecoding:
         prices = self.costs.prices(self.num_observed)
         tokens = n + np.concatenate([[0.0], np.cumsum(gain[order])])
         rows = n + np.arange(len(gain) + 1)
-        ids = self.costs.bucket_table(n, rows[-1])[rows]    # one price per bucket, not per row
-        uniq, first = np.unique(ids, return_index=True)
-        price = np.array([prices.step_time(int(rows[i]), n, 0) for i in first])
-        rate = tokens / price[np.searchsorted(uniq, ids)]
+        rate = tokens / run_prices(self.costs.bucket_table(n, rows[-1]), rows,
+                                   np.zeros_like(rows), n, prices, self.k)
         keep = int(np.nonzero(rate * (1 + PLAN_RTOL) >= rate.max())[0][0])
         counts = np.bincount(slot[order[:keep]], minlength=n)
         out = {}

@@ -248,15 +248,21 @@ class DraftPlanner:
 
     def run_prices(self, table: np.ndarray, rows: np.ndarray, depth: np.ndarray, n: int,
                    prices: Prices) -> np.ndarray:
-        """f64[m]: ``prices.step_time`` of each ``(rows[i], n, depth[i])``, looked up once per run
-        of consecutive entries sharing a (bucket, depth) (``table``:
-        :meth:`CostTable.bucket_table`)."""
-        pair = table[rows].astype(np.int64) * (self.k + 1) + depth
-        new_run = np.empty(pair.shape, bool)
-        new_run[0], new_run[1:] = True, pair[1:] != pair[:-1]
-        price = [prices.step_time(int(rows[i]), n, int(depth[i]))
-                 for i in np.flatnonzero(new_run)]
-        return np.asarray(price)[np.cumsum(new_run) - 1]
+        """:func:`run_prices` at this planner's K."""
+        return run_prices(table, rows, depth, n, prices, self.k)
+
+
+def run_prices(table: np.ndarray, rows: np.ndarray, depth: np.ndarray, n: int, prices: Prices,
+               k: int) -> np.ndarray:
+    """f64[m]: ``prices.step_time`` of each ``(rows[i], n, depth[i])`` (i64[m] each, depths in
+    ``0..k``), looked up once per run of consecutive entries sharing a (bucket, depth)
+    (``table``: :meth:`CostTable.bucket_table` at ``n``), so the bucket function is not asked
+    once per row count."""
+    pair = table[rows].astype(np.int64) * (k + 1) + depth
+    new_run = np.empty(pair.shape, bool)
+    new_run[0], new_run[1:] = True, pair[1:] != pair[:-1]
+    price = [prices.step_time(int(rows[i]), n, int(depth[i])) for i in np.flatnonzero(new_run)]
+    return np.asarray(price)[np.cumsum(new_run) - 1]
 
 
 def split_rows(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
