@@ -14,6 +14,11 @@ MTP_STRATEGIES = ("default", "with_ngram", "with_suffix")
 #: Verification strategies of the step (:mod:`jmtp.runtime.device.verify` implements them).
 VERIFY_STRATEGIES = ("auto", "greedy", "rejection", "topp", "target_match")
 SPECULATION_POLICIES = ("fixed", "dynamic")
+#: :class:`SpeculativeConfig` fields the device step never reads (the host's draft planning and
+#: suffix trees): :meth:`EngineConfig.device_config` sets them to their defaults.
+HOST_ONLY_SPEC_FIELDS = ("speculation_policy", "suffix_decoding_max_tree_depth",
+                         "suffix_decoding_max_cached_requests", "suffix_decoding_corpus_tokens",
+                         "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,6 +284,22 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs * "
                 f"(K+1) = {self.max_num_seqs * (self.k + 1)} so every decode window fits in a step")
+
+    def device_config(self) -> "EngineConfig":
+        """This config as the device step sees it: the :class:`SpeculativeConfig` fields only
+        the host reads (:data:`HOST_ONLY_SPEC_FIELDS`; ``mtp_strategy="with_suffix"``, whose
+        suffix drafts reach the step as data, reads as ``"default"``) at their defaults. The
+        runner keys its jitted functions and :class:`~jmtp.runtime.device.spec.StepSpec` with
+        it, so engines that differ only in host options share their compiled programs instead
+        of tracing, lowering and compiling the same ones again. Returns ``self`` when nothing
+        changes."""
+        spec = self.spec
+        host = {f: SpeculativeConfig.__dataclass_fields__[f].default
+                for f in HOST_ONLY_SPEC_FIELDS}
+        if spec.mtp_strategy == "with_suffix":
+            host["mtp_strategy"] = "default"
+        device = dataclasses.replace(spec, **host)
+        return self if device == spec else dataclasses.replace(self, spec=device)
 
     @property
     def k(self) -> int:

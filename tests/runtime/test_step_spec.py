@@ -82,3 +82,42 @@ def test_every_device_op_is_declared_once_with_both_forms():
         else:
             assert op.sharded.__module__.endswith("data_parallel"), name
         assert set(op.outputs) <= {"state", "target", "mtp", "caches", "rep"}, name
+
+
+def test_host_options_are_not_part_of_the_step_key():
+    """``EngineConfig.device_config`` sets the options only the host reads to their defaults,
+    so an engine that differs from a live one only there (the dynamic policy, the suffix
+    trees' knobs, ``with_suffix``) traces no step program of its own: it runs the programs the
+    first engine compiled (counted by JAX's trace events) and, greedy, its output."""
+    from jmtp.runtime.config import SpeculativeConfig
+    from jmtp.runtime.host.llm import LLM, SamplingParams
+    from tests.engines import SHAPES
+
+    host = dict(mtp_strategy="with_suffix", speculation_policy="dynamic",
+                suffix_decoding_max_tree_depth=8, suffix_decoding_min_token_prob=0.3)
+    ec = _ec(spec=SpeculativeConfig("mtp", 2, 2, **host))
+    assert ec.device_config() == _ec(spec=SpeculativeConfig("mtp", 2, 2))
+    plain = _ec()
+    assert plain.device_config() is plain          # nothing host-only to drop
+    cfg, params = tiny_model()
+    shape = dict(SHAPES["mtp2"])
+    prompts, sp = [[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_tokens=8, ignore_eos=True)
+    first = LLM(model_config=cfg, params=params, **shape)
+    want = first.generate(prompts, sp)[0].outputs[0].token_ids
+    shape["speculative_config"] = SpeculativeConfig("mtp", 2, 2, **host)
+    traced = []
+
+    def listen(event, duration, **kw):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traced.append(kw.get("fun_name"))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        second = LLM(model_config=cfg, params=params, **shape)
+        got = second.generate(prompts, sp)[0].outputs[0].token_ids
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    runs = [llm.llm_engine.runner for llm in (first, second)]
+    assert got == want
+    assert runs[1].shard_config == runs[0].shard_config
+    assert traced.count("engine_step") == len(runs[1].compiled_buckets - runs[0].compiled_buckets)
+    assert runs[1].compiled_buckets & runs[0].compiled_buckets      # something to share

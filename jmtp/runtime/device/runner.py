@@ -79,7 +79,8 @@ class DeviceRunner:
         running raises ``RuntimeError``.
 
     Attributes (public, read by the engine and tests): ``graphdef``, ``params``, ``state``,
-    ``cache``, ``mtp_cache``, ``mesh``, ``shard_config`` (one data shard's config),
+    ``cache``, ``mtp_cache``, ``mesh``, ``shard_config`` (one data shard's config as the device
+    step sees it: :meth:`EngineConfig.device_config`),
     ``num_shards``, ``free_counts`` (free KV blocks per data shard, ``list[int]``),
     ``jitted_step`` (the jitted :func:`~jmtp.runtime.device.step.engine_step` or its data-parallel form;
     tests wrap it), ``first_call_seconds``, ``map_budget``.
@@ -96,7 +97,7 @@ class DeviceRunner:
         self.attention = resolve_backend(attention_backend, engine_config.platform)
         self.num_shards = shd.mesh_sizes(mesh)[0] if mesh is not None else 1
         self.tensor_parallel_size = shd.mesh_sizes(mesh)[1] if mesh is not None else 1
-        self.shard_config = dpar.shard_config(engine_config, self.num_shards)
+        self.shard_config = dpar.shard_config(engine_config.device_config(), self.num_shards)
         # The model as an NNX module, split once: the jitted step takes the pure state (arrays
         # with their logical-axis metadata) and merges it with the static graph definition inside.
         self.graphdef, self.params = nnx.split(LlamaForCausalLM.from_params(model_config, params))
