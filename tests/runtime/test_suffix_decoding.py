@@ -277,6 +277,35 @@ def test_dynamic_hybrid_drafts_with_the_mtp_head_only_where_it_pays(mtp):
         assert stats["suffix_mtp_windows"] > 0
 
 
+def test_dynamic_hybrid_weighs_the_head_against_the_suffix_draft_by_hand():
+    """One slot, K = 3 and M = 2, the head's gains 1/2, 1/4 (a_i = 1/2); a step costs 1.0 s at
+    1 row + 0.1 s per further row, and proposing at depth d 0.15 s per MTP substep. The window's
+    suffix draft is rated (0.4, 0.2), worth 0.6 tokens: less than the 2 pending MTP drafts'
+    0.75, so the window keeps the head's drafts. Against drafting nothing the head pays (0: 1/1.0
+    = 1.0, 1: 1.5/1.25 = 1.2, 2: 1.75/1.5 = 1.17 tok/s: one draft), but
+    the suffix draft in each later window is worth 1.6/1.2 = 1.33 tok/s: the head rests. With
+    free substeps the head's 2 drafts give 1.75/1.2 = 1.46 tok/s, more than 1.33: it drafts 2."""
+    import types
+
+    from tests.runtime.test_spec_policy import by_rows, policy
+
+    from jmtp.runtime.host.suffix_decoding import SuffixDecoding
+    seq = types.SimpleNamespace(prefilling=False, output_ids=[3], prompt_ids=[2],
+                                params=SamplingParams(max_tokens=20))
+    for substep, want in ((0.15, 0), (0.0, 2)):
+        p = policy(1, 3, list(range(1, 9)), prior_weight=0.0, halflife=1e9)
+        p.trials[0], p.succ[0] = [8, 4, 2], [4, 2, 1]
+        p.step_seconds = by_rows({t: 1.0 + 0.1 * (t - 1) for t in range(1, 9)})
+        p.draft_seconds = {(0, d): substep * d for d in (1, 2, 3)}
+        sd = SuffixDecoding(HYBRID_DYNAMIC, 1, mtp_policy=p)
+        sd.draft = lambda seq, limit: _draft(0.4, 0.2)
+        override, _ = sd.prepare([seq], np.array([2], np.int32), np.array([[7, 8, -1]]), 64)
+        assert override is None                        # the window keeps the head's drafts
+        limits = sd.mtp_limits(sd.plan_mtp(np.array([True]), np.array([3], np.int32)))
+        assert limits.tolist() == [want], substep
+        assert sd.mtp_off.tolist() == [want == 0] and sd.num_mtp_rested == int(want == 0)
+
+
 def test_config_names_the_field():
     for kw, field in [(dict(suffix_decoding_max_tree_depth=1), "max_tree_depth"),
                       (dict(suffix_decoding_max_cached_requests=-1), "max_cached_requests"),

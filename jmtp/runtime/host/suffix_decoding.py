@@ -233,6 +233,9 @@ class SuffixDecoding:
         self.dynamic = spec.speculation_policy == "dynamic"
         self.costs = self.mtp_policy = None
         self._base = (0.0, 0.0)     # the coming step's suffix drafts: expected tokens, rows
+        # hybrid: slot -> (expected tokens, rows, taken) of a suffix draft the head still runs
+        # beside (plan_mtp weighs the two)
+        self._alternatives: dict[int, tuple[float, int, bool]] = {}
         if self.dynamic and self.mtp_drafts:
             if mtp_policy is None:
                 raise ValueError("SuffixDecoding: the dynamic MTP hybrid needs mtp_policy")
@@ -249,6 +252,7 @@ class SuffixDecoding:
         self._verifying: dict[int, tuple[float, ...]] = {}   # slot -> probs of its drafts
         self.host_seconds = 0.0
         self.num_windows = self.num_drafts = self.num_mtp_windows = self.num_cut = 0
+        self.num_mtp_rested = 0
 
     @staticmethod
     def key(seq) -> tuple:
@@ -315,15 +319,19 @@ class SuffixDecoding:
             drafts = self.cut(drafts)
         gains = self.mtp_policy.gains() if self.mtp_policy is not None else None
         self._verifying, self.from_trees = {}, np.zeros((B,), bool)
+        self._alternatives = {}
         base_tokens = base_rows = 0.0
         for b, d in drafts.items():
             worth = 0.0
             if gains is not None:   # dynamic hybrid: expected accepted tokens, trees vs MTP
                 worth = score = float(self.calibrated(d.probs).sum())
-                if not score > gains[b, :next_drafts[b]].sum():
+                taken = score > gains[b, :next_drafts[b]].sum()
+                off[b] = taken and score >= gains[b, :M].sum()
+                if d.token_ids and not off[b]:      # plan_mtp weighs the head against it
+                    self._alternatives[b] = (worth, len(d.token_ids), taken)
+                if not taken:
                     self.num_mtp_windows += int(next_drafts[b] > 0)
                     continue        # the MTP drafts stay (or neither drafts)
-                off[b] = score >= gains[b, :M].sum()
             elif M and d.score < M and not self.mtp_off[b]:
                 self.num_mtp_windows += int(next_drafts[b] > 0)
                 continue            # the MTP drafts stay
@@ -355,10 +363,38 @@ class SuffixDecoding:
         """The dynamic hybrid's MTP draft limits ``i32[B]`` for the coming step: planned by the
         MTP policy for the ``proposing`` (bool[B]) slots not following a suffix match, each at
         most ``min(caps, M)``, in a step over every proposing slot whose suffix drafts (as
-        :meth:`prepare` chose them) are the plan's base."""
-        active = np.asarray(proposing, bool) & ~self.mtp_off
-        return self.mtp_policy.draft_limits(active, np.minimum(caps, self.mtp_drafts),
-                                            num_slots=int(np.sum(proposing)), base=self._base)
+        :meth:`prepare` chose them) are the plan's base.
+
+        A slot whose window had a suffix draft too weak to rest the head on its own (its
+        alternative) drafts with the head only where that pays against the alternative, not
+        against drafting nothing: the best plan with the head drafting for these slots (each
+        later window then the head's) is weighed against the plan where they take their suffix
+        drafts (each later window worth what this one's suffix draft is: its expected accepted
+        tokens and rows in the base, no MTP substeps for them); where the second is faster,
+        the head rests for them (:attr:`mtp_off`)."""
+        proposing = np.asarray(proposing, bool)
+        active = proposing & ~self.mtp_off
+        caps, n = np.minimum(caps, self.mtp_drafts), int(np.sum(proposing))
+        base = self._base
+        weigh = [b for b in self._alternatives if active[b]]
+        if weigh:
+            tokens, rows = base
+            head = (tokens - sum(self._alternatives[b][0] for b in weigh
+                                 if self._alternatives[b][2]),
+                    rows - sum(self._alternatives[b][1] for b in weigh
+                               if self._alternatives[b][2]))
+            trees = (head[0] + sum(self._alternatives[b][0] for b in weigh),
+                     head[1] + sum(self._alternatives[b][1] for b in weigh))
+            rest = active.copy()
+            rest[weigh] = False
+            policy = self.mtp_policy
+            if (policy.plan_rate(rest, caps, num_slots=n, base=trees)
+                    > policy.plan_rate(active, caps, num_slots=n, base=head) * (1 + PLAN_RTOL)):
+                self.mtp_off[weigh], active, base = True, rest, trees
+                self.num_mtp_rested += len(weigh)
+            else:
+                base = head
+        return self.mtp_policy.draft_limits(active, caps, num_slots=n, base=base)
 
     def mtp_outcomes(self, out) -> dict:
         """``DynamicSpeculation.observe``'s per-slot arguments from the step's ``StepOutput``
@@ -452,5 +488,5 @@ class SuffixDecoding:
         """``suffix_*`` counters for ``LLMEngine.get_stats``."""
         return dict(suffix_host_seconds=self.host_seconds, suffix_windows=self.num_windows,
                     suffix_draft_tokens=self.num_drafts, suffix_mtp_windows=self.num_mtp_windows,
-                    suffix_cut_tokens=self.num_cut,
+                    suffix_cut_tokens=self.num_cut, suffix_mtp_rested=self.num_mtp_rested,
                     **self.cache.stats())

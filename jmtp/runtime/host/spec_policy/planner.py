@@ -77,7 +77,7 @@ class DraftPlanner:
         """
         limits = np.zeros((self.num_slots,), np.int32)
         rankings = self.rankings(active, caps)
-        _, plan_pos, plan_slot, _ = self.plan(rankings, n, prices, base=base)
+        (_, plan_pos, plan_slot, _), _ = self.plan(rankings, n, prices, base=base)
         planned = bool(len(plan_pos))
         if planned and not self.refresh_left and self.costs.no_draft_stale(n, prices.step):
             self.refresh_left = 2       # verify the drafts already proposed, then time no-draft
@@ -92,7 +92,7 @@ class DraftPlanner:
             if probe.any():
                 # The probes' first drafts are forced; the plan is chosen again around them.
                 limits[:] = 0
-                _, plan_pos, plan_slot, _ = self.plan(rankings, n, prices, probe, base)
+                (_, plan_pos, plan_slot, _), _ = self.plan(rankings, n, prices, probe, base)
                 np.maximum.at(limits, plan_slot, (plan_pos + 1).astype(limits.dtype))
             unforced = (limits > 0) & ~probe           # the plan drafts for them unforced
             planned = bool(unforced.any())             # (the re-plan may drop every draft)
@@ -145,10 +145,10 @@ class DraftPlanner:
 
     def plan(self, rankings: list[Candidates], n: int, prices: Prices,
              probe: np.ndarray | None = None, base: tuple[float, float] = (0.0, 0.0)
-             ) -> Candidates:
+             ) -> tuple[Candidates, float]:
         """The best of :meth:`best_plan` over ``rankings`` (near-ties: the fewest drafts), with
         the first drafts of the slots in ``probe`` (bool[B]) forced, over ``base`` (see
-        :meth:`limits`)."""
+        :meth:`limits`), and its expected tokens per second."""
         best = None
         for cand in rankings:
             forced = None
@@ -160,7 +160,7 @@ class DraftPlanner:
             if best is None or rate > best[1] * (1 + PLAN_RTOL) or (
                     rate * (1 + PLAN_RTOL) >= best[1] and len(plan[0]) < len(best[0][0])):
                 best = plan, rate
-        return best[0]
+        return best
 
     def best_plan(self, cand: Candidates, n: int, prices: Prices,
                   forced: Candidates | None = None, base: tuple[float, float] = (0.0, 0.0)

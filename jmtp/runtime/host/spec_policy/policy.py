@@ -197,6 +197,19 @@ class DynamicSpeculation:
         self.num_drafting_plans += bool(limits.any())
         return limits
 
+    def plan_rate(self, active: np.ndarray, caps: np.ndarray | None = None, *,
+                  num_slots: int | None = None, base: tuple[float, float] = (0.0, 0.0)) -> float:
+        """Expected tokens per second of the best plan :meth:`draft_limits` would weigh for
+        the same arguments, without probes, the guard or any other change of state (the MTP
+        hybrid compares plans with it: :meth:`SuffixDecoding.plan_mtp
+        <jmtp.runtime.host.suffix_decoding.SuffixDecoding.plan_mtp>`)."""
+        active = np.asarray(active, bool)
+        n = int(active.sum()) if num_slots is None else num_slots
+        prices = self.costs.prices(self.num_plans + 1)    # the view the next plan will use
+        _, rate = self.planner.plan(self.planner.rankings(active, caps), max(n, 1), prices,
+                                    base=base)
+        return rate
+
     def plan_context(self) -> tuple[bool, int, int]:
         """What :meth:`observe` needs of the last plan when it comes after later plans
         (asynchronous scheduling plans step N+1 before it observes step N): ``(judged, n,
