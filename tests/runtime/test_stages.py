@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from jmtp.model import forward_logits
@@ -22,6 +23,7 @@ from jmtp.pallas.block_allocator import BlockAllocatorState, blocks_needed
 from jmtp.runtime.config import EngineConfig, SpeculativeConfig
 from jmtp.runtime.device import draft_stages as drs, slots, step as stp, target_stages as tgs
 from jmtp.runtime.device.buckets import StepBucket, step_buckets
+from jmtp.runtime.device.spec import StepSpec
 from jmtp.runtime.device.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, init_state
 from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model, engine_of
@@ -209,8 +211,10 @@ def test_target_forward_matches_full_forward(tiny):
     s, sched, blocks, cache = _prefilled(cfg, params, prompts)
     bucket = StepBucket(16, 2)
     model = LlamaForCausalLM.from_params(cfg, params)
-    fwd = jax.jit(chex.assert_max_traces(tgs.target_forward, n=1), static_argnums=(0, 1, 2))
-    out, cache = fwd(EC, bucket, None, model, s, sched, blocks.block_tables, cache)
+    graphdef = nnx.split(model)[0]
+    spec = StepSpec.build(graphdef, EC, bucket)
+    fwd = jax.jit(chex.assert_max_traces(tgs.target_forward, n=1), static_argnums=0)
+    out, cache = fwd(spec, model, s, sched, blocks.block_tables, cache)
     chex.assert_shape(out.hidden, (16, cfg.hidden_size))
     chex.assert_shape(out.window_logits(K + 1), (2, K + 1, cfg.vocab_size))
     np.testing.assert_array_equal(out.cu_q_lens, [0, 5, 8, 8])
@@ -227,15 +231,16 @@ def test_target_forward_matches_full_forward(tiny):
                              input_ids=s.input_ids.at[1, 3].set(20))
     sched2 = tgs.schedule(EC, s2, i32([0] * B))
     blocks2, sched2 = tgs.allocate_blocks(EC, blocks, sched2, s2.seq_lens_decoder)
-    out2, _ = fwd(EC, bucket, None, model, s2, sched2, blocks2.block_tables, cache)
+    out2, _ = fwd(spec, model, s2, sched2, blocks2.block_tables, cache)
     np.testing.assert_array_equal(out2.slots, [1, B])
     np.testing.assert_array_equal(out2.valid, [True, False])
     ref = _ref_logits(cfg, params, [3, 4, 11, 20, 21, 22])[3:]
     chex.assert_trees_all_close(out2.window_logits(K + 1)[0], ref, atol=1e-4, rtol=1e-4)
     # The same window in a bucket with fewer rows than window rows (T=4 < A*(K+1)=6): the LM head
     # runs over the 4 packed rows and the window indexes into them.
-    fwd_small = jax.jit(tgs.target_forward, static_argnums=(0, 1, 2))
-    out3, _ = fwd_small(EC, StepBucket(4, 2), None, model, s2, sched2, blocks2.block_tables, cache)
+    fwd_small = jax.jit(tgs.target_forward, static_argnums=0)
+    out3, _ = fwd_small(spec.with_bucket(StepBucket(4, 2)), model, s2, sched2,
+                        blocks2.block_tables, cache)
     chex.assert_shape(out3.logit_rows, (4, cfg.vocab_size))
     chex.assert_trees_all_close(out3.window_logits(K + 1)[0], ref, atol=1e-4, rtol=1e-4)
 

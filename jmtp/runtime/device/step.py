@@ -172,7 +172,7 @@ def engine_step(spec: StepSpec, model_state: nnx.State, state: EngineState, cach
     Returns:
       ``(state, caches, StepOutput)``.
     """
-    ec, bucket, attention_impl = spec.engine, spec.bucket, spec.attention
+    ec = spec.engine
     cache, mtp_cache = caches.target, caches.mtp
     prefill_chunk, draft_limit = inputs.prefill_chunk, inputs.draft_limit
     token_bitmask, draft_override = inputs.token_bitmask, inputs.draft_override
@@ -191,7 +191,7 @@ def engine_step(spec: StepSpec, model_state: nnx.State, state: EngineState, cach
     sched = schedule(ec, prev, prefill_chunk)
     blocks, sched = allocate_blocks(ec, prev.blocks, sched, prev.seq_lens_decoder,
                                     prev.num_shared)
-    target, cache = target_forward(ec, bucket, attention_impl, model, prev, sched,
+    target, cache = target_forward(spec, model, prev, sched,
                                    effective_block_tables(prev, blocks.block_tables), cache)
     verified = speculate_verify(model.cfg, ec, prev, sched, target, token_bitmask)
     plp = prompt_logprobs(ec, model, prev, sched, target)

@@ -25,6 +25,7 @@ from jmtp.runtime.device.buckets import StepBucket, active_slots
 from jmtp.runtime.device.linear_rules import linear_rules_for
 from jmtp.runtime.device.sampling import update_history
 from jmtp.runtime.device.sharding import uniform_any
+from jmtp.runtime.device.spec import StepSpec
 from jmtp.runtime.device.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, EngineState
 from jmtp.runtime.device.verify import verify
 
@@ -235,8 +236,7 @@ def window_rows_hint(ec: EngineConfig, bucket: StepBucket) -> int | None:
     return ec.window if A < T <= A * ec.window else None
 
 
-def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | None,
-                   model: LlamaForCausalLM, state: EngineState, sched: Schedule,
+def target_forward(spec: StepSpec, model: LlamaForCausalLM, state: EngineState, sched: Schedule,
                    block_tables: jax.Array, cache: KVCache) -> tuple[TargetOutput, KVCache]:
     """Target forward over the packed ragged batch, then the logits of the window rows only
     (``min(T, A·(K+1))`` LM-head rows: a step of slots that drafted nothing costs the LM head of
@@ -247,14 +247,16 @@ def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | N
     (the last accepted token, already in ``input_ids``), else draft ``draft_tokens[seq, local]``.
 
     Args:
-      bucket: static (T, A) sizes; requires ``sum(seq_lens_this_time) <= T`` and at most A slots
-        with work.
+      spec: the step's static :class:`~jmtp.runtime.device.spec.StepSpec`: its engine config,
+        its bucket's (T, A) sizes (requires ``sum(seq_lens_this_time) <= T`` and at most A slots
+        with work) and its attention backend.
       model: the target (its ``__call__`` and ``logits``).
       block_tables: i32[B, P] after :func:`allocate_blocks`.
 
     Returns:
       ``(TargetOutput, updated target cache)``.
     """
+    ec, bucket = spec.engine, spec.bucket
     B, W = ec.max_num_seqs, ec.window
     num_tokens, A = bucket.num_tokens, bucket.num_slots
     query_lens, prefill_lens = sched.seq_lens_this_time, sched.seq_lens_encoder
@@ -271,7 +273,7 @@ def target_forward(ec: EngineConfig, bucket: StepBucket, attention_impl: str | N
                     state.input_ids[seq, jnp.clip(decoded[seq] + local, 0, ec.seq_buffer_len - 1)],
                     state.draft_tokens[seq, jnp.clip(local, 0, W - 1)])
     ids = jnp.clip(ids, 0, model.cfg.vocab_size - 1)
-    hidden, cache = model(ids, positions, meta, cache, attention_impl)
+    hidden, cache = model(ids, positions, meta, cache, spec.attention)
 
     # Compact the slots with work into A rows (slot ids ascending, then padding = B); logits and
     # verification run over those rows only and are scattered back to [B, ...].
