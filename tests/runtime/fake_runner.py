@@ -126,7 +126,7 @@ class FakeRunner:
             ec = dataclasses.replace(ec, num_blocks=max_num_seqs * ec.pages_per_seq)
         self.model_config, self.engine_config = model_config, ec
         self.num_shards = data_parallel_size
-        self.shard_config = shard_config(ec, data_parallel_size)
+        self.shard_config = shard_config(ec.device_config(), data_parallel_size)   # as the runner
         self.drafter = None
         self.params, self.state, self.cache = {}, None, None
         self.mtp_cache = object() if k else None     # an MTP cache exists (prefix keys use it)

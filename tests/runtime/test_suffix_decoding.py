@@ -306,6 +306,54 @@ def test_dynamic_hybrid_weighs_the_head_against_the_suffix_draft_by_hand():
         assert sd.mtp_off.tolist() == [want == 0] and sd.num_mtp_rested == int(want == 0)
 
 
+def test_dynamic_hybrid_weighs_each_slot_and_still_probes_the_head_by_hand():
+    """Two slots, K = 3, M = 2; a step costs 1.0 s at 2 rows + 0.1 s per further row and 0.05 s
+    per MTP substep. Slot 0's head accepts 0.9 (gains 0.9, 0.81), its suffix draft is worth
+    0.2; slot 1's head accepts 0.35 (gains 0.35, 0.1225), its suffix draft 0.45. Both windows
+    keep the head's 2 pending drafts. With the head for both the best plan is limits (2, 1):
+    4.06 tokens / 1.4 s = 2.90 tok/s. Slot 1 (the smaller margin of the head over its suffix
+    draft) moved to its suffix draft: (2, 0) over a base of 0.45 tokens and 1 row, 4.16 / 1.4 =
+    2.97: it rests. Slot 0 moved too: 2.65 / 1.2 = 2.21: it keeps the head. (Weighing all
+    slots at once would keep the head for both: 2.90 against 2.21.)
+
+    With probes every 2 planned steps, the one-slot case of the test above rests the head
+    twice, then probes it (one draft), then rests it twice again."""
+    import types
+
+    from tests.runtime.test_spec_policy import by_rows, policy
+
+    from jmtp.runtime.host.suffix_decoding import SuffixDecoding
+
+    def slots(n):
+        return [types.SimpleNamespace(prefilling=False, output_ids=[3], prompt_ids=[2],
+                                      params=SamplingParams(max_tokens=20)) for _ in range(n)]
+    p = policy(2, 3, list(range(2, 12)), prior_weight=0.0, halflife=1e9)
+    p.trials[:2], p.succ[:2] = [[10, 9, 1], [20, 7, 1]], [[9, 8.1, 0], [7, 2.45, 0]]
+    p.step_seconds = by_rows({t: 1.0 + 0.1 * (t - 2) for t in range(2, 12)})
+    p.draft_seconds = {(0, d): 0.05 * d for d in (1, 2, 3)}
+    sd = SuffixDecoding(HYBRID_DYNAMIC, 2, mtp_policy=p)
+    seqs = slots(2)
+    worth = {id(seqs[0]): _draft(0.2), id(seqs[1]): _draft(0.45)}
+    sd.draft = lambda seq, limit: worth[id(seq)]
+    override, _ = sd.prepare(seqs, np.array([2, 2], np.int32), np.array([[7, 8, -1]] * 2), 64)
+    assert override is None
+    limits = sd.mtp_limits(sd.plan_mtp(np.array([True, True]), np.array([3, 3], np.int32)))
+    assert limits.tolist() == [2, 0] and sd.mtp_off.tolist() == [False, True]
+    assert sd.num_mtp_rested == 1
+
+    p = policy(1, 3, list(range(1, 9)), prior_weight=0.0, halflife=1e9, probe_every=2)
+    p.trials[0], p.succ[0] = [8, 4, 2], [4, 2, 1]
+    p.step_seconds = by_rows({t: 1.0 + 0.1 * (t - 1) for t in range(1, 9)})
+    p.draft_seconds = {(0, d): 0.15 * d for d in (1, 2, 3)}
+    sd = SuffixDecoding(HYBRID_DYNAMIC, 1, mtp_policy=p)
+    sd.draft = lambda seq, limit: _draft(0.4, 0.2)
+    seq, got = slots(1), []
+    for _ in range(6):
+        sd.prepare(seq, np.array([2], np.int32), np.array([[7, 8, -1]]), 64)
+        got.append(int(sd.mtp_limits(sd.plan_mtp(np.array([True]), np.array([3])))[0]))
+    assert got == [0, 0, 1, 0, 0, 1]
+
+
 def test_config_names_the_field():
     for kw, field in [(dict(suffix_decoding_max_tree_depth=1), "max_tree_depth"),
                       (dict(suffix_decoding_max_cached_requests=-1), "max_cached_requests"),

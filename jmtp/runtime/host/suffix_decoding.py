@@ -215,7 +215,8 @@ class SuffixDecoding:
     :class:`~jmtp.runtime.host.spec_policy.costs.CostTable` of the dynamic policy, else None),
     counters for ``get_stats``: ``host_seconds``, ``num_windows`` (windows drafted from the
     trees), ``num_drafts`` (their tokens), ``num_mtp_windows`` (hybrid: windows left to the MTP
-    head), ``num_cut`` (draft tokens the dynamic policy cut).
+    head), ``num_cut`` (draft tokens the dynamic policy cut), ``num_mtp_rested`` (dynamic
+    hybrid: slot-steps :meth:`plan_mtp` rested the head for, its suffix draft worth more).
 
     Raises:
       ValueError: the dynamic policy without ``bucket_of`` (``method="suffix"``) or without
@@ -362,39 +363,44 @@ class SuffixDecoding:
     def plan_mtp(self, proposing: np.ndarray, caps: np.ndarray) -> np.ndarray:
         """The dynamic hybrid's MTP draft limits ``i32[B]`` for the coming step: planned by the
         MTP policy for the ``proposing`` (bool[B]) slots not following a suffix match, each at
-        most ``min(caps, M)``, in a step over every proposing slot whose suffix drafts (as
-        :meth:`prepare` chose them) are the plan's base.
+        most ``min(caps, M)`` (``caps`` i32[B]: the requests' own caps), in a step over every
+        proposing slot whose suffix drafts (as :meth:`prepare` chose them) are the plan's base.
 
         A slot whose window had a suffix draft too weak to rest the head on its own (its
         alternative) drafts with the head only where that pays against the alternative, not
-        against drafting nothing: the best plan with the head drafting for these slots (each
-        later window then the head's) is weighed against the plan where they take their suffix
+        against drafting nothing. Starting from the best plan with the head drafting for all
+        of them (each later window then the head's), one slot at a time (the one whose
+        alternative is worth most against the head's M drafts first) is moved to its suffix
         drafts (each later window worth what this one's suffix draft is: its expected accepted
-        tokens and rows in the base, no MTP substeps for them); where the second is faster,
-        the head rests for them (:attr:`mtp_off`)."""
+        tokens and rows in the base, no MTP substeps for it) where that raises the best plan's
+        expected tokens per second; the head rests for the slots moved (:attr:`mtp_off`; their
+        cap is 0 in the plan, so they count as held at 0 drafts towards their probe). Slots
+        capped at 0 and slots whose probe is due are not weighed (a probe keeps the head's
+        estimates fresh where the trees draft most of the time)."""
         proposing = np.asarray(proposing, bool)
         active = proposing & ~self.mtp_off
-        caps, n = np.minimum(caps, self.mtp_drafts), int(np.sum(proposing))
-        base = self._base
-        weigh = [b for b in self._alternatives if active[b]]
+        caps = np.minimum(caps, self.mtp_drafts).astype(np.int32)
+        n, policy, alt = int(np.sum(proposing)), self.mtp_policy, self._alternatives
+        due = policy.probe_due(active, caps)
+        weigh = [b for b in alt if active[b] and caps[b] > 0 and not due[b]]
+        tokens, rows = self._base
         if weigh:
-            tokens, rows = base
-            head = (tokens - sum(self._alternatives[b][0] for b in weigh
-                                 if self._alternatives[b][2]),
-                    rows - sum(self._alternatives[b][1] for b in weigh
-                               if self._alternatives[b][2]))
-            trees = (head[0] + sum(self._alternatives[b][0] for b in weigh),
-                     head[1] + sum(self._alternatives[b][1] for b in weigh))
-            rest = active.copy()
-            rest[weigh] = False
-            policy = self.mtp_policy
-            if (policy.plan_rate(rest, caps, num_slots=n, base=trees)
-                    > policy.plan_rate(active, caps, num_slots=n, base=head) * (1 + PLAN_RTOL)):
-                self.mtp_off[weigh], active, base = True, rest, trees
-                self.num_mtp_rested += len(weigh)
-            else:
-                base = head
-        return self.mtp_policy.draft_limits(active, caps, num_slots=n, base=base)
+            # the head's plan for every weighed slot: their taken suffix drafts leave the base
+            tokens -= sum(alt[b][0] for b in weigh if alt[b][2])
+            rows -= sum(alt[b][1] for b in weigh if alt[b][2])
+            best = policy.plan_rate(active, caps, num_slots=n, base=(tokens, rows))
+            gains = policy.gains()
+            for b in sorted(weigh, key=lambda b: gains[b, :caps[b]].sum() - alt[b][0]):
+                trial = caps.copy()
+                trial[b] = 0
+                rate = policy.plan_rate(active, trial, num_slots=n,
+                                        base=(tokens + alt[b][0], rows + alt[b][1]))
+                if rate > best * (1 + PLAN_RTOL):
+                    best, caps = rate, trial
+                    tokens, rows = tokens + alt[b][0], rows + alt[b][1]
+                    self.mtp_off[b] = True
+                    self.num_mtp_rested += 1
+        return policy.draft_limits(active, caps, num_slots=n, base=(tokens, rows))
 
     def mtp_outcomes(self, out) -> dict:
         """``DynamicSpeculation.observe``'s per-slot arguments from the step's ``StepOutput``

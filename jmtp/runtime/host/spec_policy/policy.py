@@ -199,9 +199,11 @@ class DynamicSpeculation:
 
     def plan_rate(self, active: np.ndarray, caps: np.ndarray | None = None, *,
                   num_slots: int | None = None, base: tuple[float, float] = (0.0, 0.0)) -> float:
-        """Expected tokens per second of the best plan :meth:`draft_limits` would weigh for
-        the same arguments, without probes, the guard or any other change of state (the MTP
-        hybrid compares plans with it: :meth:`SuffixDecoding.plan_mtp
+        """Expected tokens per second (a float) of the best plan :meth:`draft_limits` would
+        weigh for the same arguments (``active`` bool[B], ``caps`` i32[B] or None, ``num_slots``
+        and ``base = (tokens, rows)`` as there; a step of at least one slot), without probes,
+        the no-draft refresh, the guard or any other change of state. The MTP hybrid compares
+        plans with it (:meth:`SuffixDecoding.plan_mtp
         <jmtp.runtime.host.suffix_decoding.SuffixDecoding.plan_mtp>`)."""
         active = np.asarray(active, bool)
         n = int(active.sum()) if num_slots is None else num_slots
@@ -209,6 +211,14 @@ class DynamicSpeculation:
         _, rate = self.planner.plan(self.planner.rankings(active, caps), max(n, 1), prices,
                                     base=base)
         return rate
+
+    def probe_due(self, active: np.ndarray, caps: np.ndarray | None = None) -> np.ndarray:
+        """bool[B]: the ``active`` (bool[B]) slots whose first draft the next plan forces (held
+        at 0 drafts for their probe gap, cap ``caps`` i32[B] above 0); all False without
+        probing."""
+        pl = self.planner
+        due = np.asarray(active, bool) & (pl.zero_streak >= pl.probe_gap) & (pl.probe_every > 0)
+        return due if caps is None else due & (np.asarray(caps) > 0)
 
     def plan_context(self) -> tuple[bool, int, int]:
         """What :meth:`observe` needs of the last plan when it comes after later plans
