@@ -14,18 +14,11 @@ import pytest
 # Engines in tests compile the token buckets they use, on first use, and run a step in any
 # compiled bucket that holds it (compile="fewest": a handful of step programs per engine instead
 # of one per bucket its requests reach; jmtp's default compiles them all at LLM(...)). Modules
-# whose tests are about buckets run under "lazy" (LAZY_MODULES); tests/runtime/test_compile.py
-# covers the eager mode explicitly.
+# whose tests are about buckets, or about rows computed in different buckets, carry the mark
+# ``compile_lazy`` and run under "lazy"; tests/runtime/test_compile.py covers the eager mode
+# explicitly.
 os.environ.setdefault("JMTP_COMPILE", "fewest")
 
-#: Modules about bucket choice or about rows computed in different buckets: their engines compile
-#: and run each step in the bucket picked for it (``compile="lazy"``).
-LAZY_MODULES = frozenset({
-    "test_buckets", "test_compile", "test_host_maps", "test_engine_edges", "test_batch_invariant",
-    "test_async_engine_real", "test_stages", "test_spec_policy", "test_engine_close",
-    "test_block_allocator_config", "test_step_spec",
-    # the e2e server decodes 20 answers: padded to its largest compiled bucket it ran 114 s, not 66
-    "test_server_structured"})
 # The persistent compilation cache: one fresh folder per test process (the pytest process, or
 # each pytest-xdist worker), never shared. Two workers sharing one folder crashed XLA:CPU reading
 # and writing entries (an abort in executable.serialize(), a segfault in deserialize, with jax
@@ -79,8 +72,8 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True, scope="module")
 def _lazy_compiles_where_buckets_matter(request):
-    """``compile="lazy"`` while a module of :data:`LAZY_MODULES` runs (its subprocesses too)."""
-    if request.module.__name__.rsplit(".", 1)[-1] not in LAZY_MODULES:
+    """``compile="lazy"`` while a module marked ``compile_lazy`` runs (its subprocesses too)."""
+    if request.node.get_closest_marker("compile_lazy") is None:
         yield
         return
     with pytest.MonkeyPatch.context() as mp:

@@ -24,7 +24,7 @@ from jmtp.runtime.host.structured import StructuredOutputsParams as SOP
 from conftest import tiny_model
 from structured_fixtures import VOCAB_SIZE, tiny_tokenizer
 
-pytestmark = pytest.mark.xdist_group("async_engine_real")
+pytestmark = [pytest.mark.compile_lazy, pytest.mark.xdist_group("async_engine_real")]
 
 # (plain decoding: the fake-runner tests, and the (2, 2) mesh and 2-process workers, K=0)
 SPECS = {"mtp3": SpeculativeConfig("mtp", 3),

@@ -18,6 +18,8 @@ from jmtp.runtime.device.state import init_state
 from jmtp.runtime.host.llm import SamplingParams
 from tests.runtime.conftest import reference_greedy, tiny_model
 
+pytestmark = pytest.mark.compile_lazy   # about buckets: each step in its own (conftest.py)
+
 
 def test_block_allocator_default_and_bad_values():
     assert EngineConfig().block_allocator == "auto"

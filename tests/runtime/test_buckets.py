@@ -10,6 +10,8 @@ from jmtp.runtime.device.buckets import (StepBucket, active_slots, choose_bucket
                                          step_buckets)
 from tests.runtime.conftest import engine_of
 
+pytestmark = pytest.mark.compile_lazy   # about buckets: each step in its own (conftest.py)
+
 B8K3 = EngineConfig(max_num_seqs=8, spec=SpeculativeConfig("mtp", 3), max_num_batched_tokens=128)
 
 

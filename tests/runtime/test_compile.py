@@ -17,6 +17,8 @@ from jmtp.runtime.process import compile as jc
 
 from tests.runtime.conftest import reference_greedy, tiny_model
 
+pytestmark = pytest.mark.compile_lazy   # about buckets: each step in its own (conftest.py)
+
 PROMPT = [3, 4, 5, 6, 7]
 
 

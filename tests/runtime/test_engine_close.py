@@ -22,7 +22,8 @@ from jmtp.runtime.process import host_maps as hm
 
 from tests.runtime.conftest import reference_greedy
 
-pytestmark = pytest.mark.skipif(not os.path.exists(hm.MAPS), reason="needs /proc/self/maps")
+pytestmark = [pytest.mark.compile_lazy,
+              pytest.mark.skipif(not os.path.exists(hm.MAPS), reason="needs /proc/self/maps")]
 
 #: The default vm.max_map_count of Linux (what a stock machine has).
 DEFAULT_MAX_MAP_COUNT = 65530

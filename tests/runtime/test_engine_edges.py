@@ -15,6 +15,8 @@ from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks, engine_of
 
+pytestmark = pytest.mark.compile_lazy   # about buckets: each step in its own (conftest.py)
+
 K = 3
 MAX_LEN = 64
 

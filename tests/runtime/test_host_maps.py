@@ -16,6 +16,8 @@ from jmtp.runtime.process import compile as jc, host_maps as hm
 
 from tests.runtime.conftest import reference_greedy, tiny_model, engine_of
 
+pytestmark = pytest.mark.compile_lazy   # about buckets: each step in its own (conftest.py)
+
 LINUX = os.path.exists(hm.MAPS)
 
 

@@ -24,6 +24,10 @@ from jmtp.core.errors import InvalidRequestError
 from jmtp.runtime.host.structured.params import StructuredOutputsParams
 from tests.runtime.serve_process import running_server  # noqa: E402
 
+# the e2e server decodes 20 answers: padded to its largest compiled bucket (compile="fewest") they
+# ran 114 s in the suite, 66 s before; each step in its own bucket (conftest.py)
+pytestmark = pytest.mark.compile_lazy
+
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 16},
                           "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -14,6 +14,8 @@ from jmtp.runtime.host.spec_policy import PLAN_RTOL, DynamicSpeculation
 from tests.engines import GROUPS, SHAPES
 from tests.runtime.conftest import engine_of
 
+pytestmark = pytest.mark.compile_lazy   # about buckets: each step in its own (conftest.py)
+
 
 def rows_only(buckets):
     """A ``bucket_of`` whose cost depends on rows only: the smallest of ``buckets`` holding the

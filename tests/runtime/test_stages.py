@@ -28,6 +28,8 @@ from jmtp.runtime.device.state import FINISH_LENGTH, FINISH_NONE, FINISH_STOP, i
 from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model, engine_of
 
+pytestmark = pytest.mark.compile_lazy   # about buckets: each step in its own (conftest.py)
+
 B, K, M, BS, MAX_LEN = 3, 2, 2, 4, 32
 EC = EngineConfig(max_num_seqs=B, max_model_len=MAX_LEN, block_size=BS, num_blocks=24,
                   max_num_batched_tokens=16, spec=SpeculativeConfig("mtp", K, M))

@@ -18,6 +18,8 @@ from jmtp.runtime.device.spec import Caches, StepInputs, StepSpec
 from jmtp.runtime.device.step import engine_step
 from tests.runtime.conftest import tiny_model
 
+pytestmark = pytest.mark.compile_lazy   # about buckets: each step in its own (conftest.py)
+
 
 @pytest.fixture(scope="module")
 def graphdef():
