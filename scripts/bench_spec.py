@@ -259,6 +259,7 @@ def main(argv=None) -> int:
                 host = (f"{1e3 * sfx['host'] / max(sfx['steps'], 1):.2f} "
                         f"({100 * sfx['host'] / a['sec']:.1f} %)" if sfx else "-")
                 rows[-1]["suffix_host_seconds"] = sfx.get("host") if sfx else None
+                rows[-1]["num_steps"] = sfx.get("steps") if sfx else None
                 print(f"| {name} | {rate:.1f} | {ratio:.2f}x | {mal:.2f} | "
                       f"{'yes' if same else 'NO'} | {mn} | {share} | {host} |", flush=True)
     if args.json:

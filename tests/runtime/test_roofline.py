@@ -50,6 +50,14 @@ def test_launch_bound_step_counts_kernels():
     ngram = speculative_speedup(CFG, dev, slots=1, k=2, acceptance_length=1.5, mtp=False)
     assert ngram["spec"]["kernels"] == L * 11 + 1 + 60
     assert ngram["speedup"] > r["speedup"]
+    # a host drafter's time per step is paid serially with the device call
+    host = speculative_speedup(CFG, dev, slots=1, k=2, acceptance_length=1.5, mtp=False,
+                               drafter_host_s=2e-3)
+    spec_s = (L * 11 + 1 + 60) * 1e-3 + 5e-4 + 2e-3    # kernels x gap + host + the drafter
+    assert host["spec"]["seconds"] == pytest.approx(spec_s)
+    assert host["speedup"] == pytest.approx(1.5 * plain.seconds / spec_s)
+    with pytest.raises(ValueError, match="drafter_host_s"):
+        speculative_speedup(CFG, dev, slots=1, k=2, acceptance_length=1.5, drafter_host_s=-1)
 
 
 def test_fit_gap_recovers_a_planted_gap():

@@ -165,21 +165,31 @@ def step_cost(cfg: ModelConfig, dev: DeviceModel, *, slots: int, rows_per_slot: 
 
 def speculative_speedup(cfg: ModelConfig, dev: DeviceModel, *, slots: int, k: int,
                         acceptance_length: float, mtp: bool = True, context: int = 256,
-                        draft_vocab: int | None = None) -> dict:
+                        draft_vocab: int | None = None, drafter_host_s: float = 0.0) -> dict:
     """Predicted speed-up of K-draft speculation over plain decoding at ``slots`` slots:
     ``acceptance_length × cost(plain) / cost(speculative)`` (both steps of this module).
 
-    ``mtp``: MTP drafting with ``num_model_steps = K`` (K substeps per step); False: n-gram
-    drafting (no substep). Returns ``{"speedup", "plain", "spec"}`` (costs as dicts) and the
+    ``mtp``: MTP drafting with ``num_model_steps = K`` (K substeps per step); False: n-gram or
+    host drafting (no substep). ``drafter_host_s``: seconds per step the drafter adds on the
+    host, serial with the device call (suffix decoding's trees; ``suffix_host_seconds`` over
+    the steps of a CPU run), added to the speculative step. Returns ``{"speedup", "plain",
+    "spec"}`` (costs as dicts; ``spec["seconds"]`` includes ``drafter_host_s``) and the
     predicted tokens/s of each.
+
+    Raises:
+      ValueError: ``drafter_host_s`` below 0 (and as :func:`step_cost`).
     """
+    if drafter_host_s < 0:
+        raise ValueError(f"drafter_host_s must be >= 0, got {drafter_host_s}")
     plain = step_cost(cfg, dev, slots=slots, context=context)
     spec = step_cost(cfg, dev, slots=slots, rows_per_slot=k + 1, context=context,
                      mtp_substeps=k if mtp else 0, draft_vocab=draft_vocab)
-    return {"speedup": acceptance_length * plain.seconds / spec.seconds,
+    spec_s = spec.seconds + drafter_host_s
+    return {"speedup": acceptance_length * plain.seconds / spec_s,
             "plain_tok_s": slots / plain.seconds,
-            "spec_tok_s": slots * acceptance_length / spec.seconds,
-            "plain": plain.to_dict(), "spec": spec.to_dict()}
+            "spec_tok_s": slots * acceptance_length / spec_s,
+            "plain": plain.to_dict(), "spec": dict(spec.to_dict(), seconds=spec_s,
+                                                   drafter_host_seconds=drafter_host_s)}
 
 
 def fit_gap(cfg: ModelConfig, dev: DeviceModel, measured_plain_step_s: float, *, slots: int = 1,
