@@ -422,6 +422,11 @@ def build_report(results: str) -> tuple[dict, str]:
 # responses (docs/training.md: equal to greedy verification's), 1.36 / 1.51 / 1.58 at K = 1..3;
 # n-gram K=3: bench_peers' general prompts (docs/performance.md, "Peers").
 CPU_ACCEPTANCE = {"mtp K=1": 1.36, "mtp K=2": 1.51, "mtp K=3": 1.58, "ngram K=3": 1.41}
+# Suffix decoding on the agentic sessions, per batch: (acceptance length, the trees' host seconds
+# per step), both measured on the CPU by scripts/bench_spec.py --sets agentic --enable-prefix-
+# caching (docs/suffix_decoding.md). The trees run on the host between steps, serially with the
+# device call, so their time is added to the speculative step.
+CPU_SUFFIX = {"suffix K=15 (agentic)": {1: (4.71, 0.37e-3), 8: (4.32, 1.98e-3)}}
 PREDICTION_CONTEXT = {"SmolLM2-135M": 200, "Llama-3-8B-shaped": 512}
 
 
@@ -439,7 +444,10 @@ def make_prediction(acceptance: dict | None = None, source: str = "") -> dict:
     models = {"SmolLM2-135M": shapes["SmolLM2-shaped"], "Llama-3-8B-shaped": shapes["Llama-3-8B-shaped"]}
     out = {"written": datetime.date.today().isoformat(), "device_model": dataclasses.asdict(H200),
            "acceptance_lengths": acc, "acceptance_source": source or "CPU_ACCEPTANCE in "
-           "scripts/device_check.py", "context": PREDICTION_CONTEXT, "speedups": [], "rows": []}
+           "scripts/device_check.py", "suffix_inputs": {
+               m: {str(b): {"acceptance_length": al, "drafter_host_s": h}
+                   for b, (al, h) in per.items()} for m, per in CPU_SUFFIX.items()},
+           "context": PREDICTION_CONTEXT, "speedups": [], "rows": []}
     for name, cfg in models.items():
         ctx = PREDICTION_CONTEXT[name]
         for b in (1, 8):
@@ -448,12 +456,13 @@ def make_prediction(acceptance: dict | None = None, source: str = "") -> dict:
                 r = speculative_speedup(cfg, H200, slots=b, k=int(k), acceptance_length=al,
                                         mtp=kind == "mtp", context=ctx,
                                         draft_vocab=8192 if kind == "mtp" else None)
-                out["speedups"].append({
-                    "model": name, "batch": b, "method": method, "acceptance_length": al,
-                    "speedup": r["speedup"], "plain_tok_s": r["plain_tok_s"],
-                    "spec_tok_s": r["spec_tok_s"], "plain_step_ms": r["plain"]["seconds"] * 1e3,
-                    "spec_step_ms": r["spec"]["seconds"] * 1e3,
-                    "plain_memory_floor_ms": r["plain"]["memory_floor_seconds"] * 1e3})
+                out["speedups"].append(_speedup_row(name, b, method, al, r))
+            for method, per_batch in CPU_SUFFIX.items():
+                al, host = per_batch[b]
+                r = speculative_speedup(cfg, H200, slots=b, k=int(method.split()[1][2:]),
+                                        acceptance_length=al, mtp=False, context=ctx,
+                                        drafter_host_s=host)
+                out["speedups"].append(_speedup_row(name, b, method, al, r))
         for b in (1, 8, 64):
             for t in (1, 2, 4):
                 for m in (0, 3):
@@ -465,6 +474,15 @@ def make_prediction(acceptance: dict | None = None, source: str = "") -> dict:
                                         "memory_floor_ms": c.memory_floor_seconds * 1e3,
                                         "kernels": c.kernels})
     return out
+
+
+def _speedup_row(model: str, batch: int, method: str, al: float, r: dict) -> dict:
+    return {"model": model, "batch": batch, "method": method, "acceptance_length": al,
+            "speedup": r["speedup"], "plain_tok_s": r["plain_tok_s"],
+            "spec_tok_s": r["spec_tok_s"], "plain_step_ms": r["plain"]["seconds"] * 1e3,
+            "spec_step_ms": r["spec"]["seconds"] * 1e3,
+            "drafter_host_ms": r["spec"].get("drafter_host_seconds", 0.0) * 1e3,
+            "plain_memory_floor_ms": r["plain"]["memory_floor_seconds"] * 1e3}
 
 
 def prediction_markdown(pred: dict) -> str:
