@@ -422,11 +422,11 @@ def build_report(results: str) -> tuple[dict, str]:
 # responses (docs/training.md: equal to greedy verification's), 1.36 / 1.51 / 1.58 at K = 1..3;
 # n-gram K=3: bench_peers' general prompts (docs/performance.md, "Peers").
 CPU_ACCEPTANCE = {"mtp K=1": 1.36, "mtp K=2": 1.51, "mtp K=3": 1.58, "ngram K=3": 1.41}
-# Suffix decoding on the agentic sessions, per batch: (acceptance length, the trees' host seconds
-# per step), both measured on the CPU by scripts/bench_spec.py --sets agentic --enable-prefix-
-# caching (docs/suffix_decoding.md). The trees run on the host between steps, serially with the
-# device call, so their time is added to the speculative step.
-CPU_SUFFIX = {"suffix K=15 (agentic)": {1: (4.71, 0.37e-3), 8: (4.32, 1.98e-3)}}
+# Suffix decoding on the agentic sessions: method -> (K, {batch: (acceptance length, the trees'
+# host seconds per step)}), both measured on the CPU by scripts/bench_spec.py --sets agentic
+# --enable-prefix-caching (docs/suffix_decoding.md). The trees run on the host between steps,
+# serially with the device call, so their time is added to the speculative step.
+CPU_SUFFIX = {"suffix K=15 (agentic)": (15, {1: (4.71, 0.37e-3), 8: (4.32, 1.98e-3)})}
 PREDICTION_CONTEXT = {"SmolLM2-135M": 200, "Llama-3-8B-shaped": 512}
 
 
@@ -446,7 +446,7 @@ def make_prediction(acceptance: dict | None = None, source: str = "") -> dict:
            "acceptance_lengths": acc, "acceptance_source": source or "CPU_ACCEPTANCE in "
            "scripts/device_check.py", "suffix_inputs": {
                m: {str(b): {"acceptance_length": al, "drafter_host_s": h}
-                   for b, (al, h) in per.items()} for m, per in CPU_SUFFIX.items()},
+                   for b, (al, h) in per.items()} for m, (_, per) in CPU_SUFFIX.items()},
            "context": PREDICTION_CONTEXT, "speedups": [], "rows": []}
     for name, cfg in models.items():
         ctx = PREDICTION_CONTEXT[name]
@@ -457,9 +457,9 @@ def make_prediction(acceptance: dict | None = None, source: str = "") -> dict:
                                         mtp=kind == "mtp", context=ctx,
                                         draft_vocab=8192 if kind == "mtp" else None)
                 out["speedups"].append(_speedup_row(name, b, method, al, r))
-            for method, per_batch in CPU_SUFFIX.items():
+            for method, (k, per_batch) in CPU_SUFFIX.items():
                 al, host = per_batch[b]
-                r = speculative_speedup(cfg, H200, slots=b, k=int(method.split()[1][2:]),
+                r = speculative_speedup(cfg, H200, slots=b, k=k,
                                         acceptance_length=al, mtp=False, context=ctx,
                                         drafter_host_s=host)
                 out["speedups"].append(_speedup_row(name, b, method, al, r))

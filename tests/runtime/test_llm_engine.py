@@ -3,7 +3,6 @@ seeded requests that survive preemption."""
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 
 from jmtp import CompletionOutput, LLMEngine

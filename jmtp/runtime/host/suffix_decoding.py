@@ -328,7 +328,7 @@ class SuffixDecoding:
                 worth = score = float(self.calibrated(d.probs).sum())
                 taken = score > gains[b, :next_drafts[b]].sum()
                 off[b] = taken and score >= gains[b, :M].sum()
-                if d.token_ids and not off[b]:      # plan_mtp weighs the head against it
+                if d.probs and not off[b]:   # plan_mtp weighs the head against it (as the base)
                     self._alternatives[b] = (worth, len(d.token_ids), taken)
                 if not taken:
                     self.num_mtp_windows += int(next_drafts[b] > 0)

@@ -86,9 +86,7 @@ class DraftPlanner:
             return limits, False
         np.maximum.at(limits, plan_slot, (plan_pos + 1).astype(limits.dtype))
         if self.probe_every:
-            probe = active & (limits == 0) & (self.zero_streak >= self.probe_gap)
-            if caps is not None:
-                probe &= caps > 0
+            probe = self.probe_due(active, caps) & (limits == 0)
             if probe.any():
                 # The probes' first drafts are forced; the plan is chosen again around them.
                 limits[:] = 0
@@ -101,6 +99,15 @@ class DraftPlanner:
             self.probe_pending[probe] = True
             self.zero_streak = np.where(active & (limits == 0), self.zero_streak + 1, 0)
         return limits, planned
+
+    def probe_due(self, active: np.ndarray, caps: np.ndarray | None = None) -> np.ndarray:
+        """bool[B]: the ``active`` (bool[B]) slots held at 0 drafts for their probe gap, cap
+        ``caps`` (i32[B], None: K) above 0: the plan forces their first draft where it gives
+        them none itself (:meth:`limits`). All False when probing is off."""
+        due = np.asarray(active, bool) & (self.zero_streak >= self.probe_gap)
+        if not self.probe_every:
+            due[:] = False
+        return due if caps is None else due & (np.asarray(caps) > 0)
 
     def probe_verified(self, allowed: np.ndarray, accepted: np.ndarray) -> None:
         """A step verified windows ``allowed`` (i64[B]) drafts, ``accepted`` of them accepted: a

@@ -213,12 +213,9 @@ class DynamicSpeculation:
         return rate
 
     def probe_due(self, active: np.ndarray, caps: np.ndarray | None = None) -> np.ndarray:
-        """bool[B]: the ``active`` (bool[B]) slots whose first draft the next plan forces (held
-        at 0 drafts for their probe gap, cap ``caps`` i32[B] above 0); all False without
-        probing."""
-        pl = self.planner
-        due = np.asarray(active, bool) & (pl.zero_streak >= pl.probe_gap) & (pl.probe_every > 0)
-        return due if caps is None else due & (np.asarray(caps) > 0)
+        """bool[B]: the ``active`` slots whose probe is due in the next plan
+        (:meth:`DraftPlanner.probe_due`)."""
+        return self.planner.probe_due(active, caps)
 
     def plan_context(self) -> tuple[bool, int, int]:
         """What :meth:`observe` needs of the last plan when it comes after later plans
