@@ -11,13 +11,13 @@ import tempfile
 
 import pytest
 
-# Engines in tests compile the token buckets they use, on first use, and run a step in any
-# compiled bucket that holds it (compile="fewest": a handful of step programs per engine instead
-# of one per bucket its requests reach; jmtp's default compiles them all at LLM(...)). Modules
-# whose tests are about buckets, or about rows computed in different buckets, carry the mark
-# ``compile_lazy`` and run under "lazy"; tests/runtime/test_compile.py covers the eager mode
-# explicitly.
-os.environ.setdefault("JMTP_COMPILE", "fewest")
+# Engines in tests compile one step program, the largest bucket, on their first step and run
+# every step in it (compile="largest"; jmtp's default compiles every bucket at LLM(...)). A tiny
+# model's step costs about the same at any bucket, its compile about 2.5 s: four modules went from
+# 111 step programs and 431 s to 39 and 188 s (issue 46). Modules whose tests are about buckets,
+# or about rows computed in different buckets, carry the mark ``compile_lazy`` and run under
+# "lazy"; tests/runtime/test_compile.py covers the eager and fewest modes explicitly.
+os.environ.setdefault("JMTP_COMPILE", "largest")
 
 # The persistent compilation cache: one fresh folder per test process (the pytest process, or
 # each pytest-xdist worker), never shared. Two workers sharing one folder crashed XLA:CPU reading
@@ -70,14 +70,22 @@ def pytest_configure(config):
         setup_compilation_cache(_XLA_CACHE)
 
 
+#: module mark -> the compile mode its engines (and the subprocesses it starts) run under
+COMPILE_MARKS = {"compile_lazy": "lazy", "compile_fewest": "fewest"}
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _lazy_compiles_where_buckets_matter(request):
-    """``compile="lazy"`` while a module marked ``compile_lazy`` runs (its subprocesses too)."""
-    if request.node.get_closest_marker("compile_lazy") is None:
+def _compile_mode_of_the_module(request):
+    """``$JMTP_COMPILE`` while a module marked ``compile_lazy`` (tests about buckets: each step in
+    its own) or ``compile_fewest`` (the real SmolLM2, whose step costs about its rows: padded to
+    the largest bucket every step, ``test_server`` took 343 s instead of 107) runs, its
+    subprocesses too."""
+    modes = [mode for mark, mode in COMPILE_MARKS.items() if request.node.get_closest_marker(mark)]
+    if not modes:
         yield
         return
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JMTP_COMPILE", "lazy")
+        mp.setenv("JMTP_COMPILE", modes[0])
         yield
 
 

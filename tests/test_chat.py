@@ -16,7 +16,8 @@ from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model
 
-pytestmark = pytest.mark.xdist_group("chat")   # one worker builds the shared engines once
+# one worker builds the shared engines once; the real model's steps cost their rows
+pytestmark = [pytest.mark.xdist_group("chat"), pytest.mark.compile_fewest]
 
 # jmtp chat's engine in small: one slot, MTP speculation, prefix caching, scanned layers
 ENGINE = dict(max_num_seqs=1, max_model_len=256, block_size=8, max_num_batched_tokens=64,

@@ -202,7 +202,7 @@ def test_engine_mtp_greedy_equals_plain_greedy_over_fp8_weights(ckpt):
         pytest.skip("the engine runs the DeepSeek-V3 fixture (MLA + MoE + MTP)")
     prompt = [5, 9, 17, 33, 2, 70, 100, 3, 3, 41]
     llm = LLM(str(info["fp8"]), speculative_config=SpeculativeConfig("mtp", 2), max_num_seqs=1,
-              max_model_len=32, block_size=4, compile="lazy", dtype=jnp.float32,
+              max_model_len=32, block_size=4, dtype=jnp.float32,
               max_num_batched_tokens=16, layer_loop="scan")
     out = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == reference_greedy(cfg, params, prompt, 8, stop_ids=())

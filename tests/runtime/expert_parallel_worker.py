@@ -99,7 +99,7 @@ def engine_kwargs(dp: int) -> dict:
     """2 slots, 7 blocks (one 24-token sequence and the MTP layer's look-ahead) and a 4-token
     budget per data shard."""
     return dict(max_num_seqs=2 * dp, num_blocks=7 * dp, max_model_len=24, block_size=4,
-                max_num_batched_tokens=4 * dp, compile="lazy",
+                max_num_batched_tokens=4 * dp, compile="largest",
                 speculative_config=SpeculativeConfig("mtp", K))
 
 

@@ -20,11 +20,11 @@ import os
 import time
 from tests.runtime.conftest import engine_of
 
-# Slots B=2 so that a one-request batch leaves a padding slot; a budget of 2·(K+1) tokens keeps
-# the bucket count low (plain: 3, MTP K=3: 6; compile dominates) and prefills the 11-token prompt
-# in several chunks.
+# Slots B=2 so that a one-request batch leaves a padding slot; a budget of 2·(K+1) tokens
+# prefills the 11-token prompt in several chunks; every step runs in the largest bucket, one step
+# program per engine (compile dominates).
 MAX_NUM_SEQS = 2
-ENGINE = dict(max_num_seqs=MAX_NUM_SEQS, max_model_len=32, block_size=4, compile="lazy")
+ENGINE = dict(max_num_seqs=MAX_NUM_SEQS, max_model_len=32, block_size=4, compile="largest")
 KS = (0, 3)
 TEMPERATURE = 0.8
 

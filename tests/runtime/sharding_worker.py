@@ -39,10 +39,10 @@ from tests.runtime.conftest import TINY_MOE, tiny_model, engine_of
 MODEL = dict(num_heads=8, num_kv_heads=8)
 PROMPTS = [[5, 6, 7], list(range(2, 13)), [9, 3]]
 MAX_TOKENS = 8
-# One slot and a 4-token budget per data shard: 2 step buckets without speculation, 3 with K=3
-# (compile time dominates; the 11-token prompt still runs as three prefill chunks). With 3
-# prompts, some slots are padding at some steps for every data_parallel_size.
-ENGINE = dict(max_model_len=32, block_size=4, compile="lazy")
+# One slot and a 4-token budget per data shard (the 11-token prompt runs as three prefill chunks);
+# every step runs in the largest bucket, one step program per engine (compile time dominates).
+# With 3 prompts, some slots are padding at some steps for every data_parallel_size.
+ENGINE = dict(max_model_len=32, block_size=4, compile="largest")
 
 
 def engine_sizes(dp: int = 1) -> dict:
@@ -163,7 +163,7 @@ def dp_host_case() -> dict:
     cfg, params = model()
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 3),
               data_parallel_size=2, max_num_seqs=4, num_blocks=16, max_model_len=24,
-              block_size=4, max_num_batched_tokens=16, compile="lazy")
+              block_size=4, max_num_batched_tokens=16, compile="largest")
     eng = llm.llm_engine
     prompts = [[5, 6, 7], [9, 3, 1, 4], [2, 8], [7, 7, 7, 7, 7]]
     for i, p in enumerate(prompts):
@@ -194,7 +194,7 @@ def prefix_case(dp: int, tp: int, k: int) -> dict:
     llm = LLM(model_config=cfg, params=params,
               speculative_config=SpeculativeConfig("mtp", k) if k else None,
               data_parallel_size=dp, tensor_parallel_size=tp, max_num_seqs=2 * dp,
-              max_model_len=32, block_size=4, max_num_batched_tokens=8 * dp, compile="lazy",
+              max_model_len=32, block_size=4, max_num_batched_tokens=8 * dp, compile="largest",
               enable_prefix_caching=True)
     rounds, rates = [], []
     for _ in range(2):
@@ -309,7 +309,7 @@ def structured_case():
     llm = LLM(model_config=cfg, params=params, tokenizer=tiny_tokenizer(),
               speculative_config=SpeculativeConfig("mtp", 3, 3), data_parallel_size=2,
               tensor_parallel_size=2, max_num_seqs=4, max_model_len=64, block_size=4,
-              max_num_batched_tokens=16, compile="lazy", async_scheduling=True)
+              max_num_batched_tokens=16, compile="largest", async_scheduling=True)
     sp = SamplingParams(max_tokens=24, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     outs = llm.generate(STRUCTURED_PROMPTS, sp, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -326,7 +326,7 @@ def hybrid_case():
     cfg, params = tiny_model(0, **TINY_HYBRID)
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
               data_parallel_size=2, tensor_parallel_size=2, max_num_seqs=4, max_model_len=32,
-              block_size=4, max_num_batched_tokens=12, compile="lazy", async_scheduling=True)
+              block_size=4, max_num_batched_tokens=12, compile="largest", async_scheduling=True)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS), use_tqdm=False)
     rec = engine_of(llm).runner.cache.linear.recurrent
     out = {"tokens": [o.outputs[0].token_ids for o in outs],
@@ -339,7 +339,7 @@ def hybrid_case():
     # one-device one, both ways
     one = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
               max_num_seqs=2, max_model_len=32, block_size=4, max_num_batched_tokens=6,
-              compile="lazy")
+              compile="largest")
     out["handoff"] = {}
     for name, a, b in (("tp2->tp1", llm, one), ("tp1->tp2", one, llm)):
         states = a.prefill(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))

@@ -199,6 +199,29 @@ def test_lazy_reuses_a_compiled_bucket_at_most_twice_the_work():
     assert st["generated_tokens"] == 3 and st["decode_tokens_per_second"] > 0
 
 
+def test_largest_compiles_one_step_program_and_runs_every_step_in_it():
+    """``compile="largest"``: the first step compiles the largest bucket (the 32-token budget over
+    both slots: T=32, A=2) and every step after it, prefill chunk or decode, one slot or two, runs
+    in it; tokens stay the reference's. MTP K=2, three prompts on two slots (one waits)."""
+    from jmtp.runtime.device.buckets import StepBucket
+    cfg, params = tiny_model()
+    llm = jmtp.LLM(model_config=cfg, params=params, max_num_seqs=2, max_model_len=64,
+                   speculative_config=jmtp.SpeculativeConfig("mtp", 2),
+                   max_num_batched_tokens=32, compile="largest", compilation_cache_dir=None)
+    run = llm.llm_engine.runner
+    assert run.largest_bucket == StepBucket(32, 2) == step_buckets(run.shard_config)[-1]
+    assert llm.llm_engine.first_call_seconds == {}       # nothing compiled before the first step
+    seen, real = [], run.jitted_step
+    run.jitted_step = lambda *a: (seen.append(a[0].bucket), real(*a))[1]
+    prompts = [[(7 * i + n) % cfg.vocab_size for i in range(n)] for n in (20, 5, 12)]
+    outs = llm.generate(prompts, jmtp.SamplingParams(max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == reference_greedy(cfg, params, prompt, 6, stop_ids=[])
+    assert len(seen) > 3 and set(seen) == {StepBucket(32, 2)}
+    assert set(llm.llm_engine.first_call_seconds) == {"T=32,A=2"}
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_decode_rate_leaves_out_a_compile_dispatched_before_the_first_token(async_scheduling):
     """A fresh lazy engine: the decode bucket's first run (its compile) is dispatched before the

@@ -172,7 +172,7 @@ def test_expert_parallel_errors_and_no_ops(tiny, caplog):
     from jmtp.runtime.host.llm_engine import LLMEngine
     cfg, params = tiny
     kw = dict(model_config=cfg, params=params, max_num_seqs=1, max_model_len=16, block_size=4,
-              max_num_batched_tokens=4, compile="lazy")
+              max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="all2all_backend must be one of"):
         LLMEngine(all2all_backend="naive", **kw)
     with caplog.at_level("WARNING"):

@@ -37,7 +37,7 @@ def make(k: int, *, seed: int = 0, **kw) -> LLM:
     spec = SpeculativeConfig("mtp", k, k, draft_sampling=True)
     args = dict(max_num_seqs=1, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=16)
     args.update(kw)
-    return LLM(model_config=cfg, params=params, speculative_config=spec, compile="lazy", **args)
+    return LLM(model_config=cfg, params=params, speculative_config=spec, **args)
 
 
 def pair(k: int) -> tuple[LLM, LLM]:

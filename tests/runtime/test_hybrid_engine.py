@@ -27,7 +27,7 @@ pytestmark = pytest.mark.xdist_group("hybrid_engine")   # one worker builds the 
 PROMPTS = [[5, 6, 7], list(range(2, 40)), [9, 10] * 8, [11, 12, 13, 14, 15, 16]]
 MAX_TOKENS = 14
 ARGS = dict(max_num_seqs=3, max_model_len=64, block_size=4, max_num_batched_tokens=12,
-            num_blocks=16, dtype="float32", compile="lazy")
+            num_blocks=16, dtype="float32")
 
 
 @functools.lru_cache(maxsize=None)

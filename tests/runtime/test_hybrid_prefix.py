@@ -31,7 +31,7 @@ pytestmark = pytest.mark.xdist_group("hybrid_prefix")
 BS = 4
 MAX_TOKENS = 8
 ARGS = dict(max_num_seqs=2, max_model_len=64, block_size=BS, max_num_batched_tokens=8,
-            dtype="float32", compile="lazy", compilation_cache_dir=None,
+            dtype="float32", compilation_cache_dir=None,
             enable_prefix_caching=True, max_cached_states=4)
 MAX_CACHED = 4
 _rng = np.random.default_rng(7)

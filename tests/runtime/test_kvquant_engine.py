@@ -21,7 +21,7 @@ def _llm(k):
     cfg, params = tiny_model(0)
     return LLM(model_config=cfg, params=params, kv_cache_dtype="int8", max_num_seqs=SEQS,
                speculative_config=SpeculativeConfig("mtp", k) if k else None,
-               max_model_len=MAX_LEN, block_size=BS, max_num_batched_tokens=16, compile="lazy")
+               max_model_len=MAX_LEN, block_size=BS, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_unknown_kv_cache_dtype_is_rejected_early():
     cfg, params = tiny_model(0)
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \(None, 'int8', "
                                          r"'fp8_e4m3'\), got 'fp8'"):
-        LLM(model_config=cfg, params=params, kv_cache_dtype="fp8", compile="lazy")
+        LLM(model_config=cfg, params=params, kv_cache_dtype="fp8")
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])

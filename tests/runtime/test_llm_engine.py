@@ -285,7 +285,7 @@ def test_each_layer_loop_decodes_like_the_reference(loop):
     ref = reference_greedy(cfg, params, prompt, 10, stop_ids=())
     for spec in (None, SpeculativeConfig("mtp", 2)):
         llm = LLM(model_config=cfg, params=params, speculative_config=spec, max_num_seqs=2,
-                  max_model_len=MAX_LEN, block_size=4, compile="lazy", layer_loop=loop)
+                  max_model_len=MAX_LEN, block_size=4, layer_loop=loop)
         assert llm.llm_engine.layer_loop == loop
         paths = [jax.tree_util.keystr(p) for p, _ in
                  jax.tree_util.tree_leaves_with_path(llm.llm_engine.runner.params)]
@@ -311,5 +311,5 @@ def test_auto_layer_loop_is_unrolled_on_one_cpu_device_else_scan():
     assert resolve_layer_loop("unrolled", True, "tpu") == "unrolled"
     cfg, params = tiny_model(0)
     llm = LLM(model_config=cfg, params=params, max_num_seqs=2, max_model_len=MAX_LEN,
-              block_size=4, compile="lazy")
+              block_size=4)
     assert llm.llm_engine.layer_loop == ("unrolled" if jax.default_backend() == "cpu" else "scan")

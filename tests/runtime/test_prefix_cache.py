@@ -30,7 +30,7 @@ def _engine(spec, caching, **kw):
     kw.setdefault("max_num_seqs", 2)
     kw.setdefault("max_num_batched_tokens", 16)
     return LLMEngine(model_config=cfg, params=params, speculative_config=spec,
-                     max_model_len=MAX_LEN, block_size=BS, compile="lazy",
+                     max_model_len=MAX_LEN, block_size=BS,
                      compilation_cache_dir=None, enable_prefix_caching=caching, **kw)
 
 
@@ -320,7 +320,7 @@ def test_handoff_refused_with_prefix_caching():
     hand-off calls raise before anything runs."""
     cfg, params = tiny_model(0)
     engine = LLMEngine(model_config=cfg, params=params, max_model_len=32, block_size=4,
-                       max_num_seqs=2, compile="lazy", compilation_cache_dir=None,
+                       max_num_seqs=2, compilation_cache_dir=None,
                        enable_prefix_caching=True)
     for call in (lambda: engine.prefill_request("a", [3, 4, 5]),
                  lambda: engine.add_prefill_request("a", [3, 4, 5])):

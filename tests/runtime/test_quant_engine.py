@@ -49,7 +49,7 @@ def test_int8_moe_engine_is_lossless_and_reports_8bit_bytes():
     assert param_bytes(qparams) == want_bytes
     llm = LLM(model_config=cfg, params=params, quantization="int8", tokenizer=None,
               speculative_config=SpeculativeConfig("mtp", 2), max_num_seqs=1, max_model_len=48,
-              block_size=4, compile="lazy", dtype=jnp.float32, max_num_batched_tokens=8,
+              block_size=4, dtype=jnp.float32, max_num_batched_tokens=8,
               layer_loop="scan")
     assert llm.model_config.quantization == qcfg.quantization
     prompts = [[3, 17, 5, 40, 22, 9], [60, 2, 2, 31]]

@@ -31,7 +31,7 @@ def test_sampling_params_errors_name_their_field(kwargs, field):
 def engine():
     cfg, params = tiny_model()
     return jmtp.LLM(model_config=cfg, params=params, max_num_seqs=1, max_model_len=32,
-                    num_blocks=3, block_size=8, compile="lazy", compilation_cache_dir=None,
+                    num_blocks=3, block_size=8, compilation_cache_dir=None,
                     max_logprobs=1).llm_engine
 
 

@@ -36,7 +36,7 @@ def engines(tiny):
     prompts prefill in chunks), logprobs served."""
     cfg, params = tiny
     kw = dict(model_config=cfg, params=params, max_num_seqs=2, max_model_len=64,
-              max_num_batched_tokens=8, max_logprobs=3, compile="lazy")
+              max_num_batched_tokens=8, max_logprobs=3)
     plain = jmtp.LLM(**kw)
     mtp = jmtp.LLM(speculative_config=SpeculativeConfig("mtp", 2), **kw)
     yield plain, mtp

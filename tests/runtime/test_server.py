@@ -20,7 +20,8 @@ prom_parser = pytest.importorskip("prometheus_client.parser")
 
 from tests.runtime.serve_process import running_server  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server")]  # one worker: one fixture
+# one worker: one fixture; the real model's steps cost their rows (conftest.COMPILE_MARKS)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server"), pytest.mark.compile_fewest]
 
 # Scanned layers: the server compiles its step buckets about 3x faster than with the unrolled
 # default on XLA:CPU (the suite's time is mostly compiling); on CPU the loops are compared against

@@ -37,7 +37,7 @@ def setup(smollm2_tokenizer):
 
     cfg, params = tiny_model(vocab_size=49152, eos_token_ids=(2,))
     llm = jmtp.LLM(model_config=cfg, params=params, tokenizer=smollm2_tokenizer, max_num_seqs=2,
-                   max_model_len=96, max_logprobs=2, compile="lazy",
+                   max_model_len=96, max_logprobs=2,
                    speculative_config=SpeculativeConfig("mtp", 2))
     metrics = ServerMetrics()
     engine = AsyncLLMEngine.from_llm(llm, on_step=metrics.on_step, start=False)

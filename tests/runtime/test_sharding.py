@@ -347,7 +347,7 @@ def test_one_device_engine_is_unchanged(tiny):
     from jmtp.runtime.host.llm_engine import LLMEngine
     cfg, params = tiny
     eng = LLMEngine(model_config=cfg, params=params, max_num_seqs=1, max_model_len=16,
-                    block_size=4, max_num_batched_tokens=4, compile="lazy",
+                    block_size=4, max_num_batched_tokens=4,
                     tensor_parallel_size=1, mesh=None)
     assert eng.runner.mesh is None
     mem = eng.memory_per_device()

@@ -51,7 +51,7 @@ def engine(k, draft_sampling: bool = False):
     # fp32 everywhere: the references run the fp32 forward (an accelerator's default is bf16)
     return LLM(model_config=cfg, params=params, tokenizer=tiny_tokenizer(),
                speculative_config=spec, max_num_seqs=8, max_model_len=96, block_size=8,
-               max_num_batched_tokens=64, compile="lazy", dtype=jnp.float32)
+               max_num_batched_tokens=64, dtype=jnp.float32)
 
 
 # ------------------------------------------------------------------------------ bitmask, override
@@ -377,7 +377,7 @@ def test_preempted_constrained_requests_resume_their_grammar():
     llm = LLM(model_config=cfg, params=params, tokenizer=tiny_tokenizer(),
               speculative_config=SpeculativeConfig("mtp", 3, 3), max_num_seqs=4,
               max_model_len=64, block_size=4, num_blocks=24, max_num_batched_tokens=32,
-              compile="lazy", dtype=jnp.float32)
+              dtype=jnp.float32)
     tok = tiny_tokenizer()
     prompts = ["ab", "hello", "{x}", "z"]
     sop = SOP(json=SCHEMA)

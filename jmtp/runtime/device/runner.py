@@ -71,7 +71,8 @@ class DeviceRunner:
       map_budget: the process's memory-map budget, checked before each new step bucket's
         compile and measuring it (``check(label, remaining=1)``, ``start()``, ``stop()``; the host
         passes a :class:`jmtp.runtime.process.host_maps.MapBudget`); None: nothing is checked.
-      compile_mode: ``"eager"``, ``"lazy"`` or ``"fewest"`` (only :meth:`bucket_to_run` reads it).
+      compile_mode: one of :data:`~jmtp.runtime.process.compile.COMPILE_MODES` (read by the
+        engine's ``bucket_to_run``, :mod:`jmtp.runtime.host.engine_compile`).
       device: without a mesh, the device to run on (default: JAX's default device).
       abstract: build with ``jax.ShapeDtypeStruct``s only (``params`` may be abstract too): no
         array is allocated, the devices may be compile-only (a TPU topology); the runner then
@@ -150,6 +151,12 @@ class DeviceRunner:
     def compiled_buckets(self) -> frozenset[StepBucket]:
         """The step buckets compiled so far (ahead of time or by a first run)."""
         return frozenset(self._compiled)
+
+    @property
+    def largest_bucket(self) -> StepBucket:
+        """The largest of :func:`~jmtp.runtime.device.buckets.step_buckets`: the token budget over
+        every slot (it holds any step; ``compile="largest"`` runs every step in it)."""
+        return step_buckets(self.shard_config)[-1]
 
     def uncompiled_buckets(self) -> tuple[StepBucket, ...]:
         """The step buckets (:func:`~jmtp.runtime.device.buckets.step_buckets`) not compiled yet."""

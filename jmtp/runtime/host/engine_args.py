@@ -154,8 +154,11 @@ class EngineArgs:
         :func:`~jmtp.runtime.device.buckets.step_buckets` (and the request insert/release) here, with a
         progress bar, so no step compiles later; ``"lazy"``: compile each bucket on its first use
         (a step may run in a compiled bucket up to twice its size instead); ``"fewest"``: as
-        lazy, a step runs in any compiled bucket that holds it (fewest compiles, more padded
-        rows: tests on tiny models).
+        lazy, a step runs in any compiled bucket that holds it (fewer compiles, more padded
+        rows); ``"largest"``: every step runs in the largest bucket (the token budget over every
+        slot), compiled on the first step: one step program per engine, every step padded to
+        the budget (tests and quick runs on small models; the dynamic speculation policy, which
+        prices each bucket it plans, still runs each step in its own).
         ``None``: ``$JMTP_COMPILE``, default ``"eager"``. See :mod:`jmtp.runtime.process.compile`.
       compilation_cache_dir: JAX's persistent compilation cache folder. ``"auto"``: JAX's own
         setting if the user made one, else ``$JMTP_CACHE_DIR``, ``$XDG_CACHE_HOME/jmtp/xla`` or

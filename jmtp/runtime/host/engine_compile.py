@@ -26,9 +26,13 @@ class CompileAPI:
         """The bucket a step sized as ``bucket`` runs in: with lazy compiles and no dynamic
         policy (which prices and times each bucket it plans for), an already compiled bucket
         that holds it at most twice over (:func:`~jmtp.runtime.host.scheduler.reuse_bucket`);
-        with ``compile="fewest"``, any compiled bucket that holds it."""
+        with ``compile="fewest"``, any compiled bucket that holds it; with ``compile="largest"``,
+        the largest bucket of :func:`~jmtp.runtime.device.buckets.step_buckets` (it holds every
+        step the scheduler plans)."""
         if self.compile_mode == "eager" or self.spec_policy is not None:
             return bucket
+        if self.compile_mode == "largest":
+            return self.runner.largest_bucket
         return reuse_bucket(bucket, self.runner.compiled_buckets,
                             float("inf") if self.compile_mode == "fewest" else 2.0)
 

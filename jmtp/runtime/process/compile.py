@@ -24,7 +24,7 @@ from jmtp.runtime.process.host_maps import MapBudget
 
 log = logging.getLogger(__name__)
 
-COMPILE_MODES = ("eager", "lazy", "fewest")
+COMPILE_MODES = ("eager", "lazy", "fewest", "largest")
 _OFF = ("", "0", "off", "none", "false")
 
 
