@@ -26,7 +26,6 @@ import time
 import traceback
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jmtp.model.config import MoEConfig, RopeScaling
@@ -184,8 +183,6 @@ def layer_case() -> dict:
 
 def _layer_meshes(name, cfg, p, meshes):
     from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from jmtp.model import axes as ax
 
     from jmtp.model import schema
     from jmtp.model import moe as moe_mod

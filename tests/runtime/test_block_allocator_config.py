@@ -4,8 +4,6 @@ allocator selected runs in interpret mode: its state is over the kernel's SMEM b
 runs the reference allocator instead of failing at trace time."""
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import pytest

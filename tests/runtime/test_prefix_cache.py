@@ -52,7 +52,6 @@ def _run_chats(engine, chats, max_tokens=10, record_windows=False):
     results, windows = {}, {}
     history = {c: [] for c in range(len(chats))}
     for turn in range(max(len(c) for c in chats)):
-        slot_of = {}
         for c, chat in enumerate(chats):
             if turn < len(chat):
                 prompt = history[c] + chat[turn]

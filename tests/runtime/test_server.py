@@ -8,7 +8,6 @@ stop string's first occurrence, the greedy n=1 text for each of n=2 greedy choic
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import json
 
-import jax
 import jax.numpy as jnp
 import jsonschema
 import llguidance.numpy as llg_np
@@ -27,7 +25,7 @@ from jmtp.model import forward_logits
 from jmtp.runtime.device.bitmask import (KEEP_DRAFT, NO_DRAFT, apply_token_bitmask, override_drafts,
                                          unpack_bitmask)
 from jmtp.runtime.host.structured import StructuredOutputsParams as SOP
-from jmtp.runtime.host.structured.grammar import GrammarCompiler, unpack_row
+from jmtp.runtime.host.structured.grammar import unpack_row
 
 from conftest import tiny_model
 from structured_fixtures import (SCHEMA, VOCAB_SIZE, compiler, reference_constrained_greedy,

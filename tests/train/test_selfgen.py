@@ -4,9 +4,6 @@ batched hidden-state capture, device-resident batches and first-fit packing.
 Tiny random models only; the engine test compiles a few small step buckets."""
 from __future__ import annotations
 
-import json
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
