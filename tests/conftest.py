@@ -16,7 +16,9 @@ import pytest
 # model's step costs about the same at any bucket, its compile about 2.5 s: four modules went from
 # 111 step programs and 431 s to 39 and 188 s (issue 46). Modules whose tests are about buckets,
 # or about rows computed in different buckets, carry the mark ``compile_lazy`` and run under
-# "lazy"; tests/runtime/test_compile.py covers the eager and fewest modes explicitly.
+# "lazy", the real-model server and chat modules carry ``compile_fewest`` (COMPILE_MARKS);
+# tests/runtime/test_compile.py covers eager, lazy and largest explicitly, test_host_logic.py the
+# bucket reuse of lazy and fewest.
 os.environ.setdefault("JMTP_COMPILE", "largest")
 
 # The persistent compilation cache: one fresh folder per test process (the pytest process, or
