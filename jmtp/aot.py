@@ -19,6 +19,7 @@ TPU only), so a GPU compile needs a GPU; ``docs/scaling.md`` has the evidence.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,6 +33,7 @@ import jax
 import numpy as np
 
 from jmtp.runtime.device import sharding as shd
+from jmtp.runtime.process.compile import persistent_cache_off
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +291,10 @@ def compile_engine(args, *, topology: str | None = None, name: str = "model", bu
         loadable by a TPU host with the same jax/libtpu.
       progress: a tqdm bar over the compiles.
 
+    On a ``topology`` (compile-only devices) JAX's persistent compilation cache is off while it
+    compiles (:func:`~jmtp.runtime.process.compile.persistent_cache_off`): such executables cannot
+    be loaded back from it.
+
     Raises:
       ValueError: bad ``buckets``/``memory_fraction``, the engine arguments' own errors, or
         an engine that does not fit (see above).
@@ -298,6 +304,13 @@ def compile_engine(args, *, topology: str | None = None, name: str = "model", bu
     kw = dict(topology=topology, name=name, buckets=buckets, slot_ops=slot_ops,
               memory_fraction=memory_fraction, fit=fit, serialize_dir=serialize_dir,
               progress=progress)
+    # compile-only devices: nothing the persistent cache holds could be loaded back
+    with persistent_cache_off() if topology is not None else contextlib.nullcontext():
+        return _fit_and_compile(args, fit, topology, kw)
+
+
+def _fit_and_compile(args, fit: bool, topology: str | None, kw: dict) -> AotReport:
+    """:func:`compile_engine`'s retries: halve ``num_blocks`` while the compiler finds no room."""
     requested = None
     for _ in range(MAX_FIT_HALVINGS + 1):
         try:

@@ -42,7 +42,9 @@ def expected_kernels(m: int) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def one_chip():
-    return aot.compile_engine(args(), topology="v5e:1x1", buckets="largest")
+    """The tiny engine on one v5e chip, its pool dominating its bytes (4,096 blocks: 150+ MiB of
+    KV), with its slot operations: one compile for the kernel, memory and no-copy checks."""
+    return aot.compile_engine(args(num_blocks=4096), topology="v5e:1x1", buckets="largest")
 
 
 def test_one_chip_compiles_the_real_kernels(one_chip):
@@ -91,13 +93,17 @@ NARROW = CFG.replace(num_heads=6, num_kv_heads=3, head_dim=64)
 
 @pytest.mark.parametrize("cfg,topology,tp", [(CFG, "v5e:1x1", 1), (NARROW, "v5e:1x1", 1),
                                              (NARROW, "v5e:2x2", 3)])
-def test_no_copy_of_the_kv_pool(cfg, topology, tp):
+def test_no_copy_of_the_kv_pool(cfg, topology, tp, request):
     """Temporaries stay below a quarter of the KV bytes on a pool-dominated engine. Before the
     merged cache layout the pool was laid out transposed at entry and copied whole around the
     step (SmolLM2 at 64 slots: 15.2 GiB of temporaries for 2.9 GiB of KV); merged rows of 192
-    lanes still were (3.9 GiB) until each shard's row was padded to whole 128-lane tiles."""
-    r = aot.compile_engine(args(model_config=cfg, num_blocks=4096, tensor_parallel_size=tp),
-                           topology=topology, buckets="largest", slot_ops=False)
+    lanes still were (3.9 GiB) until each shard's row was padded to whole 128-lane tiles. The
+    first case is the ``one_chip`` engine (the same configuration: compiled once)."""
+    if cfg is CFG and tp == 1:
+        r = request.getfixturevalue("one_chip")
+    else:
+        r = aot.compile_engine(args(model_config=cfg, num_blocks=4096, tensor_parallel_size=tp),
+                               topology=topology, buckets="largest", slot_ops=False)
     kv = r.predicted["kv_cache"]
     assert kv * tp > 150 * 2**20
     for e in r.step_reports:
@@ -119,6 +125,28 @@ def test_int8_cache(caplog):
     assert "attention runs the 'xla' implementation" in caplog.text
     assert r16.config["attention"] == "xla"
     assert all(e.mosaic_kernels == {"jmtp_allocate_blocks_tpu": 2} for e in r16.step_reports)
+
+
+def test_compile_only_executables_stay_out_of_the_persistent_cache(tmp_path, recwarn):
+    """With JAX's persistent cache set, a compile for a topology writes nothing to it (before, each
+    compile-only executable was serialized there, ~2 s per tiny engine, and one found again failed
+    to load with a warning); the cache is used again after it."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    from jmtp.runtime.process.compile import setup_compilation_cache
+    before = jax.config.jax_compilation_cache_dir
+    setup_compilation_cache(str(tmp_path))
+    try:
+        aot.compile_engine(args(speculative_config=None, max_model_len=64), topology="v5e:1x1",
+                           buckets="decode", slot_ops=False)
+        assert list(tmp_path.iterdir()) == []
+        assert not [w for w in recwarn if "compilation cache" in str(w.message)]
+        assert jax.config.jax_enable_compilation_cache
+        jax.jit(lambda x: x * 3 + 1)(np.arange(7))          # a CPU program: cached as before
+        assert list(tmp_path.iterdir())
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        cc.reset_cache()
 
 
 def test_platform_comes_from_the_devices_not_the_host():

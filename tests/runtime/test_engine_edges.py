@@ -14,7 +14,8 @@ from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.engines import GROUPS, tiny_llm
 from tests.runtime.conftest import reference_greedy, tiny_model, free_blocks, engine_of
 
-pytestmark = pytest.mark.compile_lazy   # about buckets: each step in its own (conftest.py)
+# Engines here run the suite's compile mode (tests/conftest.py: one step program, the largest
+# bucket) except the one-graph tests, which are about buckets and say compile="lazy" themselves.
 
 K = 3
 MAX_LEN = 64
@@ -215,7 +216,7 @@ def test_one_graph_no_recompiles_and_no_callbacks(tiny, model):
     # (asynchronous scheduling plans a window's bound, the budget: test_async_engine_real.py)
     llm = LLM(model_config=cfg, params=params, speculative_config=SpeculativeConfig("mtp", 2, 2),
               max_num_seqs=slots, max_model_len=MAX_LEN, block_size=4, max_num_batched_tokens=32,
-              async_scheduling=False)
+              async_scheduling=False, compile="lazy")
     ec = llm.llm_engine.engine_config
     rng = np.random.default_rng(0)
     batch = lambda n: [list(rng.integers(2, 64, rng.integers(1, 30))) for _ in range(n)]

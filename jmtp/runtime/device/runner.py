@@ -16,6 +16,7 @@ test the host logic without XLA.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, Iterable
 
@@ -152,10 +153,11 @@ class DeviceRunner:
         """The step buckets compiled so far (ahead of time or by a first run)."""
         return frozenset(self._compiled)
 
-    @property
+    @functools.cached_property
     def largest_bucket(self) -> StepBucket:
         """The largest of :func:`~jmtp.runtime.device.buckets.step_buckets`: the token budget over
-        every slot (it holds any step; ``compile="largest"`` runs every step in it)."""
+        every slot (it holds any step; ``compile="largest"`` runs every step in it). Computed once
+        (``shard_config`` is fixed at construction)."""
         return step_buckets(self.shard_config)[-1]
 
     def uncompiled_buckets(self) -> tuple[StepBucket, ...]:

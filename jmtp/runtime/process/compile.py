@@ -13,6 +13,7 @@ Two independent pieces, both called once from ``LLM.__init__``:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -87,6 +88,29 @@ def setup_compilation_cache(cache_dir: str | bool | None = "auto") -> str | None
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     log.info("persistent compilation cache: %s", path)
     return path
+
+
+@contextlib.contextmanager
+def persistent_cache_off():
+    """JAX's persistent compilation cache off inside the block, as it was after it.
+
+    For compile-only devices (:mod:`jmtp.aot`'s TPU topologies on a CPU host): JAX decides once
+    per process whether the cache is used, so with a folder set (``$JAX_COMPILATION_CACHE_DIR``,
+    or an earlier ``LLM`` in the process) every compile-only executable was serialized into it,
+    and an entry found again could not be loaded (a warning, "PjRtCompiler must be constructed
+    with a Client", then the compile anyway): ~2 s more per tiny engine on 2 cores, measured.
+    Uses ``jax_enable_compilation_cache`` and JAX's ``reset_cache`` (its public experimental
+    module) so the decision is taken again on each side of the block.
+    """
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        cc.reset_cache()
 
 
 def compile_ahead(fn: Callable, arg_lists: Sequence[tuple], *, labels: Sequence[Any] | None = None,
