@@ -10,6 +10,9 @@ Two independent pieces, both called once from ``LLM.__init__``:
   go through the same caches as a later call with arguments of the same shapes, so that call only
   traces and does not compile again (``tests/runtime/test_compile.py`` checks this with
   ``jax.log_compiles``). Nothing runs: donated buffers stay valid.
+
+:func:`persistent_cache_off` turns that cache off around compiles for compile-only devices
+(:mod:`jmtp.aot`), whose executables it could not load back.
 """
 from __future__ import annotations
 
@@ -100,7 +103,8 @@ def persistent_cache_off():
     and an entry found again could not be loaded (a warning, "PjRtCompiler must be constructed
     with a Client", then the compile anyway): ~2 s more per tiny engine on 2 cores, measured.
     Uses ``jax_enable_compilation_cache`` and JAX's ``reset_cache`` (its public experimental
-    module) so the decision is taken again on each side of the block.
+    module) so the decision is taken again on each side of the block. The setting is process-wide:
+    a compile in another thread during the block does not use the cache either.
     """
     from jax.experimental.compilation_cache import compilation_cache as cc
     was = jax.config.jax_enable_compilation_cache
