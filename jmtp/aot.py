@@ -306,11 +306,13 @@ def compile_engine(args, *, topology: str | None = None, name: str = "model", bu
               progress=progress)
     # compile-only devices: nothing the persistent cache holds could be loaded back
     with persistent_cache_off() if topology is not None else contextlib.nullcontext():
-        return _fit_and_compile(args, fit, topology, kw)
+        return _fit_and_compile(args, kw)
 
 
-def _fit_and_compile(args, fit: bool, topology: str | None, kw: dict) -> AotReport:
-    """:func:`compile_engine`'s retries: halve ``num_blocks`` while the compiler finds no room."""
+def _fit_and_compile(args, kw: dict) -> AotReport:
+    """:func:`compile_engine`'s retries (``kw``: its keyword arguments): halve ``num_blocks``
+    while the compiler finds no room."""
+    fit, topology = kw["fit"], kw["topology"]
     requested = None
     for _ in range(MAX_FIT_HALVINGS + 1):
         try:

@@ -104,14 +104,9 @@ def _no_xla_cache_for_the_real_model(request):
     if not real:
         yield
         return
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
-
-    from jmtp.runtime.process.compile import setup_compilation_cache
-    jax.config.update("jax_compilation_cache_dir", None)
-    cc.reset_cache()
-    yield
-    setup_compilation_cache(_XLA_CACHE)
+    from jmtp.runtime.process.compile import persistent_cache_off
+    with persistent_cache_off():
+        yield
 
 
 @pytest.hookimpl(trylast=True)

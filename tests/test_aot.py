@@ -127,10 +127,10 @@ def test_int8_cache(caplog):
     assert all(e.mosaic_kernels == {"jmtp_allocate_blocks_tpu": 2} for e in r16.step_reports)
 
 
-def test_compile_only_executables_stay_out_of_the_persistent_cache(tmp_path, recwarn):
+def test_compile_only_executables_stay_out_of_the_persistent_cache(tmp_path):
     """With JAX's persistent cache set, a compile for a topology writes nothing to it (before, each
-    compile-only executable was serialized there, ~2 s per tiny engine, and one found again failed
-    to load with a warning); the cache is used again after it."""
+    compile-only executable was serialized there, and one found again failed to load with a
+    warning); the cache is used again after it."""
     from jax.experimental.compilation_cache import compilation_cache as cc
 
     from jmtp.runtime.process.compile import setup_compilation_cache
@@ -140,7 +140,6 @@ def test_compile_only_executables_stay_out_of_the_persistent_cache(tmp_path, rec
         aot.compile_engine(args(speculative_config=None, max_model_len=64), topology="v5e:1x1",
                            buckets="decode", slot_ops=False)
         assert list(tmp_path.iterdir()) == []
-        assert not [w for w in recwarn if "compilation cache" in str(w.message)]
         assert jax.config.jax_enable_compilation_cache
         jax.jit(lambda x: x * 3 + 1)(np.arange(7))          # a CPU program: cached as before
         assert list(tmp_path.iterdir())

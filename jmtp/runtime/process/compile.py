@@ -101,7 +101,7 @@ def persistent_cache_off():
     per process whether the cache is used, so with a folder set (``$JAX_COMPILATION_CACHE_DIR``,
     or an earlier ``LLM`` in the process) every compile-only executable was serialized into it,
     and an entry found again could not be loaded (a warning, "PjRtCompiler must be constructed
-    with a Client", then the compile anyway): ~2 s more per tiny engine on 2 cores, measured.
+    with a Client", then the compile anyway). Its time cost was within noise in the test suite.
     Uses ``jax_enable_compilation_cache`` and JAX's ``reset_cache`` (its public experimental
     module) so the decision is taken again on each side of the block. The setting is process-wide:
     a compile in another thread during the block does not use the cache either.
