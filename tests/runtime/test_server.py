@@ -1,5 +1,9 @@
-"""``jmtp serve`` end to end: the official ``openai`` client against a real server subprocess on the
-real SmolLM2 (one server for the module, loopback only, killed in the fixture finalizer).
+"""``jmtp serve`` end to end: the official ``openai`` client against a real server subprocess
+(one server for the module, loopback only, killed in the fixture finalizer) on a tiny random
+Llama with SmolLM2's tokenizer and chat template (``scripts/soak.py``'s ``tiny_model_dir``: steps
+cost milliseconds, so the module's time goes to the serving paths, not to the model). The server
+on the real SmolLM2 (the default ``--model``, its name, real text) is covered end to end by
+tests/runtime/test_server_structured.py's e2e tests.
 
 References are derived independently of the server's code paths: offline ``LLM.generate`` on the
 chat-templated prompt, the non-streaming text for the streamed one, the un-stopped text cut at the
@@ -7,7 +11,9 @@ stop string's first occurrence, the greedy n=1 text for each of n=2 greedy choic
 """
 from __future__ import annotations
 
+import importlib.util
 import json
+import pathlib
 import time
 
 import pytest
@@ -19,22 +25,40 @@ prom_parser = pytest.importorskip("prometheus_client.parser")
 
 from tests.runtime.serve_process import running_server  # noqa: E402
 
-# one worker: one fixture; the real model's steps cost their rows (conftest.COMPILE_MARKS)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("server"), pytest.mark.compile_fewest]
+# one worker: one server for the module
+pytestmark = pytest.mark.xdist_group("server")
 
-# Scanned layers: the server compiles its step buckets about 3x faster than with the unrolled
-# default on XLA:CPU (the suite's time is mostly compiling); on CPU the loops are compared against
-# each other on this model in test_engine_smollm2, and against the reference on tiny models.
-SERVER_ARGS = ["--max-num-seqs", "2", "--max-model-len", "256", "--num-speculative-tokens", "2",
-               "--max-logprobs", "2", "--layer-loop", "scan"]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# MTP K=2 with a fresh (random) head: the random model has no MTP layer of its own; outputs are
+# the target's either way (greedy is lossless), acceptance is whatever the head gets.
+# 2,048 positions: the disconnect tests ask for 2,000 tokens, which take the tiny model far longer
+# than their client waits (a few ms per step), so only an abort ends them early.
+MAX_MODEL_LEN, LONG = 2048, 2000
+ENGINE = dict(max_num_seqs=2, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=64,
+              layer_loop="scan")
+SERVER_ARGS = ["--max-num-seqs", "2", "--max-model-len", str(MAX_MODEL_LEN),
+               "--max-num-batched-tokens", "64",
+               "--num-speculative-tokens", "2", "--mtp-head", "none", "--max-logprobs", "2",
+               "--layer-loop", "scan"]
 QUESTION = "What is the capital of France?"
 COMPLETION_PROMPT = "The three primary colors are"
 MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
-    with running_server(SERVER_ARGS, tmp_path_factory.mktemp("serve") / "server.log") as base:
+def model_dir(tmp_path_factory) -> str:
+    """The tiny random Llama's checkpoint folder (SmolLM2's vocabulary, tokenizer and chat
+    template), written by ``scripts/soak.py``'s ``tiny_model_dir``."""
+    spec = importlib.util.spec_from_file_location("jmtp_soak_script", ROOT / "scripts" / "soak.py")
+    soak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(soak)
+    return soak.tiny_model_dir(str(tmp_path_factory.mktemp("tiny") / "tiny-smollm2-vocab"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    with running_server(SERVER_ARGS + ["--model", model_dir],
+                        tmp_path_factory.mktemp("serve") / "server.log") as base:
         yield base
 
 
@@ -72,27 +96,23 @@ def wait_idle(base: str, timeout: float = 60) -> dict:
 
 
 @pytest.fixture(scope="module")
-def offline(smollm2, smollm2_tokenizer):
-    """Offline greedy texts of the server's engine configuration (the independent reference),
-    except ``max_logprobs``: 0 here, so the server's texts also show that serving logprobs does
-    not change the tokens."""
-    from jmtp.runtime.config import SpeculativeConfig
+def offline(model_dir):
+    """Offline greedy texts of the server's engine configuration (the independent reference):
+    plain decoding, and ``max_logprobs`` 0, so the server's texts also show that speculation and
+    serving logprobs do not change the tokens."""
     from jmtp.runtime.host.llm import LLM
     from jmtp.runtime.host.sampling_params import SamplingParams
 
-    cfg, params = smollm2
-    llm = LLM(model_config=cfg, params=params, tokenizer=smollm2_tokenizer,
-              speculative_config=SpeculativeConfig("mtp", 2), max_num_seqs=2, max_model_len=256,
-              layer_loop="scan")
-    chat = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
+    llm = LLM(model_dir, speculative_config=None, **ENGINE)
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}])
     outs = llm.generate([chat, COMPLETION_PROMPT], SamplingParams(max_tokens=MAX_TOKENS),
                         use_tqdm=False)
     texts = [o.outputs[0].text if hasattr(o, "outputs") else o.text for o in outs]
     return {"chat": texts[0], "completion": texts[1]}
 
 
-def test_models_and_health(server, model_id):
-    assert model_id == "SmolLM2-135M-Instruct"
+def test_models_and_health(server, model_id, model_dir):
+    assert model_id == pathlib.Path(model_dir).name       # a folder's model is named by it
     assert httpx.get(server + "/health").status_code == 200
 
 
@@ -205,7 +225,7 @@ def test_logprobs(client, model_id, offline):
     ("max_tokens", dict(max_tokens=0)),
     ("top_p", dict(top_p=1.5)),
     ("n", dict(n=0)),
-    ("prompt", dict(prompt="hello " * 300)),         # longer than --max-model-len 256
+    ("prompt", dict(prompt="hello " * (MAX_MODEL_LEN + 50))),   # longer than --max-model-len
     ("temperature", dict(temperature="hot")),          # wrong type: pydantic
 ])
 def test_bad_field_is_400_naming_it(client, model_id, server, field, kwargs):
@@ -241,7 +261,7 @@ def test_bad_chat_requests(client, model_id, server):
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server, model_id):
     start = wait_idle(server)
     ok_before = sum(v for (n, _), v in start.items() if n == "jmtp_request_success_total")
-    body = {"model": model_id, "prompt": COMPLETION_PROMPT, "max_tokens": 200, "temperature": 0,
+    body = {"model": model_id, "prompt": COMPLETION_PROMPT, "max_tokens": LONG, "temperature": 0,
             "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as c:
         with c.stream("POST", server + "/v1/completions", json=body) as r:
@@ -257,22 +277,22 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(server, model_id):
     assert end[("jmtp_kv_blocks_free", ())] == start[("jmtp_kv_blocks_free", ())] \
         == end[("jmtp_kv_blocks_total", ())]
     assert end[("jmtp_num_requests_running", ())] == 0
-    # Aborted, not finished: no new finished completion, far fewer than 200 tokens generated.
+    # Aborted, not finished: no new finished completion, fewer tokens generated than asked for.
     assert sum(v for (n, _), v in end.items() if n == "jmtp_request_success_total") == ok_before
     gen = end[("jmtp_generation_tokens_total", ())] - start[("jmtp_generation_tokens_total", ())]
-    assert 0 < gen < 200
+    assert 0 < gen < LONG
 
 
 def test_disconnect_non_streaming_aborts(server, model_id):
     start = wait_idle(server)
-    body = {"model": model_id, "prompt": COMPLETION_PROMPT, "max_tokens": 200, "temperature": 0,
+    body = {"model": model_id, "prompt": COMPLETION_PROMPT, "max_tokens": LONG, "temperature": 0,
             "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(server + "/v1/completions", json=body, timeout=3)
+        httpx.post(server + "/v1/completions", json=body, timeout=1)
     end = wait_idle(server)
     assert end[("jmtp_kv_blocks_free", ())] == end[("jmtp_kv_blocks_total", ())]
     gen = end[("jmtp_generation_tokens_total", ())] - start[("jmtp_generation_tokens_total", ())]
-    assert gen < 200
+    assert gen < LONG
 
 
 def test_metrics_parse_and_count(server, client, model_id):

