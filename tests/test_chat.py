@@ -16,7 +16,8 @@ from jmtp.runtime.config import SpeculativeConfig
 from jmtp.runtime.host.llm import LLM, SamplingParams
 from tests.runtime.conftest import tiny_model
 
-# one worker builds the shared engines once; the real model's steps cost their rows
+# one worker builds the shared engines once; the tests are about which buckets a turn and the
+# idle-time warm-up compile, so each step runs in a compiled bucket that holds it (fewest)
 pytestmark = [pytest.mark.xdist_group("chat"), pytest.mark.compile_fewest]
 
 # jmtp chat's engine in small: one slot, MTP speculation, prefix caching, scanned layers
