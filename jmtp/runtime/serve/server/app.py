@@ -168,8 +168,11 @@ def serve(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
     """Serve ``llm`` (a :class:`jmtp.LLM`, built by the caller: ``jmtp serve`` builds it from its
     options) over the OpenAI-compatible API as ``model_name``, with uvicorn, until interrupted.
     ``engine``: what the engine thread calls instead of ``llm.llm_engine`` (on a multi-process
-    mesh, a :class:`~jmtp.runtime.host.mirror.MirroredEngine`)."""
+    mesh, a :class:`~jmtp.runtime.host.mirror.MirroredEngine`). Before serving, the process's
+    start-up heap is frozen (:func:`~jmtp.runtime.process.settings.freeze_heap`)."""
     import uvicorn
+
+    from jmtp.runtime.process.settings import freeze_heap
 
     metrics = ServerMetrics()
     engine = AsyncLLMEngine(engine if engine is not None else llm.llm_engine,
@@ -179,6 +182,7 @@ def serve(llm, *, model_name: str, host: str = "127.0.0.1", port: int = 8000,
                     metrics=metrics, max_logprobs=ec.max_logprobs,
                     vocab_size=llm.llm_engine.model_config.vocab_size,
                     max_stop_ids=ec.max_stop_ids, options=options)
+    freeze_heap()      # the start-up heap out of the collector's full passes (settings.py)
     log.info("serving %s on http://%s:%d", model_name, host, port)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
     return 0
