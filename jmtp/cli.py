@@ -330,6 +330,8 @@ def _serve(args) -> int:
                      log_level=args.log_level, options=options)
     from jmtp.runtime.host.mirror import MirroredEngine, follow
     if not dist.is_main_process():
+        from jmtp.runtime.process.settings import freeze_heap
+        freeze_heap()      # as process 0's serve() does: a collection here stalls every step
         return follow(llm.llm_engine)
     engine = MirroredEngine(llm.llm_engine)
     try:

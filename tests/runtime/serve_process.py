@@ -1,5 +1,5 @@
-"""``jmtp serve`` in a subprocess on 127.0.0.1 for the real-model server tests (one helper for
-test_server.py and test_server_structured.py)."""
+"""``jmtp serve`` in a subprocess on 127.0.0.1 for the server tests (one helper for
+test_server.py, on a tiny model, and test_server_structured.py, on SmolLM2)."""
 from __future__ import annotations
 
 import contextlib

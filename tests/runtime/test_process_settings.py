@@ -24,9 +24,12 @@ def cycle():
     a.other, b.other = b, a
     return a
 
+gc.disable()                        # no automatic collection between the steps below
+dead = weakref.ref(cycle())         # garbage before the freeze: collected by it, not frozen
 old = cycle()                       # alive at the freeze: frozen
 old_ref = weakref.ref(old)
 frozen = freeze_heap()
+dead_alive = dead() is not None
 tracked = any(o is old for o in gc.get_objects())
 del old
 gc.collect()                        # a frozen cycle that died is not collected
@@ -36,7 +39,8 @@ new_ref = weakref.ref(new)
 del new
 gc.collect()
 print(json.dumps(dict(frozen=frozen, count=gc.get_freeze_count(), tracked=tracked,
-                      old_alive=old_alive, new_alive=new_ref() is not None)))
+                      old_alive=old_alive, new_alive=new_ref() is not None,
+                      dead_alive=dead_alive)))
 """
 
 
@@ -55,6 +59,7 @@ def test_freeze_heap_takes_the_heap_out_of_full_collections():
     r = _probe(None)
     assert r["frozen"] > 1000 and r["count"] == r["frozen"]   # jmtp's imports at least
     assert not r["tracked"]             # no longer visited by the collector
+    assert not r["dead_alive"]          # it collected first: garbage was not frozen
     assert r["old_alive"]               # the documented cost: a frozen cycle is not reclaimed
     assert not r["new_alive"]           # what is made later is collected as before
 
@@ -62,11 +67,13 @@ def test_freeze_heap_takes_the_heap_out_of_full_collections():
 def test_freeze_heap_opt_out():
     r = _probe("0")
     assert r["frozen"] == 0 and r["count"] == 0 and r["tracked"] and not r["old_alive"]
+    assert r["dead_alive"]              # nothing collected either (the collector is disabled)
 
 
 def test_serve_freezes_after_the_engine_is_built_and_before_uvicorn(monkeypatch):
     """``serve`` (what ``jmtp serve`` runs) freezes the heap once, after building its app around
-    the engine and before handing the app to uvicorn."""
+    the engine and before handing the app to uvicorn. (The other processes of ``jmtp launch --
+    serve`` freeze before they follow process 0: ``jmtp/cli.py``.)"""
     pytest.importorskip("fastapi")
     uvicorn = pytest.importorskip("uvicorn")
     from jmtp.runtime.process import settings
@@ -74,6 +81,9 @@ def test_serve_freezes_after_the_engine_is_built_and_before_uvicorn(monkeypatch)
     from tests.engines import tiny_llm
 
     calls = []
+    build_app = server_app.build_app
+    monkeypatch.setattr(server_app, "build_app",
+                        lambda *a, **kw: calls.append("build_app") or build_app(*a, **kw))
     monkeypatch.setattr(settings, "freeze_heap", lambda: calls.append("freeze") or 0)
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(("run", kw["port"])))
     llm = tiny_llm("plain")
@@ -81,4 +91,4 @@ def test_serve_freezes_after_the_engine_is_built_and_before_uvicorn(monkeypatch)
         assert server_app.serve(llm, model_name="tiny", port=8123) == 0
     finally:
         llm.close()
-    assert calls == ["freeze", ("run", 8123)]
+    assert calls == ["build_app", "freeze", ("run", 8123)]

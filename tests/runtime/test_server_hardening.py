@@ -3,7 +3,8 @@ random Llama checkpoint (tests/runtime/tiny_checkpoint.py: it loads in about a s
 decoding on 2 slots with a 16-token step budget has 5 step buckets, compiled on first use),
 driven with httpx, raw HTTP/1.1 connections and the official ``openai`` client. The server's
 options (size limits, strictness, OpenAPI) do not depend on the speculation method; the
-speculative server is tested on SmolLM2 in test_server.py.
+speculative server is tested in test_server.py (a tiny model with SmolLM2's tokenizer) and on
+SmolLM2 in test_server_structured.py's e2e tests.
 
 Each numbered item of the issue is a test. Where an item is about isolation, an innocent greedy
 stream is in flight while the hostile requests arrive and must come out exactly as it does alone

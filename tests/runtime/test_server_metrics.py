@@ -48,3 +48,28 @@ def test_preemptions_and_queue_times_follow_the_engine_stats():
     assert got["jmtp_num_preemptions_total"] == 3
     assert got["jmtp_request_queue_seconds_count"] == 3
     assert got["jmtp_request_queue_seconds_sum"] == pytest.approx(9.5)
+
+
+def test_speculation_counters_follow_the_engine_stats():
+    """The speculation families advance by the change of the engine's cumulative stats, each
+    draft position on its own label; the mean acceptance length is tokens over decode steps.
+    (test_server.py's tiny random model accepts almost no draft, so its server check of these
+    counters sees zeros; here they are non-zero and hand-worked.)"""
+    from jmtp.runtime.serve.server import ServerMetrics
+
+    m = ServerMetrics()
+    m.on_step(dict(num_draft_tokens=6, num_accepted_tokens=4, accepted_per_position=[3, 1],
+                   num_decode_steps=3, num_decode_tokens=7), [], 0.01)
+    m.on_step(dict(num_draft_tokens=10, num_accepted_tokens=7, accepted_per_position=[5, 2],
+                   num_decode_steps=5, num_decode_tokens=12), [], 0.01)
+    got = {}
+    for fam in prom_parser.text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            got[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    assert got[("jmtp_spec_decode_draft_tokens_total", ())] == 10
+    assert got[("jmtp_spec_decode_accepted_tokens_total", ())] == 7
+    assert [got[("jmtp_spec_decode_accepted_per_position_total", (("position", p),))]
+            for p in ("1", "2")] == [5, 2]
+    assert got[("jmtp_spec_decode_steps_total", ())] == 5
+    assert got[("jmtp_spec_decode_step_tokens_total", ())] == 12
+    assert got[("jmtp_spec_decode_mean_acceptance_length", ())] == pytest.approx(12 / 5)

@@ -447,7 +447,7 @@ def test_streamed_cut_tool_call_sends_its_text(scripted):
 # 9.5 against 6.5 tok/s). The twenty schemas took 133 s with 2 slots, 100 s with 4 and 131 s
 # with 8 (the A=8 buckets compiling during the test). A 64-token step budget: four prompts
 # arriving together prefill in chunks of at most 64 rows, so the server compiles no bucket above
-# 64 rows (15 buckets in all, compiled lazily under the suite's JMTP_COMPILE=lazy, ~8 s each).
+# 64 rows (15 buckets in all, compiled lazily under the module's compile_lazy mark, ~8 s each).
 SERVER_ARGS = ["--max-num-seqs", "4", "--max-model-len", "512", "--num-speculative-tokens", "2",
                "--max-num-batched-tokens", "64", "--layer-loop", "scan"]
 

@@ -12,9 +12,10 @@ engine's, so they are made at explicit points:
 * **The command line** (``jmtp generate | chat | serve``), first thing, before any JAX backend
   starts: :func:`tune_malloc`, and for ``generate`` / ``chat`` with scanned layers XLA:CPU's
   faster compile flag (:func:`jmtp.runtime.process.compile.use_fast_cpu_compiles`).
-* **Serving** (:func:`jmtp.runtime.serve.server.serve`, so ``jmtp serve``), once the engine is
-  built and compiled, before the first request: :func:`freeze_heap` (``JMTP_GC_FREEZE=0`` opts
-  out).
+* **Serving** (:func:`jmtp.runtime.serve.server.serve`, so ``jmtp serve``, and the other
+  processes of ``jmtp launch -- serve`` before they follow process 0), once the engine is built
+  (and, under the default ``--compile eager``, compiled), before the first request:
+  :func:`freeze_heap` (``JMTP_GC_FREEZE=0`` opts out).
 * **Your call only**: ``jax.distributed`` (:func:`jmtp.runtime.process.distributed.initialize`, or
   ``jmtp launch``) and the multi-process helpers (:mod:`jmtp.core.multihost`: barriers and
   checks over the distributed client).
@@ -63,13 +64,14 @@ def prepare_process(compilation_cache_dir: str | bool | None = "auto") -> str | 
 
 def freeze_heap() -> int:
     """Collect once, then move every object alive now out of the cyclic garbage collector's
-    reach (:func:`gc.freeze`), so that its full (generation-2) collections, which stop the
-    process, stop traversing the start-up heap: parameters' and executables' Python objects,
-    JAX's caches, the tokenizer, the engine's tables. What the serving loop allocates later is
-    collected as before; reference counting still frees frozen objects, and only a reference
-    cycle made of frozen objects that dies later stays in memory. vLLM, SGLang and TensorRT-LLM
-    freeze their serving processes' heaps after start-up for the same reason. Measured for
-    ``jmtp serve``'s SmolLM2 process: ``docs/serving.md``. ``JMTP_GC_FREEZE=0`` opts out.
+    reach (:func:`gc.freeze`), so that its full (generation-2) collections, which pause every
+    Python thread (the engine's too), stop traversing the start-up heap: parameters' and
+    executables' Python objects, JAX's caches, the tokenizer, the engine's tables. What the
+    serving loop allocates later is collected as before; reference counting still frees frozen
+    objects, and only a reference cycle made of frozen objects that dies later stays in memory.
+    vLLM and SGLang freeze their serving processes' heaps after start-up for the same reason.
+    Measured on an ``LLM`` process of SmolLM2 after a warm-up generate: ``docs/serving.md``.
+    ``JMTP_GC_FREEZE=0`` opts out.
 
     Returns:
       the number of objects frozen by this call (0 when opted out).
