@@ -1,5 +1,6 @@
-"""``jmtp serve`` in a subprocess on 127.0.0.1 for the server tests (one helper for
-test_server.py, on a tiny model, and test_server_structured.py, on SmolLM2)."""
+"""``jmtp serve`` in a subprocess on 127.0.0.1 for the server tests (test_server.py and
+test_server_hardening.py on tiny models, test_server_e2e.py on SmolLM2), and its ``/metrics``
+read back."""
 from __future__ import annotations
 
 import contextlib
@@ -50,3 +51,14 @@ def running_server(args: list[str], log_path, timeout: float = 300.0):
         finally:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def metrics(base: str) -> dict:
+    """``{(name, labels tuple): value}`` of every sample the server at ``base`` exports
+    (prometheus_client's text parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(base + "/metrics").text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out

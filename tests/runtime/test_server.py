@@ -3,7 +3,7 @@
 Llama with SmolLM2's tokenizer and chat template (``scripts/soak.py``'s ``tiny_model_dir``: steps
 cost milliseconds, so the module's time goes to the serving paths, not to the model). The server
 on the real SmolLM2 (the default ``--model``, its name, real text) is covered end to end by
-tests/runtime/test_server_structured.py's e2e tests.
+tests/runtime/test_server_e2e.py.
 
 References are derived independently of the server's code paths: offline ``LLM.generate`` on the
 chat-templated prompt, the non-streaming text for the streamed one, the un-stopped text cut at the
@@ -21,9 +21,9 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-prom_parser = pytest.importorskip("prometheus_client.parser")
+pytest.importorskip("prometheus_client.parser")
 
-from tests.runtime.serve_process import running_server  # noqa: E402
+from tests.runtime.serve_process import metrics, running_server  # noqa: E402
 
 # one worker: one server for the module
 pytestmark = pytest.mark.xdist_group("server")
@@ -31,9 +31,10 @@ pytestmark = pytest.mark.xdist_group("server")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # MTP K=2 with a fresh (random) head: the random model has no MTP layer of its own; outputs are
 # the target's either way (greedy is lossless). Such a head gets almost no draft accepted, so
-# this module checks the speculative server's plumbing, not multi-token steps through HTTP:
-# those are the real-model e2e tests' (test_server_structured.py, the shipped head), the
-# speculation counters with non-zero values test_server_metrics.py's.
+# this module checks the speculative server's plumbing against offline references, not
+# multi-token steps through HTTP: logprobs, stop strings, n and streaming with those are
+# test_server_e2e.py's (SmolLM2, the shipped head), the speculation counters with hand-worked
+# non-zero values test_server_metrics.py's.
 # 2,048 positions: the disconnect tests ask for 2,000 tokens, which take the tiny model far longer
 # than their client waits (~15 ms a token on the 2-core VM, about 30 s), so only an abort ends
 # them early.
@@ -76,15 +77,6 @@ def client(server):
 @pytest.fixture(scope="module")
 def model_id(client):
     return client.models.list().data[0].id
-
-
-def metrics(base: str) -> dict:
-    """``{(name, labels tuple): value}`` of every sample (prometheus_client's parser)."""
-    out = {}
-    for fam in prom_parser.text_string_to_metric_families(httpx.get(base + "/metrics").text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def wait_idle(base: str, timeout: float = 60) -> dict:

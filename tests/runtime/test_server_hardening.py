@@ -4,7 +4,7 @@ decoding on 2 slots with a 16-token step budget has 5 step buckets, compiled on 
 driven with httpx, raw HTTP/1.1 connections and the official ``openai`` client. The server's
 options (size limits, strictness, OpenAPI) do not depend on the speculation method; the
 speculative server is tested in test_server.py (a tiny model with SmolLM2's tokenizer) and on
-SmolLM2 in test_server_structured.py's e2e tests.
+SmolLM2 in test_server_e2e.py.
 
 Each numbered item of the issue is a test. Where an item is about isolation, an innocent greedy
 stream is in flight while the hostile requests arrive and must come out exactly as it does alone
@@ -30,9 +30,9 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
-prom_parser = pytest.importorskip("prometheus_client.parser")
+pytest.importorskip("prometheus_client.parser")
 
-from tests.runtime.serve_process import running_server  # noqa: E402
+from tests.runtime.serve_process import metrics, running_server  # noqa: E402
 from tests.runtime.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.xdist_group("server_tiny")   # one worker: one server for the module
@@ -143,14 +143,6 @@ def assert_error(status_body, status: int, param, *fragments):
     for leak in ("cmpl-", "chatcmpl-", "request '", "LLM(", "SamplingParams."):
         assert leak not in err["message"], err
     return err
-
-
-def metrics(base: str) -> dict:
-    out = {}
-    for fam in prom_parser.text_string_to_metric_families(httpx.get(base + "/metrics").text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def ok_request(conn: Conn):

