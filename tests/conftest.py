@@ -172,17 +172,12 @@ def _clear_after_module(used: int | None, limit: int | None, policy: str) -> boo
     return used is None or limit is None or used > KEEP_CACHES_BELOW * limit
 
 
-def _gc_freeze_wanted() -> bool:
-    return os.environ.get("JMTP_TEST_GC_FREEZE", "1").strip() != "0"
-
-
 def pytest_collection_finish(session):
     """Move what imports and collection built into the collector's permanent generation
-    (:func:`gc.freeze`): see :func:`_release_compiled_executables`."""
-    if _gc_freeze_wanted():
-        import gc
-        gc.collect()
-        gc.freeze()
+    (jmtp's :func:`~jmtp.runtime.process.settings.freeze_heap`, as ``jmtp serve`` does after
+    start-up): see :func:`_release_compiled_executables`."""
+    from jmtp.runtime.process.settings import freeze_heap
+    freeze_heap()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -223,14 +218,15 @@ def _release_compiled_executables(module) -> None:
     GB). Frozen objects are still freed by reference counting; only cyclic garbage among them
     waits, until the caches are next cleared (below, after ``gc.unfreeze()``): the map count
     that decides a clear counts what such garbage holds.
-    ``JMTP_TEST_JIT_CACHE=keep`` never clears, so never unfreezes. ``JMTP_TEST_GC_FREEZE=0``
-    turns freezing off. (Until this ran from ``pytest_runtest_protocol``, a module fixture did
+    ``JMTP_TEST_JIT_CACHE=keep`` never clears, so never unfreezes. ``JMTP_GC_FREEZE=0`` (jmtp's
+    switch, which the servers the tests start read too) turns freezing off. (Until this ran from ``pytest_runtest_protocol``, a module fixture did
     it, inside the last test's teardown, while pytest still held that test's fixture values.)"""
     import gc
 
     import jax
 
     from jmtp.runtime.process import host_maps
+    from jmtp.runtime.process.settings import gc_freeze_enabled
     for obj in list(vars(module).values()):
         if callable(getattr(obj, "cache_clear", None)) and \
                 getattr(obj, "__module__", None) == module.__name__:
@@ -241,8 +237,8 @@ def _release_compiled_executables(module) -> None:
         gc.unfreeze()           # what earlier modules left is collectable again
         jax.clear_caches()
         gc.collect()
-    if _gc_freeze_wanted():
-        gc.freeze()
+    if gc_freeze_enabled():
+        gc.freeze()         # collected just above: freeze_heap would collect a second time
 
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

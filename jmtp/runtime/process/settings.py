@@ -62,6 +62,11 @@ def prepare_process(compilation_cache_dir: str | bool | None = "auto") -> str | 
     return setup_compilation_cache(compilation_cache_dir)
 
 
+def gc_freeze_enabled() -> bool:
+    """Whether :func:`freeze_heap` freezes: ``$JMTP_GC_FREEZE`` is not ``0`` (default on)."""
+    return os.environ.get("JMTP_GC_FREEZE", "1").strip() != "0"
+
+
 def freeze_heap() -> int:
     """Collect once, then move every object alive now out of the cyclic garbage collector's
     reach (:func:`gc.freeze`), so that its full (generation-2) collections, which pause every
@@ -76,7 +81,7 @@ def freeze_heap() -> int:
     Returns:
       the number of objects frozen by this call (0 when opted out).
     """
-    if os.environ.get("JMTP_GC_FREEZE", "1").strip() == "0":
+    if not gc_freeze_enabled():
         return 0
     t0 = time.perf_counter()
     before = gc.get_freeze_count()
@@ -88,4 +93,4 @@ def freeze_heap() -> int:
     return frozen
 
 
-__all__ = ["tune_malloc", "prepare_process", "freeze_heap"]
+__all__ = ["tune_malloc", "prepare_process", "freeze_heap", "gc_freeze_enabled"]
