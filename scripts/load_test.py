@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shlex
 import socket
 import subprocess
@@ -52,15 +51,28 @@ def free_port() -> int:
 
 
 def read_metrics(base: str) -> dict[str, float]:
-    """Unlabelled samples of ``/metrics`` (parsed with prometheus_client's parser)."""
+    """Samples of ``/metrics`` (parsed with prometheus_client's parser): an unlabelled one under
+    its name, a labelled one as ``name{key=value,...}``."""
     from prometheus_client.parser import text_string_to_metric_families
     text = httpx.get(base.removesuffix("/v1") + "/metrics", timeout=10).text
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if not s.labels:
-                out[s.name] = s.value
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
+
+
+def gc_pauses(before: dict, after: dict) -> str:
+    """The server's garbage-collector pauses between two reads (``jmtp_gc_pause_seconds``)."""
+    parts = []
+    for gen in ("0", "1", "2"):
+        n = after.get(f"jmtp_gc_pause_seconds_count{{generation={gen}}}", 0) - before.get(
+            f"jmtp_gc_pause_seconds_count{{generation={gen}}}", 0)
+        t = after.get(f"jmtp_gc_pause_seconds_sum{{generation={gen}}}", 0) - before.get(
+            f"jmtp_gc_pause_seconds_sum{{generation={gen}}}", 0)
+        parts.append(f"gen {gen}: {n:.0f} in {t:.3f} s")
+    return ", ".join(parts)
 
 
 def engine_args(a) -> list[str]:
@@ -227,6 +239,7 @@ def main(argv=None) -> int:
           f"({toks} tokens)")
     print(f"latency  p50 {pct(lat, 50):.2f} s  p99 {pct(lat, 99):.2f} s")
     print(f"TTFT     p50 {pct(ttft, 50):.2f} s  p99 {pct(ttft, 99):.2f} s")
+    print(f"server GC pauses during the load: {gc_pauses(before, after)}")
     fb, fa = before.get("jmtp_kv_blocks_free"), after.get("jmtp_kv_blocks_free")
     print(f"KV blocks free: before {fb:.0f}, after {fa:.0f} (of "
           f"{after.get('jmtp_kv_blocks_total', float('nan')):.0f})")

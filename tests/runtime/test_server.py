@@ -308,7 +308,10 @@ def test_metrics_parse_and_count(server, client, model_id):
                 "jmtp_step_seconds_bucket", "jmtp_step_seconds_count",
                 "jmtp_spec_decode_draft_tokens_total", "jmtp_spec_decode_accepted_tokens_total",
                 "jmtp_spec_decode_accepted_per_position_total",
-                "jmtp_spec_decode_mean_acceptance_length"):
+                "jmtp_spec_decode_mean_acceptance_length",
+                # the process: garbage-collector pauses (timed from the app's start), RSS
+                "jmtp_gc_pause_seconds_count", "python_gc_collections_total",
+                "process_resident_memory_bytes"):
         assert fam in names, fam
 
     def delta(name, labels=()):

@@ -73,3 +73,49 @@ def test_speculation_counters_follow_the_engine_stats():
     assert got[("jmtp_spec_decode_steps_total", ())] == 5
     assert got[("jmtp_spec_decode_step_tokens_total", ())] == 12
     assert got[("jmtp_spec_decode_mean_acceptance_length", ())] == pytest.approx(12 / 5)
+
+
+def labelled(metrics) -> dict:
+    """``{(sample name, labels tuple): value}`` of ``metrics``' rendered text."""
+    out = {}
+    for fam in prom_parser.text_string_to_metric_families(metrics.render().decode()):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_gc_pauses_are_timed_only_while_watched():
+    """Two full collections while watched are two generation-2 observations (their sum the
+    time they took, under the wall time around them); collections before ``watch_gc`` and after
+    ``unwatch_gc`` are not timed, a second ``watch_gc`` adds no second hook, and the hook is
+    gone afterwards. prometheus_client's process and ``python_gc_*`` samples are exported."""
+    import gc
+    import sys
+    import time
+
+    from jmtp.runtime.serve.server import ServerMetrics
+
+    m = ServerMetrics()
+    hooks = len(gc.callbacks)
+    gc.collect()
+    full = (("generation", "2"),)
+    assert labelled(m).get(("jmtp_gc_pause_seconds_count", full), 0) == 0
+    m.watch_gc()
+    m.watch_gc()
+    assert len(gc.callbacks) == hooks + 1
+    try:
+        t0 = time.perf_counter()
+        gc.collect()
+        gc.collect()
+        wall = time.perf_counter() - t0
+    finally:
+        m.unwatch_gc()
+    assert len(gc.callbacks) == hooks
+    gc.collect()
+    got = labelled(m)
+    assert got[("jmtp_gc_pause_seconds_count", full)] == 2
+    assert 0 < got[("jmtp_gc_pause_seconds_sum", full)] <= wall
+    assert got[("python_gc_collections_total", full)] >= 3
+    if sys.platform == "linux":
+        assert got[("process_resident_memory_bytes", ())] > 0
+        assert got[("process_open_fds", ())] > 0

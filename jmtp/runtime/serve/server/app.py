@@ -54,9 +54,11 @@ def build_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_l
     @contextlib.asynccontextmanager
     async def lifespan(app):
         engine.start()
+        metrics.watch_gc()
         try:
             yield
         finally:
+            metrics.unwatch_gc()
             engine.shutdown()
             serving.close()
 

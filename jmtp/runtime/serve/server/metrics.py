@@ -1,7 +1,16 @@
 """The server's Prometheus metrics (``GET /metrics``), fed by the engine thread after every step."""
 from __future__ import annotations
 
+import collections
+import gc
+import time
+import weakref
+
 import prometheus_client as prom
+
+#: bounds (s) of ``jmtp_gc_pause_seconds``: young collections take microseconds, a full one of a
+#: serving process's unfrozen heap ~0.1-0.3 s (docs/serving.md)
+GC_PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class ServerMetrics:
@@ -24,7 +33,11 @@ class ServerMetrics:
     ``speculation_policy="dynamic"`` also the policy's ``jmtp_spec_policy_plans_total``,
     ``jmtp_spec_policy_drafting_plans_total``, ``jmtp_spec_policy_holds_total`` and
     ``jmtp_spec_policy_host_seconds_total`` (see ``LLMEngine.get_stats``; absent stats leave
-    them at 0).
+    them at 0). The process: ``jmtp_gc_pause_seconds{generation}`` (histogram of Python's
+    garbage-collector pauses while :meth:`watch_gc` is on, s: a collection stops every Python
+    thread, the engine's too), prometheus_client's ``python_gc_*`` (collections and objects per
+    generation) and ``process_*`` (RSS, CPU seconds, open file descriptors; Linux ``/proc``
+    only).
     """
 
     def __init__(self):
@@ -80,7 +93,48 @@ class ServerMetrics:
                                          "the policy's guard held drafting off", registry=r)
         self.policy_seconds = prom.Counter("jmtp_spec_policy_host_seconds", "Host time in the "
                                            "dynamic policy (plan and bookkeeping), s", registry=r)
+        self.gc_pause = prom.Histogram("jmtp_gc_pause_seconds", "Python garbage-collector "
+                                       "pauses (every Python thread stops), s", ["generation"],
+                                       registry=r, buckets=GC_PAUSE_BUCKETS)
+        prom.GCCollector(registry=r)
+        prom.ProcessCollector(registry=r)
         self._prev: dict = {}
+        self._gc_pauses: collections.deque = collections.deque(maxlen=100_000)
+        self._gc_hook = None
+
+    def watch_gc(self) -> None:
+        """Time each garbage collection of this process (a :data:`gc.callbacks` hook) into
+        ``jmtp_gc_pause_seconds`` until :meth:`unwatch_gc` (the server's lifespan). The hook only
+        appends ``(generation, seconds)`` to a deque, taking no lock (a collection can start in
+        a thread that holds a metric's lock); the engine thread's :meth:`on_step` and
+        :meth:`render` move them into the histogram. It holds the metrics weakly."""
+        if self._gc_hook is not None:
+            return
+        pauses, owner, started = self._gc_pauses, weakref.ref(self), [0.0]
+
+        def hook(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            elif owner() is not None:
+                pauses.append((info["generation"], time.perf_counter() - started[0]))
+
+        self._gc_hook = hook
+        gc.callbacks.append(hook)
+
+    def unwatch_gc(self) -> None:
+        """Stop timing collections (what was timed stays in the histogram)."""
+        if self._gc_hook in gc.callbacks:
+            gc.callbacks.remove(self._gc_hook)
+        self._gc_hook = None
+        self._drain_gc_pauses()
+
+    def _drain_gc_pauses(self) -> None:
+        while self._gc_pauses:
+            try:
+                generation, seconds = self._gc_pauses.popleft()
+            except IndexError:          # drained by the other thread meanwhile
+                return
+            self.gc_pause.labels(generation=str(generation)).observe(seconds)
 
     def _inc_from(self, counter, stats: dict, key: str, prev_key: str | None = None) -> None:
         prev_key = prev_key or key
@@ -94,6 +148,7 @@ class ServerMetrics:
 
     def on_step(self, stats: dict, outputs: list, step_seconds: float | None) -> None:
         """:data:`~jmtp.runtime.serve.async_engine.StepObserver`: runs on the engine thread."""
+        self._drain_gc_pauses()
         self.num_running.set(stats.get("num_running", 0))
         self.num_waiting.set(stats.get("num_waiting", 0))
         self.kv_free.set(stats.get("num_free_blocks", 0))
@@ -126,4 +181,5 @@ class ServerMetrics:
                     self.request_success.labels(finish_reason=str(c.finish_reason)).inc()
 
     def render(self) -> bytes:
+        self._drain_gc_pauses()
         return prom.generate_latest(self.registry)
