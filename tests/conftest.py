@@ -219,8 +219,9 @@ def _release_compiled_executables(module) -> None:
     waits, until the caches are next cleared (below, after ``gc.unfreeze()``): the map count
     that decides a clear counts what such garbage holds.
     ``JMTP_TEST_JIT_CACHE=keep`` never clears, so never unfreezes. ``JMTP_GC_FREEZE=0`` (jmtp's
-    switch, which the servers the tests start read too) turns freezing off. (Until this ran from ``pytest_runtest_protocol``, a module fixture did
-    it, inside the last test's teardown, while pytest still held that test's fixture values.)"""
+    switch, which the servers the tests start read too) turns freezing off. (Until this ran
+    from ``pytest_runtest_protocol``, a module fixture did it, inside the last test's teardown,
+    while pytest still held that test's fixture values.)"""
     import gc
 
     import jax

@@ -119,3 +119,26 @@ def test_gc_pauses_are_timed_only_while_watched():
     if sys.platform == "linux":
         assert got[("process_resident_memory_bytes", ())] > 0
         assert got[("process_open_fds", ())] > 0
+
+
+def test_gc_hook_goes_with_its_metrics_and_ignores_an_unseen_start():
+    """A collection whose start the hook did not see (it was added mid-collection) is not timed
+    (a pause measured from nothing would be the process's uptime); metrics collected without
+    ``unwatch_gc`` take their hook with them."""
+    import gc
+
+    from jmtp.runtime.serve.server import ServerMetrics
+
+    hooks = len(gc.callbacks)
+    m = ServerMetrics()
+    m.watch_gc()
+    hook = gc.callbacks[-1]
+    hook("stop", {"generation": 2})                    # its start unseen
+    assert labelled(m).get(("jmtp_gc_pause_seconds_count", (("generation", "2"),)), 0) == 0
+    hook("start", {"generation": 1})
+    hook("stop", {"generation": 1})
+    hook("stop", {"generation": 1})                    # a second stop: no second pause
+    assert labelled(m)[("jmtp_gc_pause_seconds_count", (("generation", "1"),))] == 1
+    del m
+    gc.collect()
+    assert len(gc.callbacks) == hooks and hook not in gc.callbacks

@@ -53,8 +53,8 @@ def build_app(engine: AsyncLLMEngine, tokenizer, *, model_name: str, max_model_l
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        metrics.watch_gc()          # first: the engine thread's collections are timed too
         engine.start()
-        metrics.watch_gc()
         try:
             yield
         finally:

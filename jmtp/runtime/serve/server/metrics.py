@@ -8,9 +8,14 @@ import weakref
 
 import prometheus_client as prom
 
-#: bounds (s) of ``jmtp_gc_pause_seconds``: young collections take microseconds, a full one of a
-#: serving process's unfrozen heap ~0.1-0.3 s (docs/serving.md)
+#: bounds (s) of ``jmtp_gc_pause_seconds``: a young collection of a serving process took ~0.3 ms
+#: on average under load, a full one of its unfrozen start-up heap ~0.1-0.3 s (docs/serving.md)
 GC_PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def _remove_gc_hook(hook) -> None:
+    if hook in gc.callbacks:
+        gc.callbacks.remove(hook)
 
 
 class ServerMetrics:
@@ -104,27 +109,32 @@ class ServerMetrics:
 
     def watch_gc(self) -> None:
         """Time each garbage collection of this process (a :data:`gc.callbacks` hook) into
-        ``jmtp_gc_pause_seconds`` until :meth:`unwatch_gc` (the server's lifespan). The hook only
+        ``jmtp_gc_pause_seconds`` until :meth:`unwatch_gc` (the server's lifespan), or until
+        these metrics are collected (a :class:`weakref.finalize` removes the hook). The hook only
         appends ``(generation, seconds)`` to a deque, taking no lock (a collection can start in
         a thread that holds a metric's lock); the engine thread's :meth:`on_step` and
-        :meth:`render` move them into the histogram. It holds the metrics weakly."""
+        :meth:`render` move them into the histogram. Undrained, the deque keeps the latest
+        100,000 pauses. A collection already running when the hook is added (its start unseen)
+        is not timed."""
         if self._gc_hook is not None:
             return
-        pauses, owner, started = self._gc_pauses, weakref.ref(self), [0.0]
+        pauses, started = self._gc_pauses, [None]
 
         def hook(phase: str, info: dict) -> None:
             if phase == "start":
                 started[0] = time.perf_counter()
-            elif owner() is not None:
+            elif started[0] is not None:
                 pauses.append((info["generation"], time.perf_counter() - started[0]))
+                started[0] = None
 
         self._gc_hook = hook
         gc.callbacks.append(hook)
+        self._gc_unhook = weakref.finalize(self, _remove_gc_hook, hook)
 
     def unwatch_gc(self) -> None:
         """Stop timing collections (what was timed stays in the histogram)."""
-        if self._gc_hook in gc.callbacks:
-            gc.callbacks.remove(self._gc_hook)
+        if self._gc_hook is not None:
+            self._gc_unhook()
         self._gc_hook = None
         self._drain_gc_pauses()
 

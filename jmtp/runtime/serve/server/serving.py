@@ -566,7 +566,7 @@ class OpenAIServing:
         except GenerationAborted as e:   # logged where raised; the error goes to this stream
             self.metrics.request_errors.labels(status="500").inc()
             yield sse(error_body(e.message, e.type, None, e.code))
-        except Exception as e:  # noqa: BLE001 -- the error goes to this stream only
+        except Exception:  # noqa: BLE001 -- the error goes to this stream only
             log.exception("stream %s failed", head["id"])
             self.metrics.request_errors.labels(status="500").inc()
             yield sse(error_body("generation failed in the engine (the server log has the "
