@@ -65,14 +65,12 @@ def read_metrics(base: str) -> dict[str, float]:
 
 def gc_pauses(before: dict, after: dict) -> str:
     """The server's garbage-collector pauses between two reads (``jmtp_gc_pause_seconds``)."""
-    parts = []
-    for gen in ("0", "1", "2"):
-        n = after.get(f"jmtp_gc_pause_seconds_count{{generation={gen}}}", 0) - before.get(
-            f"jmtp_gc_pause_seconds_count{{generation={gen}}}", 0)
-        t = after.get(f"jmtp_gc_pause_seconds_sum{{generation={gen}}}", 0) - before.get(
-            f"jmtp_gc_pause_seconds_sum{{generation={gen}}}", 0)
-        parts.append(f"gen {gen}: {n:.0f} in {t:.3f} s")
-    return ", ".join(parts)
+    def delta(sample: str, gen: int) -> float:
+        key = f"jmtp_gc_pause_seconds_{sample}{{generation={gen}}}"
+        return after.get(key, 0) - before.get(key, 0)
+
+    return ", ".join(f"gen {g}: {delta('count', g):.0f} in {delta('sum', g):.3f} s"
+                     for g in range(3))
 
 
 def engine_args(a) -> list[str]:

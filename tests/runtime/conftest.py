@@ -76,3 +76,19 @@ def kept_engines():
         llm.close()
 
 
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official ``openai`` client of the module's ``server`` fixture (a base URL: each server
+    test module starts its own ``jmtp serve``, tests/runtime/serve_process.py)."""
+    openai = pytest.importorskip("openai")
+    c = openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=300, max_retries=0)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def model_id(client):
+    """The one model the module's server serves, as ``/v1/models`` names it."""
+    return client.models.list().data[0].id

@@ -67,18 +67,6 @@ def server(model_dir, tmp_path_factory):
         yield base
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=300, max_retries=0)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def model_id(client):
-    return client.models.list().data[0].id
-
-
 def wait_idle(base: str, timeout: float = 60) -> dict:
     deadline = time.monotonic() + timeout
     while True:

@@ -52,18 +52,6 @@ def server(smollm2_dir, tmp_path_factory):
         yield base
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    c = openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=300, max_retries=0)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def model_id(client):
-    return client.models.list().data[0].id
-
-
 @pytest.fixture
 def grammars():
     """The structured-output tests need the grammar engine (llguidance); the others do not."""

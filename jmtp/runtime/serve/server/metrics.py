@@ -105,7 +105,7 @@ class ServerMetrics:
         prom.ProcessCollector(registry=r)
         self._prev: dict = {}
         self._gc_pauses: collections.deque = collections.deque(maxlen=100_000)
-        self._gc_hook = None
+        self._gc_unhook: weakref.finalize | None = None
 
     def watch_gc(self) -> None:
         """Time each garbage collection of this process (a :data:`gc.callbacks` hook) into
@@ -116,7 +116,7 @@ class ServerMetrics:
         :meth:`render` move them into the histogram. Undrained, the deque keeps the latest
         100,000 pauses. A collection already running when the hook is added (its start unseen)
         is not timed."""
-        if self._gc_hook is not None:
+        if self._gc_unhook is not None and self._gc_unhook.alive:
             return
         pauses, started = self._gc_pauses, [None]
 
@@ -127,15 +127,13 @@ class ServerMetrics:
                 pauses.append((info["generation"], time.perf_counter() - started[0]))
                 started[0] = None
 
-        self._gc_hook = hook
         gc.callbacks.append(hook)
         self._gc_unhook = weakref.finalize(self, _remove_gc_hook, hook)
 
     def unwatch_gc(self) -> None:
         """Stop timing collections (what was timed stays in the histogram)."""
-        if self._gc_hook is not None:
-            self._gc_unhook()
-        self._gc_hook = None
+        if self._gc_unhook is not None:
+            self._gc_unhook()           # removes the hook; a no-op once it ran
         self._drain_gc_pauses()
 
     def _drain_gc_pauses(self) -> None:
